@@ -1,0 +1,3 @@
+from pdkv.cli import main
+
+raise SystemExit(main())

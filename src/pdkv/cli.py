@@ -1,0 +1,58 @@
+"""Command line: ``pdkv demo | bench NAME | diagram [--check]``.
+
+Owns: argument parsing and dispatch only; the work lives in the modules it calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="pdkv", description="KV-cache transport for PD disaggregation")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("demo", help="run the demo (main job)", add_help=False)
+    bench = sub.add_parser("bench", help="run a benchmark: pdkv bench NAME [args] (NAME 'list' or 'all')")
+    bench.add_argument("name")
+    diagram = sub.add_parser("diagram", help="write the state diagrams into specs/diagrams/")
+    diagram.add_argument("--check", action="store_true", help="exit 1 if the committed files differ")
+    diagram.add_argument("--out", default=None, help="output folder (default: specs/diagrams)")
+
+    if args and args[0] == "demo":
+        from pdkv.demo import main as demo_main
+
+        return demo_main(args[1:])
+    if args and args[0] == "bench" and len(args) >= 2:
+        return _bench(args[1], args[2:])
+    ns = parser.parse_args(args)
+    if ns.command == "diagram":
+        from pdkv.diagrams import main as diagram_main
+
+        return diagram_main(check=bool(ns.check), out=ns.out)
+    parser.print_help()
+    return 2
+
+
+def _bench(name: str, rest: list[str]) -> int:
+    from pdkv import bench
+
+    names = bench.available()
+    if name == "list":
+        for n, doc in names.items():
+            print(f"{n:12s} {doc}")
+        return 0
+    if name == "all":
+        status = 0
+        for n in names:
+            print(f"== pdkv bench {n}", file=sys.stderr, flush=True)
+            status |= bench.load(n)(rest)
+        return status
+    try:
+        run = bench.load(name)
+    except KeyError as exc:
+        print(f"pdkv bench: {exc.args[0]}", file=sys.stderr)
+        return 2
+    return run(rest)

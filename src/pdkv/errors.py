@@ -1,0 +1,58 @@
+"""The error hierarchy of pdkv: one small tree, every error carries what an operator needs to act.
+
+Owns: exception classes only. Must not import anything from pdkv (it is the bottom layer).
+
+    PdkvError
+      ProtocolError            a rule of the protocol was broken
+        LocalProtocolError     ... by us (invalid trigger for a machine's state)
+        RemoteProtocolError    ... by the peer (undecodable or invalid message)
+      MappingError             page-count or layout contract violated (would corrupt KV)
+      LayoutMismatchError      two sides' buffer layouts differ
+      TransferError            the transfer engine failed or timed out
+      EngineUnavailableError   the engine module or its system libraries are missing
+      ConfigError              a configuration value is invalid
+"""
+
+from __future__ import annotations
+
+
+class PdkvError(Exception):
+    """Base of every error pdkv raises on purpose."""
+
+
+class ProtocolError(PdkvError):
+    """A rule of the pdkv protocol was broken; the room or connection concerned is terminal."""
+
+
+class LocalProtocolError(ProtocolError):
+    """This side tried something the protocol forbids in its current state (a bug in the caller)."""
+
+    def __init__(self, message: str, *, machine: str = "", state: str = "", trigger: str = "") -> None:
+        super().__init__(message)
+        self.machine = machine
+        self.state = state
+        self.trigger = trigger
+
+
+class RemoteProtocolError(ProtocolError):
+    """The peer sent bytes or a message that the protocol does not allow."""
+
+
+class MappingError(PdkvError, ValueError):
+    """A mapping contract was violated: moving these pages would write the wrong bytes."""
+
+
+class LayoutMismatchError(PdkvError, ValueError):
+    """The two sides registered different buffer layouts; carries both descriptions."""
+
+
+class TransferError(PdkvError):
+    """The transfer engine reported a failure (or timed out) for a batch."""
+
+
+class EngineUnavailableError(PdkvError, ImportError):
+    """The transfer engine module, or a system library it links against, is not installed."""
+
+
+class ConfigError(PdkvError, ValueError):
+    """A configuration value (or its PDKV_* environment override) is invalid."""

@@ -1,0 +1,353 @@
+"""Control messages of the pdkv protocol (DESIGN section 4): frozen, keyword-only, self-validating.
+
+Owns: the message classes and the small value types they carry. Must not know bytes (that is
+``codec``), must not do I/O. Every field is validated at construction, so a decoded message that
+exists is a valid message; the codec turns a validation failure into ``RemoteProtocolError``.
+
+Every message names its origin (instance, epoch, rank): that is how a receiver tells a restarted
+peer (new epoch) from a late message of its previous life.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from typing import Any, Final, TypeAlias
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+
+from pdkv.mapping.layout import BufferKind, BufferLayout
+from pdkv.protocol.ids import MAX_EPOCH, MAX_ROOM_ID, Endpoint, Epoch, InstanceId, RoomId, SessionId
+
+IntArray: TypeAlias = npt.NDArray[np.int64]
+
+MAX_REASON_CHARS: Final = 4096
+MAX_NAME_CHARS: Final = 256
+MAX_RANKS: Final = 4096
+MAX_INDEX: Final = 2**62  # page / row / slot indices are non-negative and below this
+
+
+class Side(enum.Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+class Outcome(enum.Enum):
+    """Final word of a prefill rank about one room."""
+
+    SUCCESS = "success"
+    FAILED = "failed"
+
+
+# ---------------------------------------------------------------- validators and converters
+
+
+def _int_in(lo: int, hi: int) -> Any:
+    def check(_: object, attribute: attrs.Attribute[int], value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+            raise ValueError(f"{attribute.name} must be an int in [{lo}, {hi}], got {value!r}")
+
+    return check
+
+
+def _text(max_chars: int, *, allow_empty: bool = False) -> Any:
+    def check(_: object, attribute: attrs.Attribute[str], value: str) -> None:
+        if not isinstance(value, str):
+            raise TypeError(f"{attribute.name} must be str, got {type(value).__name__}")
+        if len(value) > max_chars or (not allow_empty and not value):
+            raise ValueError(f"{attribute.name} must have 1..{max_chars} characters, got {len(value)}")
+
+    return check
+
+
+def _finite_non_negative(_: object, attribute: attrs.Attribute[float], value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"{attribute.name} must be a finite float >= 0, got {value!r}")
+
+
+def index_array(value: object) -> IntArray:
+    """Converter: any 1-D integer sequence -> read-only contiguous int64 array of valid indices."""
+    arr = np.asarray(value)
+    if arr.ndim != 1:
+        raise ValueError(f"index arrays are 1-D, got shape {arr.shape}")
+    if arr.size == 0:
+        out = np.zeros(0, dtype=np.int64)
+    elif arr.dtype.kind not in "iu":
+        raise TypeError(f"index arrays hold integers, got dtype {arr.dtype}")
+    else:
+        if arr.dtype == np.uint64 and int(arr.max()) >= MAX_INDEX:
+            raise ValueError("index out of range")
+        out = np.ascontiguousarray(arr, dtype=np.int64)
+        lo, hi = int(out.min()), int(out.max())
+        if lo < 0 or hi >= MAX_INDEX:
+            raise ValueError(f"indices must be in [0, 2**62), got min {lo} max {hi}")
+    if out is arr or out.base is arr:
+        out = out.copy()
+    out.flags.writeable = False
+    return out
+
+
+def _array_eq() -> Any:
+    return attrs.cmp_using(eq=np.array_equal)
+
+
+# ---------------------------------------------------------------- value types
+
+
+@attrs.frozen(kw_only=True)
+class RankCoord:
+    """Position of a rank inside its instance (tensor-parallel and context-parallel coordinates)."""
+
+    tp: int = attrs.field(validator=_int_in(0, MAX_RANKS - 1))
+    cp: int = attrs.field(default=0, validator=_int_in(0, MAX_RANKS - 1))
+
+    def __str__(self) -> str:
+        return f"tp{self.tp}/cp{self.cp}"
+
+
+@attrs.frozen(kw_only=True)
+class Origin:
+    """Who sent a message: instance, its incarnation, and the rank inside it."""
+
+    instance: InstanceId = attrs.field(validator=_text(MAX_NAME_CHARS))
+    epoch: Epoch = attrs.field(validator=_int_in(0, MAX_EPOCH))
+    rank: RankCoord = attrs.field(validator=attrs.validators.instance_of(RankCoord))
+
+    def __str__(self) -> str:
+        return f"{self.instance}#{self.epoch}:{self.rank}"
+
+
+@attrs.frozen(kw_only=True)
+class RankRoute:
+    """How to reach one prefill rank: control endpoint and transfer-engine session."""
+
+    rank: RankCoord = attrs.field(validator=attrs.validators.instance_of(RankCoord))
+    epoch: Epoch = attrs.field(validator=_int_in(0, MAX_EPOCH))
+    endpoint: Endpoint = attrs.field(validator=_text(MAX_NAME_CHARS))
+    session: SessionId = attrs.field(validator=_text(MAX_NAME_CHARS))
+
+
+@attrs.frozen(kw_only=True)
+class StateIndices:
+    """Destination (or source) slots of one state buffer kind for one room."""
+
+    kind: BufferKind = attrs.field(validator=attrs.validators.instance_of(BufferKind))
+    indices: IntArray = attrs.field(converter=index_array, eq=_array_eq())
+
+    def __attrs_post_init__(self) -> None:
+        if not self.kind.is_state:
+            raise ValueError(f"{self.kind.value} is not a state buffer kind")
+
+
+@attrs.frozen(kw_only=True)
+class TransferMetricData:
+    """What a prefill rank actually wrote for a room (bytes counted, never estimated)."""
+
+    pages: int = attrs.field(default=0, validator=_int_in(0, MAX_INDEX))
+    bytes: int = attrs.field(default=0, validator=_int_in(0, 2**63 - 1))
+    seconds: float = attrs.field(default=0.0, validator=_finite_non_negative)
+
+
+def _unique_state_kinds(_: object, attribute: attrs.Attribute[Any], value: tuple[StateIndices, ...]) -> None:
+    for item in value:
+        if not isinstance(item, StateIndices):
+            raise TypeError(f"{attribute.name} holds StateIndices, got {type(item).__name__}")
+    kinds = [s.kind for s in value]
+    if len(set(kinds)) != len(kinds):
+        raise ValueError(f"{attribute.name} lists a state kind twice: {[k.value for k in kinds]}")
+
+
+def _tuple_of(cls: type) -> Any:
+    return attrs.validators.deep_iterable(attrs.validators.instance_of(cls))
+
+
+_origin = attrs.validators.instance_of(Origin)
+_room = _int_in(1, MAX_ROOM_ID)
+
+# ---------------------------------------------------------------- registry messages
+
+
+@attrs.frozen(kw_only=True)
+class RankAnnounce:
+    """Prefill rank -> bootstrap registry: here I am, reach me there."""
+
+    origin: Origin = attrs.field(validator=_origin)
+    tp_size: int = attrs.field(validator=_int_in(1, MAX_RANKS))
+    cp_size: int = attrs.field(validator=_int_in(1, MAX_RANKS))
+    endpoint: Endpoint = attrs.field(validator=_text(MAX_NAME_CHARS))
+    session: SessionId = attrs.field(validator=_text(MAX_NAME_CHARS))
+    page_size: int = attrs.field(validator=_int_in(1, 2**20))
+    layout_digest: str = attrs.field(validator=_text(64))
+
+    def __attrs_post_init__(self) -> None:
+        if self.origin.rank.tp >= self.tp_size or self.origin.rank.cp >= self.cp_size:
+            raise ValueError(f"rank {self.origin.rank} outside tp_size {self.tp_size} cp_size {self.cp_size}")
+
+
+@attrs.frozen(kw_only=True)
+class RouteQuery:
+    """Decode rank -> registry: which prefill ranks serve this instance?"""
+
+    origin: Origin = attrs.field(validator=_origin)
+
+
+@attrs.frozen(kw_only=True)
+class RouteTable:
+    """Registry -> decode rank. ``complete`` is False until every prefill rank has announced."""
+
+    origin: Origin = attrs.field(validator=_origin)
+    tp_size: int = attrs.field(validator=_int_in(1, MAX_RANKS))
+    cp_size: int = attrs.field(validator=_int_in(1, MAX_RANKS))
+    page_size: int = attrs.field(validator=_int_in(1, 2**20))
+    layout_digest: str = attrs.field(validator=_text(64))
+    ranks: tuple[RankRoute, ...] = attrs.field(converter=tuple, validator=_tuple_of(RankRoute))
+    complete: bool = attrs.field(validator=attrs.validators.instance_of(bool))
+
+    def __attrs_post_init__(self) -> None:
+        coords = [r.rank for r in self.ranks]
+        if len(set(coords)) != len(coords):
+            raise ValueError("route table lists a rank twice")
+        if len(coords) > self.tp_size * self.cp_size:
+            raise ValueError("route table lists more ranks than tp_size * cp_size")
+        for c in coords:
+            if c.tp >= self.tp_size or c.cp >= self.cp_size:
+                raise ValueError(f"rank {c} outside tp_size {self.tp_size} cp_size {self.cp_size}")
+
+
+# ---------------------------------------------------------------- registration
+
+
+@attrs.frozen(kw_only=True)
+class Register:
+    """Decode rank -> each prefill rank it receives from: my endpoint, my session, my buffers."""
+
+    origin: Origin = attrs.field(validator=_origin)
+    tp_size: int = attrs.field(validator=_int_in(1, MAX_RANKS))
+    endpoint: Endpoint = attrs.field(validator=_text(MAX_NAME_CHARS))
+    session: SessionId = attrs.field(validator=_text(MAX_NAME_CHARS))
+    layout: BufferLayout = attrs.field(validator=attrs.validators.instance_of(BufferLayout))
+
+
+@attrs.frozen(kw_only=True)
+class RegisterAck:
+    """Prefill rank -> decode rank: layouts agree; rooms may name this rank from now on."""
+
+    origin: Origin = attrs.field(validator=_origin)
+
+
+@attrs.frozen(kw_only=True)
+class RegisterReject:
+    """Prefill rank -> decode rank: registration refused; ``reason`` names the exact difference."""
+
+    origin: Origin = attrs.field(validator=_origin)
+    reason: str = attrs.field(validator=_text(MAX_REASON_CHARS))
+
+
+# ---------------------------------------------------------------- per-room messages
+
+
+@attrs.frozen(kw_only=True)
+class TransferRequest:
+    """Decode rank -> prefill rank, one per room: where the room's bytes must land.
+
+    ``dst_pages`` covers the whole request by position (position i -> dst_pages[i]). A dummy request
+    carries no destination: it only lets a replica rank's room advance.
+    """
+
+    origin: Origin = attrs.field(validator=_origin)
+    room: RoomId = attrs.field(validator=_room)
+    dst_pages: IntArray = attrs.field(converter=index_array, eq=_array_eq())
+    dst_aux_row: int | None = attrs.field(
+        default=None, validator=attrs.validators.optional(_int_in(0, MAX_INDEX - 1))
+    )
+    dst_state: tuple[StateIndices, ...] = attrs.field(
+        default=(), converter=tuple, validator=_unique_state_kinds
+    )
+    required_dst_info_num: int = attrs.field(default=1, validator=_int_in(1, MAX_RANKS))
+    dummy: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
+
+    def __attrs_post_init__(self) -> None:
+        if self.dummy and (self.dst_pages.size or self.dst_aux_row is not None or self.dst_state):
+            raise ValueError("a dummy TransferRequest carries no destination")
+
+
+@attrs.frozen(kw_only=True)
+class TransferStatus:
+    """Prefill rank -> decode rank: the room's last chunk landed (Success) or the room failed."""
+
+    origin: Origin = attrs.field(validator=_origin)
+    room: RoomId = attrs.field(validator=_room)
+    outcome: Outcome = attrs.field(validator=attrs.validators.instance_of(Outcome))
+    reason: str = attrs.field(default="", validator=_text(MAX_REASON_CHARS, allow_empty=True))
+    metric: TransferMetricData = attrs.field(
+        factory=TransferMetricData, validator=attrs.validators.instance_of(TransferMetricData)
+    )
+
+    def __attrs_post_init__(self) -> None:
+        if self.outcome is Outcome.FAILED and not self.reason:
+            raise ValueError("a Failed status carries a reason")
+
+
+@attrs.frozen(kw_only=True)
+class Abort:
+    """Either side -> peer: stop this room. Decode then waits for AbortAck before reusing pages."""
+
+    origin: Origin = attrs.field(validator=_origin)
+    room: RoomId = attrs.field(validator=_room)
+    reason: str = attrs.field(validator=_text(MAX_REASON_CHARS))
+
+
+@attrs.frozen(kw_only=True)
+class AbortAck:
+    """Prefill rank -> decode rank: every write of the room already submitted has completed."""
+
+    origin: Origin = attrs.field(validator=_origin)
+    room: RoomId = attrs.field(validator=_room)
+
+
+# ---------------------------------------------------------------- liveness
+
+
+@attrs.frozen(kw_only=True)
+class Heartbeat:
+    origin: Origin = attrs.field(validator=_origin)
+    seq: int = attrs.field(validator=_int_in(0, 2**63 - 1))
+
+
+@attrs.frozen(kw_only=True)
+class HeartbeatAck:
+    origin: Origin = attrs.field(validator=_origin)
+    seq: int = attrs.field(validator=_int_in(0, 2**63 - 1))
+
+
+Message: TypeAlias = (
+    RankAnnounce
+    | RouteQuery
+    | RouteTable
+    | Register
+    | RegisterAck
+    | RegisterReject
+    | TransferRequest
+    | TransferStatus
+    | Abort
+    | AbortAck
+    | Heartbeat
+    | HeartbeatAck
+)
+
+MESSAGE_TYPES: Final[tuple[type[Message], ...]] = (
+    RankAnnounce,
+    RouteQuery,
+    RouteTable,
+    Register,
+    RegisterAck,
+    RegisterReject,
+    TransferRequest,
+    TransferStatus,
+    Abort,
+    AbortAck,
+    Heartbeat,
+    HeartbeatAck,
+)
