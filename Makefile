@@ -12,7 +12,7 @@ venv: $(STAMP) $(SYSLIB)
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints.txt -e '.[dev,mooncake-cpu,prometheus]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev,diagrams,mooncake-cpu,prometheus]'
 	@touch $@
 
 $(SYSLIB): $(STAMP) scripts/ensure-syslibs.sh

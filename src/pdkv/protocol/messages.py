@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Iterable
 from typing import Any, Final, TypeAlias
 
 import attrs
@@ -163,6 +164,14 @@ def _tuple_of(cls: type) -> Any:
     return attrs.validators.deep_iterable(attrs.validators.instance_of(cls))
 
 
+def _route_tuple(value: Iterable[RankRoute]) -> tuple[RankRoute, ...]:
+    return tuple(value)
+
+
+def state_tuple(value: Iterable[StateIndices]) -> tuple[StateIndices, ...]:
+    return tuple(value)
+
+
 _origin = attrs.validators.instance_of(Origin)
 _room = _int_in(1, MAX_ROOM_ID)
 
@@ -202,7 +211,7 @@ class RouteTable:
     cp_size: int = attrs.field(validator=_int_in(1, MAX_RANKS))
     page_size: int = attrs.field(validator=_int_in(1, 2**20))
     layout_digest: str = attrs.field(validator=_text(64))
-    ranks: tuple[RankRoute, ...] = attrs.field(converter=tuple, validator=_tuple_of(RankRoute))
+    ranks: tuple[RankRoute, ...] = attrs.field(converter=_route_tuple, validator=_tuple_of(RankRoute))
     complete: bool = attrs.field(validator=attrs.validators.instance_of(bool))
 
     def __attrs_post_init__(self) -> None:
@@ -263,7 +272,7 @@ class TransferRequest:
         default=None, validator=attrs.validators.optional(_int_in(0, MAX_INDEX - 1))
     )
     dst_state: tuple[StateIndices, ...] = attrs.field(
-        default=(), converter=tuple, validator=_unique_state_kinds
+        default=(), converter=state_tuple, validator=_unique_state_kinds
     )
     required_dst_info_num: int = attrs.field(default=1, validator=_int_in(1, MAX_RANKS))
     dummy: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))

@@ -1,1 +1,64 @@
-"""TODO"""
+"""The state machines of pdkv, one module each; ``ALL_MACHINES`` is what ``pdkv diagram`` renders."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pdkv.protocol.machines._base import Edge, MachineSpec, StateMachine
+from pdkv.protocol.machines.abort import (
+    DECODE_ABORT,
+    PREFILL_ABORT,
+    DecodeAbortMachine,
+    DecodeAbortState,
+    DecodeAbortTrigger,
+    PrefillAbortMachine,
+    PrefillAbortState,
+    PrefillAbortTrigger,
+)
+from pdkv.protocol.machines.chunk import CHUNK, ChunkMachine, ChunkState, ChunkTrigger
+from pdkv.protocol.machines.room_receiver import (
+    RECEIVER_ROOM,
+    ReceiverRoomMachine,
+    ReceiverRoomState,
+    ReceiverRoomTrigger,
+)
+from pdkv.protocol.machines.room_sender import (
+    SENDER_ROOM,
+    SenderRoomMachine,
+    SenderRoomState,
+    SenderRoomTrigger,
+)
+from pdkv.protocol.poll import KVPoll, consensus, consensus_columns
+
+# Heterogeneous specs: each has its own state and trigger enums.
+ALL_MACHINES: tuple[MachineSpec[Any, Any], ...] = (SENDER_ROOM, RECEIVER_ROOM, CHUNK, DECODE_ABORT, PREFILL_ABORT)
+
+__all__ = [
+    "ALL_MACHINES",
+    "CHUNK",
+    "DECODE_ABORT",
+    "PREFILL_ABORT",
+    "RECEIVER_ROOM",
+    "SENDER_ROOM",
+    "ChunkMachine",
+    "ChunkState",
+    "ChunkTrigger",
+    "DecodeAbortMachine",
+    "DecodeAbortState",
+    "DecodeAbortTrigger",
+    "Edge",
+    "KVPoll",
+    "MachineSpec",
+    "PrefillAbortMachine",
+    "PrefillAbortState",
+    "PrefillAbortTrigger",
+    "ReceiverRoomMachine",
+    "ReceiverRoomState",
+    "ReceiverRoomTrigger",
+    "SenderRoomMachine",
+    "SenderRoomState",
+    "SenderRoomTrigger",
+    "StateMachine",
+    "consensus",
+    "consensus_columns",
+]

@@ -1,0 +1,539 @@
+"""Sans-IO decode endpoint: the protocol of one decode rank, driven by inputs, answering with effects.
+
+Owns: registration with prefill ranks, the receiver rooms of one rank, their abort handshakes and
+the rank's deadlines. Must not do I/O, start threads or read a clock: every input carries ``now``;
+the driver calls ``tick(now)`` at ``next_deadline()``.
+
+Inputs: ``connect(route_table)`` (register with every prefill rank of an instance), ``receive``
+(messages), the scheduler's ``open_room`` (``receiver.init``), ``abort_room``, ``close_room`` and
+the queries ``poll`` / ``failure`` / ``release_ready``.
+
+Safety rules this module enforces (DESIGN section 8):
+- a failed room's pages are reusable only after every prefill rank that was told the destinations
+  acknowledged the abort (after its in-flight writes ended), or after ``abort_ack`` seconds, which
+  is counted and reported as unsafe;
+- Success only when every required (non-dummy) prefill rank reported Success;
+- every non-terminal room and every pending abort has a deadline.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+
+import attrs
+
+from pdkv.errors import LocalProtocolError
+from pdkv.mapping.layout import BufferLayout
+from pdkv.protocol._deadlines import DeadlineQueue
+from pdkv.protocol.config import Timeouts
+from pdkv.protocol.effects import (
+    Effect,
+    Notice,
+    NoticeLevel,
+    PeerKey,
+    ReleasePages,
+    RoomFinished,
+    Send,
+    Target,
+)
+from pdkv.protocol.ids import Endpoint, Epoch, RoomId, SessionId
+from pdkv.protocol.machines import (
+    DecodeAbortMachine,
+    DecodeAbortState,
+    DecodeAbortTrigger,
+    ReceiverRoomMachine,
+    ReceiverRoomState,
+    ReceiverRoomTrigger,
+)
+from pdkv.protocol.messages import (
+    MAX_REASON_CHARS,
+    Abort,
+    AbortAck,
+    Heartbeat,
+    HeartbeatAck,
+    IntArray,
+    Message,
+    Origin,
+    Outcome,
+    Register,
+    RegisterAck,
+    RegisterReject,
+    RouteTable,
+    StateIndices,
+    TransferMetricData,
+    TransferRequest,
+    TransferStatus,
+    index_array,
+)
+from pdkv.protocol.poll import KVPoll
+
+_POLL = {
+    ReceiverRoomState.BOOTSTRAPPING: KVPoll.Bootstrapping,
+    ReceiverRoomState.WAITING_FOR_INPUT: KVPoll.WaitingForInput,
+    ReceiverRoomState.TRANSFERRING: KVPoll.Transferring,
+    ReceiverRoomState.SUCCESS: KVPoll.Success,
+    ReceiverRoomState.FAILED: KVPoll.Failed,
+}
+
+
+class PeerState(enum.Enum):
+    REGISTERING = "registering"
+    READY = "ready"
+    REJECTED = "rejected"
+
+
+@attrs.define(eq=False)
+class _PrefillPeer:
+    key: PeerKey
+    epoch: Epoch
+    endpoint: Endpoint
+    session: SessionId
+    state: PeerState = PeerState.REGISTERING
+    reason: str = ""
+    register_due: float = 0.0
+
+
+@attrs.frozen(kw_only=True)
+class DecodeStatistics:
+    """Counters of one decode endpoint since it started."""
+
+    rooms_open: int
+    rooms_succeeded: int
+    rooms_failed: int
+    aborts_sent: int
+    aborts_acked: int
+    unsafe_releases: int
+    late_messages: int
+    stale_messages: int
+    unexpected_messages: int
+
+
+@attrs.define(eq=False)
+class _Counters:
+    rooms_succeeded: int = 0
+    rooms_failed: int = 0
+    aborts_sent: int = 0
+    aborts_acked: int = 0
+    unsafe_releases: int = 0
+    late_messages: int = 0
+    stale_messages: int = 0
+    unexpected_messages: int = 0
+
+
+@attrs.define(eq=False)
+class _ReceiverRoom:
+    room: RoomId
+    machine: ReceiverRoomMachine
+    targets: tuple[Target, ...]
+    dst_pages: IntArray
+    dst_aux_row: int | None
+    dst_state: tuple[StateIndices, ...]
+    required_dst_info_num: int
+    deadline: float | None
+    armed: set[PeerKey] = attrs.Factory(set)
+    succeeded: set[PeerKey] = attrs.Factory(set)
+    metric: dict[PeerKey, TransferMetricData] = attrs.Factory(dict)
+    failure: str | None = None
+    abort: DecodeAbortMachine | None = None
+    must_ack: set[PeerKey] = attrs.Factory(set)
+    acked: set[PeerKey] = attrs.Factory(set)
+    released: bool = False
+    release_safe: bool = True
+
+    @property
+    def state(self) -> ReceiverRoomState:
+        return self.machine.state
+
+    @property
+    def terminal(self) -> bool:
+        return self.machine.is_terminal
+
+    @property
+    def required(self) -> set[PeerKey]:
+        return {t.key for t in self.targets if not t.dummy}
+
+
+class DecodeEndpoint:
+    """The protocol state of one decode rank (sans-IO)."""
+
+    def __init__(
+        self,
+        *,
+        origin: Origin,
+        tp_size: int,
+        endpoint: Endpoint,
+        session: SessionId,
+        layout: BufferLayout,
+        timeouts: Timeouts | None = None,
+    ) -> None:
+        self.origin = origin
+        self.timeouts = timeouts if timeouts is not None else Timeouts()
+        self._register = Register(origin=origin, tp_size=tp_size, endpoint=endpoint, session=session, layout=layout)
+        self._peers: dict[PeerKey, _PrefillPeer] = {}
+        self._rooms: dict[RoomId, _ReceiverRoom] = {}
+        self._deadlines: DeadlineQueue[RoomId] = DeadlineQueue()
+        self._counters = _Counters()
+
+    # ------------------------------------------------------------------ registration
+
+    def connect(self, route: RouteTable, now: float) -> list[Effect]:
+        """Register with every prefill rank of ``route`` (idempotent for ranks already registered)."""
+        effects: list[Effect] = []
+        for rank in route.ranks:
+            key = (route.origin.instance, rank.rank)
+            known = self._peers.get(key)
+            if known is not None and rank.epoch < known.epoch:
+                continue
+            if known is not None and rank.epoch == known.epoch and known.state is not PeerState.REJECTED:
+                continue
+            if known is not None and rank.epoch > known.epoch:
+                reason = f"prefill rank {key[0]}:{key[1]} restarted (epoch {known.epoch} -> {rank.epoch})"
+                effects += self._peer_lost(key, reason, now)
+            peer = _PrefillPeer(key=key, epoch=rank.epoch, endpoint=rank.endpoint, session=rank.session)
+            self._peers[key] = peer
+            effects += self._send_register(peer, now)
+        return effects
+
+    def peer_ready(self, target: Target) -> bool:
+        peer = self._peers.get(target.key)
+        return peer is not None and peer.state is PeerState.READY
+
+    def peer_session(self, target: Target) -> SessionId | None:
+        peer = self._peers.get(target.key)
+        return None if peer is None else peer.session
+
+    def _send_register(self, peer: _PrefillPeer, now: float) -> list[Effect]:
+        peer.register_due = now + self.timeouts.register_retry
+        return [Send(to=peer.endpoint, message=self._register)]
+
+    # ------------------------------------------------------------------ network input
+
+    def receive(self, message: Message, now: float) -> list[Effect]:
+        """Handle one decoded message from a prefill rank."""
+        key = (message.origin.instance, message.origin.rank)
+        peer = self._peers.get(key)
+        if peer is not None and message.origin.epoch > peer.epoch:
+            # The rank restarted behind the same address: its old rooms can never complete, and it
+            # must be registered with again (the route table names the new epoch).
+            reason = f"prefill rank {key[0]}:{key[1]} restarted (epoch {peer.epoch} -> {message.origin.epoch})"
+            effects = self._peer_lost(key, reason, now)
+            del self._peers[key]
+            return effects
+        if peer is None or message.origin.epoch != peer.epoch:
+            self._counters.stale_messages += 1
+            return [Notice(level=NoticeLevel.INFO, text=f"dropped {type(message).__name__} from stale or unknown {message.origin}")]
+        if isinstance(message, RegisterAck):
+            return self._on_register_ack(peer, now)
+        if isinstance(message, RegisterReject):
+            return self._on_register_reject(peer, message.reason, now)
+        if isinstance(message, TransferStatus):
+            return self._on_status(peer, message, now)
+        if isinstance(message, AbortAck):
+            return self._on_abort_ack(peer, message.room, now)
+        if isinstance(message, Abort):
+            r = self._rooms.get(message.room)
+            if r is None or r.terminal:
+                return self._late(message, message.room)
+            return self._fail(r, _clip(f"aborted by prefill {message.origin}: {message.reason}"), now)
+        if isinstance(message, Heartbeat):
+            return [Send(to=peer.endpoint, message=HeartbeatAck(origin=self.origin, seq=message.seq))]
+        if isinstance(message, HeartbeatAck):
+            return []
+        self._counters.unexpected_messages += 1
+        return [Notice(level=NoticeLevel.WARNING, text=f"decode got unexpected {type(message).__name__} from {message.origin}")]
+
+    def _on_register_ack(self, peer: _PrefillPeer, now: float) -> list[Effect]:
+        if peer.state is PeerState.READY:
+            return []
+        peer.state = PeerState.READY
+        effects: list[Effect] = []
+        for r in list(self._rooms.values()):
+            if r.state is ReceiverRoomState.BOOTSTRAPPING and all(self.peer_ready(t) for t in r.targets):
+                effects += self._send_requests(r, now)
+        return effects
+
+    def _on_register_reject(self, peer: _PrefillPeer, reason: str, now: float) -> list[Effect]:
+        peer.state = PeerState.REJECTED
+        peer.reason = reason
+        effects: list[Effect] = [Notice(level=NoticeLevel.WARNING, text=f"prefill rank {peer.key[0]}:{peer.key[1]} rejected registration: {reason}")]
+        for r in list(self._rooms.values()):
+            if not r.terminal and any(t.key == peer.key for t in r.targets):
+                effects += self._fail(r, _clip(f"registration rejected by {peer.key[0]}:{peer.key[1]}: {reason}"), now)
+        return effects
+
+    def _on_status(self, peer: _PrefillPeer, msg: TransferStatus, now: float) -> list[Effect]:
+        r = self._rooms.get(msg.room)
+        if r is None or r.terminal:
+            return self._late(msg, msg.room)
+        if peer.key not in r.armed:
+            return self._late(msg, msg.room)
+        if msg.outcome is Outcome.FAILED:
+            return self._fail(r, _clip(f"prefill {msg.origin} failed: {msg.reason}"), now)
+        if peer.key not in r.required:
+            # A dummy target has nothing to report; its success message is harmless but unexpected.
+            return [Notice(level=NoticeLevel.DEBUG, text=f"success from dummy target {msg.origin}", room=r.room)]
+        if peer.key in r.succeeded:
+            return []
+        r.succeeded.add(peer.key)
+        r.metric[peer.key] = msg.metric
+        if r.succeeded >= r.required:
+            r.machine.fire(ReceiverRoomTrigger.ALL_SUCCEEDED)
+            r.deadline = None
+            self._counters.rooms_succeeded += 1
+            return [RoomFinished(room=r.room, poll=KVPoll.Success)]
+        if r.state is ReceiverRoomState.WAITING_FOR_INPUT:
+            self._set_deadline(r, now + self.timeouts.transfer)
+        r.machine.fire(ReceiverRoomTrigger.PROGRESS)
+        return []
+
+    def _on_abort_ack(self, peer: _PrefillPeer, room: RoomId, now: float) -> list[Effect]:
+        r = self._rooms.get(room)
+        if r is None or r.abort is None or r.abort.state is not DecodeAbortState.REQUESTED:
+            return self._late_room(room, f"AbortAck from {peer.key[0]}:{peer.key[1]}")
+        r.acked.add(peer.key)
+        if r.must_ack <= r.acked:
+            r.abort.fire(DecodeAbortTrigger.ALL_ACKED)
+            self._counters.aborts_acked += 1
+            return self._release(r, safe=True, reason="all prefill ranks acknowledged the abort")
+        return []
+
+    # ------------------------------------------------------------------ scheduler input
+
+    def open_room(
+        self,
+        room: RoomId,
+        *,
+        targets: Sequence[Target],
+        dst_pages: IntArray | Sequence[int],
+        dst_aux_row: int | None,
+        dst_state: Sequence[StateIndices] = (),
+        required_dst_info_num: int = 1,
+        now: float,
+    ) -> list[Effect]:
+        """``receiver.init``: the room's destinations (by position) and the prefill ranks it needs."""
+        if room in self._rooms:
+            raise LocalProtocolError(f"room {room} was already opened on decode {self.origin}")
+        if len({t.key for t in targets}) != len(targets):
+            raise LocalProtocolError(f"room {room}: a prefill rank is listed twice in targets")
+        r = _ReceiverRoom(
+            room=room,
+            machine=ReceiverRoomMachine(f"room {room}"),
+            targets=tuple(targets),
+            dst_pages=index_array(dst_pages),
+            dst_aux_row=dst_aux_row,
+            dst_state=tuple(dst_state),
+            required_dst_info_num=required_dst_info_num,
+            deadline=None,
+        )
+        self._rooms[room] = r
+        self._set_deadline(r, now + self.timeouts.bootstrap)
+        if not r.required:
+            return self._fail(r, "room has no transfer destination: every target prefill rank is a dummy", now)
+        for t in r.targets:
+            peer = self._peers.get(t.key)
+            if peer is None:
+                return self._fail(r, f"target prefill rank {t.instance}:{t.rank} is unknown (connect() first)", now)
+            if peer.state is PeerState.REJECTED:
+                return self._fail(r, _clip(f"target prefill rank {t.instance}:{t.rank} rejected registration: {peer.reason}"), now)
+        if all(self.peer_ready(t) for t in r.targets):
+            return self._send_requests(r, now)
+        return []
+
+    def abort_room(self, room: RoomId, reason: str, now: float) -> list[Effect]:
+        """``receiver.abort``: fail the room and tell every prefill rank; pages wait for the acks."""
+        r = self._room(room)
+        if r.terminal:
+            return []
+        return self._fail(r, _clip(f"aborted by decode: {reason}"), now)
+
+    def close_room(self, room: RoomId) -> None:
+        """``receiver.clear``: forget a room whose pages are no longer at risk."""
+        r = self._rooms.get(room)
+        if r is None:
+            return
+        if not self.release_ready(room):
+            raise LocalProtocolError(f"room {room} closed before its pages were safe to reuse ({r.state.name})")
+        del self._rooms[room]
+
+    def poll(self, room: RoomId) -> KVPoll:
+        return _POLL[self._room(room).state]
+
+    def failure(self, room: RoomId) -> str | None:
+        return self._room(room).failure
+
+    def release_ready(self, room: RoomId) -> bool:
+        """True when no prefill rank can still write into the room's pages (or the ack wait timed out)."""
+        r = self._room(room)
+        return r.state is ReceiverRoomState.SUCCESS or r.released
+
+    def release_was_safe(self, room: RoomId) -> bool:
+        return self._room(room).release_safe
+
+    def metric(self, room: RoomId) -> dict[PeerKey, TransferMetricData]:
+        return dict(self._room(room).metric)
+
+    def room_history(self, room: RoomId) -> list[ReceiverRoomState]:
+        return list(self._room(room).machine.history)
+
+    def abort_state(self, room: RoomId) -> DecodeAbortState | None:
+        r = self._room(room)
+        return None if r.abort is None else r.abort.state
+
+    def rooms(self) -> list[RoomId]:
+        return list(self._rooms)
+
+    # ------------------------------------------------------------------ timers
+
+    def next_deadline(self) -> float | None:
+        room_deadline = self._deadlines.next_deadline(self._room_deadline)
+        register = min(
+            (p.register_due for p in self._peers.values() if p.state is PeerState.REGISTERING),
+            default=None,
+        )
+        candidates = [d for d in (room_deadline, register) if d is not None]
+        return min(candidates, default=None)
+
+    def tick(self, now: float) -> list[Effect]:
+        """Resend due registrations, fail rooms past their deadline, release after ack timeouts."""
+        effects: list[Effect] = []
+        for peer in self._peers.values():
+            if peer.state is PeerState.REGISTERING and peer.register_due <= now:
+                effects += self._send_register(peer, now)
+        for room in list(self._deadlines.pop_due(now, self._room_deadline)):
+            r = self._rooms[room]
+            if r.abort is not None and r.abort.state is DecodeAbortState.REQUESTED:
+                r.abort.fire(DecodeAbortTrigger.ACK_TIMEOUT)
+                self._counters.unsafe_releases += 1
+                missing = sorted(f"{k[0]}:{k[1]}" for k in r.must_ack - r.acked)
+                effects.append(
+                    Notice(
+                        level=NoticeLevel.WARNING,
+                        text=f"UNSAFE release of room {room}: no AbortAck from {missing} within {self.timeouts.abort_ack:g} s",
+                        room=room,
+                    )
+                )
+                effects += self._release(r, safe=False, reason=f"abort-ack timeout ({', '.join(missing)})")
+                continue
+            limit = {
+                ReceiverRoomState.BOOTSTRAPPING: ("bootstrap", self.timeouts.bootstrap),
+                ReceiverRoomState.WAITING_FOR_INPUT: ("waiting", self.timeouts.waiting),
+                ReceiverRoomState.TRANSFERRING: ("transfer", self.timeouts.transfer),
+            }[r.state]
+            effects += self._fail(r, f"{limit[0]} timeout: still {r.state.name} after {limit[1]:g} s", now)
+        return effects
+
+    # ------------------------------------------------------------------ statistics
+
+    def statistics(self) -> DecodeStatistics:
+        c = self._counters
+        return DecodeStatistics(
+            rooms_open=sum(1 for r in self._rooms.values() if not r.terminal),
+            rooms_succeeded=c.rooms_succeeded,
+            rooms_failed=c.rooms_failed,
+            aborts_sent=c.aborts_sent,
+            aborts_acked=c.aborts_acked,
+            unsafe_releases=c.unsafe_releases,
+            late_messages=c.late_messages,
+            stale_messages=c.stale_messages,
+            unexpected_messages=c.unexpected_messages,
+        )
+
+    # ------------------------------------------------------------------ internals
+
+    def _send_requests(self, r: _ReceiverRoom, now: float) -> list[Effect]:
+        effects: list[Effect] = []
+        for t in r.targets:
+            peer = self._peers[t.key]
+            if t.dummy:
+                request = TransferRequest(
+                    origin=self.origin, room=r.room, dst_pages=(), required_dst_info_num=r.required_dst_info_num, dummy=True
+                )
+            else:
+                request = TransferRequest(
+                    origin=self.origin,
+                    room=r.room,
+                    dst_pages=r.dst_pages,
+                    dst_aux_row=r.dst_aux_row,
+                    dst_state=r.dst_state,
+                    required_dst_info_num=r.required_dst_info_num,
+                )
+            r.armed.add(t.key)
+            effects.append(Send(to=peer.endpoint, message=request))
+        r.machine.fire(ReceiverRoomTrigger.REQUESTS_SENT)
+        self._set_deadline(r, now + self.timeouts.waiting)
+        return effects
+
+    def _fail(self, r: _ReceiverRoom, reason: str, now: float) -> list[Effect]:
+        """Fail the room and start the abort handshake with every prefill rank of the room."""
+        r.machine.fire(ReceiverRoomTrigger.FAIL)
+        r.failure = reason
+        self._counters.rooms_failed += 1
+        r.abort = DecodeAbortMachine(f"room {r.room}")
+        # Only a rank that was told the destinations can write; dummies never write.
+        r.must_ack = {t.key for t in r.targets if not t.dummy and t.key in r.armed}
+        effects: list[Effect] = [
+            RoomFinished(room=r.room, poll=KVPoll.Failed, reason=reason),
+            Notice(level=NoticeLevel.WARNING, text=f"room {r.room} failed on decode {self.origin}: {reason}", room=r.room),
+        ]
+        for t in r.targets:
+            peer = self._peers.get(t.key)
+            if peer is not None and peer.state is PeerState.READY:
+                self._counters.aborts_sent += 1
+                effects.append(Send(to=peer.endpoint, message=Abort(origin=self.origin, room=r.room, reason=reason)))
+        if not r.must_ack:
+            r.abort.fire(DecodeAbortTrigger.ALL_ACKED)
+            r.deadline = None
+            return effects + self._release(r, safe=True, reason="no prefill rank had the destinations")
+        self._set_deadline(r, now + self.timeouts.abort_ack)
+        return effects
+
+    def _release(self, r: _ReceiverRoom, *, safe: bool, reason: str) -> list[Effect]:
+        r.released = True
+        r.release_safe = safe
+        r.deadline = None
+        return [ReleasePages(room=r.room, safe=safe, reason=reason)]
+
+    def _peer_lost(self, key: PeerKey, reason: str, now: float) -> list[Effect]:
+        """A prefill rank restarted: rooms that need it fail; its old incarnation owes no AbortAck."""
+        effects: list[Effect] = []
+        now_rooms = [r for r in self._rooms.values() if any(t.key == key for t in r.targets)]
+        for r in now_rooms:
+            r.armed.discard(key)  # the old process is gone: it cannot write any more
+            if r.abort is not None and r.abort.state is DecodeAbortState.REQUESTED:
+                r.must_ack.discard(key)
+                if r.must_ack <= r.acked:
+                    r.abort.fire(DecodeAbortTrigger.ALL_ACKED)
+                    self._counters.aborts_acked += 1
+                    effects += self._release(r, safe=True, reason="remaining prefill rank restarted")
+            elif not r.terminal:
+                effects += self._fail(r, reason, now)
+        return effects
+
+    def _late(self, msg: Message, room: RoomId) -> list[Effect]:
+        return self._late_room(room, f"{type(msg).__name__} from {msg.origin}")
+
+    def _late_room(self, room: RoomId, what: str) -> list[Effect]:
+        self._counters.late_messages += 1
+        return [Notice(level=NoticeLevel.DEBUG, text=f"late {what} for room {room}", room=room)]
+
+    def _set_deadline(self, r: _ReceiverRoom, deadline: float) -> None:
+        r.deadline = deadline
+        self._deadlines.push(r.room, deadline)
+
+    def _room_deadline(self, room: RoomId) -> float | None:
+        r = self._rooms.get(room)
+        return None if r is None else r.deadline
+
+    def _room(self, room: RoomId) -> _ReceiverRoom:
+        r = self._rooms.get(room)
+        if r is None:
+            raise LocalProtocolError(f"unknown room {room} on decode {self.origin}")
+        return r
+
+
+def _clip(text: str) -> str:
+    return text if len(text) <= MAX_REASON_CHARS else text[: MAX_REASON_CHARS - 3] + "..."
+
+
+__all__ = ["DecodeEndpoint", "DecodeStatistics", "PeerState"]

@@ -1,0 +1,153 @@
+"""Inputs and effects of the sans-IO endpoints: what the scheduler hands in, what the runtime carries out.
+
+Owns: the frozen records exchanged between ``pdkv.protocol`` endpoints and their driver (the
+runtime, or ``pdkv.testing.EndpointPair``). Must not do I/O. Effects are data: the endpoint never
+sends, submits, logs or releases anything itself; the driver does, and feeds results back in.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import TypeAlias
+
+import attrs
+import numpy as np
+
+from pdkv.mapping.layout import BufferLayout
+from pdkv.protocol.ids import Endpoint, Epoch, InstanceId, RoomId, SessionId
+from pdkv.protocol.messages import (
+    IntArray,
+    Message,
+    RankCoord,
+    StateIndices,
+    TransferRequest,
+    index_array,
+    state_tuple,
+)
+from pdkv.protocol.poll import KVPoll
+
+PeerKey: TypeAlias = tuple[InstanceId, RankCoord]
+"""A peer rank: its instance and its coordinates (the epoch is tracked separately)."""
+
+
+# ---------------------------------------------------------------- inputs
+
+
+@attrs.frozen(kw_only=True)
+class ChunkSpec:
+    """One chunk as the scheduler hands it to ``send()``.
+
+    ``pages`` are the chunk's logical page ids as every CP rank sees them; ``start_token`` is the
+    chunk's token offset in the request (page-aligned), from which the absolute page positions
+    follow. ``state`` (source state slots) rides only on the last chunk.
+    """
+
+    pages: IntArray = attrs.field(converter=index_array, eq=attrs.cmp_using(eq=np.array_equal))
+    start_token: int = attrs.field(validator=attrs.validators.ge(0))
+    last: bool = attrs.field(validator=attrs.validators.instance_of(bool))
+    state: tuple[StateIndices, ...] = attrs.field(default=(), converter=state_tuple)
+
+    def __attrs_post_init__(self) -> None:
+        if self.state and not self.last:
+            raise ValueError("state indices ride only on the last chunk")
+
+
+@attrs.frozen(kw_only=True)
+class Target:
+    """One prefill rank a decode room receives from; a dummy target only needs its room to advance."""
+
+    instance: InstanceId
+    rank: RankCoord
+    dummy: bool = False
+
+    @property
+    def key(self) -> PeerKey:
+        return (self.instance, self.rank)
+
+
+@attrs.frozen(kw_only=True)
+class DecodePeer:
+    """What a prefill rank knows of a registered decode rank."""
+
+    instance: InstanceId
+    epoch: Epoch
+    rank: RankCoord
+    tp_size: int
+    endpoint: Endpoint
+    session: SessionId
+    layout: BufferLayout
+
+    @property
+    def key(self) -> PeerKey:
+        return (self.instance, self.rank)
+
+
+@attrs.frozen(kw_only=True)
+class Destination:
+    """Where one chunk's bytes go: a registered decode rank and its request for the room."""
+
+    peer: DecodePeer
+    request: TransferRequest
+
+
+# ---------------------------------------------------------------- effects
+
+
+@attrs.frozen(kw_only=True)
+class Send:
+    """Send ``message`` to the control endpoint ``to``."""
+
+    to: Endpoint
+    message: Message
+
+
+@attrs.frozen(kw_only=True)
+class SubmitChunk:
+    """Prefill: map and write chunk ``chunk`` of ``room`` to every destination.
+
+    The driver calls ``start_chunk`` before the first write (it may answer False: skip), then
+    exactly one of ``chunk_done`` / ``chunk_failed`` after every submitted write completed.
+    """
+
+    room: RoomId
+    chunk: int
+    spec: ChunkSpec
+    num_pages: int
+    src_aux_row: int | None
+    destinations: tuple[Destination, ...]
+
+
+@attrs.frozen(kw_only=True)
+class RoomFinished:
+    """A room reached a terminal state on this rank (for logs and metrics)."""
+
+    room: RoomId
+    poll: KVPoll
+    reason: str = ""
+
+
+@attrs.frozen(kw_only=True)
+class ReleasePages:
+    """Decode: the room's destination pages may be reused. ``safe`` is False after an abort-ack timeout."""
+
+    room: RoomId
+    safe: bool
+    reason: str = ""
+
+
+class NoticeLevel(enum.Enum):
+    DEBUG = "debug"
+    INFO = "info"
+    WARNING = "warning"
+
+
+@attrs.frozen(kw_only=True)
+class Notice:
+    """A line for the log: something worth telling an operator (late message, unknown room ...)."""
+
+    level: NoticeLevel
+    text: str
+    room: RoomId | None = None
+
+
+Effect: TypeAlias = Send | SubmitChunk | RoomFinished | ReleasePages | Notice

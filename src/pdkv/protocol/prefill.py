@@ -1,0 +1,627 @@
+"""Sans-IO prefill endpoint: the protocol of one prefill rank, driven by inputs, answering with effects.
+
+Owns: the sender rooms of one rank, their chunks and abort handshakes, the table of registered
+decode ranks, request validation and the rank's deadlines. Must not do I/O, start threads or read a
+clock: every input carries ``now``; the driver calls ``tick(now)`` at ``next_deadline()``.
+
+Inputs come from three places:
+- the network: ``receive(message, now)``;
+- the scheduler: ``open_room`` (``sender.init``), ``queue_chunk`` (``sender.send``), ``abort_room``,
+  ``close_room``, and the queries ``poll`` / ``failure`` / ``metric``;
+- transfer workers: ``start_chunk`` (may answer "skip"), ``chunk_done``, ``chunk_failed``.
+
+Safety rules this module enforces (DESIGN section 8):
+- a chunk of a failed room is never started (Skipped), so nothing lands in pages the decode side may
+  have reused; AbortAck is sent only when no chunk of the room is in flight;
+- a TransferRequest for a room that was aborted or closed is refused (tombstones), so a reordered
+  request cannot revive a room after its AbortAck;
+- every non-terminal room has a deadline.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from pdkv.errors import LocalProtocolError
+from pdkv.mapping.layout import BufferLayout
+from pdkv.protocol._deadlines import DeadlineQueue
+from pdkv.protocol.config import Timeouts
+from pdkv.protocol.effects import (
+    ChunkSpec,
+    DecodePeer,
+    Destination,
+    Effect,
+    Notice,
+    NoticeLevel,
+    PeerKey,
+    RoomFinished,
+    Send,
+    SubmitChunk,
+)
+from pdkv.protocol.ids import RoomId
+from pdkv.protocol.messages import (
+    MAX_REASON_CHARS,
+    Abort,
+    AbortAck,
+    Heartbeat,
+    HeartbeatAck,
+    Message,
+    Origin,
+    Outcome,
+    Register,
+    RegisterAck,
+    RegisterReject,
+    TransferMetricData,
+    TransferRequest,
+    TransferStatus,
+)
+from pdkv.protocol.machines import (
+    ChunkMachine,
+    ChunkState,
+    ChunkTrigger,
+    PrefillAbortMachine,
+    PrefillAbortState,
+    PrefillAbortTrigger,
+    SenderRoomMachine,
+    SenderRoomState,
+    SenderRoomTrigger,
+)
+from pdkv.protocol.poll import KVPoll
+
+_POLL = {
+    SenderRoomState.BOOTSTRAPPING: KVPoll.Bootstrapping,
+    SenderRoomState.WAITING_FOR_INPUT: KVPoll.WaitingForInput,
+    SenderRoomState.TRANSFERRING: KVPoll.Transferring,
+    SenderRoomState.SUCCESS: KVPoll.Success,
+    SenderRoomState.FAILED: KVPoll.Failed,
+}
+
+
+@attrs.frozen(kw_only=True)
+class PrefillStatistics:
+    """Counters of one prefill endpoint since it started."""
+
+    rooms_open: int
+    rooms_succeeded: int
+    rooms_failed: int
+    chunks_skipped: int
+    aborts_received: int
+    aborts_unknown_room: int
+    requests_refused: int
+    registrations_rejected: int
+    stale_messages: int
+    unexpected_messages: int
+
+
+@attrs.define(eq=False)
+class _Counters:
+    rooms_succeeded: int = 0
+    rooms_failed: int = 0
+    chunks_skipped: int = 0
+    aborts_received: int = 0
+    aborts_unknown_room: int = 0
+    requests_refused: int = 0
+    registrations_rejected: int = 0
+    stale_messages: int = 0
+    unexpected_messages: int = 0
+
+
+@attrs.define(eq=False)
+class _Chunk:
+    index: int
+    spec: ChunkSpec
+    machine: ChunkMachine
+
+
+@attrs.define(eq=False)
+class _SenderRoom:
+    room: RoomId
+    machine: SenderRoomMachine
+    deadline: float | None
+    opened: bool = False
+    num_pages: int | None = None
+    aux_row: int | None = None
+    requests: dict[PeerKey, TransferRequest] = attrs.Factory(dict)
+    chunks: list[_Chunk] = attrs.Factory(list)
+    last_queued: bool = False
+    failure: str | None = None
+    pages: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    abort: PrefillAbortMachine | None = None
+    ack_to: set[PeerKey] = attrs.Factory(set)
+    closed: bool = False
+
+    @property
+    def state(self) -> SenderRoomState:
+        return self.machine.state
+
+    @property
+    def terminal(self) -> bool:
+        return self.machine.is_terminal
+
+    @property
+    def in_flight(self) -> int:
+        return sum(1 for c in self.chunks if c.machine.state is ChunkState.TRANSFERRING)
+
+    @property
+    def real_requests(self) -> list[TransferRequest]:
+        return [r for r in self.requests.values() if not r.dummy]
+
+
+class PrefillEndpoint:
+    """The protocol state of one prefill rank (sans-IO)."""
+
+    def __init__(self, *, origin: Origin, layout: BufferLayout, timeouts: Timeouts | None = None) -> None:
+        self.origin = origin
+        self.layout = layout
+        self.timeouts = timeouts if timeouts is not None else Timeouts()
+        self._peers: dict[PeerKey, DecodePeer] = {}
+        self._rooms: dict[RoomId, _SenderRoom] = {}
+        self._tombstones: dict[RoomId, float] = {}
+        self._deadlines: DeadlineQueue[RoomId] = DeadlineQueue()
+        self._tombstone_expiry: DeadlineQueue[RoomId] = DeadlineQueue()
+        self._counters = _Counters()
+
+    # ------------------------------------------------------------------ network input
+
+    def receive(self, message: Message, now: float) -> list[Effect]:
+        """Handle one decoded message from a decode rank."""
+        if isinstance(message, Register):
+            return self._on_register(message)
+        if isinstance(message, TransferRequest):
+            return self._on_request(message, now)
+        if isinstance(message, Abort):
+            return self._on_abort(message, now)
+        if isinstance(message, Heartbeat):
+            peer = self._peers.get((message.origin.instance, message.origin.rank))
+            if peer is None or peer.epoch != message.origin.epoch:
+                return self._stale(message)
+            return [Send(to=peer.endpoint, message=HeartbeatAck(origin=self.origin, seq=message.seq))]
+        self._counters.unexpected_messages += 1
+        return [_notice(NoticeLevel.WARNING, f"prefill got unexpected {type(message).__name__} from {message.origin}")]
+
+    def _on_register(self, msg: Register) -> list[Effect]:
+        key = (msg.origin.instance, msg.origin.rank)
+        known = self._peers.get(key)
+        effects: list[Effect] = []
+        if known is not None and msg.origin.epoch < known.epoch:
+            return self._stale(msg)
+        if known is not None and msg.origin.epoch > known.epoch:
+            effects += self._peer_restarted(key, msg.origin)
+        difference = self.layout.difference(msg.layout)
+        if difference is not None:
+            self._counters.registrations_rejected += 1
+            self._peers.pop(key, None)
+            reason = _clip(f"layout mismatch with prefill {self.origin}: {difference}")
+            effects.append(Send(to=msg.endpoint, message=RegisterReject(origin=self.origin, reason=reason)))
+            effects.append(_notice(NoticeLevel.WARNING, f"rejected registration of {msg.origin}: {reason}"))
+            return effects
+        self._peers[key] = DecodePeer(
+            instance=msg.origin.instance,
+            epoch=msg.origin.epoch,
+            rank=msg.origin.rank,
+            tp_size=msg.tp_size,
+            endpoint=msg.endpoint,
+            session=msg.session,
+            layout=msg.layout,
+        )
+        effects.append(Send(to=msg.endpoint, message=RegisterAck(origin=self.origin)))
+        return effects
+
+    def _peer_restarted(self, key: PeerKey, new: Origin) -> list[Effect]:
+        """A decode rank came back with a new epoch: its old rooms can never complete."""
+        old = self._peers.pop(key)
+        effects: list[Effect] = [_notice(NoticeLevel.WARNING, f"decode rank {old.instance}:{old.rank} restarted (epoch {old.epoch} -> {new.epoch})")]
+        for r in list(self._rooms.values()):
+            if key in r.requests:
+                if not r.terminal:
+                    effects += self._fail(r, f"decode rank {old.instance}:{old.rank} restarted", notify=False)
+                # The old incarnation's pages are gone: nothing to acknowledge to it.
+                r.requests.pop(key)
+        return effects
+
+    def _on_request(self, msg: TransferRequest, now: float) -> list[Effect]:
+        key = (msg.origin.instance, msg.origin.rank)
+        peer = self._peers.get(key)
+        if peer is None or peer.epoch != msg.origin.epoch:
+            self._counters.requests_refused += 1
+            return [_notice(NoticeLevel.WARNING, f"TransferRequest from unregistered decode rank {msg.origin}", msg.room)]
+        if msg.room in self._tombstones:
+            self._counters.requests_refused += 1
+            return [_notice(NoticeLevel.WARNING, f"refused late TransferRequest for closed or aborted room {msg.room} from {msg.origin}", msg.room)]
+        r = self._rooms.get(msg.room) or self._new_room(msg.room, now)
+        previous = r.requests.get(key)
+        if previous is not None:
+            if previous == msg:
+                # A duplicate: answer a finished room again (the first status may have been lost).
+                return self._status_to(r, peer) if r.terminal else []
+            return self._fail(r, f"conflicting TransferRequests from {msg.origin}")
+        r.requests[key] = msg
+        if r.state is SenderRoomState.FAILED:
+            return self._status_to(r, peer)
+        if r.state is not SenderRoomState.BOOTSTRAPPING:
+            return self._fail(r, f"unexpected extra TransferRequest from {msg.origin} in state {r.state.name}")
+        problem = self._validate(msg, peer, r)
+        if problem is not None:
+            return self._fail(r, problem)
+        required = {q.required_dst_info_num for q in r.requests.values()}
+        if len(required) != 1:
+            return self._fail(r, f"decode ranks disagree on required_dst_info_num: {sorted(required)}")
+        if len(r.requests) == required.pop():
+            r.machine.fire(SenderRoomTrigger.ALL_REQUESTS_IN)
+            self._set_deadline(r, now + self.timeouts.inflight)
+        return []
+
+    def _validate(self, msg: TransferRequest, peer: DecodePeer, r: _SenderRoom) -> str | None:
+        """Destination checks before any byte moves (DESIGN section 4)."""
+        if msg.dummy:
+            return None
+        kv = peer.layout.kv_buffers
+        capacity = min((b.num_items for b in kv), default=0)
+        if msg.dst_pages.size and int(msg.dst_pages.max()) >= capacity:
+            return (
+                f"destination page {int(msg.dst_pages.max())} outside the decode KV buffers "
+                f"({capacity} pages) of {msg.origin}"
+            )
+        if r.num_pages is not None and msg.dst_pages.size != r.num_pages:
+            return f"request has {r.num_pages} pages but {msg.origin} gave {msg.dst_pages.size} destination pages"
+        if msg.dst_aux_row is not None:
+            rows = min((b.num_items for b in peer.layout.aux_buffers), default=0)
+            if msg.dst_aux_row >= rows:
+                return f"destination aux row {msg.dst_aux_row} outside the decode aux buffers ({rows} rows)"
+        for state in msg.dst_state:
+            buffers = peer.layout.select(state.kind)
+            if not buffers:
+                return f"destination names state kind {state.kind.value} that {msg.origin} did not register"
+            slots = min(b.num_items for b in buffers)
+            if state.indices.size and int(state.indices.max()) >= slots:
+                return (
+                    f"destination {state.kind.value} slot {int(state.indices.max())} outside the decode "
+                    f"buffers ({slots} slots)"
+                )
+        return None
+
+    def _on_abort(self, msg: Abort, now: float) -> list[Effect]:
+        self._counters.aborts_received += 1
+        key = (msg.origin.instance, msg.origin.rank)
+        peer = self._peers.get(key)
+        if peer is not None and msg.origin.epoch < peer.epoch:
+            return self._stale(msg)
+        r = self._rooms.get(msg.room)
+        if r is None:
+            # Unknown (never seen, or closed): nothing of it is in flight. Remember the id so a
+            # reordered TransferRequest cannot start writes after this acknowledgement.
+            effects: list[Effect] = []
+            if msg.room not in self._tombstones:
+                self._counters.aborts_unknown_room += 1
+                effects.append(_notice(NoticeLevel.WARNING, f"abort for unknown room {msg.room} from {msg.origin}: {msg.reason}", msg.room))
+            self._tombstone(msg.room, now)
+            if peer is not None:
+                effects.append(Send(to=peer.endpoint, message=AbortAck(origin=self.origin, room=msg.room)))
+            return effects
+        effects = []
+        if not r.terminal:
+            effects += self._fail(r, _clip(f"aborted by decode {msg.origin}: {msg.reason}"), notify=False)
+        if peer is None:
+            return effects
+        r.ack_to.add(key)
+        if r.abort is None:
+            r.abort = PrefillAbortMachine(f"room {r.room}")
+            r.abort.fire(PrefillAbortTrigger.DRAIN)
+        if r.abort.state is PrefillAbortState.ACKED:
+            effects.append(Send(to=peer.endpoint, message=AbortAck(origin=self.origin, room=r.room)))
+            return effects
+        return effects + self._maybe_drained(r)
+
+    def _stale(self, msg: Message) -> list[Effect]:
+        self._counters.stale_messages += 1
+        return [_notice(NoticeLevel.INFO, f"dropped {type(msg).__name__} from stale or unknown {msg.origin}")]
+
+    # ------------------------------------------------------------------ scheduler input
+
+    def open_room(self, room: RoomId, *, num_pages: int, aux_row: int | None, now: float) -> list[Effect]:
+        """``sender.init``: the request has ``num_pages`` pages; its aux row on this side is ``aux_row``."""
+        if num_pages < 0:
+            raise LocalProtocolError(f"room {room}: num_pages must be >= 0, got {num_pages}")
+        r = self._rooms.get(room)
+        if r is not None and r.opened:
+            raise LocalProtocolError(f"room {room} was already opened on prefill {self.origin}")
+        if r is None:
+            r = self._new_room(room, now)
+            if room in self._tombstones:
+                r.opened, r.num_pages, r.aux_row = True, num_pages, aux_row
+                return self._fail(r, "aborted by decode before the prefill side opened it")
+        r.opened, r.num_pages, r.aux_row = True, num_pages, aux_row
+        for q in r.real_requests:
+            if q.dst_pages.size != num_pages:
+                return self._fail(r, f"request has {num_pages} pages but {q.origin} gave {q.dst_pages.size} destination pages")
+        return []
+
+    def queue_chunk(self, room: RoomId, spec: ChunkSpec, now: float) -> list[Effect]:
+        """``sender.send``: queue one chunk; returns SubmitChunk unless the room failed (then Skipped)."""
+        r = self._opened(room)
+        if r.last_queued:
+            raise LocalProtocolError(f"room {room}: chunk queued after the last chunk")
+        chunk = _Chunk(index=len(r.chunks), spec=spec, machine=ChunkMachine(f"room {room} chunk {len(r.chunks)}"))
+        if r.state is SenderRoomState.FAILED:
+            r.chunks.append(chunk)
+            r.last_queued = spec.last
+            self._skip(chunk)
+            return []
+        r.machine.fire(SenderRoomTrigger.QUEUE_CHUNK)  # raises LocalProtocolError before all requests are in
+        r.chunks.append(chunk)
+        r.last_queued = spec.last
+        destinations = tuple(
+            Destination(peer=self._peers[key], request=q) for key, q in r.requests.items() if not q.dummy
+        )
+        if not destinations:
+            # Dummy rank for this room (a replica): nothing to write, the room still advances.
+            chunk.machine.fire(ChunkTrigger.START)
+            return self.chunk_done(room, chunk.index, TransferMetricData(), now)
+        return [
+            SubmitChunk(
+                room=room,
+                chunk=chunk.index,
+                spec=spec,
+                num_pages=r.num_pages or 0,
+                src_aux_row=r.aux_row,
+                destinations=destinations,
+            )
+        ]
+
+    def abort_room(self, room: RoomId, reason: str, now: float) -> list[Effect]:
+        """``sender.abort``: fail the room and tell every decode rank at once."""
+        r = self._rooms.get(room)
+        if r is None:
+            return [_notice(NoticeLevel.WARNING, f"abort of unknown room {room}: {reason}", room)]
+        if r.terminal:
+            return []
+        return self._fail(r, _clip(f"aborted by prefill: {reason}"))
+
+    def close_room(self, room: RoomId, now: float) -> None:
+        """``sender.clear``: the scheduler is done with a terminal room; its id becomes a tombstone."""
+        r = self._rooms.get(room)
+        if r is None:
+            return
+        if not r.terminal:
+            raise LocalProtocolError(f"room {room} closed in state {r.state.name}; abort it first")
+        r.closed = True
+        self._tombstone(room, now)
+        self._forget_if_idle(r)
+
+    def poll(self, room: RoomId) -> KVPoll:
+        return _POLL[self._room(room).state]
+
+    def failure(self, room: RoomId) -> str | None:
+        return self._room(room).failure
+
+    def metric(self, room: RoomId) -> TransferMetricData:
+        r = self._room(room)
+        return TransferMetricData(pages=r.pages, bytes=r.bytes, seconds=r.seconds)
+
+    def room_history(self, room: RoomId) -> list[SenderRoomState]:
+        return list(self._room(room).machine.history)
+
+    def chunk_states(self, room: RoomId) -> list[ChunkState]:
+        return [c.machine.state for c in self._room(room).chunks]
+
+    def rooms(self) -> list[RoomId]:
+        return list(self._rooms)
+
+    # ------------------------------------------------------------------ transfer-worker input
+
+    def start_chunk(self, room: RoomId, chunk: int, now: float) -> bool:
+        """A worker is about to write ``chunk``: True to go ahead, False to skip (room failed)."""
+        r = self._rooms.get(room)
+        if r is None or chunk >= len(r.chunks):
+            raise LocalProtocolError(f"start of unknown chunk {chunk} of room {room}")
+        c = r.chunks[chunk]
+        if c.machine.state is ChunkState.SKIPPED:
+            return False
+        if r.state is SenderRoomState.FAILED:
+            self._skip(c)
+            return False
+        c.machine.fire(ChunkTrigger.START)
+        return True
+
+    def chunk_done(self, room: RoomId, chunk: int, metric: TransferMetricData, now: float) -> list[Effect]:
+        """Every write of ``chunk`` completed; ``metric`` counts what was actually written."""
+        r, c = self._chunk(room, chunk)
+        c.machine.fire(ChunkTrigger.COMPLETE)
+        r.pages += metric.pages
+        r.bytes += metric.bytes
+        r.seconds += metric.seconds
+        effects: list[Effect] = []
+        if (
+            r.state is SenderRoomState.TRANSFERRING
+            and r.last_queued
+            and all(x.machine.state is ChunkState.DONE for x in r.chunks)
+        ):
+            r.machine.fire(SenderRoomTrigger.LAST_CHUNK_DONE)
+            r.deadline = None
+            self._counters.rooms_succeeded += 1
+            status_metric = TransferMetricData(pages=r.pages, bytes=r.bytes, seconds=r.seconds)
+            for key, q in r.requests.items():
+                if not q.dummy:
+                    status = TransferStatus(origin=self.origin, room=room, outcome=Outcome.SUCCESS, metric=status_metric)
+                    effects.append(Send(to=self._peers[key].endpoint, message=status))
+            effects.append(RoomFinished(room=room, poll=KVPoll.Success))
+        effects += self._maybe_drained(r)
+        self._forget_if_idle(r)
+        return effects
+
+    def chunk_failed(self, room: RoomId, chunk: int, reason: str, now: float) -> list[Effect]:
+        """The engine failed a write of ``chunk``; every write already submitted has completed."""
+        r, c = self._chunk(room, chunk)
+        c.machine.fire(ChunkTrigger.FAIL)
+        effects: list[Effect] = []
+        if not r.terminal:
+            effects += self._fail(r, _clip(f"transfer of chunk {chunk} failed: {reason}"))
+        effects += self._maybe_drained(r)
+        self._forget_if_idle(r)
+        return effects
+
+    # ------------------------------------------------------------------ timers
+
+    def next_deadline(self) -> float | None:
+        candidates = [
+            d
+            for d in (
+                self._deadlines.next_deadline(self._room_deadline),
+                self._tombstone_expiry.next_deadline(self._tombstones.get),
+            )
+            if d is not None
+        ]
+        return min(candidates, default=None)
+
+    def tick(self, now: float) -> list[Effect]:
+        """Fail every room whose deadline passed; forget expired tombstones."""
+        effects: list[Effect] = []
+        for room in list(self._deadlines.pop_due(now, self._room_deadline)):
+            r = self._rooms[room]
+            limit = {
+                SenderRoomState.BOOTSTRAPPING: ("bootstrap", self.timeouts.bootstrap),
+                SenderRoomState.WAITING_FOR_INPUT: ("inflight", self.timeouts.inflight),
+                SenderRoomState.TRANSFERRING: ("inflight", self.timeouts.inflight),
+            }[r.state]
+            effects += self._fail(r, f"{limit[0]} timeout: still {r.state.name} after {limit[1]:g} s")
+        for room in list(self._tombstone_expiry.pop_due(now, self._tombstones.get)):
+            del self._tombstones[room]
+        return effects
+
+    # ------------------------------------------------------------------ statistics
+
+    def statistics(self) -> PrefillStatistics:
+        c = self._counters
+        return PrefillStatistics(
+            rooms_open=sum(1 for r in self._rooms.values() if not r.terminal),
+            rooms_succeeded=c.rooms_succeeded,
+            rooms_failed=c.rooms_failed,
+            chunks_skipped=c.chunks_skipped,
+            aborts_received=c.aborts_received,
+            aborts_unknown_room=c.aborts_unknown_room,
+            requests_refused=c.requests_refused,
+            registrations_rejected=c.registrations_rejected,
+            stale_messages=c.stale_messages,
+            unexpected_messages=c.unexpected_messages,
+        )
+
+    def in_flight(self, room: RoomId) -> int:
+        """Chunks of ``room`` whose writes may still land (0 for unknown rooms)."""
+        r = self._rooms.get(room)
+        return 0 if r is None else r.in_flight
+
+    def may_write(self, room: RoomId) -> bool:
+        """Could a write for ``room`` still land or start? (What abort safety is checked against.)"""
+        r = self._rooms.get(room)
+        if r is None:
+            return False
+        if r.in_flight:
+            return True
+        return not r.terminal and any(c.machine.state is ChunkState.REGISTERED for c in r.chunks)
+
+    # ------------------------------------------------------------------ internals
+
+    def _new_room(self, room: RoomId, now: float) -> _SenderRoom:
+        r = _SenderRoom(room=room, machine=SenderRoomMachine(f"room {room}"), deadline=None)
+        self._rooms[room] = r
+        self._set_deadline(r, now + self.timeouts.bootstrap)
+        return r
+
+    def _set_deadline(self, r: _SenderRoom, deadline: float) -> None:
+        r.deadline = deadline
+        self._deadlines.push(r.room, deadline)
+
+    def _room_deadline(self, room: RoomId) -> float | None:
+        r = self._rooms.get(room)
+        return None if r is None or r.terminal else r.deadline
+
+    def _fail(self, r: _SenderRoom, reason: str, *, notify: bool = True) -> list[Effect]:
+        r.machine.fire(SenderRoomTrigger.FAIL)
+        r.failure = reason
+        r.deadline = None
+        self._counters.rooms_failed += 1
+        for c in r.chunks:
+            if c.machine.state is ChunkState.REGISTERED:
+                self._skip(c)
+        effects: list[Effect] = [
+            RoomFinished(room=r.room, poll=KVPoll.Failed, reason=reason),
+            _notice(NoticeLevel.WARNING, f"room {r.room} failed on prefill {self.origin}: {reason}", r.room),
+        ]
+        if notify:
+            for key in r.requests:
+                peer = self._peers.get(key)
+                if peer is not None:
+                    effects += self._status_to(r, peer)
+        return effects
+
+    def _status_to(self, r: _SenderRoom, peer: DecodePeer) -> list[Effect]:
+        """The room's final word to one decode rank (dummy requesters expect none on success)."""
+        q = r.requests.get(peer.key)
+        if r.state is SenderRoomState.SUCCESS:
+            if q is None or q.dummy:
+                return []
+            metric = TransferMetricData(pages=r.pages, bytes=r.bytes, seconds=r.seconds)
+            status = TransferStatus(origin=self.origin, room=r.room, outcome=Outcome.SUCCESS, metric=metric)
+        elif r.state is SenderRoomState.FAILED:
+            status = TransferStatus(origin=self.origin, room=r.room, outcome=Outcome.FAILED, reason=r.failure or "failed")
+        else:
+            return []
+        return [Send(to=peer.endpoint, message=status)]
+
+    def _skip(self, c: _Chunk) -> None:
+        c.machine.fire(ChunkTrigger.SKIP)
+        self._counters.chunks_skipped += 1
+
+    def _maybe_drained(self, r: _SenderRoom) -> list[Effect]:
+        if r.abort is None or r.abort.state is not PrefillAbortState.DRAINING or r.in_flight:
+            return []
+        r.abort.fire(PrefillAbortTrigger.DRAINED)
+        return [
+            Send(to=self._peers[key].endpoint, message=AbortAck(origin=self.origin, room=r.room))
+            for key in sorted(r.ack_to, key=_peer_order)
+            if key in self._peers
+        ]
+
+    def _forget_if_idle(self, r: _SenderRoom) -> None:
+        if r.closed and not r.in_flight and (r.abort is None or r.abort.state is PrefillAbortState.ACKED):
+            self._rooms.pop(r.room, None)
+
+    def _tombstone(self, room: RoomId, now: float) -> None:
+        expiry = now + self.timeouts.tombstone
+        self._tombstones[room] = expiry
+        self._tombstone_expiry.push(room, expiry)
+
+    def _room(self, room: RoomId) -> _SenderRoom:
+        r = self._rooms.get(room)
+        if r is None:
+            raise LocalProtocolError(f"unknown room {room} on prefill {self.origin}")
+        return r
+
+    def _opened(self, room: RoomId) -> _SenderRoom:
+        r = self._rooms.get(room)
+        if r is None or not r.opened:
+            raise LocalProtocolError(f"room {room}: send() before init() on prefill {self.origin}")
+        return r
+
+    def _chunk(self, room: RoomId, chunk: int) -> tuple[_SenderRoom, _Chunk]:
+        r = self._rooms.get(room)
+        if r is None or not 0 <= chunk < len(r.chunks):
+            raise LocalProtocolError(f"unknown chunk {chunk} of room {room}")
+        return r, r.chunks[chunk]
+
+
+def _notice(level: NoticeLevel, text: str, room: RoomId | None = None) -> Notice:
+    return Notice(level=level, text=text, room=room)
+
+
+def _clip(text: str) -> str:
+    return text if len(text) <= MAX_REASON_CHARS else text[: MAX_REASON_CHARS - 3] + "..."
+
+
+def _peer_order(key: PeerKey) -> tuple[str, int, int]:
+    return (key[0], key[1].tp, key[1].cp)
+
+
+__all__ = ["PrefillEndpoint", "PrefillStatistics"]

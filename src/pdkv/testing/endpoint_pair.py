@@ -1,0 +1,416 @@
+"""In-memory harness: prefill endpoints and a decode endpoint talking through a faulty link.
+
+Owns: ``FakeClock``, ``LinkFaults`` / ``FaultyLink`` (drop, duplicate, delay, reorder), and
+``EndpointPair``, which carries the endpoints' effects out (messages over the link, chunk writes by
+simulated transfer workers, a simulated scheduler that runs each room's chunks) and checks the
+safety promise of DESIGN section 8 as it goes: no write of a room may start or be in flight once
+the decode side released the room's pages as safe.
+
+Shipped with the library (like ``trio.testing``) so embedders can test their own integration
+against the same harness. Deterministic: all randomness comes from one seeded ``random.Random``.
+Messages cross the link through the real codec (encode, then decode), so every test exercises it.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import random
+from collections.abc import Callable, Sequence
+
+import attrs
+import numpy as np
+
+from pdkv.mapping.layout import AttentionKind, BufferKind, BufferLayout, BufferSpec, ModelRole
+from pdkv.protocol import codec
+from pdkv.protocol.config import Timeouts
+from pdkv.protocol.decode import DecodeEndpoint
+from pdkv.protocol.effects import (
+    ChunkSpec,
+    Effect,
+    Notice,
+    ReleasePages,
+    RoomFinished,
+    Send,
+    SubmitChunk,
+    Target,
+)
+from pdkv.protocol.ids import Endpoint, Epoch, InstanceId, RoomId, SessionId
+from pdkv.protocol.messages import Message, Origin, RankCoord, RankRoute, RouteTable, TransferMetricData
+from pdkv.protocol.poll import KVPoll
+from pdkv.protocol.prefill import PrefillEndpoint
+
+
+class FakeClock:
+    """A clock that moves only when told to (seconds as float)."""
+
+    def __init__(self, start: float = 0.0) -> None:
+        self._now = start
+
+    def __call__(self) -> float:
+        return self._now
+
+    @property
+    def now(self) -> float:
+        return self._now
+
+    def advance(self, seconds: float) -> float:
+        if seconds < 0:
+            raise ValueError("a clock does not go back")
+        self._now += seconds
+        return self._now
+
+    def advance_to(self, when: float) -> float:
+        self._now = max(self._now, when)
+        return self._now
+
+
+@attrs.frozen(kw_only=True)
+class LinkFaults:
+    """Per-message fault probabilities of a ``FaultyLink``; delays are uniform in [0, max_delay]."""
+
+    drop: float = attrs.field(default=0.0, validator=[attrs.validators.ge(0.0), attrs.validators.le(1.0)])
+    duplicate: float = attrs.field(default=0.0, validator=[attrs.validators.ge(0.0), attrs.validators.le(1.0)])
+    max_delay: float = attrs.field(default=0.0, validator=attrs.validators.ge(0.0))
+    """Random delay per message; different delays reorder messages."""
+    latency: float = attrs.field(default=0.001, validator=attrs.validators.ge(0.0))
+    """Fixed one-way latency added to every message."""
+
+
+@attrs.frozen(kw_only=True)
+class LinkStatistics:
+    posted: int
+    delivered: int
+    dropped: int
+    duplicated: int
+
+
+class FaultyLink:
+    """Carries encoded messages between endpoints with drops, duplicates, delays and reordering."""
+
+    def __init__(self, faults: LinkFaults, rng: random.Random) -> None:
+        self.faults = faults
+        self._rng = rng
+        self._queue: list[tuple[float, int, Endpoint, list[bytes]]] = []
+        self._order = itertools.count()
+        self._posted = self._delivered = self._dropped = self._duplicated = 0
+        self.cut: set[Endpoint] = set()
+        """Endpoints currently unreachable: messages to them are dropped (a partition)."""
+
+    def post(self, to: Endpoint, message: Message, now: float) -> None:
+        self._posted += 1
+        if to in self.cut or self._rng.random() < self.faults.drop:
+            self._dropped += 1
+            return
+        frames = codec.encode(message)
+        copies = 2 if self._rng.random() < self.faults.duplicate else 1
+        self._duplicated += copies - 1
+        for _ in range(copies):
+            when = now + self.faults.latency + self._rng.uniform(0.0, self.faults.max_delay)
+            heapq.heappush(self._queue, (when, next(self._order), to, frames))
+
+    def next_delivery(self) -> float | None:
+        return self._queue[0][0] if self._queue else None
+
+    def due(self, now: float) -> list[tuple[Endpoint, Message]]:
+        out: list[tuple[Endpoint, Message]] = []
+        while self._queue and self._queue[0][0] <= now:
+            _, _, to, frames = heapq.heappop(self._queue)
+            self._delivered += 1
+            out.append((to, codec.decode(frames)))
+        return out
+
+    def statistics(self) -> LinkStatistics:
+        return LinkStatistics(
+            posted=self._posted, delivered=self._delivered, dropped=self._dropped, duplicated=self._duplicated
+        )
+
+
+@attrs.frozen(kw_only=True)
+class RoomPlan:
+    """What the simulated scheduler does with one room: its pages, chunk sizes and optional aborts."""
+
+    room: RoomId
+    num_pages: int
+    chunk_pages: tuple[int, ...]
+    abort_decode_at: float | None = None
+    abort_prefill_at: float | None = None
+
+    def __attrs_post_init__(self) -> None:
+        if sum(self.chunk_pages) != self.num_pages or not self.chunk_pages:
+            raise ValueError(f"chunks {self.chunk_pages} do not cover {self.num_pages} pages")
+
+
+@attrs.define(eq=False)
+class _Write:
+    room: RoomId
+    chunk: int
+    prefill: int
+    done_at: float
+    fail: bool
+
+
+@attrs.define(eq=False)
+class _Progress:
+    plan: RoomPlan
+    next_chunk: int = 0
+    decode_aborted: bool = False
+    prefill_aborted: bool = False
+
+
+@attrs.frozen(kw_only=True)
+class SafetyViolation:
+    room: RoomId
+    time: float
+    what: str
+
+
+class EndpointPair:
+    """Prefill endpoints (one per CP rank) and one decode endpoint, wired through a ``FaultyLink``.
+
+    ``fail_write(room, chunk, prefill_index) -> bool`` injects engine failures; ``transfer_time``
+    is how long each chunk's writes take. ``violations`` lists every breach of abort safety seen.
+    """
+
+    def __init__(
+        self,
+        *,
+        cp_size: int = 1,
+        faults: LinkFaults | None = None,
+        seed: int = 0,
+        timeouts: Timeouts | None = None,
+        transfer_time: float = 0.01,
+        fail_write: Callable[[RoomId, int, int], bool] | None = None,
+        layout: BufferLayout | None = None,
+        clock: FakeClock | None = None,
+    ) -> None:
+        self.clock = clock if clock is not None else FakeClock()
+        self.rng = random.Random(seed)
+        self.link = FaultyLink(faults if faults is not None else LinkFaults(), self.rng)
+        self.timeouts = timeouts if timeouts is not None else Timeouts()
+        self.transfer_time = transfer_time
+        self.fail_write = fail_write
+        self.layout = layout if layout is not None else default_layout()
+        self.prefill_instance = InstanceId("prefill-0")
+        self.decode_instance = InstanceId("decode-0")
+        self.prefills = [
+            PrefillEndpoint(
+                origin=Origin(instance=self.prefill_instance, epoch=Epoch(1), rank=RankCoord(tp=0, cp=cp)),
+                layout=self.layout,
+                timeouts=self.timeouts,
+            )
+            for cp in range(cp_size)
+        ]
+        self.decode = DecodeEndpoint(
+            origin=Origin(instance=self.decode_instance, epoch=Epoch(1), rank=RankCoord(tp=0)),
+            tp_size=1,
+            endpoint=Endpoint("inproc://decode-0"),
+            session=SessionId("decode-0:0"),
+            layout=self.layout,
+            timeouts=self.timeouts,
+        )
+        self._prefill_address = {Endpoint(f"inproc://prefill-{cp}"): cp for cp in range(cp_size)}
+        self._writes: list[_Write] = []
+        self._progress: dict[RoomId, _Progress] = {}
+        self._released_safe: dict[RoomId, float] = {}
+        self.violations: list[SafetyViolation] = []
+        self.notices: list[Notice] = []
+        self.finished: dict[tuple[str, RoomId], RoomFinished] = {}
+        self.releases: dict[RoomId, ReleasePages] = {}
+        self.writes_started = 0
+
+    # ------------------------------------------------------------------ set-up
+
+    def route_table(self) -> RouteTable:
+        return RouteTable(
+            origin=Origin(instance=self.prefill_instance, epoch=Epoch(1), rank=RankCoord(tp=0)),
+            tp_size=1,
+            cp_size=len(self.prefills),
+            page_size=self.layout.page_size,
+            layout_digest=self.layout.digest(),
+            ranks=[
+                RankRoute(rank=p.origin.rank, epoch=p.origin.epoch, endpoint=address, session=SessionId(f"prefill-{cp}:0"))
+                for address, cp in self._prefill_address.items()
+                for p in [self.prefills[cp]]
+            ],
+            complete=True,
+        )
+
+    def connect(self) -> None:
+        self._apply("decode", self.decode.connect(self.route_table(), self.clock.now))
+
+    def targets(self) -> list[Target]:
+        return [Target(instance=self.prefill_instance, rank=p.origin.rank) for p in self.prefills]
+
+    def add_room(self, plan: RoomPlan, *, decode_first: bool = True) -> None:
+        """Open the room on both sides (in either order) and let the simulated scheduler run it."""
+        now = self.clock.now
+        self._progress[plan.room] = _Progress(plan=plan)
+        dst = np.arange(plan.num_pages, dtype=np.int64) + 1000 * (plan.room % 7)
+
+        def open_decode() -> None:
+            self._apply(
+                "decode",
+                self.decode.open_room(plan.room, targets=self.targets(), dst_pages=dst, dst_aux_row=plan.room % 8, now=now),
+            )
+
+        def open_prefill() -> None:
+            for i, p in enumerate(self.prefills):
+                self._apply(f"prefill{i}", p.open_room(plan.room, num_pages=plan.num_pages, aux_row=0, now=now))
+
+        for step in (open_decode, open_prefill) if decode_first else (open_prefill, open_decode):
+            step()
+
+    # ------------------------------------------------------------------ running
+
+    def next_event(self) -> float | None:
+        times = [self.link.next_delivery(), self.decode.next_deadline()]
+        times += [p.next_deadline() for p in self.prefills]
+        times += [w.done_at for w in self._writes]
+        for prog in self._progress.values():
+            for at in (prog.plan.abort_decode_at, prog.plan.abort_prefill_at):
+                if at is not None and at > self.clock.now:
+                    times.append(at)
+        return min((t for t in times if t is not None), default=None)
+
+    def step(self) -> None:
+        """Deliver what is due, finish due writes, fire due timers, let the scheduler act."""
+        now = self.clock.now
+        for to, message in self.link.due(now):
+            if to == self.decode_endpoint:
+                self._apply("decode", self.decode.receive(message, now))
+            else:
+                cp = self._prefill_address[to]
+                self._apply(f"prefill{cp}", self.prefills[cp].receive(message, now))
+        for w in [w for w in self._writes if w.done_at <= now]:
+            self._writes.remove(w)
+            p = self.prefills[w.prefill]
+            if w.fail:
+                self._apply(f"prefill{w.prefill}", p.chunk_failed(w.room, w.chunk, "injected engine failure", now))
+            else:
+                metric = TransferMetricData(pages=1, bytes=4096, seconds=self.transfer_time)
+                self._apply(f"prefill{w.prefill}", p.chunk_done(w.room, w.chunk, metric, now))
+        self._apply("decode", self.decode.tick(now))
+        for i, p in enumerate(self.prefills):
+            self._apply(f"prefill{i}", p.tick(now))
+        self._schedule(now)
+
+    def run(self, *, until: float, stop: Callable[[], bool] | None = None) -> None:
+        """Advance event by event until ``until`` (clock time) or until ``stop()`` is true."""
+        self.step()
+        while stop is None or not stop():
+            nxt = self.next_event()
+            if nxt is None or nxt > until:
+                self.clock.advance_to(until)
+                self.step()
+                return
+            self.clock.advance_to(nxt)
+            self.step()
+
+    def settle(self, *, limit: float = 10_000.0) -> None:
+        """Run until every room is terminal on both sides and every abort resolved (or ``limit``)."""
+        self.run(until=self.clock.now + limit, stop=self.all_settled)
+
+    def all_settled(self) -> bool:
+        for room in self._progress:
+            if room in self.decode.rooms() and not self.decode.release_ready(room):
+                return False
+            for p in self.prefills:
+                if room in p.rooms() and (p.poll(room) not in (KVPoll.Success, KVPoll.Failed) or p.in_flight(room)):
+                    return False
+        return not self._writes
+
+    @property
+    def decode_endpoint(self) -> Endpoint:
+        return Endpoint("inproc://decode-0")
+
+    # ------------------------------------------------------------------ effects
+
+    def _apply(self, who: str, effects: Sequence[Effect]) -> None:
+        now = self.clock.now
+        for e in effects:
+            if isinstance(e, Send):
+                self.link.post(e.to, e.message, now)
+            elif isinstance(e, SubmitChunk):
+                prefill = int(who.removeprefix("prefill"))
+                self._start_write(prefill, e, now)
+            elif isinstance(e, RoomFinished):
+                self.finished[(who, e.room)] = e
+            elif isinstance(e, ReleasePages):
+                self._on_release(e, now)
+            else:
+                self.notices.append(e)
+
+    def _start_write(self, prefill: int, e: SubmitChunk, now: float) -> None:
+        if not self.prefills[prefill].start_chunk(e.room, e.chunk, now):
+            return
+        self.writes_started += 1
+        if e.room in self._released_safe:
+            self.violations.append(SafetyViolation(room=e.room, time=now, what=f"chunk {e.chunk} started after safe release"))
+        fail = self.fail_write is not None and self.fail_write(e.room, e.chunk, prefill)
+        self._writes.append(_Write(room=e.room, chunk=e.chunk, prefill=prefill, done_at=now + self.transfer_time, fail=fail))
+
+    def _on_release(self, e: ReleasePages, now: float) -> None:
+        self.releases[e.room] = e
+        if not e.safe:
+            return
+        self._released_safe[e.room] = now
+        for i, p in enumerate(self.prefills):
+            if p.may_write(e.room):
+                self.violations.append(SafetyViolation(room=e.room, time=now, what=f"released while prefill {i} may write"))
+
+    def _schedule(self, now: float) -> None:
+        """The simulated prefill scheduler: one chunk per room per step once bootstrapped, plus aborts."""
+        for room, prog in self._progress.items():
+            plan = prog.plan
+            if plan.abort_decode_at is not None and not prog.decode_aborted and now >= plan.abort_decode_at:
+                prog.decode_aborted = True
+                if room in self.decode.rooms():
+                    self._apply("decode", self.decode.abort_room(room, "client went away", now))
+            if plan.abort_prefill_at is not None and not prog.prefill_aborted and now >= plan.abort_prefill_at:
+                prog.prefill_aborted = True
+                for i, p in enumerate(self.prefills):
+                    self._apply(f"prefill{i}", p.abort_room(room, "prefill scheduler aborted", now))
+            polls = [p.poll(room) for p in self.prefills if room in p.rooms()]
+            if len(polls) < len(self.prefills):
+                continue
+            if min(polls) is KVPoll.Failed:
+                # Rank consensus (MIN): one failed rank fails the room on every rank.
+                for i, p in enumerate(self.prefills):
+                    self._apply(f"prefill{i}", p.abort_room(room, "another CP rank failed the room", now))
+                continue
+            if prog.next_chunk < len(plan.chunk_pages) and min(polls) >= KVPoll.WaitingForInput:
+                self._queue_next_chunk(prog, now)
+
+    def _queue_next_chunk(self, prog: _Progress, now: float) -> None:
+        plan = prog.plan
+        index = prog.next_chunk
+        start = sum(plan.chunk_pages[:index])
+        spec = ChunkSpec(
+            pages=np.arange(start, start + plan.chunk_pages[index], dtype=np.int64),
+            start_token=start * self.layout.page_size,
+            last=index == len(plan.chunk_pages) - 1,
+        )
+        prog.next_chunk += 1
+        for i, p in enumerate(self.prefills):
+            self._apply(f"prefill{i}", p.queue_chunk(plan.room, spec, now))
+
+
+def default_layout(*, layers: int = 2, pages: int = 4096, page_size: int = 16) -> BufferLayout:
+    """A small MLA layout with an aux buffer: enough for protocol tests (addresses are fictitious)."""
+    item = page_size * 64
+    buffers = [
+        BufferSpec(
+            kind=BufferKind.KV,
+            model=ModelRole.TARGET,
+            layer_id=layer,
+            base_ptr=0x10_0000_0000 + layer * pages * item,
+            length=pages * item,
+            item_bytes=item,
+        )
+        for layer in range(layers)
+    ]
+    buffers.append(
+        BufferSpec(kind=BufferKind.AUX, model=ModelRole.TARGET, layer_id=0, base_ptr=0x20_0000_0000, length=64 * 64, item_bytes=64)
+    )
+    return BufferLayout.build(attention=AttentionKind.MLA, page_size=page_size, buffers=buffers)
