@@ -64,14 +64,17 @@ class TensorLike(Protocol):
     def element_size(self) -> int: ...
 
 
+_MAX = 2**63 - 1  # addresses and sizes are signed 64-bit on the wire and in numpy
+
+
 def _non_negative(_: object, attribute: attrs.Attribute[int], value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{attribute.name} must be a non-negative int, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= _MAX:
+        raise ValueError(f"{attribute.name} must be an int in [0, 2**63), got {value!r}")
 
 
 def _positive(_: object, attribute: attrs.Attribute[int], value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{attribute.name} must be a positive int, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= _MAX:
+        raise ValueError(f"{attribute.name} must be an int in [1, 2**63), got {value!r}")
 
 
 @attrs.frozen(kw_only=True)

@@ -59,12 +59,20 @@ def _text(max_chars: int, *, allow_empty: bool = False) -> Any:
             raise TypeError(f"{attribute.name} must be str, got {type(value).__name__}")
         if len(value) > max_chars or (not allow_empty and not value):
             raise ValueError(f"{attribute.name} must have 1..{max_chars} characters, got {len(value)}")
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(f"{attribute.name} is not valid UTF-8 text (lone surrogate)") from None
 
     return check
 
 
 def _finite_non_negative(_: object, attribute: attrs.Attribute[float], value: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+    try:
+        ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and value >= 0
+    except OverflowError:  # an int too large for a float
+        ok = False
+    if not ok:
         raise ValueError(f"{attribute.name} must be a finite float >= 0, got {value!r}")
 
 
@@ -92,6 +100,7 @@ def index_array(value: object) -> IntArray:
 
 def _array_eq() -> Any:
     return attrs.cmp_using(eq=np.array_equal)
+
 
 
 # ---------------------------------------------------------------- value types
@@ -135,7 +144,7 @@ class StateIndices:
     """Destination (or source) slots of one state buffer kind for one room."""
 
     kind: BufferKind = attrs.field(validator=attrs.validators.instance_of(BufferKind))
-    indices: IntArray = attrs.field(converter=index_array, eq=_array_eq())
+    indices: IntArray = attrs.field(converter=index_array, eq=_array_eq(), hash=False)
 
     def __attrs_post_init__(self) -> None:
         if not self.kind.is_state:
@@ -223,6 +232,8 @@ class RouteTable:
         for c in coords:
             if c.tp >= self.tp_size or c.cp >= self.cp_size:
                 raise ValueError(f"rank {c} outside tp_size {self.tp_size} cp_size {self.cp_size}")
+        if self.complete and len(coords) != self.tp_size * self.cp_size:
+            raise ValueError(f"a complete route table lists all {self.tp_size * self.cp_size} ranks, got {len(coords)}")
 
 
 # ---------------------------------------------------------------- registration
@@ -237,6 +248,10 @@ class Register:
     endpoint: Endpoint = attrs.field(validator=_text(MAX_NAME_CHARS))
     session: SessionId = attrs.field(validator=_text(MAX_NAME_CHARS))
     layout: BufferLayout = attrs.field(validator=attrs.validators.instance_of(BufferLayout))
+
+    def __attrs_post_init__(self) -> None:
+        if self.origin.rank.tp >= self.tp_size:
+            raise ValueError(f"rank {self.origin.rank} outside tp_size {self.tp_size}")
 
 
 @attrs.frozen(kw_only=True)
@@ -267,7 +282,7 @@ class TransferRequest:
 
     origin: Origin = attrs.field(validator=_origin)
     room: RoomId = attrs.field(validator=_room)
-    dst_pages: IntArray = attrs.field(converter=index_array, eq=_array_eq())
+    dst_pages: IntArray = attrs.field(converter=index_array, eq=_array_eq(), hash=False)
     dst_aux_row: int | None = attrs.field(
         default=None, validator=attrs.validators.optional(_int_in(0, MAX_INDEX - 1))
     )
@@ -321,12 +336,16 @@ class AbortAck:
 
 @attrs.frozen(kw_only=True)
 class Heartbeat:
+    """Either side -> peer, periodically: I am alive (the epoch tells a restart)."""
+
     origin: Origin = attrs.field(validator=_origin)
     seq: int = attrs.field(validator=_int_in(0, 2**63 - 1))
 
 
 @attrs.frozen(kw_only=True)
 class HeartbeatAck:
+    """Answer to a Heartbeat, echoing its sequence number."""
+
     origin: Origin = attrs.field(validator=_origin)
     seq: int = attrs.field(validator=_int_in(0, 2**63 - 1))
 

@@ -236,6 +236,8 @@ class PrefillEndpoint:
             if previous == msg:
                 # A duplicate: answer a finished room again (the first status may have been lost).
                 return self._status_to(r, peer) if r.terminal else []
+            if r.terminal:
+                return [_notice(NoticeLevel.WARNING, f"ignored conflicting TransferRequest from {msg.origin} for finished room {msg.room}", msg.room)]
             return self._fail(r, f"conflicting TransferRequests from {msg.origin}")
         r.requests[key] = msg
         if r.state is SenderRoomState.FAILED:

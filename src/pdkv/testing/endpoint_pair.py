@@ -96,10 +96,13 @@ class FaultyLink:
         self._posted = self._delivered = self._dropped = self._duplicated = 0
         self.cut: set[Endpoint] = set()
         """Endpoints currently unreachable: messages to them are dropped (a partition)."""
+        self.drop_if: Callable[[Endpoint, Message], bool] | None = None
+        """Targeted loss: messages for which this returns True are dropped."""
 
     def post(self, to: Endpoint, message: Message, now: float) -> None:
         self._posted += 1
-        if to in self.cut or self._rng.random() < self.faults.drop:
+        targeted = self.drop_if is not None and self.drop_if(to, message)
+        if targeted or to in self.cut or self._rng.random() < self.faults.drop:
             self._dropped += 1
             return
         frames = codec.encode(message)
@@ -246,7 +249,8 @@ class EndpointPair:
         """Open the room on both sides (in either order) and let the simulated scheduler run it."""
         now = self.clock.now
         self._progress[plan.room] = _Progress(plan=plan)
-        dst = np.arange(plan.num_pages, dtype=np.int64) + 1000 * (plan.room % 7)
+        capacity = min(b.num_items for b in self.layout.kv_buffers)
+        dst = np.arange(plan.num_pages, dtype=np.int64) + (plan.room * 37) % max(1, capacity - plan.num_pages)
 
         def open_decode() -> None:
             self._apply(

@@ -1,0 +1,221 @@
+"""DecodeEndpoint, input by input: registration, requests, statuses, aborts and their acks, deadlines."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdkv.errors import LocalProtocolError
+from pdkv.protocol.config import Timeouts
+from pdkv.protocol.decode import DecodeEndpoint
+from pdkv.protocol.effects import ReleasePages, Target
+from pdkv.protocol.ids import Endpoint, Epoch, InstanceId, RoomId, SessionId
+from pdkv.protocol.machines import DecodeAbortState, ReceiverRoomState
+from pdkv.protocol.messages import (
+    Abort,
+    AbortAck,
+    Origin,
+    Outcome,
+    RankCoord,
+    RankRoute,
+    Register,
+    RegisterAck,
+    RegisterReject,
+    RouteTable,
+    TransferMetricData,
+    TransferRequest,
+    TransferStatus,
+)
+from pdkv.protocol.poll import KVPoll
+from tests.protocol.helpers import PREFILL, ROOM, decode, layout, route, sent
+
+TARGET = Target(instance=PREFILL.instance, rank=PREFILL.rank)
+
+
+def ok(origin: Origin = PREFILL, room: RoomId = ROOM) -> TransferStatus:
+    return TransferStatus(origin=origin, room=room, outcome=Outcome.SUCCESS, metric=TransferMetricData(pages=3, bytes=30))
+
+
+def failed(reason: str = "boom") -> TransferStatus:
+    return TransferStatus(origin=PREFILL, room=ROOM, outcome=Outcome.FAILED, reason=reason)
+
+
+def connected(timeouts: Timeouts | None = None) -> DecodeEndpoint:
+    d = decode(timeouts)
+    d.connect(route(), 0.0)
+    d.receive(RegisterAck(origin=PREFILL), 0.0)
+    return d
+
+
+def test_register_is_sent_and_retried_until_acked() -> None:
+    d = decode(Timeouts(register_retry=2))
+    [reg] = sent(d.connect(route(), 0.0))
+    assert isinstance(reg, Register) and reg.layout == layout()
+    assert d.next_deadline() == 2.0
+    assert sent(d.tick(1.9)) == []
+    assert sent(d.tick(2.0)) == [reg]
+    d.receive(RegisterAck(origin=PREFILL), 2.5)
+    assert d.next_deadline() is None
+    assert sent(d.connect(route(), 3.0)) == []  # idempotent
+
+
+def test_requests_wait_for_registration_then_go_out() -> None:
+    d = decode()
+    d.connect(route(), 0.0)
+    assert d.open_room(ROOM, targets=[TARGET], dst_pages=[5, 6, 7], dst_aux_row=1, now=0.0) == []
+    assert d.poll(ROOM) is KVPoll.Bootstrapping
+    [req] = sent(d.receive(RegisterAck(origin=PREFILL), 0.1), TransferRequest)
+    assert isinstance(req, TransferRequest)
+    assert req.dst_pages.tolist() == [5, 6, 7] and req.dst_aux_row == 1 and not req.dummy
+    assert d.poll(ROOM) is KVPoll.WaitingForInput
+
+
+def test_success_needs_every_required_rank() -> None:
+    d = decode()
+    second = Origin(instance=PREFILL.instance, epoch=Epoch(1), rank=RankCoord(tp=0, cp=1))
+    dummy = Origin(instance=PREFILL.instance, epoch=Epoch(1), rank=RankCoord(tp=1, cp=0))
+    table = RouteTable(
+        origin=PREFILL,
+        tp_size=2,
+        cp_size=2,
+        page_size=16,
+        layout_digest=layout().digest(),
+        ranks=[
+            RankRoute(rank=o.rank, epoch=o.epoch, endpoint=Endpoint(f"inproc://{o.rank}"), session=SessionId("s"))
+            for o in (PREFILL, second, dummy)
+        ],
+        complete=False,
+    )
+    d.connect(table, 0.0)
+    for o in (PREFILL, second, dummy):
+        d.receive(RegisterAck(origin=o), 0.0)
+    targets = [TARGET, Target(instance=second.instance, rank=second.rank), Target(instance=dummy.instance, rank=dummy.rank, dummy=True)]
+    effects = d.open_room(ROOM, targets=targets, dst_pages=[1, 2, 3], dst_aux_row=None, now=0.0)
+    requests = [m for m in sent(effects, TransferRequest) if isinstance(m, TransferRequest)]
+    assert [r.dummy for r in requests] == [False, False, True]
+    assert requests[2].dst_pages.size == 0
+    d.receive(ok(), 1.0)
+    assert d.poll(ROOM) is KVPoll.Transferring
+    d.receive(ok(), 1.1)  # duplicate changes nothing
+    assert d.poll(ROOM) is KVPoll.Transferring
+    d.receive(ok(second), 1.2)
+    assert d.poll(ROOM) is KVPoll.Success and d.release_ready(ROOM)
+    assert set(d.metric(ROOM)) == {TARGET.key, (second.instance, second.rank)}
+
+
+def test_failed_status_aborts_and_pages_wait_for_ack() -> None:
+    d = connected()
+    d.open_room(ROOM, targets=[TARGET], dst_pages=[1, 2, 3], dst_aux_row=None, now=0.0)
+    effects = d.receive(failed("engine said -1"), 1.0)
+    [abort] = sent(effects, Abort)
+    assert isinstance(abort, Abort) and "engine said -1" in abort.reason
+    assert d.poll(ROOM) is KVPoll.Failed
+    assert not d.release_ready(ROOM)
+    released = d.receive(AbortAck(origin=PREFILL, room=ROOM), 2.0)
+    assert released == [ReleasePages(room=ROOM, safe=True, reason="all prefill ranks acknowledged the abort")]
+    assert d.abort_state(ROOM) is DecodeAbortState.ACKED
+    d.close_room(ROOM)
+    assert ROOM not in d.rooms()
+
+
+def test_abort_ack_timeout_releases_unsafely_and_counts() -> None:
+    d = connected(Timeouts(abort_ack=5))
+    d.open_room(ROOM, targets=[TARGET], dst_pages=[1], dst_aux_row=None, now=0.0)
+    d.abort_room(ROOM, "client left", 1.0)
+    assert d.next_deadline() == 6.0
+    assert d.tick(5.9) == []
+    effects = d.tick(6.0)
+    assert [e for e in effects if isinstance(e, ReleasePages)] == [
+        ReleasePages(room=ROOM, safe=False, reason=f"abort-ack timeout ({PREFILL.instance}:{PREFILL.rank})")
+    ]
+    assert d.release_ready(ROOM) and not d.release_was_safe(ROOM)
+    assert d.abort_state(ROOM) is DecodeAbortState.TIMED_OUT
+    assert d.statistics().unsafe_releases == 1
+    # A late ack changes nothing and is counted as late.
+    d.receive(AbortAck(origin=PREFILL, room=ROOM), 7.0)
+    assert d.statistics().late_messages == 1
+
+
+def test_abort_before_registration_releases_at_once() -> None:
+    d2 = decode()
+    d2.connect(route(), 0.0)
+    d2.open_room(ROOM, targets=[TARGET], dst_pages=[1], dst_aux_row=None, now=0.0)
+    effects = d2.abort_room(ROOM, "early", 0.5)
+    assert ReleasePages(room=ROOM, safe=True, reason="no prefill rank had the destinations") in effects
+    assert sent(effects, Abort) == []  # the peer never acked registration: it cannot know the room
+
+
+def test_dummy_only_room_fails_loudly() -> None:
+    d = connected()
+    d.open_room(ROOM, targets=[Target(instance=PREFILL.instance, rank=PREFILL.rank, dummy=True)], dst_pages=[1], dst_aux_row=None, now=0.0)
+    assert d.poll(ROOM) is KVPoll.Failed
+    assert d.failure(ROOM) == "room has no transfer destination: every target prefill rank is a dummy"
+
+
+def test_unknown_target_and_duplicate_room_and_early_close() -> None:
+    d = connected()
+    stranger = Target(instance=InstanceId("elsewhere"), rank=RankCoord(tp=0))
+    d.open_room(RoomId(1), targets=[stranger], dst_pages=[1], dst_aux_row=None, now=0.0)
+    assert "unknown (connect() first)" in (d.failure(RoomId(1)) or "")
+    d.open_room(ROOM, targets=[TARGET], dst_pages=[1], dst_aux_row=None, now=0.0)
+    with pytest.raises(LocalProtocolError, match="already opened"):
+        d.open_room(ROOM, targets=[TARGET], dst_pages=[1], dst_aux_row=None, now=0.0)
+    with pytest.raises(LocalProtocolError, match="before its pages were safe"):
+        d.close_room(ROOM)
+
+
+def test_rejection_fails_rooms_with_the_reason() -> None:
+    d = decode()
+    d.connect(route(), 0.0)
+    d.open_room(ROOM, targets=[TARGET], dst_pages=[1], dst_aux_row=None, now=0.0)
+    d.receive(RegisterReject(origin=PREFILL, reason="target kv layer ids differ: [0, 1] vs [0, 1, 2]"), 0.1)
+    assert d.poll(ROOM) is KVPoll.Failed
+    assert "[0, 1] vs [0, 1, 2]" in (d.failure(ROOM) or "")
+    d.open_room(RoomId(2), targets=[TARGET], dst_pages=[1], dst_aux_row=None, now=0.2)
+    assert "rejected registration" in (d.failure(RoomId(2)) or "")
+
+
+@pytest.mark.parametrize(
+    ("state", "limit"),
+    [(ReceiverRoomState.BOOTSTRAPPING, 10.0), (ReceiverRoomState.WAITING_FOR_INPUT, 20.0), (ReceiverRoomState.TRANSFERRING, 30.0)],
+)
+def test_every_non_terminal_state_has_a_deadline(state: ReceiverRoomState, limit: float) -> None:
+    d = decode(Timeouts(bootstrap=10, waiting=20, transfer=30, register_retry=1000))
+    d.connect(route(), 0.0)
+    second = Origin(instance=PREFILL.instance, epoch=Epoch(1), rank=RankCoord(tp=0, cp=1))
+    table = RouteTable(
+        origin=PREFILL, tp_size=1, cp_size=2, page_size=16, layout_digest="x",
+        ranks=[*route().ranks, RankRoute(rank=second.rank, epoch=second.epoch, endpoint=Endpoint("inproc://p2"), session=SessionId("s"))],
+        complete=True,
+    )
+    d.connect(table, 0.0)
+    targets = [TARGET, Target(instance=second.instance, rank=second.rank)]
+    d.open_room(ROOM, targets=targets, dst_pages=[1], dst_aux_row=None, now=0.0)
+    if state is not ReceiverRoomState.BOOTSTRAPPING:
+        d.receive(RegisterAck(origin=PREFILL), 0.0)
+        d.receive(RegisterAck(origin=second), 0.0)
+    if state is ReceiverRoomState.TRANSFERRING:
+        d.receive(ok(), 0.0)
+    assert d.room_history(ROOM)[-1] is state
+    d.tick(limit - 0.01)
+    assert d.poll(ROOM) is not KVPoll.Failed
+    d.tick(limit)
+    assert d.poll(ROOM) is KVPoll.Failed
+    assert "timeout" in (d.failure(ROOM) or "")
+
+
+def test_prefill_restart_fails_rooms_and_releases_without_its_ack() -> None:
+    d = connected()
+    d.open_room(ROOM, targets=[TARGET], dst_pages=[1], dst_aux_row=None, now=0.0)
+    reborn = Origin(instance=PREFILL.instance, epoch=Epoch(2), rank=PREFILL.rank)
+    effects = d.receive(ok(reborn), 1.0)
+    assert d.poll(ROOM) is KVPoll.Failed and "restarted" in (d.failure(ROOM) or "")
+    assert d.release_ready(ROOM) and d.release_was_safe(ROOM)
+    assert any(isinstance(e, ReleasePages) and e.safe for e in effects)
+
+
+def test_status_for_unknown_room_is_late_not_fatal() -> None:
+    d = connected()
+    d.receive(ok(room=RoomId(999)), 0.0)
+    assert d.statistics().late_messages == 1
+    d.receive(Abort(origin=PREFILL, room=RoomId(999), reason="x"), 0.0)
+    assert d.statistics().late_messages == 2
