@@ -1,1 +1,107 @@
-"""TODO"""
+"""pdkv.mapping: which bytes go where (DESIGN section 6).
+
+Pure, vectorised numpy functions from "pages the scheduler knows" to "bytes the engine moves":
+
+- ``layout``: buffer layouts (kind, model, layer id, base, length, bytes per item) of one rank;
+- ``ownership`` and ``pages``: CP shared-KV ownership, chunk offsets (``chunk_page_start``), the
+  pages a CP rank owns (``cp_owned``), and the exact position -> destination contract;
+- ``runs``: (src, dst) page pairs coalesced into runs contiguous on both sides;
+- ``buffers``: runs turned into byte blocks per paired buffer (KV, state slots, aux rows);
+- ``batches``: blocks sliced and cut into batches within the engine's limits;
+- ``state``: state index clipping and state-layer compaction for index-skip models;
+- ``fanout``: TP fan-out (targets, dummy ranks, required_dst_info_num, statuses to wait for).
+
+Inputs may be numpy arrays, integer sequences or CPU torch tensors; a tensor on an accelerator is a
+``MappingError`` (never a hidden device-to-host copy). Every contract violation is a typed error
+with compact summaries; nothing is clipped silently. Must not do I/O, start threads, read clocks or
+import torch; imports only ``pdkv.errors``. The formulas and worked examples: specs/mapping.md.
+"""
+
+from pdkv.mapping.batches import batch_bounds, shape_batches, slice_blocks
+from pdkv.mapping.blocks import TransferBlocks
+from pdkv.mapping.buffers import (
+    BufferPairs,
+    aux_blocks,
+    layer_blocks,
+    pair_buffers,
+    runs_to_blocks,
+    state_blocks,
+)
+from pdkv.mapping.fanout import (
+    DecodeFanout,
+    PrefillFanout,
+    PrefillTarget,
+    Topology,
+    TopologyError,
+    decode_fanout,
+    prefill_fanout,
+    required_dst_info_num,
+)
+from pdkv.mapping.layout import AttentionKind, BufferKind, BufferLayout, BufferSpec, ModelRole
+from pdkv.mapping.ownership import BlockCyclic, OwnershipPolicy, PageInterleaved
+from pdkv.mapping.pages import (
+    MappedChunk,
+    OwnedPages,
+    check_page_counts,
+    chunk_page_start,
+    cp_owned,
+    dst_for_positions,
+    map_chunk,
+)
+from pdkv.mapping.runs import PagePairs, PageRuns, coalesce, expand
+from pdkv.mapping.state import (
+    ClippedState,
+    LayerKey,
+    StateLayerDifference,
+    StateLayerMap,
+    clip_state,
+    compare_state_layers,
+    state_layer_keys,
+)
+
+__all__ = [
+    "AttentionKind",
+    "BlockCyclic",
+    "BufferKind",
+    "BufferLayout",
+    "BufferPairs",
+    "BufferSpec",
+    "ClippedState",
+    "DecodeFanout",
+    "LayerKey",
+    "MappedChunk",
+    "ModelRole",
+    "OwnedPages",
+    "OwnershipPolicy",
+    "PageInterleaved",
+    "PagePairs",
+    "PageRuns",
+    "PrefillFanout",
+    "PrefillTarget",
+    "StateLayerDifference",
+    "StateLayerMap",
+    "Topology",
+    "TopologyError",
+    "TransferBlocks",
+    "aux_blocks",
+    "batch_bounds",
+    "check_page_counts",
+    "chunk_page_start",
+    "clip_state",
+    "coalesce",
+    "compare_state_layers",
+    "cp_owned",
+    "decode_fanout",
+    "dst_for_positions",
+    "expand",
+    "layer_blocks",
+    "map_chunk",
+    "pair_buffers",
+    "prefill_fanout",
+    "required_dst_info_num",
+    "runs_to_blocks",
+    "shape_batches",
+    "slice_blocks",
+    "state_blocks",
+    "state_layer_keys",
+]
