@@ -12,7 +12,7 @@ import logging
 import re
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from transitions.extensions import GraphMachine
 
@@ -26,7 +26,7 @@ def file_stem(spec: MachineSpec[Any, Any]) -> str:
     return re.sub(r"(?<!^)(?=[A-Z])", "_", spec.name).lower()
 
 
-def render(spec: MachineSpec[Any, Any], engine: str) -> str:
+def render(spec: MachineSpec[Any, Any], engine: Literal["mermaid", "graphviz"]) -> str:
     """The machine as Mermaid (``engine="mermaid"``) or DOT (``engine="graphviz"``) source text."""
     # transitions warns and silently falls back to another engine when one is missing: refuse that.
     logging.getLogger("transitions.extensions.diagrams").setLevel(logging.ERROR)

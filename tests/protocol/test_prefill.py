@@ -280,3 +280,19 @@ def test_required_dst_info_num_waits_for_every_decode_rank() -> None:
     assert p.poll(ROOM) is KVPoll.WaitingForInput
     [submit] = p.queue_chunk(ROOM, CHUNK, 0.0)
     assert isinstance(submit, SubmitChunk) and len(submit.destinations) == 2
+
+
+def test_chunk_of_a_closed_room_is_skipped_by_the_worker() -> None:
+    p = prefill()
+    p.receive(register(), 0.0)
+    p.open_room(ROOM, num_pages=3, aux_row=None, now=0.0)
+    p.receive(request(), 0.0)
+    [submit] = p.queue_chunk(ROOM, CHUNK, 0.0)
+    assert isinstance(submit, SubmitChunk)
+    p.abort_room(ROOM, "scheduler gave up", 0.1)
+    p.close_room(ROOM, 0.2)
+    # The worker picks the queued chunk after the room is gone: it must skip, not crash.
+    assert p.start_chunk(ROOM, submit.chunk, 0.3) is False
+    with pytest.raises(LocalProtocolError, match="unknown chunk 5"):
+        p.open_room(RoomId(77), num_pages=1, aux_row=None, now=0.0)
+        p.start_chunk(RoomId(77), 5, 0.0)

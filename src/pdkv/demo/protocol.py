@@ -1,12 +1,12 @@
-"""``pdkv demo``: the protocol end to end, in memory (sans-IO endpoints over a faulty link).
+"""``pdkv demo --protocol-only``: the protocol end to end, in memory (sans-IO endpoints, faulty link).
 
-Owns: the demo scenario and its report. This version drives the real protocol endpoints through
+Owns: the in-memory scenario and its report. It drives the real protocol endpoints through
 ``pdkv.testing.EndpointPair`` on a fake clock (no sockets, no engine): a CP group of prefill ranks
 and a decode rank handle a few rooms — chunked, aborted by either side, an engine failure, and one
 whose TransferRequest is lost on the wire and is recovered by the waiting deadline — and the demo
 prints each room's state history on both sides, then checks the safety promise (no write can land
 after decode released a room's pages). Exit status is non-zero if any room ends otherwise than
-planned or any safety check fails. The multi-process demo over Mooncake replaces it (runtime issue).
+planned or any safety check fails. Seconds to run; no engine or sockets needed.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def _cases() -> list[_Case]:
 
 
 def main(argv: Sequence[str] = ()) -> int:
-    parser = argparse.ArgumentParser(prog="pdkv demo", description=__doc__.splitlines()[0] if __doc__ else None)
+    parser = argparse.ArgumentParser(prog="pdkv demo --protocol-only", description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--cp", type=int, default=2, help="prefill CP ranks (default 2)")
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--json", action="store_true", help="one JSON object per room on stdout")

@@ -416,7 +416,10 @@ class PrefillEndpoint:
     def start_chunk(self, room: RoomId, chunk: int, now: float) -> bool:
         """A worker is about to write ``chunk``: True to go ahead, False to skip (room failed)."""
         r = self._rooms.get(room)
-        if r is None or chunk >= len(r.chunks):
+        if r is None:
+            # The room failed and was closed while this chunk waited in a queue: it was Skipped then.
+            return False
+        if not 0 <= chunk < len(r.chunks):
             raise LocalProtocolError(f"start of unknown chunk {chunk} of room {room}")
         c = r.chunks[chunk]
         if c.machine.state is ChunkState.SKIPPED:

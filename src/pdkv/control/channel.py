@@ -1,0 +1,357 @@
+"""The per-rank control channel: one inbound PULL socket, cached outbound PUSH sockets, a waker.
+
+Owns: ``ControlChannel`` (bind, send, receive, wait, forget, close), its options and statistics.
+Must not know messages (the codec is injected, see ``framing``), retry anything, or block its owner
+on a peer: a send that would block is dropped and counted, and the protocol above re-sends what
+matters (registration retries, heartbeats, deadlines).
+
+Threads. One thread owns a channel: the first thread that sends, receives, waits or forgets becomes
+its owner, and any other thread doing so gets ``ChannelOwnershipError`` (zmq sockets are not
+thread-safe: concurrent use corrupts them or aborts the process). Other threads may call ``wake()``
+(to end the owner's ``wait``), ``statistics()`` and ``address``. ``close()`` belongs to the owner, or
+to any thread once the owner thread has ended.
+
+Delivery. ZMQ PUSH/PULL keeps the order of messages between one sender and one receiver and delivers
+whole frame sets or nothing; across senders there is no order. A message queued for a peer that is
+down waits (up to the send high-water mark) and goes out when the peer comes back; ``forget()`` drops
+the queue, e.g. when the protocol learns the peer restarted under a new epoch.
+
+Bad input. Frames that fail authentication or decoding are counted, logged at WARNING with the
+reason (rate-limited; a PULL socket does not know who sent them) and skipped: receiving never raises
+for what a peer sent.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from collections import OrderedDict
+from types import TracebackType
+from typing import Any, Generic
+
+import attrs
+import zmq
+
+from pdkv.control._sockets import Waker, WarningLimiter, bind_tcp, deadline_after, expired, remaining_ms
+from pdkv.control.auth import Authenticator, unix_ms
+from pdkv.control.errors import AuthenticationError, ChannelClosedError, ChannelOwnershipError
+from pdkv.control.framing import M, WireCodec
+from pdkv.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+def _at_least(minimum: int) -> Any:
+    def check(_: object, attribute: attrs.Attribute[int], value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise ConfigError(f"{attribute.name} must be an int >= {minimum}, got {value!r}")
+
+    return check
+
+
+@attrs.frozen(kw_only=True)
+class ChannelOptions:
+    """Socket limits of a channel. The defaults suit control traffic (small messages, bursts of rooms)."""
+
+    send_hwm: int = attrs.field(default=4096, validator=_at_least(1))
+    """Messages queued per destination before further sends to it are dropped."""
+    recv_hwm: int = attrs.field(default=16384, validator=_at_least(1))
+    """Messages queued on the inbound socket before zmq stops reading from senders (they queue instead)."""
+    send_timeout_ms: int = attrs.field(default=0, validator=_at_least(0))
+    """SNDTIMEO of outbound sockets. Sends are non-blocking anyway; this bounds any send that is not."""
+    max_frame_bytes: int = attrs.field(default=64 << 20, validator=_at_least(1))
+    """Largest inbound frame; zmq disconnects a peer that sends a larger one (bounds a hostile sender's
+    memory). 64 MiB holds the destination pages of a multi-million-token request."""
+    max_peers: int = attrs.field(default=1024, validator=_at_least(1))
+    """Outbound sockets kept; the least recently used one is closed (its queue dropped) beyond this."""
+    max_batch: int = attrs.field(default=1024, validator=_at_least(1))
+    """Most messages one ``wait`` returns, so a flood cannot starve the owner's other work."""
+
+
+@attrs.frozen(kw_only=True)
+class ChannelStatistics:
+    """Counters since the channel was opened (a snapshot; read from any thread)."""
+
+    received: int
+    """Messages decoded and returned to the owner."""
+    malformed: int
+    """Inbound frame sets that the codec rejected."""
+    unauthenticated: int
+    """Inbound frame sets without a valid, fresh tag (only with an authenticator)."""
+    sent: int
+    """Messages queued for sending."""
+    dropped_sends: int
+    """Messages not queued: the destination's queue was full or its endpoint could not be dialled."""
+    peers: int
+    """Outbound sockets currently cached."""
+
+
+class ControlChannel(Generic[M]):
+    """One rank's control endpoint: ``send(to, message)`` anywhere, ``recv``/``wait`` for what arrives.
+
+    ``ControlChannel(codec, host="127.0.0.1", port=0)`` binds at once (port 0: a free port chosen by
+    the OS); ``address`` is then the ``tcp://host:port`` that peers dial. A context manager closes it.
+    """
+
+    def __init__(
+        self,
+        codec: WireCodec[M],
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        advertise_host: str | None = None,
+        auth: Authenticator | None = None,
+        options: ChannelOptions | None = None,
+        context: zmq.Context[zmq.Socket[bytes]] | None = None,
+    ) -> None:
+        self._codec = codec
+        self._auth = auth
+        self._options = options if options is not None else ChannelOptions()
+        self._context: zmq.Context[zmq.Socket[bytes]] = (
+            context if context is not None else zmq.Context.instance()
+        )
+        self._inbound: zmq.Socket[bytes] = self._context.socket(zmq.PULL)
+        try:
+            self._inbound.setsockopt(zmq.LINGER, 0)
+            self._inbound.setsockopt(zmq.RCVHWM, self._options.recv_hwm)
+            self._inbound.setsockopt(zmq.MAXMSGSIZE, self._options.max_frame_bytes)
+            self._address = bind_tcp(self._inbound, host, port, advertise_host)
+            self._waker = Waker(self._context)
+        except BaseException:
+            self._inbound.close(linger=0)
+            raise
+        self._poller = zmq.Poller()
+        self._poller.register(self._inbound, zmq.POLLIN)
+        self._poller.register(self._waker.socket, zmq.POLLIN)
+        self._outbound: OrderedDict[str, zmq.Socket[bytes]] = OrderedDict()
+        self._owner: threading.Thread | None = None
+        self._claim_lock = threading.Lock()
+        self._closed = False
+        self._warnings = WarningLimiter(log)
+        self._received = 0
+        self._malformed = 0
+        self._unauthenticated = 0
+        self._sent = 0
+        self._dropped_sends = 0
+
+    # ------------------------------------------------------------------ any thread
+
+    @property
+    def address(self) -> str:
+        """``tcp://host:port`` of the inbound socket, as peers should dial it."""
+        return self._address
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def wake(self) -> None:
+        """End the owner's current (or next) ``wait`` early. Thread-safe; cheap; a no-op after close."""
+        self._waker.wake()
+
+    def statistics(self) -> ChannelStatistics:
+        return ChannelStatistics(
+            received=self._received,
+            malformed=self._malformed,
+            unauthenticated=self._unauthenticated,
+            sent=self._sent,
+            dropped_sends=self._dropped_sends,
+            peers=len(self._outbound),
+        )
+
+    # ------------------------------------------------------------------ owner thread
+
+    def send(self, to: str, message: M) -> bool:
+        """Queue ``message`` for the channel at ``to``; False (counted, logged) when it was dropped.
+
+        Never blocks: a full queue for ``to`` or an endpoint zmq cannot dial drops the message.
+        An encoding error is the caller's bug and propagates.
+        """
+        self._check_owner()
+        frames = self._codec.encode(message)
+        if self._auth is not None:
+            frames = self._auth.sign(frames, unix_ms())
+        socket = self._outbound_socket(to)
+        if socket is None:
+            self._dropped_sends += 1
+            return False
+        try:
+            socket.send_multipart(frames, zmq.NOBLOCK)
+        except zmq.Again:
+            self._dropped_sends += 1
+            self._warnings.warning("dropped a %s to %s: its send queue is full", type(message).__name__, to)
+            return False
+        self._sent += 1
+        return True
+
+    def recv(self, timeout_s: float | None) -> M | None:
+        """The next valid message, waiting up to ``timeout_s`` (None: forever; 0: only what is queued).
+
+        Bad input is counted and skipped while the time lasts. ``wake()`` does not end ``recv``; use
+        ``wait`` when other threads must be able to interrupt.
+        """
+        self._check_owner()
+        deadline = deadline_after(timeout_s)
+        while True:
+            frames = self._next_frames()
+            if frames is not None:
+                message = self._accept(frames)
+                if message is not None:
+                    return message
+                continue
+            if expired(deadline):
+                return None
+            self._inbound.poll(remaining_ms(deadline), zmq.POLLIN)
+
+    def wait(self, timeout_s: float | None, *, max_messages: int | None = None) -> list[M]:
+        """Block until a message arrives, ``wake()`` is called or ``timeout_s`` passes; return what is queued.
+
+        Returns the valid messages queued by then (at most ``max_messages``, default
+        ``options.max_batch``; the rest stay for the next call), which is ``[]`` after a wake with
+        nothing queued or after the timeout. Bad input alone does not end the wait early (that would
+        let a garbage sender spin the owner). A wake that comes while messages are returned stays
+        pending and ends the next ``wait`` at once.
+        """
+        self._check_owner()
+        limit = self._options.max_batch if max_messages is None else max_messages
+        if limit < 1:
+            raise ValueError(f"max_messages must be >= 1, got {limit}")
+        deadline = deadline_after(timeout_s)
+        while True:
+            messages = self._drain(limit)
+            if messages:
+                return messages
+            ready = dict(self._poller.poll(remaining_ms(deadline)))
+            if self._waker.socket in ready:
+                self._waker.consume()
+                return self._drain(limit)
+            if self._inbound not in ready and expired(deadline):
+                return []
+
+    def forget(self, endpoint: str) -> bool:
+        """Close the outbound socket to ``endpoint`` and drop its queue; False if there was none."""
+        self._check_owner()
+        socket = self._outbound.pop(endpoint, None)
+        if socket is None:
+            return False
+        socket.close(linger=0)
+        return True
+
+    def close(self, *, flush_s: float = 0.0) -> None:
+        """Close every socket; idempotent. Owner thread only, or any thread once the owner has ended.
+
+        By default whatever is still queued for a peer is dropped. ``flush_s`` > 0 lets zmq's I/O
+        thread keep sending it for that long after ``close`` returned (``close`` itself never
+        blocks): a rank that shuts down after its last statuses and acks should pass a second or so.
+        """
+        if self._closed:
+            return
+        owner = self._owner
+        if owner is not None and owner is not threading.current_thread() and owner.is_alive():
+            raise ChannelOwnershipError(
+                f"channel {self._address} is owned by thread {owner.name!r}, still running; "
+                f"close it there, or after that thread ended"
+            )
+        if not 0 <= flush_s < math.inf:
+            raise ValueError(f"flush_s must be a finite number >= 0, got {flush_s!r}")
+        self._closed = True
+        for socket in self._outbound.values():
+            socket.close(linger=round(flush_s * 1000))
+        self._outbound.clear()
+        self._poller.unregister(self._inbound)
+        self._poller.unregister(self._waker.socket)
+        self._waker.close()
+        self._inbound.close(linger=0)
+
+    def __enter__(self) -> ControlChannel[M]:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return f"<ControlChannel {self._address} {state}, {len(self._outbound)} peers>"
+
+    # ------------------------------------------------------------------ internals
+
+    def _check_owner(self) -> None:
+        if self._closed:
+            raise ChannelClosedError(f"channel {self._address} is closed")
+        current = threading.current_thread()
+        if self._owner is current:
+            return
+        with self._claim_lock:
+            owner = self._owner
+            if owner is None:
+                self._owner = current
+                return
+        raise ChannelOwnershipError(
+            f"channel {self._address} is owned by thread {owner.name!r}, used from {current.name!r}"
+        )
+
+    def _next_frames(self) -> list[bytes] | None:
+        """One frame set off the inbound socket, or None when none is queued."""
+        try:
+            return self._inbound.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            return None
+
+    def _accept(self, frames: list[bytes]) -> M | None:
+        """The message in ``frames``; None (counted, logged) when they fail authentication or decoding."""
+        if self._auth is not None:
+            try:
+                frames = self._auth.verify(frames, unix_ms())
+            except AuthenticationError as exc:
+                self._unauthenticated += 1
+                self._warnings.warning("control channel %s rejected a frame set: %s", self._address, exc)
+                return None
+        try:
+            message = self._codec.decode(frames)
+        except self._codec.decode_error as exc:
+            self._malformed += 1
+            self._warnings.warning("control channel %s skipped a malformed frame set: %s", self._address, exc)
+            return None
+        self._received += 1
+        return message
+
+    def _drain(self, limit: int) -> list[M]:
+        """Up to ``limit`` valid messages from what is queued now, without blocking."""
+        messages: list[M] = []
+        while len(messages) < limit:
+            frames = self._next_frames()
+            if frames is None:
+                break
+            message = self._accept(frames)
+            if message is not None:
+                messages.append(message)
+        return messages
+
+    def _outbound_socket(self, endpoint: str) -> zmq.Socket[bytes] | None:
+        socket = self._outbound.get(endpoint)
+        if socket is not None:
+            self._outbound.move_to_end(endpoint)
+            return socket
+        socket = self._context.socket(zmq.PUSH)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.SNDHWM, self._options.send_hwm)
+        socket.setsockopt(zmq.SNDTIMEO, self._options.send_timeout_ms)
+        if ":" in endpoint.removeprefix("tcp://").rsplit(":", 1)[0]:
+            socket.setsockopt(zmq.IPV6, 1)  # an IPv6 literal such as tcp://[::1]:5555
+        try:
+            socket.connect(endpoint)
+        except zmq.ZMQError as exc:
+            # The endpoint usually came from a peer's message: a bad one is the peer's problem and
+            # must not take the owner's loop down.
+            socket.close(linger=0)
+            self._warnings.warning("cannot dial control endpoint %r: %s", endpoint, exc)
+            return None
+        self._outbound[endpoint] = socket
+        if len(self._outbound) > self._options.max_peers:
+            evicted, old = self._outbound.popitem(last=False)
+            old.close(linger=0)
+            log.info("closed the least recently used control socket, to %s (peer limit)", evicted)
+        return socket

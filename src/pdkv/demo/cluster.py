@@ -1,0 +1,245 @@
+"""``pdkv demo``: prefill CP ranks and a decode rank in real processes, real Mooncake TCP on 127.0.0.1.
+
+Owns: the demo workload and its report. It starts a bootstrap registry, ``--cp`` prefill rank
+processes (x ``--tp``) and ``--decode-tp`` decode processes (``pdkv.testing.cluster``), runs a
+synthetic model (``--layers`` layers of MLA KV, NSA-style index state on every other layer only, a
+draft model layer, aux rows) over a workload of requests: chunked prefill, cached prefixes already on
+the decode side, and a few rooms aborted by either side. Every successful room's decode memory is
+compared byte for byte with the prefill full layout; the pages of aborted rooms get a canary after
+their safe release, checked at the end (no late write). Shows progress, prints a summary table
+(``--json``: one JSON object per room plus a summary line), exits non-zero on any mismatch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+
+import attrs
+
+from pdkv.mapping import AttentionKind
+from pdkv.protocol.ids import RoomId
+from pdkv.protocol.poll import KVPoll
+from pdkv.testing.cluster import AbortPlan, Cluster, ClusterSpec, RankReport, RequestPlan, RoomOutcome
+from pdkv.testing.synthetic import Capacity, ModelSpec
+
+
+def build_workload(
+    rooms: int, *, page_size: int, max_tokens: int, aborts: float, seed: int
+) -> list[RequestPlan]:
+    """Random requests: 1-4 chunks, some with a cached prefix, ``aborts`` of them aborted."""
+    rng = random.Random(seed)
+    plans = []
+    for i in range(rooms):
+        tokens = rng.randint(page_size, max_tokens)
+        prefix = 0
+        if rng.random() < 0.25 and tokens > 4 * page_size:
+            prefix = rng.randint(1, tokens // page_size // 2) * page_size
+        remaining = tokens - prefix
+        n_chunks = min(rng.randint(1, 4), max(1, remaining // page_size))
+        cuts = sorted(rng.sample(range(1, remaining // page_size), n_chunks - 1)) if n_chunks > 1 else []
+        bounds = [0, *(c * page_size for c in cuts), remaining]
+        chunks = tuple(b - a for a, b in zip(bounds, bounds[1:], strict=False))
+        abort = None
+        if rng.random() < aborts:
+            if rng.random() < 0.5:
+                abort = AbortPlan(side="decode", after_s=rng.uniform(0.0, 0.01))
+            else:
+                abort = AbortPlan(side="prefill", after_chunks=rng.randint(0, len(chunks) - 1))
+        plans.append(
+            RequestPlan(
+                room=RoomId(1000 + i), tokens=tokens, chunk_tokens=chunks, prefix_tokens=prefix, abort=abort, forward_s=0.0
+            )
+        )
+    return plans
+
+
+@attrs.frozen(kw_only=True)
+class Summary:
+    rooms: int
+    succeeded: int
+    failed: int
+    planned_aborts: int
+    unexpected: int
+    bytes_verified: int
+    bytes_reported: int
+    mismatches: int
+    canary_violations: int
+    unsafe_releases: int
+    worker_errors: int
+    seconds: float
+    room_p50_ms: float
+    room_p99_ms: float
+
+    @property
+    def ok(self) -> bool:
+        return not (self.unexpected or self.mismatches or self.canary_violations or self.worker_errors)
+
+
+def summarize(
+    plans: Sequence[RequestPlan], outcomes: Sequence[RoomOutcome], reports: Sequence[RankReport], seconds: float
+) -> tuple[Summary, list[dict[str, object]]]:
+    by_room: dict[int, list[RoomOutcome]] = {}
+    for outcome in outcomes:
+        by_room.setdefault(outcome.room, []).append(outcome)
+    rows: list[dict[str, object]] = []
+    succeeded = failed = unexpected = 0
+    latencies: list[float] = []
+    for plan in plans:
+        got = by_room.get(int(plan.room), [])
+        decode = [o for o in got if o.side == "decode"]
+        all_ok = bool(decode) and all(o.poll == KVPoll.Success for o in decode)
+        planned_abort = plan.abort is not None
+        # A planned abort may lose the race against a fast transfer: Success is fine then.
+        as_planned = all_ok or (planned_abort and all(o.poll == KVPoll.Failed for o in decode))
+        succeeded += all_ok
+        failed += not all_ok
+        unexpected += not as_planned
+        latencies += [o.seconds for o in decode]
+        rows.append(
+            {
+                "room": int(plan.room),
+                "tokens": plan.tokens,
+                "chunks": len(plan.chunk_tokens),
+                "prefix_tokens": plan.prefix_tokens,
+                "abort": None if plan.abort is None else plan.abort.side,
+                "outcome": "success" if all_ok else "failed",
+                "as_planned": as_planned,
+                "bytes_verified": sum(o.bytes_checked for o in decode),
+                "mismatches": [m for o in decode for m in o.mismatches],
+                "failure": "; ".join(sorted({o.failure for o in got if o.failure})),
+            }
+        )
+    latencies.sort()
+    summary = Summary(
+        rooms=len(plans),
+        succeeded=succeeded,
+        failed=failed,
+        planned_aborts=sum(p.abort is not None for p in plans),
+        unexpected=unexpected,
+        bytes_verified=sum(o.bytes_checked for o in outcomes),
+        bytes_reported=sum(o.bytes_reported for o in outcomes if o.side == "decode"),
+        mismatches=sum(len(o.mismatches) for o in outcomes),
+        canary_violations=sum(r.canary_violations for r in reports),
+        unsafe_releases=sum(r.unsafe_releases for r in reports),
+        worker_errors=sum(r.worker_errors for r in reports),
+        seconds=seconds,
+        room_p50_ms=1000 * (statistics.median(latencies) if latencies else 0.0),
+        room_p99_ms=1000 * (latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))] if latencies else 0.0),
+    )
+    return summary, rows
+
+
+class _Progress:
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.done = 0
+        self.failed = 0
+        self.tty = sys.stderr.isatty()
+        self._last = 0.0
+
+    def __call__(self, outcome: RoomOutcome) -> None:
+        if outcome.side != "decode":
+            return
+        self.done += 1
+        self.failed += outcome.poll != KVPoll.Success
+        now = time.monotonic()
+        if self.tty:
+            bar = "#" * (30 * self.done // self.total)
+            print(f"\r  rooms [{bar:<30}] {self.done}/{self.total} ({self.failed} failed)", end="", file=sys.stderr, flush=True)
+        elif now - self._last > 2 or self.done == self.total:
+            self._last = now
+            print(f"  rooms {self.done}/{self.total} ({self.failed} failed)", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.tty:
+            print(file=sys.stderr)
+
+
+def main(argv: Sequence[str] = ()) -> int:
+    parser = argparse.ArgumentParser(prog="pdkv demo", description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--cp", type=int, default=2, help="prefill context-parallel ranks (default 2)")
+    parser.add_argument("--tp", type=int, default=1, help="prefill tensor-parallel ranks (default 1)")
+    parser.add_argument("--decode-tp", type=int, default=1, help="decode tensor-parallel ranks (default 1)")
+    parser.add_argument("--rooms", type=int, default=32, help="requests (default 32)")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--bytes-per-token", type=int, default=576, help="KV bytes per token per layer (MLA latent)")
+    parser.add_argument("--max-tokens", type=int, default=2048)
+    parser.add_argument("--aborts", type=float, default=0.15, help="fraction of rooms aborted (default 0.15)")
+    parser.add_argument("--max-active", type=int, default=8, help="rooms in flight at once")
+    parser.add_argument("--mha", action="store_true", help="MHA layout (K and V per layer) instead of MLA")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", action="store_true", help="JSON lines on stdout instead of the table")
+    args = parser.parse_args(list(argv))
+
+    model = ModelSpec(
+        attention=AttentionKind.MHA if args.mha else AttentionKind.MLA,
+        layers=args.layers,
+        page_size=args.page_size,
+        kv_bytes_per_token=args.bytes_per_token,
+        state_layers=tuple(range(0, args.layers, 2)),
+        draft_layers=1,
+    )
+    plans = build_workload(args.rooms, page_size=args.page_size, max_tokens=args.max_tokens, aborts=args.aborts, seed=args.seed)
+    pages_total = sum(-(-p.tokens // args.page_size) for p in plans)
+    max_room_pages = -(-args.max_tokens // args.page_size)
+    spec = ClusterSpec(
+        model=model,
+        prefill_tp=args.tp,
+        prefill_cp=args.cp,
+        decode_tp=args.decode_tp,
+        prefill_capacity=Capacity(kv_pages=pages_total // args.cp + 2 * max_room_pages, state_slots=256, aux_rows=256),
+        decode_capacity=Capacity(kv_pages=(args.max_active + 2 * args.rooms // 5 + 2) * max_room_pages, state_slots=256, aux_rows=256),
+    )
+    print(
+        f"pdkv demo: prefill tp{args.tp} x cp{args.cp}, decode tp{args.decode_tp}, Mooncake TCP on 127.0.0.1; "
+        f"{args.rooms} rooms, {model.layers} layers + {model.draft_layers} draft, page {model.page_size}, "
+        f"{model.kv_item_bytes} B per page per layer ({model.attention.value})",
+        file=sys.stderr,
+    )
+    started = time.monotonic()
+    progress = _Progress(len(plans))
+    print("  starting registry and rank processes ...", file=sys.stderr, flush=True)
+    with Cluster(spec) as cluster:
+        ready = time.monotonic()
+        outcomes = cluster.run(plans, max_active=args.max_active, progress=progress)
+        progress.close()
+        elapsed = time.monotonic() - ready
+        reports = cluster.close()
+    summary, rows = summarize(plans, outcomes, reports, elapsed)
+    if args.json:
+        for row in rows:
+            print(json.dumps(row))
+        print(json.dumps({"summary": attrs.asdict(summary), "ok": summary.ok}))
+    else:
+        _print_table(summary, rows, startup_s=ready - started)
+    return 0 if summary.ok else 1
+
+
+def _print_table(summary: Summary, rows: list[dict[str, object]], *, startup_s: float) -> None:
+    print(f"{'room':>6} {'tokens':>6} {'chunks':>6} {'prefix':>6} {'abort':>7} {'outcome':>8} {'verified':>10}  note")
+    for row in rows:
+        note = "" if row["as_planned"] else "UNEXPECTED "
+        if row["mismatches"]:
+            note += f"MISMATCH {row['mismatches']} "
+        if row["outcome"] == "failed":
+            note += str(row["failure"])[:70]
+        print(
+            f"{row['room']:>6} {row['tokens']:>6} {row['chunks']:>6} {row['prefix_tokens']:>6} "
+            f"{row['abort'] or '-':>7} {row['outcome']:>8} {int(str(row['bytes_verified'])) / 1e6:>8.2f}MB  {note}"
+        )
+    gbps = summary.bytes_reported / summary.seconds / 1e9 if summary.seconds else 0.0
+    print()
+    print(f"rooms               {summary.rooms} ({summary.succeeded} succeeded, {summary.failed} failed, {summary.planned_aborts} aborts planned)")
+    print(f"verified            {summary.bytes_verified / 1e6:.1f} MB byte for byte, {summary.mismatches} mismatches")
+    print(f"moved (reported)    {summary.bytes_reported / 1e6:.1f} MB in {summary.seconds:.2f} s ({gbps:.2f} GB/s incl. scheduling)")
+    print(f"room latency        p50 {summary.room_p50_ms:.1f} ms, p99 {summary.room_p99_ms:.1f} ms (init to terminal, decode side)")
+    print(f"abort safety        {summary.canary_violations} canary violations, {summary.unsafe_releases} unsafe releases")
+    print(f"start-up            {startup_s:.1f} s (processes, engines, registration)")
+    print(f"result              {'OK' if summary.ok else 'FAILED'}")

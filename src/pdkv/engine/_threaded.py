@@ -1,0 +1,494 @@
+"""Machinery shared by backends whose engine calls block: registration table, handles, peer lanes.
+
+Owns: ``WorkerThreadBackend`` (an abstract base implementing the whole ``TransferBackend`` contract
+around a few engine hooks), ``RegionTable`` (vectorised "is this range registered" check) and the
+per-peer lanes that split, queue, launch and complete batches. Must not import an engine module:
+subclasses bring the engine.
+
+Threads: ``submit_write`` validates on the caller's thread, splits the batch into pieces of at most
+``max_entries_in_flight`` entries and queues them on the peer's lane. Each peer has one lane with
+two threads: a launcher that starts pieces in order while the peer's entry budget allows
+(``_launch``, expected to return quickly) and a completer that waits for launched pieces in the same
+order (``_complete``, which may block). One waiting thread per peer matters: Mooncake's status call
+spins while it waits, so one waiter per batch in flight would burn a core each. Pieces of a batch
+after a failed one are not launched; pieces already launched are still waited for, so no engine
+batch is ever left unwaited. Neither thread dies on an exception: it becomes the batch's FAILED
+reason. Lanes are created on first use of a peer and live until ``close()``.
+"""
+
+from __future__ import annotations
+
+import abc
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from concurrent.futures import wait as wait_futures
+from types import TracebackType
+from typing import Generic, Self, TypeVar
+
+import attrs
+import numpy as np
+
+from pdkv.engine.backend import (
+    BackendClosedError,
+    BackendStatistics,
+    BatchHandle,
+    BatchOutcome,
+    BatchStatus,
+    EngineVerdict,
+    ForeignHandleError,
+    InvalidBatchError,
+    MemoryRegion,
+    Registration,
+    RegistrationError,
+    UnregisteredMemoryError,
+    WaitResult,
+)
+from pdkv.mapping.blocks import IntArray, TransferBlocks
+from pdkv.mapping.layout import TensorLike
+
+
+@attrs.frozen
+class _RegionSnapshot:
+    starts: IntArray
+    ends: IntArray
+
+
+class RegionTable:
+    """Non-overlapping registered regions, checked against whole block arrays at once.
+
+    Writers (register/unregister) hold the owner's registry lock; readers take the current snapshot,
+    which is replaced, never mutated, so the hot path needs no lock.
+    """
+
+    def __init__(self) -> None:
+        self._by_address: dict[int, Registration] = {}
+        empty = np.zeros(0, dtype=np.int64)
+        self._snapshot = _RegionSnapshot(starts=empty, ends=empty)
+
+    def __len__(self) -> int:
+        return len(self._by_address)
+
+    def registrations(self) -> list[Registration]:
+        return list(self._by_address.values())
+
+    def overlapping(self, region: MemoryRegion) -> MemoryRegion | None:
+        """An existing region that shares a byte with ``region``, if any."""
+        for existing in self._by_address.values():
+            other = existing.region
+            if other.address < region.end and region.address < other.end:
+                return other
+        return None
+
+    def add(self, registration: Registration) -> None:
+        self._by_address[registration.region.address] = registration
+        self._rebuild()
+
+    def remove(self, registration: Registration) -> None:
+        if self._by_address.get(registration.region.address) is registration:
+            del self._by_address[registration.region.address]
+            self._rebuild()
+
+    def first_outside(self, addresses: IntArray, lengths: IntArray) -> int:
+        """Index of the first block not inside one registered region (-1: all inside).
+
+        Zero-length blocks touch no memory and are never outside.
+        """
+        if addresses.size == 0:
+            return -1
+        snap = self._snapshot
+        if snap.starts.size == 0:
+            nonzero = np.flatnonzero(lengths > 0)
+            return int(nonzero[0]) if nonzero.size else -1
+        # Regions do not overlap, so the only candidate is the last one starting at or before addr.
+        slot = np.searchsorted(snap.starts, addresses, side="right") - 1
+        inside = (slot >= 0) & (addresses + lengths <= snap.ends[np.maximum(slot, 0)])
+        bad = np.flatnonzero(~inside & (lengths > 0))
+        return int(bad[0]) if bad.size else -1
+
+    def _rebuild(self) -> None:
+        regions = sorted((r.region for r in self._by_address.values()), key=lambda r: r.address)
+        self._snapshot = _RegionSnapshot(
+            starts=np.array([r.address for r in regions], dtype=np.int64),
+            ends=np.array([r.end for r in regions], dtype=np.int64),
+        )
+
+
+class PieceFailed(Exception):
+    """Raised by ``_launch`` / ``_complete``: the piece did not land, for the reason given."""
+
+
+class _BatchProgress:
+    """How far the pieces of one batch got; the batch ends when every piece ended or was skipped."""
+
+    def __init__(self, handle: BatchHandle, pieces: int) -> None:
+        self.handle = handle
+        self.pieces = pieces
+        self.ended = 0
+        self.failure: str | None = None
+        self.lock = threading.Lock()
+
+    def piece_ended(self, index: int, failure: str | None) -> bool:
+        """Record one piece; True when this was the batch's last one."""
+        with self.lock:
+            if failure is not None and self.failure is None:
+                where = f" (engine submission {index + 1} of {self.pieces})" if self.pieces > 1 else ""
+                self.failure = failure + where
+            self.ended += 1
+            return self.ended == self.pieces
+
+
+@attrs.frozen(eq=False)
+class PieceJob:
+    """One engine submission: ``piece`` is part ``index`` (0-based) of ``count`` parts of ``handle``."""
+
+    handle: BatchHandle
+    piece: TransferBlocks
+    index: int
+    count: int
+    progress: _BatchProgress
+
+
+Token = TypeVar("Token")
+
+
+class _PeerLane(Generic[Token]):
+    """The launcher and completer threads of one peer, and that peer's entry budget."""
+
+    def __init__(self, backend: WorkerThreadBackend[Token], peer: str, budget: int) -> None:
+        self._backend = backend
+        self._budget = budget
+        self._used = 0
+        self._queued: deque[PieceJob] = deque()
+        self._launched: deque[tuple[PieceJob, Token]] = deque()
+        self._changed = threading.Condition()
+        self._stopping = False
+        self._launcher_done = False
+        name = f"{backend.thread_name}-{peer}"
+        self._threads = (
+            threading.Thread(target=self._launch_loop, name=f"{name}-launch", daemon=True),
+            threading.Thread(target=self._complete_loop, name=f"{name}-complete", daemon=True),
+        )
+        for thread in self._threads:
+            thread.start()
+
+    def put(self, jobs: list[PieceJob]) -> None:
+        with self._changed:
+            self._queued.extend(jobs)
+            self._changed.notify_all()
+
+    def stop(self) -> None:
+        """Launch and complete everything already queued, then end both threads."""
+        with self._changed:
+            self._stopping = True
+            self._changed.notify_all()
+        for thread in self._threads:
+            thread.join()
+
+    def _launch_loop(self) -> None:
+        while True:
+            with self._changed:
+                while not self._queued and not self._stopping:
+                    self._changed.wait()
+                if not self._queued:
+                    self._launcher_done = True
+                    self._changed.notify_all()
+                    return
+                job = self._queued[0]
+                # Pieces never exceed the budget and the completer gives entries back without
+                # needing this thread, so this wait always ends.
+                while self._used + len(job.piece) > self._budget:
+                    self._changed.wait()
+                self._queued.popleft()
+                self._used += len(job.piece)
+            if job.progress.failure is not None:
+                self._ended(job, None)  # an earlier piece failed: do not send the rest
+                continue
+            try:
+                token = self._backend._launch(job)
+            except PieceFailed as exc:
+                self._ended(job, str(exc))
+                continue
+            except Exception as exc:  # an engine bug must fail the batch, not the lane
+                self._ended(job, f"backend error while launching: {exc!r}")
+                continue
+            with self._changed:
+                self._launched.append((job, token))
+                self._changed.notify_all()
+
+    def _complete_loop(self) -> None:
+        while True:
+            with self._changed:
+                while not self._launched and not self._launcher_done:
+                    self._changed.wait()
+                if not self._launched:
+                    return
+                job, token = self._launched.popleft()
+            failure: str | None = None
+            try:
+                self._backend._complete(job, token)
+            except PieceFailed as exc:
+                failure = str(exc)
+            except Exception as exc:
+                failure = f"backend error while completing: {exc!r}"
+            self._ended(job, failure)
+
+    def _ended(self, job: PieceJob, failure: str | None) -> None:
+        with self._changed:
+            self._used -= len(job.piece)
+            self._changed.notify_all()
+        if job.progress.piece_ended(job.index, failure):
+            reason = job.progress.failure
+            status = BatchStatus.COMPLETED if reason is None else BatchStatus.FAILED
+            self._backend._finish(job.handle, status, reason or "")
+
+
+class WorkerThreadBackend(abc.ABC, Generic[Token]):
+    """A ``TransferBackend`` around an engine whose calls block; subclasses supply the engine hooks."""
+
+    def __init__(
+        self,
+        *,
+        max_entries_in_flight: int,
+        thread_name: str,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if max_entries_in_flight <= 0:
+            raise ValueError(f"max_entries_in_flight must be positive, got {max_entries_in_flight}")
+        self._max_entries = max_entries_in_flight
+        self.thread_name = thread_name  # prefix of its lane threads
+        self._clock = clock
+        self._lock = threading.Lock()  # lanes, batches, counters, closed flag
+        self._registry_lock = threading.Lock()  # registrations (engine registration may be slow)
+        self._regions = RegionTable()
+        self._lanes: dict[str, _PeerLane[Token]] = {}
+        self._closed = False
+        self._serial = 0
+        self._unwaited: dict[int, BatchHandle] = {}
+        self._in_flight = 0
+        self._completed = 0
+        self._failed = 0
+        self._bytes_completed = 0
+
+    # ------------------------------------------------------------------ hooks for the engine
+
+    @property
+    @abc.abstractmethod
+    def session_id(self) -> str: ...
+
+    @abc.abstractmethod
+    def _engine_register(self, region: MemoryRegion) -> None:
+        """Make ``region`` known to the engine; raise ``RegistrationError`` if it refuses."""
+
+    @abc.abstractmethod
+    def _engine_unregister(self, region: MemoryRegion) -> None:
+        """Forget ``region``; raise ``RegistrationError`` if the engine refuses."""
+
+    @abc.abstractmethod
+    def _launch(self, job: PieceJob) -> Token:
+        """Start one piece (lane launcher thread); raise ``PieceFailed`` if the engine refuses it."""
+
+    @abc.abstractmethod
+    def _complete(self, job: PieceJob, token: Token) -> None:
+        """Wait until a launched piece ended (lane completer thread); ``PieceFailed`` if it failed."""
+
+    @abc.abstractmethod
+    def _engine_close(self) -> None:
+        """Release the engine; called once, after every batch ended and every region was unregistered."""
+
+    # ------------------------------------------------------------------------- registration
+
+    @property
+    def max_entries_in_flight(self) -> int:
+        return self._max_entries
+
+    def register(self, memory: TensorLike) -> Registration:
+        is_contiguous = getattr(memory, "is_contiguous", None)
+        if callable(is_contiguous) and not is_contiguous():
+            raise RegistrationError("cannot register a non-contiguous tensor: its bytes are not one range")
+        length = memory.numel() * memory.element_size()
+        return self.register_range(memory.data_ptr(), length, keepalive=memory)
+
+    def register_range(self, address: int, length: int, *, keepalive: object = None) -> Registration:
+        if address <= 0 or length <= 0:
+            raise RegistrationError(f"cannot register address {address:#x} length {length}: both must be > 0")
+        region = MemoryRegion(address, length)
+        with self._registry_lock:
+            if self._closed:
+                raise BackendClosedError(f"backend {self.session_id} is closed")
+            clash = self._regions.overlapping(region)
+            if clash is not None:
+                raise RegistrationError(
+                    f"region {address:#x}+{length} overlaps the registered region "
+                    f"{clash.address:#x}+{clash.length}"
+                )
+            self._engine_register(region)
+            registration = Registration(self, region, keepalive)
+            self._regions.add(registration)
+        return registration
+
+    def unregister(self, registration: Registration) -> None:
+        if not registration.belongs_to(self):
+            raise ForeignHandleError(f"{registration!r} was not made by backend {self.session_id}")
+        with self._registry_lock:
+            self._unregister_locked(registration)
+
+    def _unregister_locked(self, registration: Registration) -> None:
+        if registration.closed:
+            return
+        # Out of the table first: from now on no new batch can name this memory as its source.
+        self._regions.remove(registration)
+        try:
+            self._engine_unregister(registration.region)
+        finally:
+            registration.mark_closed()
+
+    # ------------------------------------------------------------------------------ batches
+
+    def submit_write(self, peer: str, batch: TransferBlocks) -> BatchHandle:
+        if not isinstance(peer, str) or not peer:
+            raise InvalidBatchError(f"peer must be a non-empty session id, got {peer!r}")
+        outside = self._regions.first_outside(batch.src, batch.length)
+        if outside >= 0:
+            address, length = int(batch.src[outside]), int(batch.length[outside])
+            raise UnregisteredMemoryError(
+                f"block {outside} of {len(batch)}: source {address:#x}+{length} is not inside any region "
+                f"registered with backend {self.session_id} ({len(self._regions)} registered)",
+                block=outside,
+                address=address,
+                length=length,
+            )
+        moving = batch
+        if len(batch) and not bool(np.all(batch.length > 0)):
+            moving = batch.take(np.flatnonzero(batch.length > 0))
+        pieces = [
+            moving.take(slice(start, start + self._max_entries))
+            for start in range(0, len(moving), self._max_entries)
+        ]
+        verdict: Future[EngineVerdict] = Future()
+        with self._lock:
+            if self._closed:
+                raise BackendClosedError(f"backend {self.session_id} is closed")
+            self._serial += 1
+            handle = BatchHandle(
+                serial=self._serial,
+                peer=peer,
+                entries=len(batch),
+                total_bytes=batch.total_bytes,
+                submitted_at=self._clock(),
+                owner=self,
+                verdict=verdict,
+            )
+            self._unwaited[handle.serial] = handle
+            self._in_flight += 1
+            if pieces:
+                # Inside the lock so that close() cannot stop the lanes between the check and here.
+                lane = self._lanes.get(peer)
+                if lane is None:
+                    lane = self._lanes[peer] = _PeerLane(self, peer, self._max_entries)
+                progress = _BatchProgress(handle, len(pieces))
+                lane.put(
+                    [PieceJob(handle, piece, i, len(pieces), progress) for i, piece in enumerate(pieces)]
+                )
+        if not pieces:
+            self._finish(handle, BatchStatus.COMPLETED, "")
+        return handle
+
+    def _finish(self, handle: BatchHandle, status: BatchStatus, reason: str) -> None:
+        # Counters first, then the future: whoever wakes on the future sees consistent statistics.
+        with self._lock:
+            self._in_flight -= 1
+            if status is BatchStatus.COMPLETED:
+                self._completed += 1
+                self._bytes_completed += handle.total_bytes
+            else:
+                self._failed += 1
+        handle.verdict_future.set_result(EngineVerdict(status, reason, self._clock()))
+
+    def wait(self, handles: Sequence[BatchHandle], timeout: float | None = None) -> WaitResult:
+        for handle in handles:
+            if not handle.belongs_to(self):
+                raise ForeignHandleError(
+                    f"batch {handle.serial} was not submitted to backend {self.session_id}"
+                )
+        if timeout is not None:
+            timeout = max(0.0, timeout)
+        wait_futures([h.verdict_future for h in handles], timeout=timeout)
+        now = self._clock()
+        outcomes: list[BatchOutcome] = []
+        collected: list[int] = []
+        for handle in handles:
+            future = handle.verdict_future
+            if future.done():
+                verdict = future.result()
+                seconds = verdict.finished_at - handle.submitted_at
+                outcomes.append(BatchOutcome(handle, verdict.status, verdict.reason, seconds))
+                collected.append(handle.serial)
+            else:
+                outcomes.append(
+                    BatchOutcome(
+                        handle,
+                        BatchStatus.TIMED_OUT,
+                        f"not finished after waiting {timeout:.3g} s; it may still be in flight",
+                        now - handle.submitted_at,
+                    )
+                )
+        with self._lock:
+            for serial in collected:
+                self._unwaited.pop(serial, None)
+        return WaitResult(tuple(outcomes))
+
+    def write(self, peer: str, batch: TransferBlocks, *, timeout: float | None = None) -> BatchOutcome:
+        result = self.wait([self.submit_write(peer, batch)], timeout)
+        result.raise_for_status()
+        return result.outcomes[0]
+
+    def statistics(self) -> BackendStatistics:
+        with self._lock:
+            return BackendStatistics(
+                batches_submitted=self._serial,
+                batches_completed=self._completed,
+                batches_failed=self._failed,
+                batches_in_flight=self._in_flight,
+                batches_unwaited=len(self._unwaited),
+                bytes_completed=self._bytes_completed,
+                registrations=len(self._regions),
+            )
+
+    # ------------------------------------------------------------------------------ closing
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        # Every submitted batch ends before any memory is unregistered: unregistering under an
+        # in-flight write would let the engine touch memory the caller may already reuse.
+        for lane in self._lanes.values():
+            lane.stop()
+        errors: list[str] = []
+        with self._registry_lock:
+            for registration in self._regions.registrations():
+                try:
+                    self._unregister_locked(registration)
+                except RegistrationError as exc:
+                    errors.append(str(exc))
+        self._engine_close()
+        if errors:
+            raise RegistrationError(
+                f"closing {self.session_id}: {len(errors)} unregistrations failed: {errors}"
+            )
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()

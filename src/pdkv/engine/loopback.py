@@ -1,0 +1,207 @@
+"""In-process transfer backend: memcpy between regions registered under session ids, with fault injection.
+
+Owns: ``LoopbackBackend``, ``LoopbackFabric`` (the registry that maps session ids to live loopback
+backends: one per process by default, or an explicit one shared by the backends of a test) and
+``LoopbackFaults`` (fail the Nth batch, delay batches, fail only some peers). Must not pretend to be
+faster or more forgiving than a real engine: completion is asynchronous on worker threads (a delayed
+batch is really still in flight), the destination is checked against the peer's registrations as a
+real peer would, and more than ``max_entries_in_flight`` entries towards one peer fail the batch,
+as Mooncake's TCP lane does, so the splitting in ``pdkv.engine._threaded`` is exercised for real.
+Copies run on a small pool (``worker_threads``), so delayed batches overlap as a real engine's do.
+
+Memory safety is the caller's: the destination check and the copy are not atomic with respect to
+the peer unregistering (and freeing) memory, exactly the rule every backend states (never
+unregister memory a batch in flight may touch).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import threading
+import time
+from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import ClassVar
+
+import attrs
+
+from pdkv.engine._threaded import PieceFailed, PieceJob, WorkerThreadBackend
+from pdkv.engine.backend import MemoryRegion
+from pdkv.mapping.blocks import TransferBlocks
+
+
+def _non_negative_float(_: object, attribute: attrs.Attribute[float], value: float) -> None:
+    if not value >= 0.0:
+        raise ValueError(f"{attribute.name} must be >= 0, got {value!r}")
+
+
+def _positive_int(_: object, attribute: attrs.Attribute[int], value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{attribute.name} must be a positive int, got {value!r}")
+
+
+def _serials(values: Iterable[int]) -> frozenset[int]:
+    return frozenset(values)
+
+
+def _peers(values: Iterable[str]) -> frozenset[str]:
+    return frozenset(values)
+
+
+@attrs.frozen(kw_only=True)
+class LoopbackFaults:
+    """What goes wrong, by batch serial (1-based submission order of the sending backend) and peer."""
+
+    fail_batches: frozenset[int] = attrs.field(default=frozenset(), converter=_serials)
+    failing_peers: frozenset[str] = attrs.field(default=frozenset(), converter=_peers)
+    delay_seconds: float = attrs.field(default=0.0, validator=_non_negative_float)
+    # None: every batch is delayed (when delay_seconds > 0); otherwise only these serials.
+    delay_batches: frozenset[int] | None = attrs.field(
+        default=None, converter=attrs.converters.optional(_serials)
+    )
+    # A real engine that fails a batch may already have landed some of it: a failing batch first
+    # writes the first half of its blocks, so callers are tested against partial writes.
+    partial_write: bool = True
+
+    def delays(self, serial: int) -> bool:
+        return self.delay_seconds > 0 and (self.delay_batches is None or serial in self.delay_batches)
+
+    @classmethod
+    def none(cls) -> LoopbackFaults:
+        return cls()
+
+
+@attrs.frozen(kw_only=True)
+class LoopbackConfig:
+    max_entries_in_flight: int = attrs.field(default=2048, validator=_positive_int)
+    worker_threads: int = attrs.field(default=4, validator=_positive_int)
+    faults: LoopbackFaults = LoopbackFaults()
+
+
+class LoopbackFabric:
+    """Session id -> live loopback backend. Backends reach each other only within one fabric."""
+
+    _default: ClassVar[LoopbackFabric | None] = None
+    _default_lock: ClassVar[threading.Lock] = threading.Lock()
+
+    def __init__(self, name: str = "local") -> None:
+        self.name = name
+        self._lock = threading.Lock()
+        self._members: dict[str, LoopbackBackend] = {}
+        self._numbers = itertools.count(1)
+
+    @classmethod
+    def default(cls) -> LoopbackFabric:
+        """The process-wide fabric used when a backend is given none."""
+        with cls._default_lock:
+            if cls._default is None:
+                cls._default = LoopbackFabric("process")
+            return cls._default
+
+    def attach(self, backend: LoopbackBackend) -> str:
+        with self._lock:
+            session_id = f"loopback:{self.name}:{next(self._numbers)}"
+            self._members[session_id] = backend
+            return session_id
+
+    def detach(self, session_id: str) -> None:
+        with self._lock:
+            self._members.pop(session_id, None)
+
+    def lookup(self, session_id: str) -> LoopbackBackend | None:
+        with self._lock:
+            return self._members.get(session_id)
+
+
+class LoopbackBackend(WorkerThreadBackend["Future[None]"]):
+    """A ``TransferBackend`` that copies with ``ctypes.memmove`` inside one process."""
+
+    def __init__(self, config: LoopbackConfig | None = None, *, fabric: LoopbackFabric | None = None) -> None:
+        self.config = config or LoopbackConfig()
+        super().__init__(max_entries_in_flight=self.config.max_entries_in_flight, thread_name="pdkv-loopback")
+        self._fabric = fabric or LoopbackFabric.default()
+        self._faults = self.config.faults
+        # The "engine": copies run here, so delayed batches overlap as a real engine's would.
+        self._copiers = ThreadPoolExecutor(
+            self.config.worker_threads, thread_name_prefix="pdkv-loopback-copy"
+        )
+        self._lane_lock = threading.Lock()
+        self._lane_entries: dict[str, int] = {}
+        self._session_id = self._fabric.attach(self)
+
+    @property
+    def session_id(self) -> str:
+        return self._session_id
+
+    @property
+    def faults(self) -> LoopbackFaults:
+        return self._faults
+
+    def set_faults(self, faults: LoopbackFaults) -> None:
+        """Replace the faults; pieces not launched yet see the new ones."""
+        self._faults = faults
+
+    def destination_outside(self, batch: TransferBlocks) -> int:
+        """Index of the first block whose destination is not registered here (-1: none)."""
+        return self._regions.first_outside(batch.dst, batch.length)
+
+    # ---------------------------------------------------------------------------- engine hooks
+
+    def _engine_register(self, region: MemoryRegion) -> None:
+        pass  # the region table of the base class is this engine's whole registration state
+
+    def _engine_unregister(self, region: MemoryRegion) -> None:
+        pass
+
+    def _engine_close(self) -> None:
+        self._fabric.detach(self._session_id)
+        self._copiers.shutdown(wait=True)
+
+    def _launch(self, job: PieceJob) -> Future[None]:
+        faults = self._faults
+        peer, piece = job.handle.peer, job.piece
+        if peer in faults.failing_peers:
+            raise PieceFailed(f"injected failure: peer {peer} is failing")
+        target = self._fabric.lookup(peer)
+        if target is None:
+            raise PieceFailed(f"no loopback backend with session id {peer!r} in fabric {self._fabric.name!r}")
+        with self._lane_lock:
+            queued = self._lane_entries.get(peer, 0) + len(piece)
+            limit = self.config.max_entries_in_flight
+            if queued > limit:
+                raise PieceFailed(f"lane queue full towards {peer}: {queued} entries > {limit}")
+            self._lane_entries[peer] = queued
+        return self._copiers.submit(_execute, job, faults, target)
+
+    def _complete(self, job: PieceJob, token: Future[None]) -> None:
+        try:
+            token.result()
+        finally:
+            with self._lane_lock:
+                self._lane_entries[job.handle.peer] -= len(job.piece)
+
+
+def _execute(job: PieceJob, faults: LoopbackFaults, target: LoopbackBackend) -> None:
+    """The peer's side of one piece: (delay), check the destination, (fail), copy."""
+    serial, piece = job.handle.serial, job.piece
+    if job.index == 0 and faults.delays(serial):
+        time.sleep(faults.delay_seconds)
+    outside = target.destination_outside(piece)
+    if outside >= 0:
+        raise PieceFailed(
+            f"destination {int(piece.dst[outside]):#x}+{int(piece.length[outside])} "
+            f"(block {outside} of {len(piece)}) is not inside a region registered at {target.session_id}"
+        )
+    if serial in faults.fail_batches:
+        if faults.partial_write and job.index == 0:
+            _copy(piece.take(slice(0, len(piece) // 2)))
+        raise PieceFailed(f"injected failure of batch {serial}")
+    _copy(piece)
+
+
+def _copy(blocks: TransferBlocks) -> None:
+    # ctypes releases the GIL around memmove, so copies overlap with the caller's Python work.
+    triples = zip(blocks.src.tolist(), blocks.dst.tolist(), blocks.length.tolist(), strict=True)
+    for src, dst, length in triples:
+        ctypes.memmove(dst, src, length)

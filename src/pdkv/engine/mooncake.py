@@ -1,0 +1,326 @@
+"""Mooncake transfer-engine backend: the only module in pdkv that imports ``mooncake``.
+
+Owns: ``MooncakeConfig`` (protocol, metadata server, device, and the ``MC_*`` settings that matter),
+``MooncakeBackend`` (a ``TransferBackend`` over ``mooncake.engine.TransferEngine``) and
+``load_transfer_engine`` (the import, turned into a clear ``EngineUnavailableError``). Must not assume
+TCP: production runs ``rdma``; TCP-only facts (the per-peer lane queue) are named as such.
+
+How the engine is driven (Mooncake 0.3.13; facts in FACTS.md and notes/peer-systems.md section 4):
+
+- Arguments are passed positionally (older bindings have no argument names).
+- A piece of a batch is launched with ``batch_transfer_async_write`` on the peer's lane thread (a
+  batch id <= 0 means the engine refused it, e.g. the peer's handshake failed) and completed with
+  ``get_batch_transfer_status`` on the lane's completer thread: it blocks, spinning, until the batch
+  ends (0 ok, negative failed or timed out), so there is exactly one such waiter per peer however
+  many batches are in flight (``pdkv.engine._threaded``).
+  ``transfer_check_status`` is not used: it inspects only the first task of a batch.
+- Over TCP every entry in flight towards one peer takes a slot in that peer's lane queue
+  (``MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER``, about 2,048 by default). A batch that overflows it is
+  rejected whole, concurrent batches included, and the lane keeps refusing for about a second after.
+  So the backend never has more than ``max_entries_in_flight`` entries in flight per peer: larger
+  batches are split and the parts queued (``pdkv.engine._threaded``).
+- The engine reads its ``MC_*`` settings from the environment: ``MC_LOG_LEVEL`` when the library
+  is first imported, the others when an engine initializes. The backend sets the configured ones in
+  ``os.environ`` before both. They are process-wide, so every backend of one process should be built
+  from the same settings (the first import fixes the log level); the config wins over a value
+  already in the environment, and settings left ``None`` leave the environment alone.
+- A destination outside the peer's registered memory is refused by the peer, and the batch fails
+  (status negative); the engine does not say which block, so neither can this backend.
+- With ``P2PHANDSHAKE`` the engine picks its RPC port itself (``MC_MIN_RPC_PORT``..``MC_MAX_RPC_PORT``)
+  and ignores a port in ``local_hostname``; peers address ``host:rpc_port`` (``session_id``).
+
+Timeouts: the engine fails a batch after about ``total bytes`` ns plus ``MC_TRANSFER_TIMEOUT`` s
+(default 30 s, at least 5 s), so a worker is never stuck for ever; ``wait(timeout=...)`` on top of that
+reports TIMED_OUT without cancelling anything (see ``pdkv.engine.backend``).
+"""
+
+from __future__ import annotations
+
+import enum
+import importlib
+import os
+from collections.abc import Callable, Mapping
+from types import ModuleType
+from typing import TYPE_CHECKING, Protocol
+
+import attrs
+
+from pdkv.engine._threaded import PieceFailed, PieceJob, WorkerThreadBackend
+from pdkv.engine.backend import MemoryRegion, RegistrationError
+from pdkv.errors import ConfigError, EngineUnavailableError, TransferError
+
+if TYPE_CHECKING:
+    from mooncake.engine import TransferEngine
+
+SYSTEM_PACKAGES = ("libibverbs1", "librdmacm1", "libnuma1")
+_SYSTEM_LIBRARIES = ("libibverbs", "librdmacm", "libnuma")
+# The engine's TCP lane queue default; an in-flight budget above it gets whole batches rejected.
+TCP_DEFAULT_QUEUED_TRANSFERS_PER_PEER = 2048
+# Mooncake 0.3.13 accepts 8,192 and 16,384, rejects 65,536 (falls back to 1,024), and treats values
+# below 1,024 as 1,024; stay inside what was verified.
+TCP_QUEUED_TRANSFERS_RANGE = (1024, 16384)
+
+
+class MooncakeEngineApi(Protocol):
+    """The part of ``mooncake.engine.TransferEngine`` this backend calls (all positional)."""
+
+    def initialize(
+        self, local_hostname: str, metadata_server: str, protocol: str, device_name: str, /
+    ) -> int: ...
+    def get_rpc_port(self) -> int: ...
+    def register_memory(self, buffer_addr: int, capacity: int, /) -> int: ...
+    def unregister_memory(self, buffer_addr: int, /) -> int: ...
+    def batch_transfer_async_write(
+        self,
+        target_hostname: str,
+        buffers: list[int],
+        peer_buffer_addresses: list[int],
+        lengths: list[int],
+        /,
+    ) -> int: ...
+    def get_batch_transfer_status(self, batch_ids: list[int], /) -> int: ...
+
+
+class EngineInitError(TransferError):
+    """``TransferEngine.initialize`` (or another setup call) returned a failure code."""
+
+
+class MooncakeProtocol(enum.Enum):
+    TCP = "tcp"
+    RDMA = "rdma"
+
+
+class MooncakeLogLevel(enum.Enum):
+    INFO = "INFO"
+    WARNING = "WARNING"
+    ERROR = "ERROR"
+
+
+_IntValidator = Callable[[object, "attrs.Attribute[int | None]", "int | None"], None]
+
+
+def _optional_int_in(low: int, high: int) -> _IntValidator:
+    def check(_: object, attribute: attrs.Attribute[int | None], value: int | None) -> None:
+        if value is None:
+            return
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            raise ConfigError(f"{attribute.name} must be an int in [{low}, {high}] or None, got {value!r}")
+
+    return check
+
+
+def _mc_names(_: object, attribute: attrs.Attribute[Mapping[str, str]], value: Mapping[str, str]) -> None:
+    for key in value:
+        if not key.startswith("MC_"):
+            raise ConfigError(f"{attribute.name} holds Mooncake settings only (MC_*), got {key!r}")
+
+
+def _to_protocol(value: MooncakeProtocol | str) -> MooncakeProtocol:
+    try:
+        return MooncakeProtocol(value)
+    except ValueError:
+        raise ConfigError(f"protocol must be 'tcp' or 'rdma', got {value!r}") from None
+
+
+def _to_log_level(value: MooncakeLogLevel | str | None) -> MooncakeLogLevel | None:
+    if value is None:
+        return None
+    try:
+        return MooncakeLogLevel(value)
+    except ValueError:
+        raise ConfigError(f"log_level must be INFO, WARNING, ERROR or None, got {value!r}") from None
+
+
+@attrs.frozen(kw_only=True)
+class MooncakeConfig:
+    """How to start one Mooncake engine. ``environment()`` lists the ``MC_*`` variables it sets."""
+
+    protocol: MooncakeProtocol = attrs.field(default=MooncakeProtocol.TCP, converter=_to_protocol)
+    local_hostname: str = "127.0.0.1"  # the address peers reach this engine at (no port)
+    metadata_server: str = "P2PHANDSHAKE"  # or "etcd://host:port", "http://host:port/metadata" ...
+    device_name: str = ""  # RDMA NICs, e.g. "mlx5_0,mlx5_1"; "" for TCP
+    # MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER (TCP only); None keeps the engine default (2,048).
+    tcp_max_queued_transfers_per_peer: int | None = attrs.field(
+        default=None, validator=_optional_int_in(*TCP_QUEUED_TRANSFERS_RANGE)
+    )
+    # MC_TRANSFER_TIMEOUT in seconds; the engine clamps it to at least 5.
+    transfer_timeout_s: int | None = attrs.field(default=None, validator=_optional_int_in(5, 86_400))
+    log_level: MooncakeLogLevel | None = attrs.field(
+        default=MooncakeLogLevel.WARNING, converter=_to_log_level
+    )
+    # Any other MC_* setting, passed through verbatim (e.g. MC_TCP_LANES_PER_PEER, MC_SLICE_SIZE).
+    extra_environment: Mapping[str, str] = attrs.field(factory=dict, validator=_mc_names)
+    # Most entries in flight towards one peer; None: the TCP lane queue size, or 2,048 for RDMA.
+    max_entries_in_flight: int | None = attrs.field(default=None, validator=_optional_int_in(1, 1 << 20))
+
+    def environment(self) -> dict[str, str]:
+        """The ``MC_*`` variables this config sets before the engine initializes."""
+        env = dict(self.extra_environment)
+        if self.tcp_max_queued_transfers_per_peer is not None:
+            env["MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER"] = str(self.tcp_max_queued_transfers_per_peer)
+        if self.transfer_timeout_s is not None:
+            env["MC_TRANSFER_TIMEOUT"] = str(self.transfer_timeout_s)
+        if self.log_level is not None:
+            env["MC_LOG_LEVEL"] = self.log_level.value
+        return env
+
+    @property
+    def entry_budget(self) -> int:
+        """Entries the backend keeps in flight per peer (see the module docstring)."""
+        if self.max_entries_in_flight is not None:
+            return self.max_entries_in_flight
+        if self.protocol is MooncakeProtocol.TCP:
+            return self.tcp_max_queued_transfers_per_peer or TCP_DEFAULT_QUEUED_TRANSFERS_PER_PEER
+        return TCP_DEFAULT_QUEUED_TRANSFERS_PER_PEER
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> MooncakeConfig:
+        """Defaults, overridden by ``PDKV_MOONCAKE_PROTOCOL``, ``_HOSTNAME``, ``_METADATA_SERVER``,
+        ``_DEVICE`` and ``_TRANSFER_TIMEOUT`` (seconds) when set."""
+        env = os.environ if env is None else env
+        config = cls()
+        if "PDKV_MOONCAKE_PROTOCOL" in env:
+            config = attrs.evolve(config, protocol=_to_protocol(env["PDKV_MOONCAKE_PROTOCOL"]))
+        if "PDKV_MOONCAKE_HOSTNAME" in env:
+            config = attrs.evolve(config, local_hostname=env["PDKV_MOONCAKE_HOSTNAME"])
+        if "PDKV_MOONCAKE_METADATA_SERVER" in env:
+            config = attrs.evolve(config, metadata_server=env["PDKV_MOONCAKE_METADATA_SERVER"])
+        if "PDKV_MOONCAKE_DEVICE" in env:
+            config = attrs.evolve(config, device_name=env["PDKV_MOONCAKE_DEVICE"])
+        if "PDKV_MOONCAKE_TRANSFER_TIMEOUT" in env:
+            raw = env["PDKV_MOONCAKE_TRANSFER_TIMEOUT"]
+            try:
+                seconds = int(raw)
+            except ValueError:
+                raise ConfigError(
+                    f"PDKV_MOONCAKE_TRANSFER_TIMEOUT must be whole seconds, got {raw!r}"
+                ) from None
+            config = attrs.evolve(config, transfer_timeout_s=seconds)
+        return config
+
+
+def load_transfer_engine(
+    import_module: Callable[[str], ModuleType] = importlib.import_module,
+) -> type[TransferEngine]:
+    """``mooncake.engine.TransferEngine``, or an ``EngineUnavailableError`` that says what to install."""
+    try:
+        import_module("mooncake.engine")
+    except ModuleNotFoundError as exc:
+        if exc.name not in ("mooncake", "mooncake.engine"):
+            raise _unavailable(exc) from exc
+        raise EngineUnavailableError(
+            "the Mooncake transfer engine is not installed: pip install 'pdkv[mooncake-cpu]' "
+            "(mooncake-transfer-engine-non-cuda, CPU memory, TCP or RDMA) or 'pdkv[mooncake]' (CUDA build)"
+        ) from exc
+    except ImportError as exc:
+        raise _unavailable(exc) from exc
+    from mooncake.engine import TransferEngine
+
+    return TransferEngine
+
+
+def _unavailable(exc: ImportError) -> EngineUnavailableError:
+    message = str(exc)
+    if any(lib in message for lib in _SYSTEM_LIBRARIES):
+        packages = " ".join(SYSTEM_PACKAGES)
+        return EngineUnavailableError(
+            f"mooncake.engine is installed but cannot load a system library ({message}); it links "
+            f"against RDMA and NUMA libraries even for protocol tcp. On Debian/Ubuntu: "
+            f"apt-get install -y {packages}"
+        )
+    if "libcudart" in message:
+        return EngineUnavailableError(
+            f"the CUDA build of Mooncake needs the CUDA runtime ({message}); on a machine without "
+            "CUDA install mooncake-transfer-engine-non-cuda (pip install 'pdkv[mooncake-cpu]')"
+        )
+    return EngineUnavailableError(f"mooncake.engine failed to import: {message}")
+
+
+def _session_host(local_hostname: str) -> str:
+    # "[::1]:1234" / "host:1234" -> the host part; the engine ignores the port under P2PHANDSHAKE.
+    if local_hostname.startswith("["):
+        return local_hostname.split("]", 1)[0] + "]"
+    if local_hostname.count(":") == 1:
+        return local_hostname.split(":", 1)[0]
+    return local_hostname
+
+
+class MooncakeBackend(WorkerThreadBackend[int]):
+    """A ``TransferBackend`` over one Mooncake ``TransferEngine`` (one per rank).
+
+    ``engine_class`` replaces the real engine (tests pass a fake with the same positional API).
+    """
+
+    def __init__(
+        self,
+        config: MooncakeConfig | None = None,
+        *,
+        engine_class: Callable[[], MooncakeEngineApi] | None = None,
+    ) -> None:
+        self.config = config or MooncakeConfig()
+        cfg = self.config
+        # Before the import and the engine's start: some settings (MC_LOG_LEVEL) are read when the
+        # library loads, the others when the engine initializes.
+        os.environ.update(cfg.environment())
+        make_engine = engine_class or load_transfer_engine()
+        engine = make_engine()
+        rc = engine.initialize(cfg.local_hostname, cfg.metadata_server, cfg.protocol.value, cfg.device_name)
+        if rc != 0:
+            raise EngineInitError(
+                f"TransferEngine.initialize({cfg.local_hostname!r}, {cfg.metadata_server!r}, "
+                f"{cfg.protocol.value!r}, {cfg.device_name!r}) returned {rc}: check that the metadata "
+                "server is reachable and, for rdma, that the device names exist (ibv_devices)"
+            )
+        self._engine: MooncakeEngineApi | None = engine
+        if cfg.metadata_server == "P2PHANDSHAKE":
+            self._session_id = f"{_session_host(cfg.local_hostname)}:{engine.get_rpc_port()}"
+        else:
+            self._session_id = cfg.local_hostname
+        super().__init__(max_entries_in_flight=cfg.entry_budget, thread_name="pdkv-mooncake")
+
+    @property
+    def session_id(self) -> str:
+        return self._session_id
+
+    def _live_engine(self) -> MooncakeEngineApi:
+        if self._engine is None:
+            raise TransferError(f"Mooncake engine of {self._session_id} was released")
+        return self._engine
+
+    def _engine_register(self, region: MemoryRegion) -> None:
+        rc = self._live_engine().register_memory(region.address, region.length)
+        if rc != 0:
+            raise RegistrationError(
+                f"Mooncake register_memory({region.address:#x}, {region.length}) returned {rc} "
+                "(overlapping or zero-length region, or the NIC refused the memory)"
+            )
+
+    def _engine_unregister(self, region: MemoryRegion) -> None:
+        rc = self._live_engine().unregister_memory(region.address)
+        if rc != 0:
+            raise RegistrationError(f"Mooncake unregister_memory({region.address:#x}) returned {rc}")
+
+    def _launch(self, job: PieceJob) -> int:
+        peer, piece = job.handle.peer, job.piece
+        batch_id = self._live_engine().batch_transfer_async_write(
+            peer, piece.src.tolist(), piece.dst.tolist(), piece.length.tolist()
+        )
+        if batch_id <= 0:
+            raise PieceFailed(
+                f"engine refused the submission of {len(piece)} blocks (batch id {batch_id}): "
+                f"peer {peer!r} unreachable (handshake failed) or the arguments are invalid"
+            )
+        return batch_id
+
+    def _complete(self, job: PieceJob, token: int) -> None:
+        status = self._live_engine().get_batch_transfer_status([token])
+        if status != 0:
+            raise PieceFailed(
+                f"engine reported status {status} for {len(job.piece)} blocks to {job.handle.peer!r}: "
+                "transport error, destination not registered at the peer, queue full, or "
+                "MC_TRANSFER_TIMEOUT exceeded"
+            )
+
+    def _engine_close(self) -> None:
+        # The binding has no shutdown call; dropping the last reference runs the engine's destructor.
+        self._engine = None

@@ -1,0 +1,117 @@
+"""The control thread of a transport: the only thread that touches its sockets.
+
+Owns: ``ControlLoop`` (receive -> endpoint, outbox -> sockets, deadlines -> ``tick``) and the
+``MessageChannel`` protocol it drives (implemented by ``pdkv.control``). Other threads never send:
+they append to the outbox and wake the loop, so a slow or dead peer can only delay this thread,
+never the scheduler or a transfer worker. The loop never dies on an exception from a handler: it
+logs it with the traceback and goes on (a handler bug must not wedge every room of the rank).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Protocol
+
+from pdkv.protocol.messages import Message
+
+log = logging.getLogger(__name__)
+
+_MAX_IDLE_S = 0.5  # upper bound on one wait, so a stop request is noticed promptly
+
+
+class MessageChannel(Protocol):
+    """A rank's control socket set, owned by one thread (see ``pdkv.control``)."""
+
+    @property
+    def address(self) -> str: ...
+
+    def send(self, to: str, message: Message) -> object: ...
+
+    def wait(self, timeout_s: float | None) -> list[Message]: ...
+
+    def wake(self) -> None: ...
+
+    def forget(self, endpoint: str) -> object: ...
+
+    def close(self) -> None: ...
+
+
+class ControlLoop:
+    """Runs ``on_message`` for each received message and ``on_tick`` at the endpoint's deadlines.
+
+    ``on_tick(now)`` returns the next deadline (monotonic seconds) or None.
+    """
+
+    def __init__(
+        self,
+        channel: MessageChannel,
+        *,
+        name: str,
+        on_message: Callable[[Message, float], None],
+        on_tick: Callable[[float], float | None],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.channel = channel
+        self._on_message = on_message
+        self._on_tick = on_tick
+        self._clock = clock
+        self._outbox: deque[tuple[str, Message]] = deque()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.handler_errors = 0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def post(self, to: str, message: Message) -> None:
+        """Queue ``message`` for ``to`` (any thread); the loop sends it."""
+        self._outbox.append((to, message))
+        self.channel.wake()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop the thread and close the channel (idempotent). Queued messages are flushed first."""
+        self._stop.set()
+        self.channel.wake()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                log.warning("control thread %s did not stop within %.1f s", self._thread.name, timeout_s)
+                return
+        self.channel.close()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def _run(self) -> None:
+        next_deadline: float | None = None
+        while not self._stop.is_set():
+            now = self._clock()
+            try:
+                if next_deadline is None or next_deadline <= now:
+                    next_deadline = self._on_tick(now)
+                self._flush()
+                timeout = _MAX_IDLE_S if next_deadline is None else max(0.0, min(_MAX_IDLE_S, next_deadline - now))
+                for message in self.channel.wait(timeout):
+                    self._on_message(message, self._clock())
+                # A message may have created an earlier deadline: recompute next round.
+                next_deadline = self._on_tick(self._clock())
+                self._flush()
+            except Exception:
+                self.handler_errors += 1
+                log.exception("control loop %s: handler failed; continuing", self._thread.name)
+                next_deadline = None
+                time.sleep(0.01)  # never spin hot on a persistent failure
+        try:
+            self._flush()
+        except Exception:
+            log.exception("control loop %s: final flush failed", self._thread.name)
+
+    def _flush(self) -> None:
+        while self._outbox:
+            to, message = self._outbox.popleft()
+            self.channel.send(to, message)

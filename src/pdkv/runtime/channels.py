@@ -1,0 +1,68 @@
+"""Wiring of ``pdkv.control`` (sockets, registry service) to ``pdkv.protocol`` (messages, codec).
+
+Owns: the ``WireCodec`` of pdkv messages, the default channel factory of the transports (with
+optional HMAC authentication from ``PDKV_AUTH_KEY``), and the registry calls (announce, query,
+start a registry service for a prefill instance). ``pdkv.control`` knows frames, not messages; this
+is the one place that joins the two.
+"""
+
+from __future__ import annotations
+
+from pdkv.control.auth import Authenticator
+from pdkv.control.bootstrap import RegistryService, request
+from pdkv.control.channel import ControlChannel
+from pdkv.control.framing import WireCodec
+from pdkv.errors import PdkvError, RemoteProtocolError
+from pdkv.protocol import codec
+from pdkv.protocol.ids import Epoch, InstanceId
+from pdkv.protocol.messages import Message, Origin, RankAnnounce, RankCoord, RegisterReject, RouteQuery, RouteTable
+from pdkv.protocol.registry import RouteBook
+from pdkv.runtime._loop import MessageChannel
+from pdkv.runtime.prefill import ChannelFactory, new_epoch
+
+CODEC: WireCodec[Message] = WireCodec(encode=codec.encode, decode=codec.decode, decode_error=RemoteProtocolError)
+
+
+class RegistryError(PdkvError):
+    """The bootstrap registry refused an announcement or a query."""
+
+
+def zmq_channel_factory(auth: Authenticator | None = None) -> ChannelFactory:
+    """Channels bound on a free port of the given host; ``auth`` defaults to ``PDKV_AUTH_KEY``."""
+    key = auth if auth is not None else Authenticator.from_env()
+
+    def make(host: str) -> MessageChannel:
+        return ControlChannel(CODEC, host=host, auth=key)
+
+    return make
+
+
+def announce_to_registry(address: str, message: RankAnnounce, timeout_s: float = 30.0) -> RouteTable:
+    reply = request(address, message, codec=CODEC, timeout_s=timeout_s, auth=Authenticator.from_env())
+    if isinstance(reply, RegisterReject):
+        raise RegistryError(f"registry {address} refused {message.origin}: {reply.reason}")
+    if not isinstance(reply, RouteTable):
+        raise RegistryError(f"registry {address} answered an announcement with {type(reply).__name__}")
+    return reply
+
+
+def query_registry(address: str, message: RouteQuery, timeout_s: float) -> RouteTable | None:
+    """The current route table, or None while the registry has none to give (no rank announced yet)."""
+    reply = request(address, message, codec=CODEC, timeout_s=timeout_s, auth=Authenticator.from_env())
+    if isinstance(reply, RegisterReject):
+        return None
+    if not isinstance(reply, RouteTable):
+        raise RegistryError(f"registry {address} answered a query with {type(reply).__name__}")
+    return reply
+
+
+def start_registry(
+    *, instance: InstanceId, tp_size: int, cp_size: int, host: str = "127.0.0.1", port: int = 0
+) -> RegistryService[Message]:
+    """Run the bootstrap registry of a prefill instance (a thread of this process); stop() it when done."""
+    book = RouteBook(
+        Origin(instance=instance, epoch=Epoch(new_epoch()), rank=RankCoord(tp=0)), tp_size=tp_size, cp_size=cp_size
+    )
+    service = RegistryService(CODEC, book.handle, host=host, port=port, auth=Authenticator.from_env())
+    service.start()
+    return service

@@ -1,0 +1,323 @@
+"""``DecodeTransport`` and ``KVReceiver``: the decode rank's side of pdkv, as a scheduler embeds it.
+
+Owns: the control thread and the lock around one decode rank's sans-IO ``DecodeEndpoint``; the
+route tables of the prefill instances it receives from; the TP fan-out of each room (which prefill
+ranks it asks, which are dummies, how many statuses it waits for: ``pdkv.mapping.decode_fanout``).
+The decode side moves no bytes itself: prefill ranks write into its registered buffers. Its job is
+to say where (TransferRequest), to know when the bytes are complete (every required status), and
+to say when pages are safe to reuse (``release_ready``: after every AbortAck, or the counted timeout).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+import attrs
+import numpy as np
+
+from pdkv.engine.backend import Registration, TransferBackend
+from pdkv.errors import ConfigError, PdkvError
+from pdkv.mapping import BufferLayout, Topology, decode_fanout
+from pdkv.protocol.config import Timeouts
+from pdkv.protocol.decode import DecodeEndpoint, DecodeStatistics
+from pdkv.protocol.effects import Effect, Notice, ReleasePages, RoomFinished, Send, SubmitChunk, Target
+from pdkv.protocol.ids import Endpoint, Epoch, InstanceId, RoomId, SessionId
+from pdkv.protocol.messages import (
+    IntArray,
+    Message,
+    Origin,
+    RankCoord,
+    RouteQuery,
+    RouteTable,
+    StateIndices,
+    TransferMetricData,
+)
+from pdkv.protocol.poll import KVPoll
+from pdkv.runtime._loop import ControlLoop
+from pdkv.runtime.prefill import ChannelFactory, _default_channel_factory, _log_notice, new_epoch
+
+log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+
+
+class RouteUnavailableError(PdkvError):
+    """The bootstrap registry did not answer, or its route table is incomplete or incompatible."""
+
+
+@attrs.frozen(kw_only=True)
+class DecodeConfig:
+    """One decode rank (decode CP is 1: every decode rank holds whole requests)."""
+
+    instance: InstanceId
+    rank: RankCoord
+    tp_size: int = attrs.field(validator=attrs.validators.ge(1))
+    layout: BufferLayout
+    host: str = "127.0.0.1"
+    timeouts: Timeouts = attrs.field(factory=Timeouts.from_env)
+    epoch: Epoch = attrs.field(factory=new_epoch)
+    register_memory: bool = True
+
+    def __attrs_post_init__(self) -> None:
+        if self.rank.tp >= self.tp_size or self.rank.cp != 0:
+            raise ConfigError(f"decode rank {self.rank} outside tp_size {self.tp_size} (decode cp must be 0)")
+
+    @property
+    def origin(self) -> Origin:
+        return Origin(instance=self.instance, epoch=self.epoch, rank=self.rank)
+
+
+@attrs.frozen(kw_only=True)
+class DecodeTransportStatistics:
+    endpoint: DecodeStatistics
+    rooms_released: int
+    unsafe_releases: int
+
+
+Query = Callable[[str, RouteQuery, float], RouteTable | None]
+
+
+class DecodeTransport:
+    """One decode rank: registers its buffers and receives rooms from prefill instances."""
+
+    def __init__(
+        self,
+        config: DecodeConfig,
+        backend: TransferBackend,
+        *,
+        channel_factory: ChannelFactory | None = None,
+        query: Query | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.backend = backend
+        self._clock = clock
+        self._lock = threading.Lock()
+        factory = channel_factory if channel_factory is not None else _default_channel_factory()
+        channel = factory(config.host)
+        self._endpoint = DecodeEndpoint(
+            origin=config.origin,
+            tp_size=config.tp_size,
+            endpoint=Endpoint(channel.address),
+            session=SessionId(backend.session_id),
+            layout=config.layout,
+            timeouts=config.timeouts,
+        )
+        self._loop = ControlLoop(
+            channel, name=f"pdkv-decode-{config.rank}", on_message=self._on_message, on_tick=self._on_tick, clock=clock
+        )
+        self._query_route = query if query is not None else _default_query()
+        self._routes: dict[InstanceId, RouteTable] = {}
+        self._registrations: list[Registration] = []
+        self._released = 0
+        self._unsafe = 0
+        self._started = False
+        self._closed = False
+
+    @property
+    def address(self) -> str:
+        return self._loop.channel.address
+
+    def start(self) -> None:
+        if self._started:
+            return
+        self._started = True
+        if self.config.register_memory:
+            for spec in self.config.layout.buffers:
+                self._registrations.append(self.backend.register_range(spec.base_ptr, spec.length))
+        self._loop.start()
+
+    def connect(self, registry: str, *, timeout_s: float = 60.0) -> InstanceId:
+        """Fetch the route table of the prefill instance behind ``registry`` and register with its ranks.
+
+        Blocks until the table is complete (every prefill rank announced) or ``timeout_s`` passed:
+        call it at start-up, not on the scheduler's hot path. Returns the prefill instance id that
+        ``KVReceiver.init`` names.
+        """
+        deadline = self._clock() + timeout_s
+        query = RouteQuery(origin=self.config.origin)
+        while True:
+            remaining = deadline - self._clock()
+            if remaining <= 0:
+                raise RouteUnavailableError(f"no complete route table from {registry} within {timeout_s:g} s")
+            table = self._query_route(registry, query, min(remaining, 5.0))
+            if table is not None and table.complete:
+                break
+            time.sleep(min(0.05, max(0.0, remaining)))
+        if table.page_size != self.config.layout.page_size:
+            raise RouteUnavailableError(
+                f"page size differs: prefill {table.page_size}, decode {self.config.layout.page_size}"
+            )
+        if table.layout_digest != self.config.layout.digest():
+            log.warning("layout digest of %s differs from ours; prefill ranks will say how", registry)
+        instance = table.origin.instance
+        with self._lock:
+            self._routes[instance] = table
+            self._apply(self._endpoint.connect(table, self._clock()))
+        return instance
+
+    def wait_registered(self, instance: InstanceId, *, timeout_s: float = 30.0) -> bool:
+        """True once every prefill rank of ``instance`` acknowledged registration (False on timeout)."""
+        deadline = self._clock() + timeout_s
+        while self._clock() < deadline:
+            with self._lock:
+                table = self._routes[instance]
+                ready = all(
+                    self._endpoint.peer_ready(Target(instance=instance, rank=route.rank)) for route in table.ranks
+                )
+            if ready:
+                return True
+            time.sleep(0.01)
+        return False
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._loop.stop()
+        for registration in self._registrations:
+            registration.close()
+        self._registrations.clear()
+
+    def __enter__(self) -> DecodeTransport:
+        self.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+    def receiver(self, room: RoomId, prefill: InstanceId) -> KVReceiver:
+        return KVReceiver(self, room, prefill)
+
+    def statistics(self) -> DecodeTransportStatistics:
+        with self._lock:
+            return DecodeTransportStatistics(
+                endpoint=self._endpoint.statistics(), rooms_released=self._released, unsafe_releases=self._unsafe
+            )
+
+    def fanout_targets(self, prefill: InstanceId) -> tuple[list[Target], int]:
+        """The prefill ranks a room from ``prefill`` is requested from, and their required_dst_info_num."""
+        table = self._routes.get(prefill)
+        if table is None:
+            raise ConfigError(f"prefill instance {prefill!r} is not connected (call connect(registry) first)")
+        topology = Topology(
+            prefill_tp=table.tp_size,
+            decode_tp=self.config.tp_size,
+            prefill_cp=table.cp_size,
+            attention=self.config.layout.attention,
+        )
+        fan = decode_fanout(topology, self.config.rank.tp)
+        targets = [Target(instance=prefill, rank=RankCoord(tp=t.tp, cp=t.cp), dummy=t.dummy) for t in fan.targets]
+        # Every prefill rank of one room waits for the same number of decode requests.
+        ratio = topology.ratio if topology.decode_tp > topology.prefill_tp else 1
+        return targets, ratio
+
+    # ------------------------------------------------------------------ internals
+
+    def _call(self, fn: Callable[[DecodeEndpoint, float], list[Effect]]) -> None:
+        with self._lock:
+            self._apply(fn(self._endpoint, self._clock()))
+
+    def _query(self, fn: Callable[[DecodeEndpoint], _T]) -> _T:
+        with self._lock:
+            return fn(self._endpoint)
+
+    def _on_message(self, message: Message, now: float) -> None:
+        with self._lock:
+            self._apply(self._endpoint.receive(message, now))
+
+    def _on_tick(self, now: float) -> float | None:
+        with self._lock:
+            self._apply(self._endpoint.tick(now))
+            return self._endpoint.next_deadline()
+
+    def _apply(self, effects: Sequence[Effect]) -> None:
+        for effect in effects:
+            if isinstance(effect, Send):
+                self._loop.post(effect.to, effect.message)
+            elif isinstance(effect, ReleasePages):
+                self._released += 1
+                if not effect.safe:
+                    self._unsafe += 1
+                    log.warning("room %s: pages released UNSAFELY: %s", effect.room, effect.reason)
+            elif isinstance(effect, RoomFinished):
+                if effect.poll is KVPoll.Success:
+                    log.debug("room %s succeeded on decode %s", effect.room, self.config.rank)
+            elif isinstance(effect, Notice):
+                _log_notice(effect)
+            elif isinstance(effect, SubmitChunk):  # prefill-side effect; a decode endpoint never emits it
+                raise AssertionError(f"decode endpoint emitted {effect}")
+
+
+class KVReceiver:
+    """The scheduler's handle on one room of a decode rank. Every call returns without network waits."""
+
+    def __init__(self, transport: DecodeTransport, room: RoomId, prefill: InstanceId) -> None:
+        self.transport = transport
+        self.room = room
+        self.prefill = prefill
+
+    def init(
+        self,
+        dst_pages: IntArray | Sequence[int],
+        aux_row: int | None,
+        state_indices: Sequence[StateIndices] = (),
+    ) -> None:
+        """Where the room's bytes go: one destination page per position, an aux row, state slots."""
+        targets, required = self.transport.fanout_targets(self.prefill)
+        pages = np.asarray(dst_pages)
+        self.transport._call(
+            lambda e, now: e.open_room(
+                self.room,
+                targets=targets,
+                dst_pages=pages,
+                dst_aux_row=aux_row,
+                dst_state=state_indices,
+                required_dst_info_num=required,
+                now=now,
+            )
+        )
+
+    def poll(self) -> KVPoll:
+        return self.transport._query(lambda e: e.poll(self.room))
+
+    def abort(self, reason: str) -> None:
+        self.transport._call(lambda e, now: e.abort_room(self.room, reason, now))
+
+    def failure(self) -> str | None:
+        return self.transport._query(lambda e: e.failure(self.room))
+
+    def release_ready(self) -> bool:
+        """True when no prefill rank can still write into this room's pages."""
+        return self.transport._query(lambda e: e.release_ready(self.room))
+
+    def metric(self) -> TransferMetricData:
+        """The room's totals as reported by its prefill ranks (pages, bytes, slowest rank's seconds)."""
+        parts = self.transport._query(lambda e: e.metric(self.room))
+        return TransferMetricData(
+            pages=sum(m.pages for m in parts.values()),
+            bytes=sum(m.bytes for m in parts.values()),
+            seconds=max((m.seconds for m in parts.values()), default=0.0),
+        )
+
+    def clear(self) -> None:
+        """Forget the room once ``release_ready()``; clearing earlier is a LocalProtocolError."""
+        self.transport._call(lambda e, now: _close(e, self.room))
+
+
+def _close(endpoint: DecodeEndpoint, room: RoomId) -> list[Effect]:
+    endpoint.close_room(room)
+    return []
+
+
+def _default_query() -> Query:
+    from pdkv.runtime.channels import query_registry
+
+    return query_registry
+
+
+__all__ = ["DecodeConfig", "DecodeTransport", "KVReceiver", "RouteUnavailableError"]

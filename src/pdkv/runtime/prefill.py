@@ -1,0 +1,399 @@
+"""``PrefillTransport`` and ``KVSender``: the prefill rank's side of pdkv, as a scheduler embeds it.
+
+Owns: the threads and queues of one prefill rank around its sans-IO ``PrefillEndpoint``:
+
+- the control thread (``ControlLoop``) owns the sockets, feeds messages and deadlines to the
+  endpoint and sends what the endpoint asks;
+- transfer workers take ``SubmitChunk`` effects from a bounded queue, map the chunk for each
+  destination (``plan_chunk``), move the bytes (``TransferExecutor``) and report the result back;
+- the scheduler's calls (``KVSender``) only take the lock, update the endpoint and enqueue: they
+  never wait on the network.
+
+All room state lives in the endpoint, behind one lock. Effects are carried out in the order the
+endpoint produced them. A worker never dies on an exception: the chunk (and so the room) fails with
+the reason, and the worker takes the next chunk.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+import attrs
+import numpy as np
+
+from pdkv.engine.backend import Registration, TransferBackend
+from pdkv.errors import ConfigError, PdkvError
+from pdkv.mapping import BufferLayout, OwnershipPolicy, PageInterleaved
+from pdkv.protocol.config import Timeouts
+from pdkv.protocol.effects import (
+    ChunkSpec,
+    Effect,
+    Notice,
+    NoticeLevel,
+    ReleasePages,
+    RoomFinished,
+    Send,
+    SubmitChunk,
+)
+from pdkv.protocol.ids import Endpoint, Epoch, InstanceId, RoomId, SessionId
+from pdkv.protocol.messages import (
+    IntArray,
+    Message,
+    Origin,
+    RankAnnounce,
+    RankCoord,
+    StateIndices,
+    TransferMetricData,
+)
+from pdkv.protocol.poll import KVPoll
+from pdkv.protocol.prefill import PrefillEndpoint, PrefillStatistics
+from pdkv.runtime._loop import ControlLoop, MessageChannel
+from pdkv.runtime.chunk_plan import plan_chunk
+from pdkv.runtime.executor import ExecutorConfig, TransferExecutor
+
+log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+
+ChannelFactory = Callable[[str], MessageChannel]
+"""Builds a rank's control channel bound on the given host (``pdkv.control`` by default)."""
+
+
+def new_epoch() -> Epoch:
+    """A fresh incarnation number: larger than any earlier one of this host's processes."""
+    return Epoch(time.time_ns())
+
+
+@attrs.frozen(kw_only=True)
+class PrefillConfig:
+    """One prefill rank. ``registry`` is the bootstrap registry's address (``tcp://host:port``)."""
+
+    instance: InstanceId
+    rank: RankCoord
+    tp_size: int = attrs.field(validator=attrs.validators.ge(1))
+    cp_size: int = attrs.field(default=1, validator=attrs.validators.ge(1))
+    layout: BufferLayout
+    registry: str
+    host: str = "127.0.0.1"
+    ownership: OwnershipPolicy | None = None
+    """CP shared-KV ownership (default: page-interleaved over ``cp_size``)."""
+    timeouts: Timeouts = attrs.field(factory=Timeouts.from_env)
+    executor: ExecutorConfig = attrs.field(factory=ExecutorConfig.from_env)
+    epoch: Epoch = attrs.field(factory=new_epoch)
+    workers: int = attrs.field(default=2, validator=attrs.validators.ge(1))
+    queue_size: int = attrs.field(default=4096, validator=attrs.validators.ge(1))
+    register_memory: bool = True
+    """Register every buffer of ``layout`` with the backend (False: the caller registered them)."""
+
+    def __attrs_post_init__(self) -> None:
+        if self.rank.tp >= self.tp_size or self.rank.cp >= self.cp_size:
+            raise ConfigError(f"rank {self.rank} outside tp_size {self.tp_size} / cp_size {self.cp_size}")
+        if self.ownership is not None and self.ownership.cp_size != self.cp_size:
+            raise ConfigError(f"ownership policy is for cp_size {self.ownership.cp_size}, transport has {self.cp_size}")
+
+    @property
+    def policy(self) -> OwnershipPolicy:
+        return self.ownership if self.ownership is not None else PageInterleaved(cp_size=self.cp_size)
+
+    @property
+    def origin(self) -> Origin:
+        return Origin(instance=self.instance, epoch=self.epoch, rank=self.rank)
+
+
+@attrs.frozen(kw_only=True)
+class PrefillTransportStatistics:
+    endpoint: PrefillStatistics
+    chunks_written: int
+    bytes_written: int
+    worker_errors: int
+    queue_depth: int
+
+
+class PrefillTransport:
+    """One prefill rank: registers its buffers, announces itself, and serves its rooms."""
+
+    def __init__(
+        self,
+        config: PrefillConfig,
+        backend: TransferBackend,
+        *,
+        channel_factory: ChannelFactory | None = None,
+        announce: Callable[[str, RankAnnounce], object] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.backend = backend
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._endpoint = PrefillEndpoint(origin=config.origin, layout=config.layout, timeouts=config.timeouts)
+        self._executor = TransferExecutor(backend, config.executor)
+        self._work: queue.Queue[SubmitChunk | None] = queue.Queue(maxsize=config.queue_size)
+        self._registrations: list[Registration] = []
+        factory = channel_factory if channel_factory is not None else _default_channel_factory()
+        self._loop = ControlLoop(
+            factory(config.host),
+            name=f"pdkv-prefill-{config.rank}",
+            on_message=self._on_message,
+            on_tick=self._on_tick,
+            clock=clock,
+        )
+        self._announce = announce if announce is not None else _default_announce()
+        self._workers = [
+            threading.Thread(target=self._work_loop, name=f"pdkv-transfer-{config.rank}-{i}", daemon=True)
+            for i in range(config.workers)
+        ]
+        self._chunks_written = 0
+        self._bytes_written = 0
+        self._worker_errors = 0
+        self._partition_dump = os.environ.get("PDKV_DEBUG_PARTITION_DUMP") == "1"
+        self._started = False
+        self._closed = False
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def address(self) -> str:
+        return self._loop.channel.address
+
+    def start(self, *, announce_timeout_s: float = 30.0) -> None:
+        """Register buffers, start threads, announce this rank to the registry."""
+        if self._started:
+            return
+        self._started = True
+        if self.config.register_memory:
+            for spec in self.config.layout.buffers:
+                self._registrations.append(self.backend.register_range(spec.base_ptr, spec.length))
+        self._loop.start()
+        for worker in self._workers:
+            worker.start()
+        layout = self.config.layout
+        message = RankAnnounce(
+            origin=self.config.origin,
+            tp_size=self.config.tp_size,
+            cp_size=self.config.cp_size,
+            endpoint=Endpoint(self.address),
+            session=SessionId(self.backend.session_id),
+            page_size=layout.page_size,
+            layout_digest=layout.digest(),
+        )
+        self._announce(self.config.registry, message)
+
+    def close(self) -> None:
+        """Stop threads (in-flight chunks finish first), close sockets, unregister memory (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        for _ in self._workers:
+            self._work.put(None)
+        for worker in self._workers:
+            if worker.is_alive():
+                worker.join(30)
+        self._loop.stop()
+        for registration in self._registrations:
+            registration.close()
+        self._registrations.clear()
+
+    def __enter__(self) -> PrefillTransport:
+        self.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ scheduler surface
+
+    def sender(self, room: RoomId) -> KVSender:
+        return KVSender(self, room)
+
+    def statistics(self) -> PrefillTransportStatistics:
+        with self._lock:
+            endpoint = self._endpoint.statistics()
+        return PrefillTransportStatistics(
+            endpoint=endpoint,
+            chunks_written=self._chunks_written,
+            bytes_written=self._bytes_written,
+            worker_errors=self._worker_errors,
+            queue_depth=self._work.qsize(),
+        )
+
+    def _call(self, fn: Callable[[PrefillEndpoint, float], list[Effect]]) -> None:
+        with self._lock:
+            self._apply(fn(self._endpoint, self._clock()))
+
+    def _query(self, fn: Callable[[PrefillEndpoint], _T]) -> _T:
+        with self._lock:
+            return fn(self._endpoint)
+
+    # ------------------------------------------------------------------ control thread
+
+    def _on_message(self, message: Message, now: float) -> None:
+        with self._lock:
+            self._apply(self._endpoint.receive(message, now))
+
+    def _on_tick(self, now: float) -> float | None:
+        with self._lock:
+            self._apply(self._endpoint.tick(now))
+            return self._endpoint.next_deadline()
+
+    # ------------------------------------------------------------------ effects (lock held)
+
+    def _apply(self, effects: Sequence[Effect]) -> None:
+        for effect in effects:
+            if isinstance(effect, Send):
+                self._loop.post(effect.to, effect.message)
+            elif isinstance(effect, SubmitChunk):
+                try:
+                    self._work.put_nowait(effect)
+                except queue.Full:
+                    # Never block the caller: the chunk fails, and with it the room (decode is told).
+                    now = self._clock()
+                    self._endpoint.start_chunk(effect.room, effect.chunk, now)
+                    reason = f"transfer queue full ({self.config.queue_size} chunks)"
+                    self._apply(self._endpoint.chunk_failed(effect.room, effect.chunk, reason, now))
+            elif isinstance(effect, RoomFinished):
+                if effect.poll is KVPoll.Success:
+                    log.debug("room %s succeeded on prefill %s", effect.room, self.config.rank)
+            elif isinstance(effect, Notice):
+                _log_notice(effect)
+            elif isinstance(effect, ReleasePages):  # decode-side effect; a prefill endpoint never emits it
+                raise AssertionError(f"prefill endpoint emitted {effect}")
+
+    # ------------------------------------------------------------------ transfer workers
+
+    def _work_loop(self) -> None:
+        while True:
+            item = self._work.get()
+            if item is None:
+                return
+            try:
+                self._run_chunk(item)
+            except Exception as exc:  # the room fails; the worker goes on
+                self._worker_errors += 1
+                log.exception("transfer worker: chunk %s of room %s failed unexpectedly", item.chunk, item.room)
+                try:
+                    self._finish_failed(item, f"internal error: {type(exc).__name__}: {exc}")
+                except Exception:
+                    log.exception("transfer worker: could not fail chunk %s of room %s", item.chunk, item.room)
+
+    def _run_chunk(self, submit: SubmitChunk) -> None:
+        with self._lock:
+            if not self._endpoint.start_chunk(submit.room, submit.chunk, self._clock()):
+                return  # skipped: the room failed before any byte of this chunk moved
+        started = self._clock()
+        pages = written = 0
+        for destination in submit.destinations:
+            try:
+                plan = plan_chunk(
+                    submit,
+                    destination,
+                    src_layout=self.config.layout,
+                    cp_rank=self.config.rank.cp,
+                    policy=self.config.policy,
+                    writes_extras=self.config.rank.cp == 0,
+                )
+            except PdkvError as exc:
+                self._finish_failed(submit, f"mapping for {destination.peer.instance}:{destination.peer.rank}: {exc}")
+                return
+            for note in plan.notes:
+                log.warning("room %s chunk %s: %s", submit.room, submit.chunk, note)
+            if self._partition_dump:
+                _dump_partition(submit, plan.kv_pages, plan.state_slots, self.config.rank, destination.peer.rank)
+            result = self._executor.transfer(destination.peer.session, plan.blocks)
+            if not result.ok:
+                self._finish_failed(submit, f"to {destination.peer.session}: {result.reason}")
+                return
+            pages += plan.kv_pages
+            written += result.bytes_written
+        metric = TransferMetricData(pages=pages, bytes=written, seconds=max(0.0, self._clock() - started))
+        with self._lock:
+            self._chunks_written += 1
+            self._bytes_written += written
+            self._apply(self._endpoint.chunk_done(submit.room, submit.chunk, metric, self._clock()))
+
+    def _finish_failed(self, submit: SubmitChunk, reason: str) -> None:
+        with self._lock:
+            self._apply(self._endpoint.chunk_failed(submit.room, submit.chunk, reason, self._clock()))
+
+
+class KVSender:
+    """The scheduler's handle on one room of a prefill rank. Every call returns without network waits."""
+
+    def __init__(self, transport: PrefillTransport, room: RoomId) -> None:
+        self.transport = transport
+        self.room = room
+
+    def init(self, num_pages: int, aux_row: int | None) -> None:
+        """The request has ``num_pages`` pages in all; its aux row here is ``aux_row``."""
+        self.transport._call(lambda e, now: e.open_room(self.room, num_pages=num_pages, aux_row=aux_row, now=now))
+
+    def send(
+        self,
+        chunk_pages: IntArray | Sequence[int],
+        *,
+        start_token: int,
+        last: bool,
+        state_indices: Sequence[StateIndices] | None = None,
+    ) -> None:
+        """Queue one chunk: its logical page ids (as every CP rank sees them) and its token offset."""
+        spec = ChunkSpec(pages=np.asarray(chunk_pages), start_token=start_token, last=last, state=state_indices or ())
+        self.transport._call(lambda e, now: e.queue_chunk(self.room, spec, now))
+
+    def poll(self) -> KVPoll:
+        return self.transport._query(lambda e: e.poll(self.room))
+
+    def abort(self, reason: str) -> None:
+        self.transport._call(lambda e, now: e.abort_room(self.room, reason, now))
+
+    def failure(self) -> str | None:
+        return self.transport._query(lambda e: e.failure(self.room))
+
+    def metric(self) -> TransferMetricData:
+        return self.transport._query(lambda e: e.metric(self.room))
+
+    def clear(self) -> None:
+        """Forget a terminal room (its id is remembered as a tombstone for late messages)."""
+        self.transport._call(lambda e, now: _close(e, self.room, now))
+
+
+def _close(endpoint: PrefillEndpoint, room: RoomId, now: float) -> list[Effect]:
+    endpoint.close_room(room, now)
+    return []
+
+
+def _log_notice(notice: Notice) -> None:
+    level = {NoticeLevel.DEBUG: logging.DEBUG, NoticeLevel.INFO: logging.INFO, NoticeLevel.WARNING: logging.WARNING}
+    log.log(level[notice.level], "%s", notice.text)
+
+
+def _dump_partition(submit: SubmitChunk, kv_pages: int, state_slots: int, rank: RankCoord, peer: RankCoord) -> None:
+    """PDKV_DEBUG_PARTITION_DUMP=1: one line per chunk and destination, no cap, no other effect."""
+    log.warning(
+        "partition room=%s chunk=%s rank=%s peer=%s start_token=%s pages=%s kv_pages_sent=%s state_slots=%s last=%s",
+        submit.room,
+        submit.chunk,
+        rank,
+        peer,
+        submit.spec.start_token,
+        submit.spec.pages.tolist(),
+        kv_pages,
+        state_slots,
+        submit.spec.last,
+    )
+
+
+def _default_channel_factory() -> ChannelFactory:
+    from pdkv.runtime.channels import zmq_channel_factory
+
+    return zmq_channel_factory()
+
+
+def _default_announce() -> Callable[[str, RankAnnounce], object]:
+    from pdkv.runtime.channels import announce_to_registry
+
+    return announce_to_registry

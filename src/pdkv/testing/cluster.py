@@ -1,0 +1,602 @@
+"""A real prefill/decode cluster on 127.0.0.1: one process per rank, real transports, real engine.
+
+Owns: ``ClusterSpec`` / ``RequestPlan`` (what to run), ``Cluster`` (starts the bootstrap registry in
+this process and one process per prefill rank (TP x CP) and per decode rank, feeds them requests,
+collects per-room outcomes, stops everything it started, by pid, with timeouts, even on failure),
+and the rank processes' simple schedulers. The integration tests and ``pdkv demo`` both run on it.
+
+Each rank builds its buffers with ``pdkv.testing.synthetic``; prefill ranks fill them from the
+content rule, decode ranks verify every successful room byte for byte against the same rule, keep
+the prefix positions (already on the decode side) untouched, and after an aborted room's safe
+release write a canary into its pages, checked at shutdown: a late write would break it.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import logging
+import multiprocessing as mp
+import queue
+import signal
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from multiprocessing.connection import Connection
+from typing import Any
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+
+from pdkv.alloc import PagePool
+from pdkv.mapping import BufferKind, OwnershipPolicy, PageInterleaved, chunk_page_start
+from pdkv.protocol.config import Timeouts
+from pdkv.protocol.ids import InstanceId, RoomId
+from pdkv.protocol.messages import RankCoord, StateIndices
+from pdkv.protocol.poll import KVPoll
+from pdkv.testing.synthetic import (
+    Capacity,
+    ModelSpec,
+    RankMemory,
+    canary_intact,
+    verify_room,
+    write_canary,
+)
+
+IntArray = npt.NDArray[np.int64]
+
+log = logging.getLogger(__name__)
+
+
+@attrs.frozen(kw_only=True)
+class ClusterSpec:
+    model: ModelSpec = attrs.Factory(ModelSpec)
+    prefill_tp: int = 1
+    prefill_cp: int = 1
+    decode_tp: int = 1
+    prefill_capacity: Capacity = Capacity(kv_pages=2048, state_slots=256, aux_rows=256)
+    decode_capacity: Capacity = Capacity(kv_pages=4096, state_slots=256, aux_rows=256)
+    timeouts: Timeouts = Timeouts(bootstrap=60, waiting=60, inflight=60, transfer=60, abort_ack=10)
+    state_slots_per_room: int = 2
+    startup_timeout_s: float = 120.0
+    room_timeout_s: float = 120.0
+    per_layer: bool = False
+
+    @property
+    def policy(self) -> OwnershipPolicy:
+        return PageInterleaved(cp_size=self.prefill_cp)
+
+
+@attrs.frozen(kw_only=True)
+class AbortPlan:
+    side: str  # "decode" or "prefill"
+    after_chunks: int = 1  # abort once this many chunks were sent (prefill) / seen sent (decode: seconds)
+    after_s: float = 0.0  # decode side: seconds after init
+
+
+@attrs.frozen(kw_only=True)
+class RequestPlan:
+    room: RoomId
+    tokens: int
+    chunk_tokens: tuple[int, ...]
+    prefix_tokens: int = 0
+    abort: AbortPlan | None = None
+    forward_s: float = 0.0
+
+    def __attrs_post_init__(self) -> None:
+        if sum(self.chunk_tokens) + self.prefix_tokens != self.tokens:
+            raise ValueError(f"room {self.room}: chunks {self.chunk_tokens} + prefix {self.prefix_tokens} != {self.tokens}")
+
+
+@attrs.frozen(kw_only=True)
+class _PrefillRoom:
+    room: RoomId
+    num_pages: int
+    chunks: tuple[tuple[IntArray, int, bool], ...]  # (logical page ids, start token, last)
+    state_src: tuple[tuple[BufferKind, IntArray], ...]
+    aux_src: int
+    abort_before_chunk: int | None
+    forward_s: float
+
+
+@attrs.frozen(kw_only=True)
+class _DecodeRoom:
+    room: RoomId
+    num_pages: int
+    prefix_pages: int
+    logical_ids: IntArray
+    state_src: tuple[tuple[BufferKind, IntArray], ...]
+    aux_src: int
+    abort_after_s: float | None
+
+
+@attrs.frozen(kw_only=True)
+class RoomOutcome:
+    """One room on one rank."""
+
+    room: int
+    side: str
+    rank: str
+    poll: int
+    failure: str
+    seconds: float
+    bytes_checked: int = 0
+    mismatches: tuple[str, ...] = ()
+    bytes_reported: int = 0
+    released_safe: bool = True
+
+
+@attrs.frozen(kw_only=True)
+class RankReport:
+    side: str
+    rank: str
+    rooms: int
+    canary_violations: int
+    unsafe_releases: int
+    bytes_written: int
+    worker_errors: int
+
+
+class ClusterError(RuntimeError):
+    """A rank process failed to start, died, or a room did not finish in time."""
+
+
+def plan_requests(
+    spec: ClusterSpec,
+    plans: Sequence[RequestPlan],
+    pool: PagePool,
+) -> tuple[list[_PrefillRoom], list[_DecodeRoom], list[IntArray]]:
+    """Logical page ids (from the prefill instance's CP-aware pool) and per-side room descriptions."""
+    page = spec.model.page_size
+    prefill_rooms, decode_rooms, allocations = [], [], []
+    for i, plan in enumerate(plans):
+        num_pages = -(-plan.tokens // page)
+        if plan.prefix_tokens % page:
+            raise ValueError(f"room {plan.room}: cached prefix must be page-aligned")
+        logical = pool.allocate(num_pages)
+        allocations.append(logical)
+        chunks = []
+        token = plan.prefix_tokens
+        for n, size in enumerate(plan.chunk_tokens):
+            last = n == len(plan.chunk_tokens) - 1
+            end = token + size
+            if not last and end % page:
+                raise ValueError(f"room {plan.room}: non-last chunk must end on a page boundary")
+            first_page = chunk_page_start(token, page)
+            end_page = num_pages if last else end // page
+            chunks.append((logical[first_page:end_page], token, last))
+            token = end
+        k = spec.state_slots_per_room
+        slots = (np.arange(k, dtype=np.int64) + i * k) % spec.prefill_capacity.state_slots
+        state_src = tuple((kind, slots) for kind in spec.model.state_kinds)
+        aux_src = i % spec.prefill_capacity.aux_rows
+        abort = plan.abort
+        prefill_rooms.append(
+            _PrefillRoom(
+                room=plan.room,
+                num_pages=num_pages,
+                chunks=tuple(chunks),
+                state_src=state_src,
+                aux_src=aux_src,
+                abort_before_chunk=abort.after_chunks if abort is not None and abort.side == "prefill" else None,
+                forward_s=plan.forward_s,
+            )
+        )
+        decode_rooms.append(
+            _DecodeRoom(
+                room=plan.room,
+                num_pages=num_pages,
+                prefix_pages=plan.prefix_tokens // page,
+                logical_ids=logical,
+                state_src=state_src,
+                aux_src=aux_src,
+                abort_after_s=abort.after_s if abort is not None and abort.side == "decode" else None,
+            )
+        )
+    return prefill_rooms, decode_rooms, allocations
+
+
+# ---------------------------------------------------------------------------- rank processes
+
+
+@attrs.frozen(kw_only=True)
+class _RankArgs:
+    side: str
+    tp: int
+    cp: int
+    spec: ClusterSpec
+    registry: str
+    log_level: int
+
+
+def _rank_main(args: _RankArgs, conn: Connection) -> None:
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>` dumps every stack
+    logging.basicConfig(level=args.log_level, format=f"%(asctime)s {args.side}{args.tp}.{args.cp} %(levelname)s %(name)s: %(message)s")
+    try:
+        if args.side == "prefill":
+            _prefill_rank(args, conn)
+        else:
+            _decode_rank(args, conn)
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+        raise
+
+
+def _make_backend() -> Any:
+    from pdkv.engine.mooncake import MooncakeBackend, MooncakeConfig
+
+    return MooncakeBackend(MooncakeConfig())
+
+
+def _prefill_rank(args: _RankArgs, conn: Connection) -> None:
+    from pdkv.runtime.prefill import PrefillConfig, PrefillTransport
+
+    spec = args.spec
+    memory = RankMemory(spec.model, spec.prefill_capacity)
+    memory.fill_prefill(cp_rank=args.cp, policy=spec.policy, tp_rank=args.tp)
+    backend = _make_backend()
+    config = PrefillConfig(
+        instance=InstanceId("prefill-0"),
+        rank=RankCoord(tp=args.tp, cp=args.cp),
+        tp_size=spec.prefill_tp,
+        cp_size=spec.prefill_cp,
+        layout=memory.layout,
+        registry=args.registry,
+        timeouts=spec.timeouts,
+    )
+    transport = PrefillTransport(config, backend)
+    name = f"prefill tp{args.tp}/cp{args.cp}"
+    try:
+        transport.start()
+        conn.send(("ready", name))
+        active: dict[int, tuple[_PrefillRoom, Any, list[int], float]] = {}
+        stopping = False
+        while not stopping or active:
+            while conn.poll(0 if active else 0.05):
+                command = conn.recv()
+                if command[0] == "stop":
+                    stopping = True
+                    break
+                room: _PrefillRoom = command[1]
+                sender = transport.sender(room.room)
+                sender.init(room.num_pages, room.aux_src)
+                active[room.room] = (room, sender, [0], time.monotonic())
+            for key in list(active):
+                room, sender, next_chunk, started = active[key]
+                poll = sender.poll()
+                if poll in (KVPoll.WaitingForInput, KVPoll.Transferring) and next_chunk[0] < len(room.chunks):
+                    if room.abort_before_chunk == next_chunk[0] and args.cp == 0 and args.tp == 0:
+                        sender.abort("planned prefill-side abort")
+                        next_chunk[0] = len(room.chunks)
+                        continue
+                    if room.forward_s:
+                        time.sleep(room.forward_s)
+                    pages, start_token, last = room.chunks[next_chunk[0]]
+                    state = [StateIndices(kind=kind, indices=slots) for kind, slots in room.state_src] if last else None
+                    sender.send(pages, start_token=start_token, last=last, state_indices=state)
+                    next_chunk[0] += 1
+                elif poll in (KVPoll.Success, KVPoll.Failed):
+                    metric = sender.metric()
+                    conn.send(
+                        (
+                            "result",
+                            RoomOutcome(
+                                room=room.room,
+                                side="prefill",
+                                rank=name,
+                                poll=int(poll),
+                                failure=sender.failure() or "",
+                                seconds=time.monotonic() - started,
+                                bytes_reported=metric.bytes,
+                            ),
+                        )
+                    )
+                    sender.clear()
+                    del active[key]
+            if active:
+                time.sleep(0.0005)
+        stats = transport.statistics()
+        conn.send(
+            (
+                "final",
+                RankReport(
+                    side="prefill",
+                    rank=name,
+                    rooms=stats.endpoint.rooms_succeeded + stats.endpoint.rooms_failed,
+                    canary_violations=0,
+                    unsafe_releases=0,
+                    bytes_written=stats.bytes_written,
+                    worker_errors=stats.worker_errors,
+                ),
+            )
+        )
+    finally:
+        transport.close()
+        backend.close()
+
+
+def _decode_rank(args: _RankArgs, conn: Connection) -> None:
+    from pdkv.runtime.decode import DecodeConfig, DecodeTransport
+
+    spec = args.spec
+    cap = spec.decode_capacity
+    memory = RankMemory(spec.model, cap)
+    backend = _make_backend()
+    config = DecodeConfig(
+        instance=InstanceId("decode-0"),
+        rank=RankCoord(tp=args.tp),
+        tp_size=spec.decode_tp,
+        layout=memory.layout,
+        timeouts=spec.timeouts,
+    )
+    transport = DecodeTransport(config, backend)
+    name = f"decode tp{args.tp}"
+    pages = PagePool(pages_per_lane=cap.kv_pages, tier="decode-device")
+    state_slots = PagePool(pages_per_lane=cap.state_slots, tier="decode-state")
+    aux_rows = PagePool(pages_per_lane=cap.aux_rows, tier="decode-aux")
+    quarantined: list[IntArray] = []
+    canary_violations = 0
+    try:
+        transport.start()
+        prefill = transport.connect(args.registry, timeout_s=spec.startup_timeout_s)
+        if not transport.wait_registered(prefill, timeout_s=spec.startup_timeout_s):
+            raise ClusterError("prefill ranks did not acknowledge registration")
+        conn.send(("ready", name))
+        active: dict[int, tuple[_DecodeRoom, Any, IntArray, IntArray, IntArray, float]] = {}
+        stopping = False
+        while not stopping or active:
+            while conn.poll(0 if active else 0.05):
+                command = conn.recv()
+                if command[0] == "stop":
+                    stopping = True
+                    break
+                room: _DecodeRoom = command[1]
+                dst = pages.allocate(room.num_pages)
+                for buffer_key in spec.model.kv_keys():
+                    memory.view(buffer_key)[dst] = 0  # reused pages: start from "untouched"
+                slots = state_slots.allocate(spec.state_slots_per_room)
+                aux = aux_rows.allocate(1)
+                receiver = transport.receiver(room.room, prefill)
+                receiver.init(dst, int(aux[0]), [StateIndices(kind=kind, indices=slots) for kind in spec.model.state_kinds])
+                active[room.room] = (room, receiver, dst, slots, aux, time.monotonic())
+            for key in list(active):
+                room, receiver, dst, slots, aux, started = active[key]
+                poll = receiver.poll()
+                elapsed = time.monotonic() - started
+                if poll not in (KVPoll.Success, KVPoll.Failed):
+                    if room.abort_after_s is not None and elapsed >= room.abort_after_s:
+                        receiver.abort("planned decode-side abort")
+                    continue
+                if poll is KVPoll.Failed and not receiver.release_ready():
+                    continue
+                checked, bad = 0, []
+                if poll is KVPoll.Success:
+                    checked, mismatches = verify_room(
+                        memory,
+                        logical_ids=room.logical_ids,
+                        dst_pages=dst,
+                        prefix_pages=room.prefix_pages,
+                        state_src=dict(room.state_src),
+                        state_dst={kind: slots for kind in spec.model.state_kinds},
+                        aux_src=room.aux_src,
+                        aux_dst=int(aux[0]),
+                        tp_rank=args.tp,
+                    )
+                    bad = [f"{m.what} {m.index}" + (" (expected untouched)" if m.expected_zero else "") for m in mismatches]
+                    pages.free(dst)
+                else:
+                    write_canary(memory, dst)
+                    quarantined.append(dst)
+                state_slots.free(slots)
+                aux_rows.free(aux)
+                metric = receiver.metric()
+                conn.send(
+                    (
+                        "result",
+                        RoomOutcome(
+                            room=room.room,
+                            side="decode",
+                            rank=name,
+                            poll=int(poll),
+                            failure=receiver.failure() or "",
+                            seconds=elapsed,
+                            bytes_checked=checked,
+                            mismatches=tuple(bad),
+                            bytes_reported=metric.bytes,
+                        ),
+                    )
+                )
+                receiver.clear()
+                del active[key]
+            if active:
+                time.sleep(0.0005)
+        time.sleep(0.2)  # a late write, if any, would land now
+        for dst in quarantined:
+            if not canary_intact(memory, dst):
+                canary_violations += 1
+            pages.free(dst)
+        stats = transport.statistics()
+        conn.send(
+            (
+                "final",
+                RankReport(
+                    side="decode",
+                    rank=name,
+                    rooms=stats.endpoint.rooms_succeeded + stats.endpoint.rooms_failed,
+                    canary_violations=canary_violations,
+                    unsafe_releases=stats.unsafe_releases,
+                    bytes_written=0,
+                    worker_errors=0,
+                ),
+            )
+        )
+    finally:
+        transport.close()
+        backend.close()
+
+
+# ---------------------------------------------------------------------------- the parent
+
+
+class Cluster:
+    """Starts the registry and every rank; ``run`` feeds requests; ``close`` stops all it started."""
+
+    def __init__(self, spec: ClusterSpec, *, log_level: int = logging.WARNING) -> None:
+        self.spec = spec
+        self.log_level = log_level
+        self._ctx = mp.get_context("spawn")
+        self._procs: list[tuple[str, Any, Connection]] = []
+        self._registry: Any = None
+        self.reports: list[RankReport] = []
+
+    def __enter__(self) -> Cluster:
+        try:
+            self.start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+    @property
+    def prefill_conns(self) -> list[Connection]:
+        return [c for side, _, c in self._procs if side == "prefill"]
+
+    @property
+    def decode_conns(self) -> list[Connection]:
+        return [c for side, _, c in self._procs if side == "decode"]
+
+    def start(self) -> None:
+        from pdkv.runtime.channels import start_registry
+
+        spec = self.spec
+        self._registry = start_registry(
+            instance=InstanceId("prefill-0"), tp_size=spec.prefill_tp, cp_size=spec.prefill_cp, host="127.0.0.1"
+        )
+        ranks = [("prefill", tp, cp) for tp in range(spec.prefill_tp) for cp in range(spec.prefill_cp)]
+        ranks += [("decode", tp, 0) for tp in range(spec.decode_tp)]
+        for side, tp, cp in ranks:
+            parent, child = self._ctx.Pipe()
+            args = _RankArgs(side=side, tp=tp, cp=cp, spec=spec, registry=self._registry.address, log_level=self.log_level)
+            proc = self._ctx.Process(target=_rank_main, args=(args, child), name=f"pdkv-{side}{tp}.{cp}", daemon=True)
+            proc.start()
+            child.close()
+            self._procs.append((side, proc, parent))
+        deadline = time.monotonic() + spec.startup_timeout_s
+        for side, proc, conn in self._procs:
+            message = self._recv(conn, proc, deadline)
+            if message[0] != "ready":
+                raise ClusterError(f"{side} rank failed to start:\n{message[1]}")
+
+    def run(
+        self,
+        plans: Sequence[RequestPlan],
+        *,
+        max_active: int = 8,
+        progress: Callable[[RoomOutcome], None] | None = None,
+    ) -> list[RoomOutcome]:
+        """Run every request; returns one outcome per room and rank (prefill and decode)."""
+        spec = self.spec
+        pool = PagePool(pages_per_lane=spec.prefill_capacity.kv_pages, policy=spec.policy, tier="prefill")
+        prefill_rooms, decode_rooms, _ = plan_requests(spec, plans, pool)
+        per_room = len(self.prefill_conns) + len(self.decode_conns)
+        outcomes: list[RoomOutcome] = []
+        pending: dict[int, int] = {}
+        results: queue.SimpleQueue[RoomOutcome] = queue.SimpleQueue()
+        next_room = 0
+        deadline = time.monotonic() + spec.room_timeout_s + spec.room_timeout_s * len(plans) / max(1, max_active)
+        while next_room < len(plans) or pending:
+            while next_room < len(plans) and len(pending) < max_active:
+                for conn in self.prefill_conns:
+                    conn.send(("room", prefill_rooms[next_room]))
+                for conn in self.decode_conns:
+                    conn.send(("room", decode_rooms[next_room]))
+                pending[int(plans[next_room].room)] = per_room
+                next_room += 1
+            self._collect(results, deadline)
+            while not results.empty():
+                outcome = results.get()
+                outcomes.append(outcome)
+                if progress is not None:
+                    progress(outcome)
+                pending[outcome.room] -= 1
+                if pending[outcome.room] == 0:
+                    del pending[outcome.room]
+        return outcomes
+
+    def _collect(self, results: queue.SimpleQueue[RoomOutcome], deadline: float) -> None:
+        from multiprocessing.connection import wait
+
+        conns = [conn for _, _, conn in self._procs]
+        ready = wait(conns, timeout=0.5)
+        for conn in ready:
+            assert isinstance(conn, Connection)
+            message = conn.recv()
+            if message[0] == "result":
+                results.put(message[1])
+            elif message[0] == "error":
+                raise ClusterError(f"a rank failed:\n{message[1]}")
+        if time.monotonic() > deadline:
+            raise ClusterError("rooms did not finish in time")
+        for side, proc, _ in self._procs:
+            if not proc.is_alive():
+                raise ClusterError(f"{side} rank process {proc.name} died (exit code {proc.exitcode})")
+
+    def close(self) -> list[RankReport]:
+        """Stop every rank (gracefully, then by force) and the registry; returns the ranks' final reports."""
+        deadline = time.monotonic() + 30
+        for _, proc, conn in self._procs:
+            if proc.is_alive():
+                try:
+                    conn.send(("stop",))
+                except (BrokenPipeError, OSError):
+                    pass
+        for side, proc, conn in self._procs:
+            try:
+                while proc.is_alive() or conn.poll(0):
+                    if not conn.poll(max(0.0, min(1.0, deadline - time.monotonic()))):
+                        if time.monotonic() > deadline:
+                            break
+                        continue
+                    message = conn.recv()
+                    if message[0] == "final":
+                        self.reports.append(message[1])
+                        break
+            except (EOFError, OSError):
+                pass
+        for _, proc, conn in self._procs:
+            proc.join(max(0.1, deadline - time.monotonic()))
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+            conn.close()
+        self._procs.clear()
+        if self._registry is not None:
+            self._registry.stop()
+            self._registry = None
+        return self.reports
+
+    def _recv(self, conn: Connection, proc: Any, deadline: float) -> tuple[Any, ...]:
+        while time.monotonic() < deadline:
+            if conn.poll(0.2):
+                message: tuple[Any, ...] = conn.recv()
+                return message
+            if not proc.is_alive():
+                raise ClusterError(f"rank process {proc.name} died during start-up (exit code {proc.exitcode})")
+        raise ClusterError(f"rank process {proc.name} did not start within {self.spec.startup_timeout_s:g} s")
+
+
+__all__ = [
+    "AbortPlan",
+    "Cluster",
+    "ClusterError",
+    "ClusterSpec",
+    "RankReport",
+    "RequestPlan",
+    "RoomOutcome",
+]

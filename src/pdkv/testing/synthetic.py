@@ -1,0 +1,195 @@
+"""A synthetic model for end-to-end runs: buffers as torch tensors, and bytes anyone can recompute.
+
+Owns: ``ModelSpec`` (layers, page size, bytes per token, MLA or MHA, NSA-style index state on some
+layers only, a draft model), ``RankMemory`` (one rank's tensors and its ``BufferLayout``) and the
+content rule: every page, state slot and aux row holds ``pattern(salt, id)``, a deterministic
+function of what it is (model, kind, layer, TP rank for MHA) and of its logical id. A prefill rank
+fills its memory from the rule; the decode side verifies what landed by recomputing it, so a byte
+written to the wrong page, layer or position shows up as a mismatch, and untouched memory (zero:
+patterns are never zero) shows a missing write.
+"""
+
+from __future__ import annotations
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from pdkv.mapping import AttentionKind, BufferKind, BufferLayout, ModelRole, OwnershipPolicy, PageInterleaved
+
+U8 = npt.NDArray[np.uint8]
+IntArray = npt.NDArray[np.int64]
+
+_KIND_INDEX = {kind: i for i, kind in enumerate(BufferKind)}
+_MODEL_INDEX = {model: i for i, model in enumerate(ModelRole)}
+
+
+@attrs.frozen(kw_only=True)
+class ModelSpec:
+    """The shape of a synthetic model, identical on every rank of both sides."""
+
+    attention: AttentionKind = AttentionKind.MLA
+    layers: int = 4
+    page_size: int = 16
+    kv_bytes_per_token: int = 64
+    """Per layer and buffer (MLA latent; MHA: K or V of this TP rank's heads)."""
+    state_layers: tuple[int, ...] = (0, 2)
+    """Layers that keep NSA-style index state; the others skip it (compact state buffers)."""
+    state_kinds: tuple[BufferKind, ...] = (BufferKind.INDEX_K, BufferKind.INDEX_SCALE)
+    state_item_bytes: int = 32
+    draft_layers: int = 1
+    aux_item_bytes: int = 64
+
+    @property
+    def kv_item_bytes(self) -> int:
+        return self.page_size * self.kv_bytes_per_token
+
+    def kv_keys(self) -> list[tuple[ModelRole, BufferKind, int]]:
+        kinds = [BufferKind.KV] if self.attention is AttentionKind.MLA else [BufferKind.K, BufferKind.V]
+        keys = [(ModelRole.TARGET, kind, layer) for kind in kinds for layer in range(self.layers)]
+        keys += [(ModelRole.DRAFT, kind, layer) for kind in kinds for layer in range(self.draft_layers)]
+        return keys
+
+    def state_keys(self) -> list[tuple[ModelRole, BufferKind, int]]:
+        return [(ModelRole.TARGET, kind, layer) for kind in self.state_kinds for layer in self.state_layers]
+
+
+@attrs.frozen(kw_only=True)
+class Capacity:
+    kv_pages: int
+    state_slots: int
+    aux_rows: int
+
+
+def salt(model: ModelRole, kind: BufferKind, layer: int, tp_rank: int = 0) -> int:
+    """A number naming one buffer (MHA buffers differ per TP rank: each holds other heads)."""
+    return ((_MODEL_INDEX[model] * 16 + _KIND_INDEX[kind]) * 4096 + layer) * 1024 + tp_rank
+
+
+def pattern(salt_value: int, ids: IntArray, item_bytes: int) -> U8:
+    """The bytes of items ``ids`` of a buffer: shape (len(ids), item_bytes), never 0."""
+    ids64 = np.asarray(ids, dtype=np.int64).reshape(-1, 1)
+    cols = np.arange(item_bytes, dtype=np.int64).reshape(1, -1)
+    mixed = (ids64 * 2654435761 + salt_value * 40503 + cols * 97 + (ids64 >> 7) * cols) % 251
+    return (mixed + 1).astype(np.uint8)
+
+
+class RankMemory:
+    """The buffers of one rank as CPU uint8 tensors (one per buffer), and their layout."""
+
+    def __init__(self, spec: ModelSpec, capacity: Capacity) -> None:
+        self.spec = spec
+        self.capacity = capacity
+        self.tensors: dict[tuple[ModelRole, BufferKind, int], torch.Tensor] = {}
+        entries = []
+        for key in spec.kv_keys():
+            entries.append((key, capacity.kv_pages, spec.kv_item_bytes))
+        for key in spec.state_keys():
+            entries.append((key, capacity.state_slots, spec.state_item_bytes))
+        entries.append(((ModelRole.TARGET, BufferKind.AUX, 0), capacity.aux_rows, spec.aux_item_bytes))
+        for key, items, item_bytes in entries:
+            self.tensors[key] = torch.zeros((items, item_bytes), dtype=torch.uint8)
+        self.layout = BufferLayout.from_tensors(
+            attention=spec.attention,
+            page_size=spec.page_size,
+            tensors=[
+                (kind, model, layer, tensor, tensor.shape[1])
+                for (model, kind, layer), tensor in self.tensors.items()
+            ],
+        )
+
+    def view(self, key: tuple[ModelRole, BufferKind, int]) -> U8:
+        """The buffer as a (items, item_bytes) numpy view (shares memory with the tensor)."""
+        return self.tensors[key].numpy()
+
+    def fill_prefill(self, *, cp_rank: int, policy: OwnershipPolicy, tp_rank: int = 0) -> None:
+        """Fill every buffer from the content rule, as the prefill forward would have written it."""
+        mha = self.spec.attention is AttentionKind.MHA
+        physical = np.arange(self.capacity.kv_pages, dtype=np.int64)
+        logical = policy.logical(cp_rank, physical)
+        for key in self.spec.kv_keys():
+            model, kind, layer = key
+            self.view(key)[:] = pattern(salt(model, kind, layer, tp_rank if mha else 0), logical, self.spec.kv_item_bytes)
+        slots = np.arange(self.capacity.state_slots, dtype=np.int64)
+        for key in self.spec.state_keys():
+            self.view(key)[:] = pattern(salt(*key), slots, self.spec.state_item_bytes)
+        rows = np.arange(self.capacity.aux_rows, dtype=np.int64)
+        aux = (ModelRole.TARGET, BufferKind.AUX, 0)
+        self.view(aux)[:] = pattern(salt(*aux), rows, self.spec.aux_item_bytes)
+
+
+@attrs.frozen(kw_only=True)
+class Mismatch:
+    """Where decode memory differs from what the prefill full layout says it must hold."""
+
+    what: str
+    index: int
+    expected_zero: bool
+
+
+def verify_room(
+    memory: RankMemory,
+    *,
+    logical_ids: IntArray,
+    dst_pages: IntArray,
+    prefix_pages: int,
+    state_src: dict[BufferKind, IntArray],
+    state_dst: dict[BufferKind, IntArray],
+    aux_src: int | None,
+    aux_dst: int | None,
+    tp_rank: int = 0,
+    limit: int = 8,
+) -> tuple[int, list[Mismatch]]:
+    """Compare one room's decode memory with the content rule; returns (bytes checked, mismatches).
+
+    Positions before ``prefix_pages`` were already on the decode side: they must be untouched (zero).
+    """
+    spec = memory.spec
+    mha = spec.attention is AttentionKind.MHA
+    mismatches: list[Mismatch] = []
+    checked = 0
+    sent = slice(prefix_pages, None)
+    for key in spec.kv_keys():
+        model, kind, layer = key
+        got = memory.view(key)[dst_pages]
+        want = pattern(salt(model, kind, layer, tp_rank if mha else 0), logical_ids, spec.kv_item_bytes)
+        checked += got.nbytes
+        bad = np.flatnonzero((got[sent] != want[sent]).any(axis=1)) + prefix_pages
+        stray = np.flatnonzero(got[:prefix_pages].any(axis=1))
+        mismatches += [Mismatch(what=f"{model.value}/{kind.value}/L{layer} position", index=int(i), expected_zero=False) for i in bad[:limit]]
+        mismatches += [Mismatch(what=f"{model.value}/{kind.value}/L{layer} prefix position", index=int(i), expected_zero=True) for i in stray[:limit]]
+    for key in spec.state_keys():
+        model, kind, layer = key
+        src, dst = state_src.get(kind), state_dst.get(kind)
+        if src is None or dst is None:
+            continue
+        n = min(len(src), len(dst))
+        got = memory.view(key)[dst[:n]]
+        checked += got.nbytes
+        bad = np.flatnonzero((got != pattern(salt(*key), src[:n], spec.state_item_bytes)).any(axis=1))
+        mismatches += [Mismatch(what=f"{kind.value}/L{layer} slot", index=int(i), expected_zero=False) for i in bad[:limit]]
+    if aux_src is not None and aux_dst is not None:
+        aux = (ModelRole.TARGET, BufferKind.AUX, 0)
+        got = memory.view(aux)[aux_dst]
+        checked += got.nbytes
+        if not np.array_equal(got, pattern(salt(*aux), np.array([aux_src]), spec.aux_item_bytes)[0]):
+            mismatches.append(Mismatch(what="aux row", index=aux_dst, expected_zero=False))
+    return checked, mismatches[:limit]
+
+
+CANARY = 0xA5
+
+
+def write_canary(memory: RankMemory, dst_pages: IntArray) -> None:
+    """Fill released KV pages with a canary byte; a late write shows as a changed canary."""
+    for key in memory.spec.kv_keys():
+        memory.view(key)[dst_pages] = CANARY
+
+
+def canary_intact(memory: RankMemory, dst_pages: IntArray) -> bool:
+    return all(bool((memory.view(key)[dst_pages] == CANARY).all()) for key in memory.spec.kv_keys())
+
+
+def default_policy(cp_size: int) -> OwnershipPolicy:
+    return PageInterleaved(cp_size=cp_size)

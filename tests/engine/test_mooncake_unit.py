@@ -1,0 +1,253 @@
+"""MooncakeBackend against a fake engine: return codes to typed outcomes, settings, import errors.
+
+The real engine runs in tests/integration/test_mooncake_backend.py; here the engine is a stand-in
+whose methods take positional arguments only (as older bindings do) and return chosen codes.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Iterator
+from types import ModuleType
+
+import attrs
+import numpy as np
+import pytest
+
+from pdkv.engine import (
+    BatchStatus,
+    EngineInitError,
+    MooncakeBackend,
+    MooncakeConfig,
+    MooncakeProtocol,
+    RegistrationError,
+    load_transfer_engine,
+)
+from pdkv.errors import ConfigError, EngineUnavailableError
+from pdkv.mapping import TransferBlocks
+from pdkv.testing.backend_conformance import HostBuffer
+
+
+@attrs.frozen
+class Write:
+    peer: str
+    src: list[int]
+    dst: list[int]
+    lengths: list[int]
+
+
+@attrs.define
+class FakeEngine:
+    init_rc: int = 0
+    register_rc: int = 0
+    batch_ids: list[int] = attrs.Factory(list)  # consumed per submission; default 1
+    statuses: list[int] = attrs.Factory(list)  # consumed per status call; default 0
+    calls: list[tuple[object, ...]] = attrs.Factory(list)
+    writes: list[Write] = attrs.Factory(list)
+    env_at_init: dict[str, str] = attrs.Factory(dict)
+
+    def initialize(self, hostname: str, metadata: str, protocol: str, device: str, /) -> int:
+        self.calls.append(("initialize", hostname, metadata, protocol, device))
+        self.env_at_init = {k: v for k, v in os.environ.items() if k.startswith("MC_")}
+        return self.init_rc
+
+    def get_rpc_port(self) -> int:
+        return 15123
+
+    def register_memory(self, address: int, length: int, /) -> int:
+        self.calls.append(("register", address, length))
+        return self.register_rc
+
+    def unregister_memory(self, address: int, /) -> int:
+        self.calls.append(("unregister", address))
+        return 0
+
+    def batch_transfer_async_write(
+        self, peer: str, src: list[int], dst: list[int], lengths: list[int], /
+    ) -> int:
+        self.writes.append(Write(peer, list(src), list(dst), list(lengths)))
+        return self.batch_ids.pop(0) if self.batch_ids else 1
+
+    def get_batch_transfer_status(self, ids: list[int], /) -> int:
+        self.calls.append(("status", list(ids)))
+        return self.statuses.pop(0) if self.statuses else 0
+
+
+@pytest.fixture(autouse=True)
+def private_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The backend writes MC_* settings into os.environ; keep them out of the other tests.
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if not k.startswith("MC_")})
+
+
+@pytest.fixture
+def engine() -> FakeEngine:
+    return FakeEngine()
+
+
+@pytest.fixture
+def backend(engine: FakeEngine) -> Iterator[MooncakeBackend]:
+    config = MooncakeConfig(local_hostname="10.0.0.5:7777", tcp_max_queued_transfers_per_peer=1024)
+    with MooncakeBackend(config, engine_class=lambda: engine) as made:
+        yield made
+
+
+def _blocks(count: int, src: HostBuffer, length: int = 8) -> TransferBlocks:
+    offsets = np.arange(count, dtype=np.int64) * length
+    return TransferBlocks(
+        src=src.data_ptr() + offsets,
+        dst=0x10_0000 + offsets,
+        length=np.full(count, length),
+        buffer=np.zeros(count),
+    )
+
+
+def test_settings_reach_the_engine_before_initialize(engine: FakeEngine, backend: MooncakeBackend) -> None:
+    assert engine.calls[0] == ("initialize", "10.0.0.5:7777", "P2PHANDSHAKE", "tcp", "")
+    assert engine.env_at_init["MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER"] == "1024"
+    assert engine.env_at_init["MC_LOG_LEVEL"] == "WARNING"
+    assert "MC_TRANSFER_TIMEOUT" not in engine.env_at_init  # None leaves the environment alone
+    # P2PHANDSHAKE: the engine picks the port; the session id is host plus that port.
+    assert backend.session_id == "10.0.0.5:15123"
+    assert backend.max_entries_in_flight == 1024
+
+
+def test_large_batch_is_split_and_zero_lengths_dropped(engine: FakeEngine, backend: MooncakeBackend) -> None:
+    src = HostBuffer(2500 * 8)
+    with backend.register(src):
+        batch = _blocks(2500, src)
+        batch = TransferBlocks(
+            src=batch.src,
+            dst=batch.dst,
+            length=np.where(np.arange(2500) % 10 == 0, 0, 8),
+            buffer=batch.buffer,
+        )
+        outcome = backend.write("peer:1", batch)
+    assert outcome.status is BatchStatus.COMPLETED
+    assert [len(w.src) for w in engine.writes] == [1024, 1024, 2250 - 2048]
+    assert all(length == 8 for w in engine.writes for length in w.lengths)
+    assert all(w.peer == "peer:1" for w in engine.writes)
+
+
+def test_refused_submission_is_a_failed_outcome(engine: FakeEngine, backend: MooncakeBackend) -> None:
+    engine.batch_ids = [0]
+    src = HostBuffer(64)
+    with backend.register(src):
+        outcome = backend.wait([backend.submit_write("peer:1", _blocks(2, src))]).outcomes[0]
+    assert outcome.status is BatchStatus.FAILED
+    assert "refused" in outcome.reason and "batch id 0" in outcome.reason
+    assert not [c for c in engine.calls if c[0] == "status"]  # never asked about a batch that does not exist
+
+
+def test_negative_status_is_a_failed_outcome(engine: FakeEngine, backend: MooncakeBackend) -> None:
+    engine.statuses = [-1]
+    src = HostBuffer(64)
+    with backend.register(src):
+        outcome = backend.wait([backend.submit_write("peer:1", _blocks(2, src))]).outcomes[0]
+    assert outcome.status is BatchStatus.FAILED and "status -1" in outcome.reason
+
+
+def test_failure_of_one_piece_stops_the_rest(engine: FakeEngine, backend: MooncakeBackend) -> None:
+    engine.statuses = [0, -1]
+    src = HostBuffer(3000 * 8)
+    with backend.register(src):
+        outcome = backend.wait([backend.submit_write("peer:1", _blocks(3000, src))]).outcomes[0]
+    assert outcome.status is BatchStatus.FAILED and "engine submission 2 of 3" in outcome.reason
+    assert len(engine.writes) == 2
+
+
+def test_register_failure_and_close_unregisters(engine: FakeEngine, backend: MooncakeBackend) -> None:
+    kept = HostBuffer(64)
+    backend.register(kept)
+    engine.register_rc = -7
+    with pytest.raises(RegistrationError, match="returned -7"):
+        backend.register(HostBuffer(64))
+    assert backend.statistics().registrations == 1
+    backend.close()
+    assert ("unregister", kept.data_ptr()) in engine.calls
+
+
+def test_initialize_failure_is_typed(engine: FakeEngine) -> None:
+    engine.init_rc = -1
+    with pytest.raises(EngineInitError, match="returned -1"):
+        MooncakeBackend(MooncakeConfig(), engine_class=lambda: engine)
+
+
+def test_config_validation_and_environment() -> None:
+    config = MooncakeConfig(
+        protocol="rdma",  # the converter accepts the engine's spelling
+        device_name="mlx5_0",
+        transfer_timeout_s=10,
+        log_level=None,
+        extra_environment={"MC_TCP_LANES_PER_PEER": "2"},
+    )
+    assert config.protocol is MooncakeProtocol.RDMA
+    assert config.environment() == {"MC_TRANSFER_TIMEOUT": "10", "MC_TCP_LANES_PER_PEER": "2"}
+    assert config.entry_budget == 2048
+    with pytest.raises(ConfigError, match="tcp' or 'rdma"):
+        MooncakeConfig(protocol="ucx")
+    with pytest.raises(ConfigError, match="tcp_max_queued_transfers_per_peer"):
+        MooncakeConfig(tcp_max_queued_transfers_per_peer=65536)
+    with pytest.raises(ConfigError, match="MC_"):
+        MooncakeConfig(extra_environment={"LD_PRELOAD": "x"})
+
+
+def test_config_from_env() -> None:
+    config = MooncakeConfig.from_env(
+        {
+            "PDKV_MOONCAKE_PROTOCOL": "rdma",
+            "PDKV_MOONCAKE_DEVICE": "mlx5_1",
+            "PDKV_MOONCAKE_TRANSFER_TIMEOUT": "45",
+        }
+    )
+    assert (config.protocol, config.device_name, config.transfer_timeout_s) == (
+        MooncakeProtocol.RDMA,
+        "mlx5_1",
+        45,
+    )
+    with pytest.raises(ConfigError, match="PDKV_MOONCAKE_TRANSFER_TIMEOUT"):
+        MooncakeConfig.from_env({"PDKV_MOONCAKE_TRANSFER_TIMEOUT": "soon"})
+
+
+def _failing_import(error: ImportError) -> Callable[[str], ModuleType]:
+    def import_module(name: str) -> ModuleType:
+        raise error
+
+    return import_module
+
+
+@pytest.mark.parametrize(
+    ("error", "expected"),
+    [
+        (ModuleNotFoundError("No module named 'mooncake'", name="mooncake"), "pdkv[mooncake-cpu]"),
+        (
+            ImportError("libibverbs.so.1: cannot open shared object file"),
+            "apt-get install -y libibverbs1 librdmacm1 libnuma1",
+        ),
+        (ImportError("libnuma.so.1: cannot open shared object file"), "libibverbs1 librdmacm1 libnuma1"),
+        (ImportError("libcudart.so.12: cannot open shared object file"), "mooncake-transfer-engine-non-cuda"),
+        (ImportError("undefined symbol: foo"), "failed to import: undefined symbol"),
+    ],
+)
+def test_missing_engine_says_what_to_install(error: ImportError, expected: str) -> None:
+    with pytest.raises(
+        EngineUnavailableError, match=expected.replace("[", r"\[").replace("]", r"\]")
+    ) as raised:
+        load_transfer_engine(_failing_import(error))
+    assert isinstance(raised.value, ImportError)  # callers catching ImportError keep working
+
+
+def test_real_engine_class_loads() -> None:
+    engine_class = load_transfer_engine()
+    assert engine_class.__name__ == "TransferEngine"
+
+
+def test_without_mooncake_the_package_imports_and_the_backend_says_why(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # None in sys.modules makes `import mooncake.engine` fail as if the wheel were absent.
+    monkeypatch.setitem(sys.modules, "mooncake.engine", None)
+    import pdkv.engine
+
+    with pytest.raises(EngineUnavailableError, match=r"pip install 'pdkv\[mooncake-cpu\]'"):
+        pdkv.engine.MooncakeBackend()

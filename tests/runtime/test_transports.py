@@ -1,0 +1,190 @@
+"""PrefillTransport + DecodeTransport in one process: real zmq channels and registry on 127.0.0.1,
+the loopback backend for bytes. Rooms end to end with byte checks, a rejected registration, an
+out-of-range destination that fails exactly its room, and garbage on every socket."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import zmq
+
+from pdkv.engine.loopback import LoopbackBackend, LoopbackFabric
+from pdkv.mapping import PageInterleaved
+from pdkv.protocol.config import Timeouts
+from pdkv.protocol.ids import InstanceId, RoomId
+from pdkv.protocol.messages import RankCoord, StateIndices
+from pdkv.protocol.poll import KVPoll
+from pdkv.runtime.channels import start_registry
+from pdkv.runtime.decode import DecodeConfig, DecodeTransport
+from pdkv.runtime.prefill import KVSender, PrefillConfig, PrefillTransport
+from pdkv.testing.synthetic import Capacity, ModelSpec, RankMemory, verify_room
+
+TIMEOUTS = Timeouts(bootstrap=20, waiting=20, inflight=20, transfer=20, abort_ack=5, register_retry=0.2)
+SPEC = ModelSpec(layers=3, page_size=16, state_layers=(1,))
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        time.sleep(0.002)
+
+
+class Setup:
+    def __init__(self, *, cp: int = 1, decode_spec: ModelSpec = SPEC) -> None:
+        self.fabric = LoopbackFabric("test")
+        self.policy = PageInterleaved(cp_size=cp)
+        self.registry = start_registry(instance=InstanceId("p"), tp_size=1, cp_size=cp)
+        self.prefill_memory: list[RankMemory] = []
+        self.prefills: list[PrefillTransport] = []
+        self.backends: list[LoopbackBackend] = []
+        for rank in range(cp):
+            memory = RankMemory(SPEC, Capacity(kv_pages=64, state_slots=8, aux_rows=8))
+            memory.fill_prefill(cp_rank=rank, policy=self.policy)
+            backend = LoopbackBackend(fabric=self.fabric)
+            config = PrefillConfig(
+                instance=InstanceId("p"), rank=RankCoord(tp=0, cp=rank), tp_size=1, cp_size=cp,
+                layout=memory.layout, registry=self.registry.address, timeouts=TIMEOUTS,
+            )
+            self.prefill_memory.append(memory)
+            self.backends.append(backend)
+            self.prefills.append(PrefillTransport(config, backend))
+        self.decode_memory = RankMemory(decode_spec, Capacity(kv_pages=256, state_slots=8, aux_rows=8))
+        backend = LoopbackBackend(fabric=self.fabric)
+        self.backends.append(backend)
+        self.decode = DecodeTransport(
+            DecodeConfig(instance=InstanceId("d"), rank=RankCoord(tp=0), tp_size=1, layout=self.decode_memory.layout, timeouts=TIMEOUTS),
+            backend,
+        )
+
+    def start(self) -> InstanceId:
+        for p in self.prefills:
+            p.start()
+        self.decode.start()
+        return self.decode.connect(self.registry.address, timeout_s=20)
+
+    def close(self) -> None:
+        for p in self.prefills:
+            p.close()
+        self.decode.close()
+        for b in self.backends:
+            b.close()
+        self.registry.stop()
+
+
+@pytest.fixture
+def setup_factory() -> Iterator[Callable[..., Setup]]:
+    made: list[Setup] = []
+
+    def make(**kw: Any) -> Setup:
+        s = Setup(**kw)
+        made.append(s)
+        return s
+
+    yield make
+    for s in made:
+        s.close()
+
+
+def run_room(s: Setup, prefill: InstanceId, room: RoomId, logical: np.ndarray, dst: np.ndarray, chunks: list[int]) -> list[KVSender]:
+    receiver = s.decode.receiver(room, prefill)
+    slots = np.array([3, 4])
+    receiver.init(dst, 5, [StateIndices(kind=k, indices=slots) for k in SPEC.state_kinds])
+    senders = [p.sender(room) for p in s.prefills]
+    for sender in senders:
+        sender.init(len(logical), 2)
+    wait_for(lambda: all(x.poll() is KVPoll.WaitingForInput for x in senders))
+    start = 0
+    for n, size in enumerate(chunks):
+        last = n == len(chunks) - 1
+        state = [StateIndices(kind=k, indices=np.array([1, 6])) for k in SPEC.state_kinds] if last else None
+        for sender in senders:
+            sender.send(logical[start:start + size], start_token=start * SPEC.page_size, last=last, state_indices=state)
+        start += size
+    return senders
+
+
+def test_rooms_end_to_end_cp2(setup_factory: Callable[..., Setup]) -> None:
+    s = setup_factory(cp=2)
+    prefill = s.start()
+    assert s.decode.wait_registered(prefill, timeout_s=20)
+    logical = np.array([5, 0, 7, 2, 9, 12, 3], dtype=np.int64)
+    dst = np.array([40, 41, 42, 100, 7, 8, 9], dtype=np.int64)
+    senders = run_room(s, prefill, RoomId(11), logical, dst, [3, 2, 2])
+    receiver = s.decode.receiver(RoomId(11), prefill)
+    wait_for(lambda: receiver.poll() is KVPoll.Success)
+    wait_for(lambda: all(x.poll() is KVPoll.Success for x in senders))
+    checked, mismatches = verify_room(
+        s.decode_memory, logical_ids=logical, dst_pages=dst, prefix_pages=0,
+        state_src={k: np.array([1, 6]) for k in SPEC.state_kinds}, state_dst={k: np.array([3, 4]) for k in SPEC.state_kinds},
+        aux_src=2, aux_dst=5,
+    )
+    assert mismatches == [] and checked > 0
+    metric = receiver.metric()
+    assert metric.pages == len(logical)  # each position once, across both CP ranks
+    kv_bytes = len(logical) * SPEC.kv_item_bytes * (SPEC.layers + SPEC.draft_layers)
+    extras = 2 * SPEC.state_item_bytes * len(SPEC.state_kinds) * len(SPEC.state_layers) + SPEC.aux_item_bytes
+    assert metric.bytes == kv_bytes + extras
+    assert receiver.release_ready()
+    receiver.clear()
+    for x in senders:
+        x.clear()
+
+
+def test_layout_mismatch_is_rejected_with_both_lists(setup_factory: Callable[..., Setup]) -> None:
+    other = ModelSpec(layers=4, page_size=16, state_layers=(1,))
+    s = setup_factory(decode_spec=other)
+    prefill = s.start()
+    assert not s.decode.wait_registered(prefill, timeout_s=1.0)
+    receiver = s.decode.receiver(RoomId(5), prefill)
+    receiver.init(np.arange(2), None)
+    wait_for(lambda: receiver.poll() is KVPoll.Failed)
+    reason = receiver.failure() or ""
+    assert "target kv layer ids differ: [0, 1, 2] vs [0, 1, 2, 3]" in reason
+
+
+def test_out_of_range_destination_fails_exactly_that_room(setup_factory: Callable[..., Setup]) -> None:
+    s = setup_factory()
+    prefill = s.start()
+    assert s.decode.wait_registered(prefill, timeout_s=20)
+    bad = s.decode.receiver(RoomId(1), prefill)
+    bad.init(np.array([0, 256]), None)  # the decode buffers hold 256 pages: 256 is outside
+    sender_bad = s.prefills[0].sender(RoomId(1))
+    sender_bad.init(2, None)
+    good_senders = run_room(s, prefill, RoomId(2), np.array([1, 2, 3]), np.array([10, 11, 12]), [3])
+    good = s.decode.receiver(RoomId(2), prefill)
+    wait_for(lambda: bad.poll() is KVPoll.Failed and good.poll() is KVPoll.Success)
+    assert "destination page 256 outside the decode KV buffers (256 pages)" in (bad.failure() or "")
+    assert sender_bad.poll() is KVPoll.Failed
+    assert all(x.poll() is KVPoll.Success for x in good_senders)
+    wait_for(bad.release_ready)
+
+
+def test_garbage_on_every_socket_leaves_transports_serving(setup_factory: Callable[..., Setup]) -> None:
+    s = setup_factory()
+    prefill = s.start()
+    assert s.decode.wait_registered(prefill, timeout_s=20)
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+    garbage = [[b"PDKV"], [b"\x00" * 10, b"\x81"], [b"PDKV\x09\x00\x07\x00\x00\x00", b"junk"], [b""], [bytes(range(256))]]
+    for address in (s.prefills[0].address, s.decode.address):
+        push = ctx.socket(zmq.PUSH)
+        push.setsockopt(zmq.LINGER, 1000)
+        push.connect(address)
+        for frames in garbage:
+            push.send_multipart(frames)
+        push.close()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(s.registry.address)
+    for frames in garbage:
+        dealer.send_multipart(frames)
+    dealer.close()
+    senders = run_room(s, prefill, RoomId(3), np.array([4, 5]), np.array([20, 21]), [1, 1])
+    receiver = s.decode.receiver(RoomId(3), prefill)
+    wait_for(lambda: receiver.poll() is KVPoll.Success)
+    assert all(x.poll() is KVPoll.Success for x in senders)
