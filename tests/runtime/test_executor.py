@@ -36,7 +36,7 @@ from pdkv.runtime.executor import (
     ExecutorConfig,
     JobFinishedError,
     TransferExecutor,
-    TransferStatus,
+    JobStatus,
 )
 from pdkv.testing.backend_conformance import HostBuffer
 
@@ -219,7 +219,7 @@ def test_monolithic_transfer_lands_every_byte(rig_factory: RigFactory) -> None:
     rig = rig_factory()
     blocks = all_blocks(rig.layers, rig.src_pages, rig.dst_pages)
     result = TransferExecutor(rig.sender, SMALL).transfer(rig.receiver.session_id, blocks)
-    assert result.ok and result.status is TransferStatus.COMPLETED, result.reason
+    assert result.ok and result.status is JobStatus.COMPLETED, result.reason
     assert result.bytes_written == result.bytes_requested == 4 * 64 * PAGE
     assert result.failed_batch is None and result.batches_in_flight == 0
     assert result.batches == len(rig.sender.entries) == rig.loopback.statistics().batches_completed
@@ -274,7 +274,7 @@ def test_failure_mid_chunk_waits_for_submitted_and_names_batch(rig_factory: RigF
     blocks = all_blocks(rig.layers, rig.src_pages, rig.dst_pages)
     result = TransferExecutor(rig.sender, SMALL).transfer(rig.receiver.session_id, blocks)
     stats = rig.loopback.statistics()
-    assert result.status is TransferStatus.FAILED and not result.ok
+    assert result.status is JobStatus.FAILED and not result.ok
     assert result.failed_batch == 3
     assert "injected failure of batch 4" in result.reason
     # Nothing left behind: every submitted batch ended and was waited before the report.
@@ -301,7 +301,7 @@ def test_refused_submission_fails_the_job_after_waiting(rig_factory: RigFactory)
     assert job.failed
     job.submit(layer_blocks(rig.layers, 2, rig.src_pages, rig.dst_pages))  # counted, not sent
     result = job.finish()
-    assert result.status is TransferStatus.FAILED
+    assert result.status is JobStatus.FAILED
     assert "refused at submission" in result.reason and "not inside any region" in result.reason
     assert result.failed_batch == first_layer_batches == result.batches
     assert len(rig.sender.entries) == first_layer_batches
@@ -316,11 +316,11 @@ def test_finish_timeout_reports_in_flight_then_drain(rig_factory: RigFactory) ->
     job = TransferExecutor(rig.sender, config).start(rig.receiver.session_id, timeout_s=0.05)
     job.submit(layer_blocks(rig.layers, 0, rig.src_pages, rig.dst_pages))
     early = job.finish()
-    assert early.status is TransferStatus.TIMED_OUT and not early.ok
+    assert early.status is JobStatus.TIMED_OUT and not early.ok
     assert early.batches_in_flight > 0 and early.failed_batch == 0
     assert "may still write" in early.reason
     drained = job.drain()
-    assert drained.status is TransferStatus.TIMED_OUT  # the budget was missed, whatever came later
+    assert drained.status is JobStatus.TIMED_OUT  # the budget was missed, whatever came later
     assert drained.batches_in_flight == 0
     assert drained.bytes_written == 64 * PAGE  # every batch did complete, late
     assert rig.loopback.statistics().batches_unwaited == 0
@@ -333,7 +333,7 @@ def test_transfer_never_returns_with_batches_in_flight(rig_factory: RigFactory) 
     config = attrs.evolve(SMALL, max_in_flight=1)
     blocks = all_blocks(rig.layers, rig.src_pages, rig.dst_pages)
     result = TransferExecutor(rig.sender, config).transfer(rig.receiver.session_id, blocks, timeout_s=0.05)
-    assert result.status is TransferStatus.TIMED_OUT
+    assert result.status is JobStatus.TIMED_OUT
     # Back-pressure wait ran out on the first batch: nothing more was sent, and it was drained.
     assert result.batches == 1 and result.failed_batch == 0
     assert result.batches_in_flight == 0

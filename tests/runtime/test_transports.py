@@ -11,9 +11,11 @@ from typing import Any
 import numpy as np
 import pytest
 import zmq
+from prometheus_client import CollectorRegistry, generate_latest
 
 from pdkv.engine.loopback import LoopbackBackend, LoopbackFabric
 from pdkv.mapping import PageInterleaved
+from pdkv.metrics import PrometheusExporter
 from pdkv.protocol.config import Timeouts
 from pdkv.protocol.ids import InstanceId, RoomId
 from pdkv.protocol.messages import RankCoord, StateIndices
@@ -134,6 +136,17 @@ def test_rooms_end_to_end_cp2(setup_factory: Callable[..., Setup]) -> None:
     receiver.clear()
     for x in senders:
         x.clear()
+    # Metrics: what prefill ranks wrote is what decode was told, and each prefill peer has a latency.
+    sent = sum(t.statistics().metrics.counters.bytes_sent for t in s.prefills)
+    assert sent == metric.bytes
+    decode_stats = s.decode.statistics().metrics
+    assert decode_stats.counters.rooms_succeeded == 1
+    assert set(decode_stats.peer_names()) == {"p:tp0/cp0", "p:tp0/cp1"}
+    registry = CollectorRegistry()
+    PrometheusExporter(s.decode.metrics, registry=registry)
+    text = generate_latest(registry).decode()
+    assert 'pdkv_rooms_succeeded_total 1.0' in text
+    assert 'peer="p:tp0/cp1"' in text
 
 
 def test_layout_mismatch_is_rejected_with_both_lists(setup_factory: Callable[..., Setup]) -> None:
@@ -179,7 +192,7 @@ def test_garbage_on_every_socket_leaves_transports_serving(setup_factory: Callab
             push.send_multipart(frames)
         push.close()
     dealer = ctx.socket(zmq.DEALER)
-    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.setsockopt(zmq.LINGER, 1000)
     dealer.connect(s.registry.address)
     for frames in garbage:
         dealer.send_multipart(frames)
@@ -188,3 +201,8 @@ def test_garbage_on_every_socket_leaves_transports_serving(setup_factory: Callab
     receiver = s.decode.receiver(RoomId(3), prefill)
     wait_for(lambda: receiver.poll() is KVPoll.Success)
     assert all(x.poll() is KVPoll.Success for x in senders)
+    for stats in (s.prefills[0].statistics(), s.decode.statistics()):
+        assert stats.channel.malformed == len(garbage)
+    wait_for(lambda: s.decode.statistics().metrics.counters.malformed_messages == len(garbage))
+    wait_for(lambda: s.registry.statistics().malformed == len(garbage))
+    assert s.decode.connect(s.registry.address, timeout_s=10) == prefill  # the registry still answers

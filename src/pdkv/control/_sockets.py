@@ -21,6 +21,7 @@ from pdkv.control.errors import ControlBindError
 from pdkv.errors import ConfigError
 
 _WILDCARD_HOSTS: Final = frozenset({"*", "0.0.0.0", "::", ""})
+_BIND_RETRY_S: Final = 1.0
 
 
 def _bracketed(host: str) -> str:
@@ -47,10 +48,17 @@ def bind_tcp(socket: zmq.Socket[bytes], host: str, port: int, advertise_host: st
     if ":" in host or (advertise_host is not None and ":" in advertise_host):
         socket.setsockopt(zmq.IPV6, 1)
     endpoint = f"tcp://{bind_host}:{port if port else '*'}"
-    try:
-        socket.bind(endpoint)
-    except zmq.ZMQError as exc:
-        raise ControlBindError(f"cannot bind {endpoint}: {exc}") from exc
+    # zmq closes sockets on its I/O thread, after close() returned: a port this process just closed
+    # can look taken for a moment, so "in use" is retried briefly before it is reported.
+    deadline = time.monotonic() + _BIND_RETRY_S
+    while True:
+        try:
+            socket.bind(endpoint)
+            break
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EADDRINUSE or not port or time.monotonic() >= deadline:
+                raise ControlBindError(f"cannot bind {endpoint}: {exc}") from exc
+            time.sleep(0.01)
     # LAST_ENDPOINT holds the port the OS chose; the host part is what we asked for (or an expansion
     # of the wildcard), so only the port is taken from it.
     last = socket.getsockopt_string(zmq.LAST_ENDPOINT)

@@ -29,6 +29,7 @@ from pdkv.protocol._deadlines import DeadlineQueue
 from pdkv.protocol.config import Timeouts
 from pdkv.protocol.effects import (
     Effect,
+    FailureCause,
     Notice,
     NoticeLevel,
     PeerKey,
@@ -169,7 +170,9 @@ class DecodeEndpoint:
     ) -> None:
         self.origin = origin
         self.timeouts = timeouts if timeouts is not None else Timeouts()
-        self._register = Register(origin=origin, tp_size=tp_size, endpoint=endpoint, session=session, layout=layout)
+        self._register = Register(
+            origin=origin, tp_size=tp_size, endpoint=endpoint, session=session, layout=layout
+        )
         self._peers: dict[PeerKey, _PrefillPeer] = {}
         self._rooms: dict[RoomId, _ReceiverRoom] = {}
         self._deadlines: DeadlineQueue[RoomId] = DeadlineQueue()
@@ -216,13 +219,20 @@ class DecodeEndpoint:
         if peer is not None and message.origin.epoch > peer.epoch:
             # The rank restarted behind the same address: its old rooms can never complete, and it
             # must be registered with again (the route table names the new epoch).
-            reason = f"prefill rank {key[0]}:{key[1]} restarted (epoch {peer.epoch} -> {message.origin.epoch})"
+            reason = (
+                f"prefill rank {key[0]}:{key[1]} restarted (epoch {peer.epoch} -> {message.origin.epoch})"
+            )
             effects = self._peer_lost(key, reason, now)
             del self._peers[key]
             return effects
         if peer is None or message.origin.epoch != peer.epoch:
             self._counters.stale_messages += 1
-            return [Notice(level=NoticeLevel.INFO, text=f"dropped {type(message).__name__} from stale or unknown {message.origin}")]
+            return [
+                Notice(
+                    level=NoticeLevel.INFO,
+                    text=f"dropped {type(message).__name__} from stale or unknown {message.origin}",
+                )
+            ]
         if isinstance(message, RegisterAck):
             return self._on_register_ack(peer, now)
         if isinstance(message, RegisterReject):
@@ -235,13 +245,23 @@ class DecodeEndpoint:
             r = self._rooms.get(message.room)
             if r is None or r.terminal:
                 return self._late(message, message.room)
-            return self._fail(r, _clip(f"aborted by prefill {message.origin}: {message.reason}"), now)
+            return self._fail(
+                r,
+                _clip(f"aborted by prefill {message.origin}: {message.reason}"),
+                FailureCause.ABORTED_BY_PEER,
+                now,
+            )
         if isinstance(message, Heartbeat):
             return [Send(to=peer.endpoint, message=HeartbeatAck(origin=self.origin, seq=message.seq))]
         if isinstance(message, HeartbeatAck):
             return []
         self._counters.unexpected_messages += 1
-        return [Notice(level=NoticeLevel.WARNING, text=f"decode got unexpected {type(message).__name__} from {message.origin}")]
+        return [
+            Notice(
+                level=NoticeLevel.WARNING,
+                text=f"decode got unexpected {type(message).__name__} from {message.origin}",
+            )
+        ]
 
     def _on_register_ack(self, peer: _PrefillPeer, now: float) -> list[Effect]:
         if peer.state is PeerState.READY:
@@ -256,10 +276,20 @@ class DecodeEndpoint:
     def _on_register_reject(self, peer: _PrefillPeer, reason: str, now: float) -> list[Effect]:
         peer.state = PeerState.REJECTED
         peer.reason = reason
-        effects: list[Effect] = [Notice(level=NoticeLevel.WARNING, text=f"prefill rank {peer.key[0]}:{peer.key[1]} rejected registration: {reason}")]
+        effects: list[Effect] = [
+            Notice(
+                level=NoticeLevel.WARNING,
+                text=f"prefill rank {peer.key[0]}:{peer.key[1]} rejected registration: {reason}",
+            )
+        ]
         for r in list(self._rooms.values()):
             if not r.terminal and any(t.key == peer.key for t in r.targets):
-                effects += self._fail(r, _clip(f"registration rejected by {peer.key[0]}:{peer.key[1]}: {reason}"), now)
+                effects += self._fail(
+                    r,
+                    _clip(f"registration rejected by {peer.key[0]}:{peer.key[1]}: {reason}"),
+                    FailureCause.INVALID,
+                    now,
+                )
         return effects
 
     def _on_status(self, peer: _PrefillPeer, msg: TransferStatus, now: float) -> list[Effect]:
@@ -269,10 +299,14 @@ class DecodeEndpoint:
         if peer.key not in r.armed:
             return self._late(msg, msg.room)
         if msg.outcome is Outcome.FAILED:
-            return self._fail(r, _clip(f"prefill {msg.origin} failed: {msg.reason}"), now)
+            return self._fail(
+                r, _clip(f"prefill {msg.origin} failed: {msg.reason}"), FailureCause.ABORTED_BY_PEER, now
+            )
         if peer.key not in r.required:
             # A dummy target has nothing to report; its success message is harmless but unexpected.
-            return [Notice(level=NoticeLevel.DEBUG, text=f"success from dummy target {msg.origin}", room=r.room)]
+            return [
+                Notice(level=NoticeLevel.DEBUG, text=f"success from dummy target {msg.origin}", room=r.room)
+            ]
         if peer.key in r.succeeded:
             return []
         r.succeeded.add(peer.key)
@@ -329,13 +363,28 @@ class DecodeEndpoint:
         self._rooms[room] = r
         self._set_deadline(r, now + self.timeouts.bootstrap)
         if not r.required:
-            return self._fail(r, "room has no transfer destination: every target prefill rank is a dummy", now)
+            return self._fail(
+                r,
+                "room has no transfer destination: every target prefill rank is a dummy",
+                FailureCause.NO_DESTINATION,
+                now,
+            )
         for t in r.targets:
             peer = self._peers.get(t.key)
             if peer is None:
-                return self._fail(r, f"target prefill rank {t.instance}:{t.rank} is unknown (connect() first)", now)
+                return self._fail(
+                    r,
+                    f"target prefill rank {t.instance}:{t.rank} is unknown (connect() first)",
+                    FailureCause.NO_DESTINATION,
+                    now,
+                )
             if peer.state is PeerState.REJECTED:
-                return self._fail(r, _clip(f"target prefill rank {t.instance}:{t.rank} rejected registration: {peer.reason}"), now)
+                return self._fail(
+                    r,
+                    _clip(f"target prefill rank {t.instance}:{t.rank} rejected registration: {peer.reason}"),
+                    FailureCause.INVALID,
+                    now,
+                )
         if all(self.peer_ready(t) for t in r.targets):
             return self._send_requests(r, now)
         return []
@@ -345,7 +394,7 @@ class DecodeEndpoint:
         r = self._room(room)
         if r.terminal:
             return []
-        return self._fail(r, _clip(f"aborted by decode: {reason}"), now)
+        return self._fail(r, _clip(f"aborted by decode: {reason}"), FailureCause.ABORTED_HERE, now)
 
     def close_room(self, room: RoomId) -> None:
         """``receiver.clear``: forget a room whose pages are no longer at risk."""
@@ -353,7 +402,9 @@ class DecodeEndpoint:
         if r is None:
             return
         if not self.release_ready(room):
-            raise LocalProtocolError(f"room {room} closed before its pages were safe to reuse ({r.state.name})")
+            raise LocalProtocolError(
+                f"room {room} closed before its pages were safe to reuse ({r.state.name})"
+            )
         del self._rooms[room]
 
     def poll(self, room: RoomId) -> KVPoll:
@@ -420,7 +471,9 @@ class DecodeEndpoint:
                 ReceiverRoomState.WAITING_FOR_INPUT: ("waiting", self.timeouts.waiting),
                 ReceiverRoomState.TRANSFERRING: ("transfer", self.timeouts.transfer),
             }[r.state]
-            effects += self._fail(r, f"{limit[0]} timeout: still {r.state.name} after {limit[1]:g} s", now)
+            effects += self._fail(
+                r, f"{limit[0]} timeout: still {r.state.name} after {limit[1]:g} s", FailureCause.TIMEOUT, now
+            )
         return effects
 
     # ------------------------------------------------------------------ statistics
@@ -447,7 +500,11 @@ class DecodeEndpoint:
             peer = self._peers[t.key]
             if t.dummy:
                 request = TransferRequest(
-                    origin=self.origin, room=r.room, dst_pages=(), required_dst_info_num=r.required_dst_info_num, dummy=True
+                    origin=self.origin,
+                    room=r.room,
+                    dst_pages=(),
+                    required_dst_info_num=r.required_dst_info_num,
+                    dummy=True,
                 )
             else:
                 request = TransferRequest(
@@ -464,7 +521,7 @@ class DecodeEndpoint:
         self._set_deadline(r, now + self.timeouts.waiting)
         return effects
 
-    def _fail(self, r: _ReceiverRoom, reason: str, now: float) -> list[Effect]:
+    def _fail(self, r: _ReceiverRoom, reason: str, cause: FailureCause, now: float) -> list[Effect]:
         """Fail the room and start the abort handshake with every prefill rank of the room."""
         r.machine.fire(ReceiverRoomTrigger.FAIL)
         r.failure = reason
@@ -473,14 +530,20 @@ class DecodeEndpoint:
         # Only a rank that was told the destinations can write; dummies never write.
         r.must_ack = {t.key for t in r.targets if not t.dummy and t.key in r.armed}
         effects: list[Effect] = [
-            RoomFinished(room=r.room, poll=KVPoll.Failed, reason=reason),
-            Notice(level=NoticeLevel.WARNING, text=f"room {r.room} failed on decode {self.origin}: {reason}", room=r.room),
+            RoomFinished(room=r.room, poll=KVPoll.Failed, reason=reason, cause=cause),
+            Notice(
+                level=NoticeLevel.WARNING,
+                text=f"room {r.room} failed on decode {self.origin}: {reason}",
+                room=r.room,
+            ),
         ]
         for t in r.targets:
             peer = self._peers.get(t.key)
             if peer is not None and peer.state is PeerState.READY:
                 self._counters.aborts_sent += 1
-                effects.append(Send(to=peer.endpoint, message=Abort(origin=self.origin, room=r.room, reason=reason)))
+                effects.append(
+                    Send(to=peer.endpoint, message=Abort(origin=self.origin, room=r.room, reason=reason))
+                )
         if not r.must_ack:
             r.abort.fire(DecodeAbortTrigger.ALL_ACKED)
             r.deadline = None
@@ -507,7 +570,7 @@ class DecodeEndpoint:
                     self._counters.aborts_acked += 1
                     effects += self._release(r, safe=True, reason="remaining prefill rank restarted")
             elif not r.terminal:
-                effects += self._fail(r, reason, now)
+                effects += self._fail(r, reason, FailureCause.PEER_RESTART, now)
         return effects
 
     def _late(self, msg: Message, room: RoomId) -> list[Effect]:

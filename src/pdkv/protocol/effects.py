@@ -117,6 +117,18 @@ class SubmitChunk:
     destinations: tuple[Destination, ...]
 
 
+class FailureCause(enum.Enum):
+    """Why a room failed, for metrics and operators (the reason text says the details)."""
+
+    ABORTED_HERE = "aborted_here"  # this side's scheduler aborted the room
+    ABORTED_BY_PEER = "aborted_by_peer"  # the other side aborted or reported failure
+    TIMEOUT = "timeout"  # a deadline passed
+    ENGINE = "engine"  # the transfer engine failed a write (or mapping refused the chunk)
+    INVALID = "invalid"  # a request or registration broke the protocol's rules
+    PEER_RESTART = "peer_restart"  # the peer came back with a new epoch
+    NO_DESTINATION = "no_destination"  # nothing to send to
+
+
 @attrs.frozen(kw_only=True)
 class RoomFinished:
     """A room reached a terminal state on this rank (for logs and metrics)."""
@@ -124,6 +136,7 @@ class RoomFinished:
     room: RoomId
     poll: KVPoll
     reason: str = ""
+    cause: FailureCause | None = None  # None for Success
 
 
 @attrs.frozen(kw_only=True)

@@ -31,6 +31,7 @@ from pdkv.protocol.effects import (
     DecodePeer,
     Destination,
     Effect,
+    FailureCause,
     Notice,
     NoticeLevel,
     PeerKey,
@@ -179,7 +180,11 @@ class PrefillEndpoint:
                 return self._stale(message)
             return [Send(to=peer.endpoint, message=HeartbeatAck(origin=self.origin, seq=message.seq))]
         self._counters.unexpected_messages += 1
-        return [_notice(NoticeLevel.WARNING, f"prefill got unexpected {type(message).__name__} from {message.origin}")]
+        return [
+            _notice(
+                NoticeLevel.WARNING, f"prefill got unexpected {type(message).__name__} from {message.origin}"
+            )
+        ]
 
     def _on_register(self, msg: Register) -> list[Effect]:
         key = (msg.origin.instance, msg.origin.rank)
@@ -212,11 +217,21 @@ class PrefillEndpoint:
     def _peer_restarted(self, key: PeerKey, new: Origin) -> list[Effect]:
         """A decode rank came back with a new epoch: its old rooms can never complete."""
         old = self._peers.pop(key)
-        effects: list[Effect] = [_notice(NoticeLevel.WARNING, f"decode rank {old.instance}:{old.rank} restarted (epoch {old.epoch} -> {new.epoch})")]
+        effects: list[Effect] = [
+            _notice(
+                NoticeLevel.WARNING,
+                f"decode rank {old.instance}:{old.rank} restarted (epoch {old.epoch} -> {new.epoch})",
+            )
+        ]
         for r in list(self._rooms.values()):
             if key in r.requests:
                 if not r.terminal:
-                    effects += self._fail(r, f"decode rank {old.instance}:{old.rank} restarted", notify=False)
+                    effects += self._fail(
+                        r,
+                        f"decode rank {old.instance}:{old.rank} restarted",
+                        FailureCause.PEER_RESTART,
+                        notify=False,
+                    )
                 # The old incarnation's pages are gone: nothing to acknowledge to it.
                 r.requests.pop(key)
         return effects
@@ -226,10 +241,22 @@ class PrefillEndpoint:
         peer = self._peers.get(key)
         if peer is None or peer.epoch != msg.origin.epoch:
             self._counters.requests_refused += 1
-            return [_notice(NoticeLevel.WARNING, f"TransferRequest from unregistered decode rank {msg.origin}", msg.room)]
+            return [
+                _notice(
+                    NoticeLevel.WARNING,
+                    f"TransferRequest from unregistered decode rank {msg.origin}",
+                    msg.room,
+                )
+            ]
         if msg.room in self._tombstones:
             self._counters.requests_refused += 1
-            return [_notice(NoticeLevel.WARNING, f"refused late TransferRequest for closed or aborted room {msg.room} from {msg.origin}", msg.room)]
+            return [
+                _notice(
+                    NoticeLevel.WARNING,
+                    f"refused late TransferRequest for closed or aborted room {msg.room} from {msg.origin}",
+                    msg.room,
+                )
+            ]
         r = self._rooms.get(msg.room) or self._new_room(msg.room, now)
         previous = r.requests.get(key)
         if previous is not None:
@@ -237,19 +264,31 @@ class PrefillEndpoint:
                 # A duplicate: answer a finished room again (the first status may have been lost).
                 return self._status_to(r, peer) if r.terminal else []
             if r.terminal:
-                return [_notice(NoticeLevel.WARNING, f"ignored conflicting TransferRequest from {msg.origin} for finished room {msg.room}", msg.room)]
-            return self._fail(r, f"conflicting TransferRequests from {msg.origin}")
+                return [
+                    _notice(
+                        NoticeLevel.WARNING,
+                        f"ignored conflicting TransferRequest from {msg.origin} for finished room {msg.room}",
+                        msg.room,
+                    )
+                ]
+            return self._fail(r, f"conflicting TransferRequests from {msg.origin}", FailureCause.INVALID)
         r.requests[key] = msg
         if r.state is SenderRoomState.FAILED:
             return self._status_to(r, peer)
         if r.state is not SenderRoomState.BOOTSTRAPPING:
-            return self._fail(r, f"unexpected extra TransferRequest from {msg.origin} in state {r.state.name}")
+            return self._fail(
+                r,
+                f"unexpected extra TransferRequest from {msg.origin} in state {r.state.name}",
+                FailureCause.INVALID,
+            )
         problem = self._validate(msg, peer, r)
         if problem is not None:
-            return self._fail(r, problem)
+            return self._fail(r, problem, FailureCause.INVALID)
         required = {q.required_dst_info_num for q in r.requests.values()}
         if len(required) != 1:
-            return self._fail(r, f"decode ranks disagree on required_dst_info_num: {sorted(required)}")
+            return self._fail(
+                r, f"decode ranks disagree on required_dst_info_num: {sorted(required)}", FailureCause.INVALID
+            )
         if len(r.requests) == required.pop():
             r.machine.fire(SenderRoomTrigger.ALL_REQUESTS_IN)
             self._set_deadline(r, now + self.timeouts.inflight)
@@ -297,14 +336,25 @@ class PrefillEndpoint:
             effects: list[Effect] = []
             if msg.room not in self._tombstones:
                 self._counters.aborts_unknown_room += 1
-                effects.append(_notice(NoticeLevel.WARNING, f"abort for unknown room {msg.room} from {msg.origin}: {msg.reason}", msg.room))
+                effects.append(
+                    _notice(
+                        NoticeLevel.WARNING,
+                        f"abort for unknown room {msg.room} from {msg.origin}: {msg.reason}",
+                        msg.room,
+                    )
+                )
             self._tombstone(msg.room, now)
             if peer is not None:
                 effects.append(Send(to=peer.endpoint, message=AbortAck(origin=self.origin, room=msg.room)))
             return effects
         effects = []
         if not r.terminal:
-            effects += self._fail(r, _clip(f"aborted by decode {msg.origin}: {msg.reason}"), notify=False)
+            effects += self._fail(
+                r,
+                _clip(f"aborted by decode {msg.origin}: {msg.reason}"),
+                FailureCause.ABORTED_BY_PEER,
+                notify=False,
+            )
         if peer is None:
             return effects
         r.ack_to.add(key)
@@ -333,11 +383,17 @@ class PrefillEndpoint:
             r = self._new_room(room, now)
             if room in self._tombstones:
                 r.opened, r.num_pages, r.aux_row = True, num_pages, aux_row
-                return self._fail(r, "aborted by decode before the prefill side opened it")
+                return self._fail(
+                    r, "aborted by decode before the prefill side opened it", FailureCause.ABORTED_BY_PEER
+                )
         r.opened, r.num_pages, r.aux_row = True, num_pages, aux_row
         for q in r.real_requests:
             if q.dst_pages.size != num_pages:
-                return self._fail(r, f"request has {num_pages} pages but {q.origin} gave {q.dst_pages.size} destination pages")
+                return self._fail(
+                    r,
+                    f"request has {num_pages} pages but {q.origin} gave {q.dst_pages.size} destination pages",
+                    FailureCause.INVALID,
+                )
         return []
 
     def queue_chunk(self, room: RoomId, spec: ChunkSpec, now: float) -> list[Effect]:
@@ -345,7 +401,9 @@ class PrefillEndpoint:
         r = self._opened(room)
         if r.last_queued:
             raise LocalProtocolError(f"room {room}: chunk queued after the last chunk")
-        chunk = _Chunk(index=len(r.chunks), spec=spec, machine=ChunkMachine(f"room {room} chunk {len(r.chunks)}"))
+        chunk = _Chunk(
+            index=len(r.chunks), spec=spec, machine=ChunkMachine(f"room {room} chunk {len(r.chunks)}")
+        )
         if r.state is SenderRoomState.FAILED:
             r.chunks.append(chunk)
             r.last_queued = spec.last
@@ -379,7 +437,7 @@ class PrefillEndpoint:
             return [_notice(NoticeLevel.WARNING, f"abort of unknown room {room}: {reason}", room)]
         if r.terminal:
             return []
-        return self._fail(r, _clip(f"aborted by prefill: {reason}"))
+        return self._fail(r, _clip(f"aborted by prefill: {reason}"), FailureCause.ABORTED_HERE)
 
     def close_room(self, room: RoomId, now: float) -> None:
         """``sender.clear``: the scheduler is done with a terminal room; its id becomes a tombstone."""
@@ -449,7 +507,9 @@ class PrefillEndpoint:
             status_metric = TransferMetricData(pages=r.pages, bytes=r.bytes, seconds=r.seconds)
             for key, q in r.requests.items():
                 if not q.dummy:
-                    status = TransferStatus(origin=self.origin, room=room, outcome=Outcome.SUCCESS, metric=status_metric)
+                    status = TransferStatus(
+                        origin=self.origin, room=room, outcome=Outcome.SUCCESS, metric=status_metric
+                    )
                     effects.append(Send(to=self._peers[key].endpoint, message=status))
             effects.append(RoomFinished(room=room, poll=KVPoll.Success))
         effects += self._maybe_drained(r)
@@ -462,7 +522,9 @@ class PrefillEndpoint:
         c.machine.fire(ChunkTrigger.FAIL)
         effects: list[Effect] = []
         if not r.terminal:
-            effects += self._fail(r, _clip(f"transfer of chunk {chunk} failed: {reason}"))
+            effects += self._fail(
+                r, _clip(f"transfer of chunk {chunk} failed: {reason}"), FailureCause.ENGINE
+            )
         effects += self._maybe_drained(r)
         self._forget_if_idle(r)
         return effects
@@ -490,7 +552,9 @@ class PrefillEndpoint:
                 SenderRoomState.WAITING_FOR_INPUT: ("inflight", self.timeouts.inflight),
                 SenderRoomState.TRANSFERRING: ("inflight", self.timeouts.inflight),
             }[r.state]
-            effects += self._fail(r, f"{limit[0]} timeout: still {r.state.name} after {limit[1]:g} s")
+            effects += self._fail(
+                r, f"{limit[0]} timeout: still {r.state.name} after {limit[1]:g} s", FailureCause.TIMEOUT
+            )
         for room in list(self._tombstone_expiry.pop_due(now, self._tombstones.get)):
             del self._tombstones[room]
         return effects
@@ -542,7 +606,7 @@ class PrefillEndpoint:
         r = self._rooms.get(room)
         return None if r is None or r.terminal else r.deadline
 
-    def _fail(self, r: _SenderRoom, reason: str, *, notify: bool = True) -> list[Effect]:
+    def _fail(self, r: _SenderRoom, reason: str, cause: FailureCause, *, notify: bool = True) -> list[Effect]:
         r.machine.fire(SenderRoomTrigger.FAIL)
         r.failure = reason
         r.deadline = None
@@ -551,7 +615,7 @@ class PrefillEndpoint:
             if c.machine.state is ChunkState.REGISTERED:
                 self._skip(c)
         effects: list[Effect] = [
-            RoomFinished(room=r.room, poll=KVPoll.Failed, reason=reason),
+            RoomFinished(room=r.room, poll=KVPoll.Failed, reason=reason, cause=cause),
             _notice(NoticeLevel.WARNING, f"room {r.room} failed on prefill {self.origin}: {reason}", r.room),
         ]
         if notify:
@@ -570,7 +634,9 @@ class PrefillEndpoint:
             metric = TransferMetricData(pages=r.pages, bytes=r.bytes, seconds=r.seconds)
             status = TransferStatus(origin=self.origin, room=r.room, outcome=Outcome.SUCCESS, metric=metric)
         elif r.state is SenderRoomState.FAILED:
-            status = TransferStatus(origin=self.origin, room=r.room, outcome=Outcome.FAILED, reason=r.failure or "failed")
+            status = TransferStatus(
+                origin=self.origin, room=r.room, outcome=Outcome.FAILED, reason=r.failure or "failed"
+            )
         else:
             return []
         return [Send(to=peer.endpoint, message=status)]

@@ -1,1 +1,38 @@
-"""TODO"""
+"""pdkv.runtime: what a scheduler embeds (DESIGN sections 7 and 10).
+
+- ``PrefillTransport`` / ``KVSender`` and ``DecodeTransport`` / ``KVReceiver``: one transport per
+  rank, one sender or receiver per room; every scheduler call is non-blocking;
+- ``TransferExecutor``: shaped, bounded, fully-waited batches through a ``TransferBackend``;
+- ``all_reduce_polls``: the MIN consensus of KVPoll across a torch.distributed group;
+- ``channels``: the zmq wiring (default channel factory, registry client and service).
+
+The only layer that starts threads and owns clocks; it imports protocol, mapping, engine, control,
+alloc and metrics, and nothing imports it but the CLI, the demo and ``pdkv.testing``.
+"""
+
+from pdkv.runtime.decode import DecodeConfig, DecodeTransport, KVReceiver, RouteUnavailableError
+from pdkv.runtime.executor import (
+    ExecutorConfig,
+    JobFinishedError,
+    JobStatus,
+    TransferExecutor,
+    TransferJob,
+    TransferResult,
+)
+from pdkv.runtime.prefill import KVSender, PrefillConfig, PrefillTransport
+
+__all__ = [
+    "DecodeConfig",
+    "DecodeTransport",
+    "ExecutorConfig",
+    "JobFinishedError",
+    "JobStatus",
+    "KVReceiver",
+    "KVSender",
+    "PrefillConfig",
+    "PrefillTransport",
+    "RouteUnavailableError",
+    "TransferExecutor",
+    "TransferJob",
+    "TransferResult",
+]

@@ -16,6 +16,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Protocol
 
+from pdkv.control.channel import ChannelStatistics
 from pdkv.protocol.messages import Message
 
 log = logging.getLogger(__name__)
@@ -38,6 +39,8 @@ class MessageChannel(Protocol):
     def forget(self, endpoint: str) -> object: ...
 
     def close(self) -> None: ...
+
+    def statistics(self) -> ChannelStatistics: ...
 
 
 class ControlLoop:

@@ -21,7 +21,9 @@ import numpy as np
 
 from pdkv.engine.backend import Registration, TransferBackend
 from pdkv.errors import ConfigError, PdkvError
+from pdkv.control.channel import ChannelStatistics
 from pdkv.mapping import BufferLayout, Topology, decode_fanout
+from pdkv.metrics import TransportMetrics, TransportMetricsSnapshot
 from pdkv.protocol.config import Timeouts
 from pdkv.protocol.decode import DecodeEndpoint, DecodeStatistics
 from pdkv.protocol.effects import Effect, Notice, ReleasePages, RoomFinished, Send, SubmitChunk, Target
@@ -37,8 +39,9 @@ from pdkv.protocol.messages import (
     TransferMetricData,
 )
 from pdkv.protocol.poll import KVPoll
+from pdkv.runtime._accounting import Accounting
 from pdkv.runtime._loop import ControlLoop
-from pdkv.runtime.prefill import ChannelFactory, _default_channel_factory, _log_notice, new_epoch
+from pdkv.runtime.prefill import ChannelFactory, _default_channel_factory, _log_notice, _peer_name, new_epoch
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +76,11 @@ class DecodeConfig:
 
 @attrs.frozen(kw_only=True)
 class DecodeTransportStatistics:
+    """Protocol counters, what prefill ranks reported writing (per peer latency), and the sockets."""
+
     endpoint: DecodeStatistics
+    metrics: TransportMetricsSnapshot
+    channel: ChannelStatistics
     rooms_released: int
     unsafe_releases: int
 
@@ -112,6 +119,9 @@ class DecodeTransport:
         )
         self._query_route = query if query is not None else _default_query()
         self._routes: dict[InstanceId, RouteTable] = {}
+        self.metrics = TransportMetrics()
+        """Counters and per-prefill-peer latency (as the peers report it)."""
+        self._accounting = Accounting(self.metrics)
         self._registrations: list[Registration] = []
         self._released = 0
         self._unsafe = 0
@@ -195,9 +205,14 @@ class DecodeTransport:
 
     def statistics(self) -> DecodeTransportStatistics:
         with self._lock:
-            return DecodeTransportStatistics(
-                endpoint=self._endpoint.statistics(), rooms_released=self._released, unsafe_releases=self._unsafe
-            )
+            endpoint = self._endpoint.statistics()
+        return DecodeTransportStatistics(
+            endpoint=endpoint,
+            metrics=self.metrics.snapshot(),
+            channel=self._loop.channel.statistics(),
+            rooms_released=self._released,
+            unsafe_releases=self._unsafe,
+        )
 
     def fanout_targets(self, prefill: InstanceId) -> tuple[list[Target], int]:
         """The prefill ranks a room from ``prefill`` is requested from, and their required_dst_info_num."""
@@ -228,14 +243,18 @@ class DecodeTransport:
 
     def _on_message(self, message: Message, now: float) -> None:
         with self._lock:
+            self._accounting.received(message)
             self._apply(self._endpoint.receive(message, now))
 
     def _on_tick(self, now: float) -> float | None:
+        channel = self._loop.channel.statistics()
         with self._lock:
+            self._accounting.channel(malformed=channel.malformed, unauthenticated=channel.unauthenticated)
             self._apply(self._endpoint.tick(now))
             return self._endpoint.next_deadline()
 
     def _apply(self, effects: Sequence[Effect]) -> None:
+        self._accounting.effects(effects)
         for effect in effects:
             if isinstance(effect, Send):
                 self._loop.post(effect.to, effect.message)
@@ -247,6 +266,8 @@ class DecodeTransport:
             elif isinstance(effect, RoomFinished):
                 if effect.poll is KVPoll.Success:
                     log.debug("room %s succeeded on decode %s", effect.room, self.config.rank)
+                    for (instance, rank), data in self._endpoint.metric(effect.room).items():
+                        self._accounting.reported(effect.room, _peer_name(instance, rank), data)
             elif isinstance(effect, Notice):
                 _log_notice(effect)
             elif isinstance(effect, SubmitChunk):  # prefill-side effect; a decode endpoint never emits it

@@ -132,7 +132,7 @@ ENV_VARS: Final[Mapping[str, str]] = {
 }
 
 
-class TransferStatus(enum.Enum):
+class JobStatus(enum.Enum):
     COMPLETED = "completed"  # every requested byte is in a COMPLETED batch
     FAILED = "failed"  # a batch failed or was refused; nothing after it was sent
     TIMED_OUT = "timed_out"  # the budget ran out; see batches_in_flight
@@ -140,7 +140,7 @@ class TransferStatus(enum.Enum):
 
 @attrs.frozen(kw_only=True)
 class TransferResult:
-    status: TransferStatus
+    status: JobStatus
     peer: str
     bytes_requested: int  # every byte given to submit(), including what was never sent
     bytes_written: int  # bytes of batches the backend reported COMPLETED
@@ -152,7 +152,7 @@ class TransferResult:
 
     @property
     def ok(self) -> bool:
-        return self.status is TransferStatus.COMPLETED
+        return self.status is JobStatus.COMPLETED
 
 
 class JobFinishedError(TransferError):
@@ -168,7 +168,7 @@ class _Submitted:
 @attrs.frozen
 class _Failure:
     index: int
-    status: TransferStatus
+    status: JobStatus
     reason: str
 
 
@@ -230,7 +230,7 @@ class TransferJob:
             try:
                 handle = self._backend.submit_write(self.peer, batch)
             except TransferError as exc:
-                self._fail(self._batches, TransferStatus.FAILED, f"refused at submission: {exc}")
+                self._fail(self._batches, JobStatus.FAILED, f"refused at submission: {exc}")
                 return
             self._in_flight.append(_Submitted(self._batches, handle))
             self._batches += 1
@@ -271,7 +271,7 @@ class TransferJob:
         if still_out:
             self._fail(
                 still_out[0].index,
-                TransferStatus.TIMED_OUT,
+                JobStatus.TIMED_OUT,
                 f"not finished in time: {len(still_out)} batches",
             )
 
@@ -291,7 +291,7 @@ class TransferJob:
         if outcome.status is BatchStatus.TIMED_OUT:
             # It stays in flight: finish()/drain() must still wait for it before memory is reused.
             self._fail(
-                head.index, TransferStatus.TIMED_OUT, "not finished in time (waiting for room to submit)"
+                head.index, JobStatus.TIMED_OUT, "not finished in time (waiting for room to submit)"
             )
             return
         self._in_flight.popleft()
@@ -301,9 +301,9 @@ class TransferJob:
         if outcome.status is BatchStatus.COMPLETED:
             self._bytes_written += outcome.handle.total_bytes
         else:
-            self._fail(index, TransferStatus.FAILED, outcome.reason)
+            self._fail(index, JobStatus.FAILED, outcome.reason)
 
-    def _fail(self, index: int, status: TransferStatus, reason: str) -> None:
+    def _fail(self, index: int, status: JobStatus, reason: str) -> None:
         if self._failure is None:
             self._failure = _Failure(index, status, reason)
             log.warning("transfer to %s: batch %d %s: %s", self.peer, index, status.value, reason)
@@ -312,14 +312,14 @@ class TransferJob:
         seconds = self._clock() - self._started_at
         failure = self._failure
         if failure is None:
-            status, reason = TransferStatus.COMPLETED, ""
+            status, reason = JobStatus.COMPLETED, ""
         else:
             status, reason = failure.status, failure.reason
         if self._in_flight:
             reason = f"{reason}; {len(self._in_flight)} batches still in flight and may still write"
-        if status is TransferStatus.COMPLETED and self._bytes_written != self._bytes_requested:
+        if status is JobStatus.COMPLETED and self._bytes_written != self._bytes_requested:
             # Unreachable by construction; refuse to call a partial write a success regardless.
-            status = TransferStatus.FAILED
+            status = JobStatus.FAILED
             reason = f"only {self._bytes_written} of {self._bytes_requested} bytes confirmed"
         result = TransferResult(
             status=status,

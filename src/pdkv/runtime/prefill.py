@@ -29,7 +29,9 @@ import numpy as np
 
 from pdkv.engine.backend import Registration, TransferBackend
 from pdkv.errors import ConfigError, PdkvError
+from pdkv.control.channel import ChannelStatistics
 from pdkv.mapping import BufferLayout, OwnershipPolicy, PageInterleaved
+from pdkv.metrics import KVTransferMetric, TransportCounter, TransportMetrics, TransportMetricsSnapshot
 from pdkv.protocol.config import Timeouts
 from pdkv.protocol.effects import (
     ChunkSpec,
@@ -53,6 +55,7 @@ from pdkv.protocol.messages import (
 )
 from pdkv.protocol.poll import KVPoll
 from pdkv.protocol.prefill import PrefillEndpoint, PrefillStatistics
+from pdkv.runtime._accounting import Accounting
 from pdkv.runtime._loop import ControlLoop, MessageChannel
 from pdkv.runtime.chunk_plan import plan_chunk
 from pdkv.runtime.executor import ExecutorConfig, TransferExecutor
@@ -108,9 +111,11 @@ class PrefillConfig:
 
 @attrs.frozen(kw_only=True)
 class PrefillTransportStatistics:
+    """Everything an operator asks of one prefill rank: protocol counters, bytes and latencies, sockets."""
+
     endpoint: PrefillStatistics
-    chunks_written: int
-    bytes_written: int
+    metrics: TransportMetricsSnapshot
+    channel: ChannelStatistics
     worker_errors: int
     queue_depth: int
 
@@ -148,8 +153,9 @@ class PrefillTransport:
             threading.Thread(target=self._work_loop, name=f"pdkv-transfer-{config.rank}-{i}", daemon=True)
             for i in range(config.workers)
         ]
-        self._chunks_written = 0
-        self._bytes_written = 0
+        self.metrics = TransportMetrics()
+        """Counters and per-peer latency; ``pdkv.metrics.PrometheusExporter(transport.metrics)`` exports them."""
+        self._accounting = Accounting(self.metrics)
         self._worker_errors = 0
         self._partition_dump = os.environ.get("PDKV_DEBUG_PARTITION_DUMP") == "1"
         self._started = False
@@ -216,8 +222,8 @@ class PrefillTransport:
             endpoint = self._endpoint.statistics()
         return PrefillTransportStatistics(
             endpoint=endpoint,
-            chunks_written=self._chunks_written,
-            bytes_written=self._bytes_written,
+            metrics=self.metrics.snapshot(),
+            channel=self._loop.channel.statistics(),
             worker_errors=self._worker_errors,
             queue_depth=self._work.qsize(),
         )
@@ -234,16 +240,20 @@ class PrefillTransport:
 
     def _on_message(self, message: Message, now: float) -> None:
         with self._lock:
+            self._accounting.received(message)
             self._apply(self._endpoint.receive(message, now))
 
     def _on_tick(self, now: float) -> float | None:
+        channel = self._loop.channel.statistics()
         with self._lock:
+            self._accounting.channel(malformed=channel.malformed, unauthenticated=channel.unauthenticated)
             self._apply(self._endpoint.tick(now))
             return self._endpoint.next_deadline()
 
     # ------------------------------------------------------------------ effects (lock held)
 
     def _apply(self, effects: Sequence[Effect]) -> None:
+        self._accounting.effects(effects)
         for effect in effects:
             if isinstance(effect, Send):
                 self._loop.post(effect.to, effect.message)
@@ -284,6 +294,7 @@ class PrefillTransport:
     def _run_chunk(self, submit: SubmitChunk) -> None:
         with self._lock:
             if not self._endpoint.start_chunk(submit.room, submit.chunk, self._clock()):
+                self.metrics.increment(TransportCounter.CHUNKS_SKIPPED)
                 return  # skipped: the room failed before any byte of this chunk moved
         started = self._clock()
         pages = written = 0
@@ -304,16 +315,26 @@ class PrefillTransport:
                 log.warning("room %s chunk %s: %s", submit.room, submit.chunk, note)
             if self._partition_dump:
                 _dump_partition(submit, plan.kv_pages, plan.state_slots, self.config.rank, destination.peer.rank)
+            submitted = self._clock()
             result = self._executor.transfer(destination.peer.session, plan.blocks)
             if not result.ok:
+                self.metrics.increment(TransportCounter.ENGINE_FAILURES)
                 self._finish_failed(submit, f"to {destination.peer.session}: {result.reason}")
                 return
             pages += plan.kv_pages
             written += result.bytes_written
+            landed = KVTransferMetric(
+                room=submit.room,
+                pages=plan.kv_pages,
+                bytes=result.bytes_written,
+                seconds=result.seconds,
+                first_submit_at=submitted,
+                last_completion_at=max(submitted, self._clock()),
+            )
+            with self._lock:
+                self._accounting.wrote(submit.room, _peer_name(destination.peer.instance, destination.peer.rank), landed)
         metric = TransferMetricData(pages=pages, bytes=written, seconds=max(0.0, self._clock() - started))
         with self._lock:
-            self._chunks_written += 1
-            self._bytes_written += written
             self._apply(self._endpoint.chunk_done(submit.room, submit.chunk, metric, self._clock()))
 
     def _finish_failed(self, submit: SubmitChunk, reason: str) -> None:
@@ -359,6 +380,11 @@ class KVSender:
     def clear(self) -> None:
         """Forget a terminal room (its id is remembered as a tombstone for late messages)."""
         self.transport._call(lambda e, now: _close(e, self.room, now))
+
+
+def _peer_name(instance: str, rank: RankCoord) -> str:
+    """How a peer is named in metrics: ``instance:tpN/cpM``."""
+    return f"{instance}:{rank}"
 
 
 def _close(endpoint: PrefillEndpoint, room: RoomId, now: float) -> list[Effect]:

@@ -305,7 +305,7 @@ def _prefill_rank(args: _RankArgs, conn: Connection) -> None:
                     rooms=stats.endpoint.rooms_succeeded + stats.endpoint.rooms_failed,
                     canary_violations=0,
                     unsafe_releases=0,
-                    bytes_written=stats.bytes_written,
+                    bytes_written=stats.metrics.counters.bytes_sent,
                     worker_errors=stats.worker_errors,
                 ),
             )

@@ -68,11 +68,28 @@ def salt(model: ModelRole, kind: BufferKind, layer: int, tp_rank: int = 0) -> in
 
 
 def pattern(salt_value: int, ids: IntArray, item_bytes: int) -> U8:
-    """The bytes of items ``ids`` of a buffer: shape (len(ids), item_bytes), never 0."""
-    ids64 = np.asarray(ids, dtype=np.int64).reshape(-1, 1)
-    cols = np.arange(item_bytes, dtype=np.int64).reshape(1, -1)
-    mixed = (ids64 * 2654435761 + salt_value * 40503 + cols * 97 + (ids64 >> 7) * cols) % 251
-    return (mixed + 1).astype(np.uint8)
+    """The bytes of items ``ids`` of a buffer: shape (len(ids), item_bytes), never 0.
+
+    Every byte depends on the item id, the buffer (salt) and the column, so a misplaced page, a
+    wrong layer or a shifted offset shows. int32 arithmetic in row blocks keeps multi-GB fills cheap.
+    """
+    ids64 = np.asarray(ids, dtype=np.int64).reshape(-1)
+    row_a = ((ids64 * 2654435761 + salt_value * 40503) % 251).astype(np.int32)[:, None]
+    row_b = ((ids64 >> 7) % 251 + 1).astype(np.int32)[:, None]
+    cols = np.arange(item_bytes, dtype=np.int64)
+    col_a = ((cols * 97) % 251).astype(np.int32)[None, :]
+    col_b = (cols % 251).astype(np.int32)[None, :]
+    out = np.empty((ids64.size, item_bytes), dtype=np.uint8)
+    step = max(1, (8 << 20) // max(1, item_bytes))  # about 32 MB of int32 per block
+    for start in range(0, ids64.size, step):
+        rows = slice(start, start + step)
+        block = row_b[rows] * col_b
+        block += row_a[rows]
+        block += col_a
+        block %= 251
+        block += 1
+        out[rows] = block
+    return out
 
 
 class RankMemory:

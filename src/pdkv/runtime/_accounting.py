@@ -1,0 +1,80 @@
+"""Counting what the endpoints did into a transport's ``TransportMetrics`` (one place for both sides).
+
+Owns: the mapping from protocol effects and inputs to metric counters, and the per-(room, peer)
+accumulation of what was actually written. Called with the transport's lock held.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pdkv.metrics import KVTransferMetric, TransportCounter, TransportMetrics
+from pdkv.protocol.effects import Effect, FailureCause, ReleasePages, RoomFinished, Send
+from pdkv.protocol.ids import RoomId
+from pdkv.protocol.messages import Abort, AbortAck, Message, TransferMetricData
+from pdkv.protocol.poll import KVPoll
+
+_ABORTED = (FailureCause.ABORTED_HERE, FailureCause.ABORTED_BY_PEER)
+
+
+class Accounting:
+    """Feeds a ``TransportMetrics`` from effects, received messages and per-chunk results."""
+
+    def __init__(self, metrics: TransportMetrics) -> None:
+        self.metrics = metrics
+        self._rooms: dict[tuple[RoomId, str], KVTransferMetric] = {}
+        self._channel_seen: dict[TransportCounter, int] = {}
+
+    def effects(self, effects: Sequence[Effect]) -> None:
+        count = self.metrics.increment
+        for e in effects:
+            if isinstance(e, Send):
+                if isinstance(e.message, Abort):
+                    count(TransportCounter.ABORTS_SENT)
+                elif isinstance(e.message, AbortAck):
+                    count(TransportCounter.ABORT_ACKS)
+            elif isinstance(e, RoomFinished):
+                if e.poll is KVPoll.Success:
+                    count(TransportCounter.ROOMS_SUCCEEDED)
+                else:
+                    count(TransportCounter.ROOMS_FAILED)
+                    if e.cause in _ABORTED:
+                        count(TransportCounter.ROOMS_ABORTED)
+                    elif e.cause is FailureCause.TIMEOUT:
+                        count(TransportCounter.TIMEOUTS)
+                self._settle(e.room, completed=e.poll is KVPoll.Success)
+            elif isinstance(e, ReleasePages) and not e.safe:
+                count(TransportCounter.UNSAFE_RELEASES)
+
+    def received(self, message: Message) -> None:
+        if isinstance(message, Abort):
+            self.metrics.increment(TransportCounter.ABORTS_RECEIVED)
+        elif isinstance(message, AbortAck):
+            self.metrics.increment(TransportCounter.ABORT_ACKS)
+
+    def wrote(self, room: RoomId, peer: str, metric: KVTransferMetric) -> None:
+        """One chunk's bytes to ``peer`` landed; folded into the room's total for that peer."""
+        self.metrics.increment(TransportCounter.CHUNKS_SENT)
+        key = (room, peer)
+        previous = self._rooms.get(key)
+        self._rooms[key] = metric if previous is None else previous.combined_with(metric)
+
+    def reported(self, room: RoomId, peer: str, data: TransferMetricData) -> None:
+        """Decode side: a prefill rank's Success status says what it wrote for the room."""
+        metric = KVTransferMetric(room=room, pages=data.pages, bytes=data.bytes, seconds=data.seconds)
+        self.metrics.record_room(metric, peer)
+
+    def _settle(self, room: RoomId, *, completed: bool) -> None:
+        for key in [k for k in self._rooms if k[0] == room]:
+            self.metrics.record_room(self._rooms.pop(key), key[1], completed=completed)
+
+    def channel(self, *, malformed: int, unauthenticated: int) -> None:
+        """Bring the channel's cumulative counts into the metrics (adds only the new part)."""
+        for counter, total in (
+            (TransportCounter.MALFORMED_MESSAGES, malformed),
+            (TransportCounter.UNAUTHENTICATED_MESSAGES, unauthenticated),
+        ):
+            new = total - self._channel_seen.get(counter, 0)
+            if new > 0:
+                self.metrics.increment(counter, new)
+                self._channel_seen[counter] = total
