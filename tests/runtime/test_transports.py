@@ -206,3 +206,29 @@ def test_garbage_on_every_socket_leaves_transports_serving(setup_factory: Callab
     wait_for(lambda: s.decode.statistics().metrics.counters.malformed_messages == len(garbage))
     wait_for(lambda: s.registry.statistics().malformed == len(garbage))
     assert s.decode.connect(s.registry.address, timeout_s=10) == prefill  # the registry still answers
+
+
+def test_partition_dump_logs_every_chunk_and_changes_nothing_else(
+    setup_factory: Callable[..., Setup], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("PDKV_DEBUG_PARTITION_DUMP", "1")
+    s = setup_factory(cp=2)
+    prefill = s.start()
+    assert s.decode.wait_registered(prefill, timeout_s=20)
+    chunks = [1] * 40  # more lines than any sensible cap
+    logical = np.arange(40, dtype=np.int64) + 3
+    dst = np.arange(40, dtype=np.int64) * 2
+    with caplog.at_level("WARNING", logger="pdkv.runtime.prefill"):
+        senders = run_room(s, prefill, RoomId(21), logical, dst, chunks)
+        receiver = s.decode.receiver(RoomId(21), prefill)
+        wait_for(lambda: receiver.poll() is KVPoll.Success)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("partition room=21 ")]
+    assert len(lines) == len(chunks) * 2  # every chunk on both CP ranks, no cap
+    assert sum("kv_pages_sent=1" in line for line in lines) == len(chunks)  # each position owned once
+    assert all(x.poll() is KVPoll.Success for x in senders)
+    _, mismatches = verify_room(
+        s.decode_memory, logical_ids=logical, dst_pages=dst, prefix_pages=0,
+        state_src={k: np.array([1, 6]) for k in SPEC.state_kinds}, state_dst={k: np.array([3, 4]) for k in SPEC.state_kinds},
+        aux_src=2, aux_dst=5,
+    )
+    assert mismatches == []
