@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+import os
 import random
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 
@@ -176,6 +179,7 @@ def main(argv: Sequence[str] = ()) -> int:
     parser.add_argument("--mha", action="store_true", help="MHA layout (K and V per layer) instead of MLA")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="JSON lines on stdout instead of the table")
+    parser.add_argument("--log-dir", default=None, help="where rank logs go (default: a new temporary folder)")
     args = parser.parse_args(list(argv))
 
     model = ModelSpec(
@@ -205,8 +209,10 @@ def main(argv: Sequence[str] = ()) -> int:
     )
     started = time.monotonic()
     progress = _Progress(len(plans))
-    print("  starting registry and rank processes ...", file=sys.stderr, flush=True)
-    with Cluster(spec) as cluster:
+    log_dir = args.log_dir or tempfile.mkdtemp(prefix="pdkv-demo-")
+    os.makedirs(log_dir, exist_ok=True)
+    print(f"  starting registry and rank processes (rank logs: {log_dir}) ...", file=sys.stderr, flush=True)
+    with Cluster(spec, log_level=logging.INFO, log_dir=log_dir) as cluster:
         ready = time.monotonic()
         outcomes = cluster.run(plans, max_active=args.max_active, progress=progress)
         progress.close()
@@ -219,6 +225,7 @@ def main(argv: Sequence[str] = ()) -> int:
         print(json.dumps({"summary": attrs.asdict(summary), "ok": summary.ok}))
     else:
         _print_table(summary, rows, startup_s=ready - started)
+        print(f"rank logs           {log_dir}")
     return 0 if summary.ok else 1
 
 

@@ -41,7 +41,7 @@ from pdkv.protocol.messages import (
 from pdkv.protocol.poll import KVPoll
 from pdkv.runtime._accounting import Accounting
 from pdkv.runtime._loop import ControlLoop
-from pdkv.runtime.prefill import ChannelFactory, _default_channel_factory, _log_notice, _peer_name, new_epoch
+from pdkv.runtime.prefill import ChannelFactory, _default_channel_factory, _peer_name, log_notice, new_epoch
 
 log = logging.getLogger(__name__)
 
@@ -269,7 +269,7 @@ class DecodeTransport:
                     for (instance, rank), data in self._endpoint.metric(effect.room).items():
                         self._accounting.reported(effect.room, _peer_name(instance, rank), data)
             elif isinstance(effect, Notice):
-                _log_notice(effect)
+                log_notice(log, effect)
             elif isinstance(effect, SubmitChunk):  # prefill-side effect; a decode endpoint never emits it
                 raise AssertionError(f"decode endpoint emitted {effect}")
 

@@ -270,7 +270,7 @@ class PrefillTransport:
                 if effect.poll is KVPoll.Success:
                     log.debug("room %s succeeded on prefill %s", effect.room, self.config.rank)
             elif isinstance(effect, Notice):
-                _log_notice(effect)
+                log_notice(log, effect)
             elif isinstance(effect, ReleasePages):  # decode-side effect; a prefill endpoint never emits it
                 raise AssertionError(f"prefill endpoint emitted {effect}")
 
@@ -392,9 +392,12 @@ def _close(endpoint: PrefillEndpoint, room: RoomId, now: float) -> list[Effect]:
     return []
 
 
-def _log_notice(notice: Notice) -> None:
-    level = {NoticeLevel.DEBUG: logging.DEBUG, NoticeLevel.INFO: logging.INFO, NoticeLevel.WARNING: logging.WARNING}
-    log.log(level[notice.level], "%s", notice.text)
+_LEVELS = {NoticeLevel.DEBUG: logging.DEBUG, NoticeLevel.INFO: logging.INFO, NoticeLevel.WARNING: logging.WARNING}
+
+
+def log_notice(logger: logging.Logger, notice: Notice) -> None:
+    """An endpoint's notice as a log line (failures WARNING, hot-path success DEBUG: DESIGN section 8)."""
+    logger.log(_LEVELS[notice.level], "%s", notice.text)
 
 
 def _dump_partition(submit: SubmitChunk, kv_pages: int, state_slots: int, rank: RankCoord, peer: RankCoord) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import faulthandler
 import logging
 import multiprocessing as mp
+import os
 import queue
 import signal
 import time
@@ -85,7 +86,9 @@ class RequestPlan:
 
     def __attrs_post_init__(self) -> None:
         if sum(self.chunk_tokens) + self.prefix_tokens != self.tokens:
-            raise ValueError(f"room {self.room}: chunks {self.chunk_tokens} + prefix {self.prefix_tokens} != {self.tokens}")
+            raise ValueError(
+                f"room {self.room}: chunks {self.chunk_tokens} + prefix {self.prefix_tokens} != {self.tokens}"
+            )
 
 
 @attrs.frozen(kw_only=True)
@@ -178,7 +181,9 @@ def plan_requests(
                 chunks=tuple(chunks),
                 state_src=state_src,
                 aux_src=aux_src,
-                abort_before_chunk=abort.after_chunks if abort is not None and abort.side == "prefill" else None,
+                abort_before_chunk=abort.after_chunks
+                if abort is not None and abort.side == "prefill"
+                else None,
                 forward_s=plan.forward_s,
             )
         )
@@ -207,11 +212,21 @@ class _RankArgs:
     spec: ClusterSpec
     registry: str
     log_level: int
+    log_dir: str | None
 
 
 def _rank_main(args: _RankArgs, conn: Connection) -> None:
+    if args.log_dir is not None:
+        # Everything this process writes to stderr (Python logging, the engine's glog) goes to a file.
+        path = os.path.join(args.log_dir, f"{args.side}-tp{args.tp}-cp{args.cp}.log")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(fd, 2)
+        os.close(fd)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>` dumps every stack
-    logging.basicConfig(level=args.log_level, format=f"%(asctime)s {args.side}{args.tp}.{args.cp} %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level,
+        format=f"%(asctime)s {args.side}{args.tp}.{args.cp} %(levelname)s %(name)s: %(message)s",
+    )
     try:
         if args.side == "prefill":
             _prefill_rank(args, conn)
@@ -272,7 +287,11 @@ def _prefill_rank(args: _RankArgs, conn: Connection) -> None:
                     if room.forward_s:
                         time.sleep(room.forward_s)
                     pages, start_token, last = room.chunks[next_chunk[0]]
-                    state = [StateIndices(kind=kind, indices=slots) for kind, slots in room.state_src] if last else None
+                    state = (
+                        [StateIndices(kind=kind, indices=slots) for kind, slots in room.state_src]
+                        if last
+                        else None
+                    )
                     sender.send(pages, start_token=start_token, last=last, state_indices=state)
                     next_chunk[0] += 1
                 elif poll in (KVPoll.Success, KVPoll.Failed):
@@ -357,7 +376,11 @@ def _decode_rank(args: _RankArgs, conn: Connection) -> None:
                 slots = state_slots.allocate(spec.state_slots_per_room)
                 aux = aux_rows.allocate(1)
                 receiver = transport.receiver(room.room, prefill)
-                receiver.init(dst, int(aux[0]), [StateIndices(kind=kind, indices=slots) for kind in spec.model.state_kinds])
+                receiver.init(
+                    dst,
+                    int(aux[0]),
+                    [StateIndices(kind=kind, indices=slots) for kind in spec.model.state_kinds],
+                )
                 active[room.room] = (room, receiver, dst, slots, aux, time.monotonic())
             for key in list(active):
                 room, receiver, dst, slots, aux, started = active[key]
@@ -382,7 +405,10 @@ def _decode_rank(args: _RankArgs, conn: Connection) -> None:
                         aux_dst=int(aux[0]),
                         tp_rank=args.tp,
                     )
-                    bad = [f"{m.what} {m.index}" + (" (expected untouched)" if m.expected_zero else "") for m in mismatches]
+                    bad = [
+                        f"{m.what} {m.index}" + (" (expected untouched)" if m.expected_zero else "")
+                        for m in mismatches
+                    ]
                     pages.free(dst)
                 else:
                     write_canary(memory, dst)
@@ -441,9 +467,13 @@ def _decode_rank(args: _RankArgs, conn: Connection) -> None:
 class Cluster:
     """Starts the registry and every rank; ``run`` feeds requests; ``close`` stops all it started."""
 
-    def __init__(self, spec: ClusterSpec, *, log_level: int = logging.WARNING) -> None:
+    def __init__(
+        self, spec: ClusterSpec, *, log_level: int = logging.WARNING, log_dir: str | None = None
+    ) -> None:
+        """``log_dir``: each rank's stderr (logs, engine output) goes to a file there instead of ours."""
         self.spec = spec
         self.log_level = log_level
+        self.log_dir = log_dir
         self._ctx = mp.get_context("spawn")
         self._procs: list[tuple[str, Any, Connection]] = []
         self._registry: Any = None
@@ -473,14 +503,27 @@ class Cluster:
 
         spec = self.spec
         self._registry = start_registry(
-            instance=InstanceId("prefill-0"), tp_size=spec.prefill_tp, cp_size=spec.prefill_cp, host="127.0.0.1"
+            instance=InstanceId("prefill-0"),
+            tp_size=spec.prefill_tp,
+            cp_size=spec.prefill_cp,
+            host="127.0.0.1",
         )
         ranks = [("prefill", tp, cp) for tp in range(spec.prefill_tp) for cp in range(spec.prefill_cp)]
         ranks += [("decode", tp, 0) for tp in range(spec.decode_tp)]
         for side, tp, cp in ranks:
             parent, child = self._ctx.Pipe()
-            args = _RankArgs(side=side, tp=tp, cp=cp, spec=spec, registry=self._registry.address, log_level=self.log_level)
-            proc = self._ctx.Process(target=_rank_main, args=(args, child), name=f"pdkv-{side}{tp}.{cp}", daemon=True)
+            args = _RankArgs(
+                side=side,
+                tp=tp,
+                cp=cp,
+                spec=spec,
+                registry=self._registry.address,
+                log_level=self.log_level,
+                log_dir=self.log_dir,
+            )
+            proc = self._ctx.Process(
+                target=_rank_main, args=(args, child), name=f"pdkv-{side}{tp}.{cp}", daemon=True
+            )
             proc.start()
             child.close()
             self._procs.append((side, proc, parent))
@@ -506,7 +549,9 @@ class Cluster:
         pending: dict[int, int] = {}
         results: queue.SimpleQueue[RoomOutcome] = queue.SimpleQueue()
         next_room = 0
-        deadline = time.monotonic() + spec.room_timeout_s + spec.room_timeout_s * len(plans) / max(1, max_active)
+        deadline = (
+            time.monotonic() + spec.room_timeout_s + spec.room_timeout_s * len(plans) / max(1, max_active)
+        )
         while next_room < len(plans) or pending:
             while next_room < len(plans) and len(pending) < max_active:
                 for conn in self.prefill_conns:
@@ -587,7 +632,9 @@ class Cluster:
                 message: tuple[Any, ...] = conn.recv()
                 return message
             if not proc.is_alive():
-                raise ClusterError(f"rank process {proc.name} died during start-up (exit code {proc.exitcode})")
+                raise ClusterError(
+                    f"rank process {proc.name} died during start-up (exit code {proc.exitcode})"
+                )
         raise ClusterError(f"rank process {proc.name} did not start within {self.spec.startup_timeout_s:g} s")
 
 
