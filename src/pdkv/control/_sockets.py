@@ -96,15 +96,20 @@ class Waker:
                 self._sender.send(b"", zmq.NOBLOCK)
 
     def consume(self) -> None:
-        """Owner thread: forget pending wakes. Cleared before draining, so a wake racing with this
-        call either is drained now (and the caller is about to return anyway) or stays pending."""
+        """Owner thread: forget pending wakes.
+
+        Clearing the flag and draining happen under the wakers' lock: otherwise a wake could slip in
+        between (flag set again, its byte drained here), leaving the flag set with nothing to read,
+        and every later ``wake()`` would be swallowed until the owner's poll timed out. A byte still
+        in flight from before this call only causes one spurious (harmless) wake-up later.
+        """
         with self._lock:
             self._pending = False
-        while True:
-            try:
-                self.socket.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
+            while True:
+                try:
+                    self.socket.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    return
 
     def close(self) -> None:
         with self._lock:
@@ -116,8 +121,9 @@ class Waker:
 
 
 class WarningLimiter:
-    """At most ``burst`` WARNING lines per ``period_s`` about bad input, then one line with the count
-    suppressed: a peer sending garbage in a loop must not flood the log (the counters still count all)."""
+    """At most ``burst`` WARNING lines per ``period_s`` about bad input: a peer sending garbage in a
+    loop must not flood the log (the counters still count everything). The number suppressed is
+    logged with the first warning of the next period. Used by one thread (the socket's owner)."""
 
     def __init__(self, logger: logging.Logger, *, burst: int = 20, period_s: float = 10.0) -> None:
         self._logger = logger

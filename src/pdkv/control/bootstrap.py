@@ -90,6 +90,8 @@ class RegistryService(Generic[M]):
         self._handle = handle
         self._auth = auth
         self._name = name
+        if isinstance(max_frame_bytes, bool) or not isinstance(max_frame_bytes, int) or max_frame_bytes < 1:
+            raise ConfigError(f"max_frame_bytes must be an int >= 1, got {max_frame_bytes!r}")
         ctx: zmq.Context[zmq.Socket[bytes]] = context if context is not None else zmq.Context.instance()
         self._router: zmq.Socket[bytes] = ctx.socket(zmq.ROUTER)
         try:
@@ -152,6 +154,8 @@ class RegistryService(Generic[M]):
             self._close_sockets()  # never started: nobody else owns them
             return True
         self._waker.wake()
+        if thread is threading.current_thread():
+            return False  # called from the handler: the loop ends after this request
         thread.join(timeout_s)
         if thread.is_alive():
             log.error("registry %s did not stop within %.1f s (handler stuck?)", self._address, timeout_s)

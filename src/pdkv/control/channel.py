@@ -166,6 +166,7 @@ class ControlChannel(Generic[M]):
         """Queue ``message`` for the channel at ``to``; False (counted, logged) when it was dropped.
 
         Never blocks: a full queue for ``to`` or an endpoint zmq cannot dial drops the message.
+        True means queued here, not delivered: delivery is the protocol's business (acks, deadlines).
         An encoding error is the caller's bug and propagates.
         """
         self._check_owner()

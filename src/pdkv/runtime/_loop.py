@@ -38,7 +38,7 @@ class MessageChannel(Protocol):
 
     def forget(self, endpoint: str) -> object: ...
 
-    def close(self) -> None: ...
+    def close(self, *, flush_s: float = 0.0) -> None: ...
 
     def statistics(self) -> ChannelStatistics: ...
 
@@ -84,7 +84,8 @@ class ControlLoop:
             if self._thread.is_alive():
                 log.warning("control thread %s did not stop within %.1f s", self._thread.name, timeout_s)
                 return
-        self.channel.close()
+        # Give the last messages (a final status, an AbortAck) a moment to leave before the sockets go.
+        self.channel.close(flush_s=1.0)
 
     @property
     def alive(self) -> bool:

@@ -8,6 +8,8 @@ is the one place that joins the two.
 
 from __future__ import annotations
 
+import logging
+
 from pdkv.control.auth import Authenticator
 from pdkv.control.bootstrap import RegistryService, request
 from pdkv.control.channel import ControlChannel
@@ -18,7 +20,9 @@ from pdkv.protocol.ids import Epoch, InstanceId
 from pdkv.protocol.messages import Message, Origin, RankAnnounce, RankCoord, RegisterReject, RouteQuery, RouteTable
 from pdkv.protocol.registry import RouteBook
 from pdkv.runtime._loop import MessageChannel
-from pdkv.runtime.prefill import ChannelFactory, new_epoch
+from pdkv.runtime.prefill import ChannelFactory, log_notice, new_epoch
+
+log = logging.getLogger(__name__)
 
 CODEC: WireCodec[Message] = WireCodec(encode=codec.encode, decode=codec.decode, decode_error=RemoteProtocolError)
 
@@ -63,6 +67,13 @@ def start_registry(
     book = RouteBook(
         Origin(instance=instance, epoch=Epoch(new_epoch()), rank=RankCoord(tp=0)), tp_size=tp_size, cp_size=cp_size
     )
-    service = RegistryService(CODEC, book.handle, host=host, port=port, auth=Authenticator.from_env())
+
+    def handle(message: Message) -> Message | None:
+        reply = book.handle(message)
+        for notice in book.take_notices():  # rejections, restarts: the book only reports them
+            log_notice(log, notice)
+        return reply
+
+    service = RegistryService(CODEC, handle, host=host, port=port, auth=Authenticator.from_env())
     service.start()
     return service
