@@ -7,7 +7,7 @@ import pytest
 from pdkv.errors import LocalProtocolError
 from pdkv.protocol.config import Timeouts
 from pdkv.protocol.decode import DecodeEndpoint
-from pdkv.protocol.effects import ReleasePages, Target
+from pdkv.protocol.effects import Notice, NoticeLevel, ReleasePages, Target
 from pdkv.protocol.ids import Endpoint, Epoch, InstanceId, RoomId, SessionId
 from pdkv.protocol.machines import DecodeAbortState, ReceiverRoomState
 from pdkv.protocol.messages import (
@@ -32,7 +32,9 @@ TARGET = Target(instance=PREFILL.instance, rank=PREFILL.rank)
 
 
 def ok(origin: Origin = PREFILL, room: RoomId = ROOM) -> TransferStatus:
-    return TransferStatus(origin=origin, room=room, outcome=Outcome.SUCCESS, metric=TransferMetricData(pages=3, bytes=30))
+    return TransferStatus(
+        origin=origin, room=room, outcome=Outcome.SUCCESS, metric=TransferMetricData(pages=3, bytes=30)
+    )
 
 
 def failed(reason: str = "boom") -> TransferStatus:
@@ -47,14 +49,14 @@ def connected(timeouts: Timeouts | None = None) -> DecodeEndpoint:
 
 
 def test_register_is_sent_and_retried_until_acked() -> None:
-    d = decode(Timeouts(register_retry=2))
+    d = decode(Timeouts(register_retry=2, heartbeat_interval=10, heartbeat_timeout=40))
     [reg] = sent(d.connect(route(), 0.0))
     assert isinstance(reg, Register) and reg.layout == layout()
     assert d.next_deadline() == 2.0
     assert sent(d.tick(1.9)) == []
     assert sent(d.tick(2.0)) == [reg]
     d.receive(RegisterAck(origin=PREFILL), 2.5)
-    assert d.next_deadline() is None
+    assert d.next_deadline() == 12.5  # no more retries; the first heartbeat to the registered rank
     assert sent(d.connect(route(), 3.0)) == []  # idempotent
 
 
@@ -80,7 +82,9 @@ def test_success_needs_every_required_rank() -> None:
         page_size=16,
         layout_digest=layout().digest(),
         ranks=[
-            RankRoute(rank=o.rank, epoch=o.epoch, endpoint=Endpoint(f"inproc://{o.rank}"), session=SessionId("s"))
+            RankRoute(
+                rank=o.rank, epoch=o.epoch, endpoint=Endpoint(f"inproc://{o.rank}"), session=SessionId("s")
+            )
             for o in (PREFILL, second, dummy)
         ],
         complete=False,
@@ -88,7 +92,11 @@ def test_success_needs_every_required_rank() -> None:
     d.connect(table, 0.0)
     for o in (PREFILL, second, dummy):
         d.receive(RegisterAck(origin=o), 0.0)
-    targets = [TARGET, Target(instance=second.instance, rank=second.rank), Target(instance=dummy.instance, rank=dummy.rank, dummy=True)]
+    targets = [
+        TARGET,
+        Target(instance=second.instance, rank=second.rank),
+        Target(instance=dummy.instance, rank=dummy.rank, dummy=True),
+    ]
     effects = d.open_room(ROOM, targets=targets, dst_pages=[1, 2, 3], dst_aux_row=None, now=0.0)
     requests = [m for m in sent(effects, TransferRequest) if isinstance(m, TransferRequest)]
     assert [r.dummy for r in requests] == [False, False, True]
@@ -118,7 +126,7 @@ def test_failed_status_aborts_and_pages_wait_for_ack() -> None:
 
 
 def test_abort_ack_timeout_releases_unsafely_and_counts() -> None:
-    d = connected(Timeouts(abort_ack=5))
+    d = connected(Timeouts(abort_ack=5, heartbeat_interval=100, heartbeat_timeout=400))
     d.open_room(ROOM, targets=[TARGET], dst_pages=[1], dst_aux_row=None, now=0.0)
     d.abort_room(ROOM, "client left", 1.0)
     assert d.next_deadline() == 6.0
@@ -146,7 +154,13 @@ def test_abort_before_registration_releases_at_once() -> None:
 
 def test_dummy_only_room_fails_loudly() -> None:
     d = connected()
-    d.open_room(ROOM, targets=[Target(instance=PREFILL.instance, rank=PREFILL.rank, dummy=True)], dst_pages=[1], dst_aux_row=None, now=0.0)
+    d.open_room(
+        ROOM,
+        targets=[Target(instance=PREFILL.instance, rank=PREFILL.rank, dummy=True)],
+        dst_pages=[1],
+        dst_aux_row=None,
+        now=0.0,
+    )
     assert d.poll(ROOM) is KVPoll.Failed
     assert d.failure(ROOM) == "room has no transfer destination: every target prefill rank is a dummy"
 
@@ -176,15 +190,28 @@ def test_rejection_fails_rooms_with_the_reason() -> None:
 
 @pytest.mark.parametrize(
     ("state", "limit"),
-    [(ReceiverRoomState.BOOTSTRAPPING, 10.0), (ReceiverRoomState.WAITING_FOR_INPUT, 20.0), (ReceiverRoomState.TRANSFERRING, 30.0)],
+    [
+        (ReceiverRoomState.BOOTSTRAPPING, 10.0),
+        (ReceiverRoomState.WAITING_FOR_INPUT, 20.0),
+        (ReceiverRoomState.TRANSFERRING, 30.0),
+    ],
 )
 def test_every_non_terminal_state_has_a_deadline(state: ReceiverRoomState, limit: float) -> None:
     d = decode(Timeouts(bootstrap=10, waiting=20, transfer=30, register_retry=1000))
     d.connect(route(), 0.0)
     second = Origin(instance=PREFILL.instance, epoch=Epoch(1), rank=RankCoord(tp=0, cp=1))
     table = RouteTable(
-        origin=PREFILL, tp_size=1, cp_size=2, page_size=16, layout_digest="x",
-        ranks=[*route().ranks, RankRoute(rank=second.rank, epoch=second.epoch, endpoint=Endpoint("inproc://p2"), session=SessionId("s"))],
+        origin=PREFILL,
+        tp_size=1,
+        cp_size=2,
+        page_size=16,
+        layout_digest="x",
+        ranks=[
+            *route().ranks,
+            RankRoute(
+                rank=second.rank, epoch=second.epoch, endpoint=Endpoint("inproc://p2"), session=SessionId("s")
+            ),
+        ],
         complete=True,
     )
     d.connect(table, 0.0)
@@ -203,19 +230,22 @@ def test_every_non_terminal_state_has_a_deadline(state: ReceiverRoomState, limit
     assert "timeout" in (d.failure(ROOM) or "")
 
 
-def test_prefill_restart_fails_rooms_and_releases_without_its_ack() -> None:
-    d = connected()
-    d.open_room(ROOM, targets=[TARGET], dst_pages=[1], dst_aux_row=None, now=0.0)
-    reborn = Origin(instance=PREFILL.instance, epoch=Epoch(2), rank=PREFILL.rank)
-    effects = d.receive(ok(reborn), 1.0)
-    assert d.poll(ROOM) is KVPoll.Failed and "restarted" in (d.failure(ROOM) or "")
-    assert d.release_ready(ROOM) and d.release_was_safe(ROOM)
-    assert any(isinstance(e, ReleasePages) and e.safe for e in effects)
-
-
 def test_status_for_unknown_room_is_late_not_fatal() -> None:
     d = connected()
     d.receive(ok(room=RoomId(999)), 0.0)
     assert d.statistics().late_messages == 1
-    d.receive(Abort(origin=PREFILL, room=RoomId(999), reason="x"), 0.0)
-    assert d.statistics().late_messages == 2
+
+
+def test_abort_for_unknown_room_is_logged_with_its_id() -> None:
+    d = connected()
+    effects = d.receive(Abort(origin=PREFILL, room=RoomId(999), reason="prefill OOM"), 0.0)
+    [notice] = [e for e in effects if isinstance(e, Notice)]
+    assert notice.level is NoticeLevel.WARNING and notice.room == RoomId(999)
+    assert "abort for unknown room 999" in notice.text and "prefill OOM" in notice.text
+    assert sent(effects) == []
+    assert d.statistics().aborts_unknown_room == 1 and d.statistics().late_messages == 0
+    # An abort for a room that is known but already finished is merely late.
+    d.open_room(ROOM, targets=[TARGET], dst_pages=[1], dst_aux_row=None, now=0.0)
+    d.receive(ok(), 0.1)
+    d.receive(Abort(origin=PREFILL, room=ROOM, reason="x"), 0.2)
+    assert d.statistics().late_messages == 1 and d.statistics().aborts_unknown_room == 1

@@ -13,6 +13,7 @@ from pdkv.protocol.machines import (
     ALL_MACHINES,
     CHUNK,
     DECODE_ABORT,
+    PER_LAYER,
     PREFILL_ABORT,
     RECEIVER_ROOM,
     SENDER_ROOM,
@@ -21,6 +22,8 @@ from pdkv.protocol.machines import (
     DecodeAbortState,
     DecodeAbortTrigger,
     MachineSpec,
+    PerLayerState,
+    PerLayerTrigger,
     PrefillAbortState,
     PrefillAbortTrigger,
     ReceiverRoomState,
@@ -35,6 +38,7 @@ from pdkv.protocol.machines import (
 S, R, C = SenderRoomState, ReceiverRoomState, ChunkState
 ST, RT, CT = SenderRoomTrigger, ReceiverRoomTrigger, ChunkTrigger
 DA, DAT, PA, PAT = DecodeAbortState, DecodeAbortTrigger, PrefillAbortState, PrefillAbortTrigger
+PL, PLT = PerLayerState, PerLayerTrigger
 EXPECTED: dict[str, dict[tuple[Any, Any], Any]] = {
     "SenderRoom": {
         (S.BOOTSTRAPPING, ST.ALL_REQUESTS_IN): S.WAITING_FOR_INPUT,
@@ -69,6 +73,20 @@ EXPECTED: dict[str, dict[tuple[Any, Any], Any]] = {
         (PA.RECEIVED, PAT.DRAIN): PA.DRAINING,
         (PA.DRAINING, PAT.DRAINED): PA.ACKED,
     },
+    # DESIGN section 7, per-layer path: layers submitted while the forward runs, send() finishes,
+    # a drop (room failed) is possible until the finisher waits only for the engine.
+    "PerLayer": {
+        (PL.COLLECTING, PLT.ALL_LAYERS_SUBMITTED): PL.LAYERS_SUBMITTED,
+        (PL.COLLECTING, PLT.FINISH): PL.AWAITING_LAYERS,
+        (PL.LAYERS_SUBMITTED, PLT.FINISH): PL.COMPLETING,
+        (PL.AWAITING_LAYERS, PLT.ALL_LAYERS_SUBMITTED): PL.COMPLETING,
+        (PL.COMPLETING, PLT.COMPLETE): PL.DONE,
+        (PL.AWAITING_LAYERS, PLT.FAIL): PL.FAILED,
+        (PL.COMPLETING, PLT.FAIL): PL.FAILED,
+        (PL.COLLECTING, PLT.DROP): PL.DROPPED,
+        (PL.LAYERS_SUBMITTED, PLT.DROP): PL.DROPPED,
+        (PL.AWAITING_LAYERS, PLT.DROP): PL.DROPPED,
+    },
 }
 TERMINAL = {
     "SenderRoom": {S.SUCCESS, S.FAILED},
@@ -76,6 +94,7 @@ TERMINAL = {
     "Chunk": {C.DONE, C.FAILED, C.SKIPPED},
     "DecodeAbort": {DA.ACKED, DA.TIMED_OUT},
     "PrefillAbort": {PA.ACKED},
+    "PerLayer": {PL.DONE, PL.FAILED, PL.DROPPED},
 }
 
 
@@ -130,7 +149,7 @@ def test_terminal_states_match_design(spec: MachineSpec[Any, Any]) -> None:
 
 def test_all_machines_are_listed() -> None:
     assert {s.name for s in ALL_MACHINES} == set(EXPECTED)
-    assert (SENDER_ROOM, RECEIVER_ROOM, CHUNK, DECODE_ABORT, PREFILL_ABORT) == ALL_MACHINES
+    assert (SENDER_ROOM, RECEIVER_ROOM, CHUNK, DECODE_ABORT, PREFILL_ABORT, PER_LAYER) == ALL_MACHINES
 
 
 def test_spec_rejects_ambiguous_and_unused() -> None:

@@ -26,11 +26,9 @@ from pdkv.protocol.messages import (
     TransferStatus,
 )
 from pdkv.protocol.poll import KVPoll
-
 from tests.protocol.helpers import DECODE, ROOM, layout, prefill, register, request, sent, swa_layout
 
 CHUNK = ChunkSpec(pages=[0, 1, 2], start_token=0, last=True)
-
 
 
 def test_register_ack_and_reject_with_exact_difference() -> None:
@@ -63,7 +61,9 @@ def test_full_room_lifecycle_reports_actual_metric() -> None:
     effects = p.chunk_done(ROOM, 0, TransferMetricData(pages=3, bytes=300, seconds=0.5), 0.4)
     [status] = sent(effects, TransferStatus)
     assert isinstance(status, TransferStatus)
-    assert status.outcome is Outcome.SUCCESS and status.metric == TransferMetricData(pages=3, bytes=300, seconds=0.5)
+    assert status.outcome is Outcome.SUCCESS and status.metric == TransferMetricData(
+        pages=3, bytes=300, seconds=0.5
+    )
     assert p.poll(ROOM) is KVPoll.Success
     assert p.room_history(ROOM) == [
         SenderRoomState.BOOTSTRAPPING,
@@ -210,7 +210,7 @@ def test_engine_failure_fails_room_and_reports() -> None:
 
 @pytest.mark.parametrize("stage", ["bootstrap", "inflight-waiting", "inflight-transferring"])
 def test_every_non_terminal_state_has_a_deadline(stage: str) -> None:
-    t = Timeouts(bootstrap=10, inflight=20)
+    t = Timeouts(bootstrap=10, inflight=20, heartbeat_interval=100, heartbeat_timeout=400)
     p = prefill(t)
     p.receive(register(), 0.0)
     p.open_room(ROOM, num_pages=3, aux_row=None, now=0.0)
@@ -225,11 +225,11 @@ def test_every_non_terminal_state_has_a_deadline(stage: str) -> None:
     p.tick(limit)
     assert p.poll(ROOM) is KVPoll.Failed
     assert "timeout" in (p.failure(ROOM) or "")
-    assert p.next_deadline() is None
+    assert p.next_deadline() == 100.0  # the failed room has no deadline left; the heartbeat remains
 
 
 def test_close_requires_terminal_and_leaves_tombstone() -> None:
-    p = prefill(Timeouts(tombstone=50))
+    p = prefill(Timeouts(tombstone=50, heartbeat_interval=100, heartbeat_timeout=400))
     p.receive(register(), 0.0)
     p.open_room(ROOM, num_pages=3, aux_row=None, now=0.0)
     with pytest.raises(LocalProtocolError, match="abort it first"):
@@ -240,7 +240,7 @@ def test_close_requires_terminal_and_leaves_tombstone() -> None:
     assert all(not isinstance(e, SubmitChunk) for e in p.receive(request(), 2.0))
     assert p.next_deadline() == 51.0
     p.tick(51.0)
-    assert p.next_deadline() is None
+    assert p.next_deadline() == 100.0  # only the heartbeat to the registered decode rank is left
 
 
 def test_decode_restart_fails_its_rooms_and_old_epoch_is_dropped() -> None:

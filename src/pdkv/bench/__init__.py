@@ -28,7 +28,8 @@ def available() -> dict[str, str]:
 
 
 def load(name: str) -> BenchMain:
-    """The ``main`` of benchmark ``name``; KeyError names the available ones."""
+    """The ``main`` of benchmark ``name`` (``per-layer`` and ``per_layer`` alike); KeyError names the available ones."""
+    name = name.replace("-", "_")
     names = available()
     if name not in names:
         raise KeyError(f"unknown benchmark {name!r}; available: {', '.join(names) or 'none'}")

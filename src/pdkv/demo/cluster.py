@@ -4,15 +4,20 @@ Owns: the demo workload and its report. It starts a bootstrap registry, ``--cp``
 processes (x ``--tp``) and ``--decode-tp`` decode processes (``pdkv.testing.cluster``), runs a
 synthetic model (``--layers`` layers of MLA KV, NSA-style index state on every other layer only, a
 draft model layer, aux rows) over a workload of requests: chunked prefill, cached prefixes already on
-the decode side, and a few rooms aborted by either side. Every successful room's decode memory is
-compared byte for byte with the prefill full layout; the pages of aborted rooms get a canary after
-their safe release, checked at the end (no late write). Shows progress, prints a summary table
-(``--json``: one JSON object per room plus a summary line), exits non-zero on any mismatch.
+the decode side, and a few rooms aborted by either side (some in the middle of a forward). Each
+chunk's forward is simulated (``--layer-ms`` per layer, writing each layer's KV as it ends); by
+default every chunk is sent layer by layer while its forward runs (``--no-per-layer``: whole, after
+the forward), which ``pdkv bench per_layer`` shows ends the transfer far sooner after the forward.
+Every successful room's decode memory is compared byte for byte with the prefill full layout; the
+pages of aborted rooms get a canary after their safe release, checked at the end (no late write).
+Shows progress, prints a summary table (``--json``: one JSON object per room plus a summary line),
+exits non-zero on any mismatch.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import logging
 import os
@@ -33,9 +38,10 @@ from pdkv.testing.synthetic import Capacity, ModelSpec
 
 
 def build_workload(
-    rooms: int, *, page_size: int, max_tokens: int, aborts: float, seed: int
+    rooms: int, *, page_size: int, max_tokens: int, aborts: float, seed: int, layer_compute_s: float = 0.0
 ) -> list[RequestPlan]:
-    """Random requests: 1-4 chunks, some with a cached prefix, ``aborts`` of them aborted."""
+    """Random requests: 1-4 chunks, some with a cached prefix, ``aborts`` of them aborted (by the
+    decode side, or by the prefill side before a chunk or in the middle of its forward)."""
     rng = random.Random(seed)
     plans = []
     for i in range(rooms):
@@ -47,16 +53,26 @@ def build_workload(
         n_chunks = min(rng.randint(1, 4), max(1, remaining // page_size))
         cuts = sorted(rng.sample(range(1, remaining // page_size), n_chunks - 1)) if n_chunks > 1 else []
         bounds = [0, *(c * page_size for c in cuts), remaining]
-        chunks = tuple(b - a for a, b in zip(bounds, bounds[1:], strict=False))
+        chunks = tuple(b - a for a, b in itertools.pairwise(bounds))
         abort = None
         if rng.random() < aborts:
             if rng.random() < 0.5:
                 abort = AbortPlan(side="decode", after_s=rng.uniform(0.0, 0.01))
             else:
-                abort = AbortPlan(side="prefill", after_chunks=rng.randint(0, len(chunks) - 1))
+                mid_forward = rng.random() < 0.5
+                abort = AbortPlan(
+                    side="prefill",
+                    after_chunks=rng.randint(0, len(chunks) - 1),
+                    after_layers=rng.randint(1, 3) if mid_forward else None,
+                )
         plans.append(
             RequestPlan(
-                room=RoomId(1000 + i), tokens=tokens, chunk_tokens=chunks, prefix_tokens=prefix, abort=abort, forward_s=0.0
+                room=RoomId(1000 + i),
+                tokens=tokens,
+                chunk_tokens=chunks,
+                prefix_tokens=prefix,
+                abort=abort,
+                layer_compute_s=layer_compute_s,
             )
         )
     return plans
@@ -85,7 +101,10 @@ class Summary:
 
 
 def summarize(
-    plans: Sequence[RequestPlan], outcomes: Sequence[RoomOutcome], reports: Sequence[RankReport], seconds: float
+    plans: Sequence[RequestPlan],
+    outcomes: Sequence[RoomOutcome],
+    reports: Sequence[RankReport],
+    seconds: float,
 ) -> tuple[Summary, list[dict[str, object]]]:
     by_room: dict[int, list[RoomOutcome]] = {}
     for outcome in outcomes:
@@ -133,7 +152,8 @@ def summarize(
         worker_errors=sum(r.worker_errors for r in reports),
         seconds=seconds,
         room_p50_ms=1000 * (statistics.median(latencies) if latencies else 0.0),
-        room_p99_ms=1000 * (latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))] if latencies else 0.0),
+        room_p99_ms=1000
+        * (latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))] if latencies else 0.0),
     )
     return summary, rows
 
@@ -154,7 +174,12 @@ class _Progress:
         now = time.monotonic()
         if self.tty:
             bar = "#" * (30 * self.done // self.total)
-            print(f"\r  rooms [{bar:<30}] {self.done}/{self.total} ({self.failed} failed)", end="", file=sys.stderr, flush=True)
+            print(
+                f"\r  rooms [{bar:<30}] {self.done}/{self.total} ({self.failed} failed)",
+                end="",
+                file=sys.stderr,
+                flush=True,
+            )
         elif now - self._last > 2 or self.done == self.total:
             self._last = now
             print(f"  rooms {self.done}/{self.total} ({self.failed} failed)", file=sys.stderr, flush=True)
@@ -172,14 +197,27 @@ def main(argv: Sequence[str] = ()) -> int:
     parser.add_argument("--rooms", type=int, default=32, help="requests (default 32)")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--page-size", type=int, default=16)
-    parser.add_argument("--bytes-per-token", type=int, default=576, help="KV bytes per token per layer (MLA latent)")
+    parser.add_argument(
+        "--bytes-per-token", type=int, default=576, help="KV bytes per token per layer (MLA latent)"
+    )
     parser.add_argument("--max-tokens", type=int, default=2048)
     parser.add_argument("--aborts", type=float, default=0.15, help="fraction of rooms aborted (default 0.15)")
     parser.add_argument("--max-active", type=int, default=8, help="rooms in flight at once")
     parser.add_argument("--mha", action="store_true", help="MHA layout (K and V per layer) instead of MLA")
+    parser.add_argument(
+        "--per-layer",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="send each chunk layer by layer during its forward (default; --no-per-layer: whole, after it)",
+    )
+    parser.add_argument(
+        "--layer-ms", type=float, default=0.5, help="simulated compute per layer (default 0.5 ms)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="JSON lines on stdout instead of the table")
-    parser.add_argument("--log-dir", default=None, help="where rank logs go (default: a new temporary folder)")
+    parser.add_argument(
+        "--log-dir", default=None, help="where rank logs go (default: a new temporary folder)"
+    )
     args = parser.parse_args(list(argv))
 
     model = ModelSpec(
@@ -190,7 +228,14 @@ def main(argv: Sequence[str] = ()) -> int:
         state_layers=tuple(range(0, args.layers, 2)),
         draft_layers=1,
     )
-    plans = build_workload(args.rooms, page_size=args.page_size, max_tokens=args.max_tokens, aborts=args.aborts, seed=args.seed)
+    plans = build_workload(
+        args.rooms,
+        page_size=args.page_size,
+        max_tokens=args.max_tokens,
+        aborts=args.aborts,
+        seed=args.seed,
+        layer_compute_s=args.layer_ms / 1000,
+    )
     pages_total = sum(-(-p.tokens // args.page_size) for p in plans)
     max_room_pages = -(-args.max_tokens // args.page_size)
     spec = ClusterSpec(
@@ -198,13 +243,23 @@ def main(argv: Sequence[str] = ()) -> int:
         prefill_tp=args.tp,
         prefill_cp=args.cp,
         decode_tp=args.decode_tp,
-        prefill_capacity=Capacity(kv_pages=pages_total // args.cp + 2 * max_room_pages, state_slots=256, aux_rows=256),
-        decode_capacity=Capacity(kv_pages=(args.max_active + 2 * args.rooms // 5 + 2) * max_room_pages, state_slots=256, aux_rows=256),
+        prefill_capacity=Capacity(
+            kv_pages=pages_total // args.cp + 2 * max_room_pages, state_slots=256, aux_rows=256
+        ),
+        decode_capacity=Capacity(
+            kv_pages=(args.max_active + 2 * args.rooms // 5 + 2) * max_room_pages,
+            state_slots=256,
+            aux_rows=256,
+        ),
+        per_layer=args.per_layer,
+        forward_writes_kv=True,
     )
     print(
-        f"pdkv demo: prefill tp{args.tp} x cp{args.cp}, decode tp{args.decode_tp}, Mooncake TCP on 127.0.0.1; "
+        f"pdkv demo: prefill tp{args.tp} x cp{args.cp}, decode tp{args.decode_tp}, "
+        "Mooncake TCP on 127.0.0.1; "
         f"{args.rooms} rooms, {model.layers} layers + {model.draft_layers} draft, page {model.page_size}, "
-        f"{model.kv_item_bytes} B per page per layer ({model.attention.value})",
+        f"{model.kv_item_bytes} B per page per layer ({model.attention.value}); "
+        f"{'per-layer' if args.per_layer else 'monolithic'} transfer, {args.layer_ms:g} ms compute per layer",
         file=sys.stderr,
     )
     started = time.monotonic()
@@ -230,7 +285,8 @@ def main(argv: Sequence[str] = ()) -> int:
 
 
 def _print_table(summary: Summary, rows: list[dict[str, object]], *, startup_s: float) -> None:
-    print(f"{'room':>6} {'tokens':>6} {'chunks':>6} {'prefix':>6} {'abort':>7} {'outcome':>8} {'verified':>10}  note")
+    header = f"{'room':>6} {'tokens':>6} {'chunks':>6} {'prefix':>6} {'abort':>7} {'outcome':>8}"
+    print(f"{header} {'verified':>10}  note")
     for row in rows:
         note = "" if row["as_planned"] else "UNEXPECTED "
         if row["mismatches"]:
@@ -239,14 +295,25 @@ def _print_table(summary: Summary, rows: list[dict[str, object]], *, startup_s: 
             note += str(row["failure"])[:70]
         print(
             f"{row['room']:>6} {row['tokens']:>6} {row['chunks']:>6} {row['prefix_tokens']:>6} "
-            f"{row['abort'] or '-':>7} {row['outcome']:>8} {int(str(row['bytes_verified'])) / 1e6:>8.2f}MB  {note}"
+            f"{row['abort'] or '-':>7} {row['outcome']:>8} "
+            f"{int(str(row['bytes_verified'])) / 1e6:>8.2f}MB  {note}"
         )
     gbps = summary.bytes_reported / summary.seconds / 1e9 if summary.seconds else 0.0
+    s = summary
     print()
-    print(f"rooms               {summary.rooms} ({summary.succeeded} succeeded, {summary.failed} failed, {summary.planned_aborts} aborts planned)")
-    print(f"verified            {summary.bytes_verified / 1e6:.1f} MB byte for byte, {summary.mismatches} mismatches")
-    print(f"moved (reported)    {summary.bytes_reported / 1e6:.1f} MB in {summary.seconds:.2f} s ({gbps:.2f} GB/s incl. scheduling)")
-    print(f"room latency        p50 {summary.room_p50_ms:.1f} ms, p99 {summary.room_p99_ms:.1f} ms (init to terminal, decode side)")
-    print(f"abort safety        {summary.canary_violations} canary violations, {summary.unsafe_releases} unsafe releases")
+    print(
+        f"rooms               {s.rooms} ({s.succeeded} succeeded, {s.failed} failed, "
+        f"{s.planned_aborts} aborts planned)"
+    )
+    print(f"verified            {s.bytes_verified / 1e6:.1f} MB byte for byte, {s.mismatches} mismatches")
+    print(
+        f"moved (reported)    {s.bytes_reported / 1e6:.1f} MB in {s.seconds:.2f} s "
+        f"({gbps:.2f} GB/s incl. scheduling)"
+    )
+    print(
+        f"room latency        p50 {s.room_p50_ms:.1f} ms, p99 {s.room_p99_ms:.1f} ms "
+        "(init to terminal, decode side)"
+    )
+    print(f"abort safety        {s.canary_violations} canary violations, {s.unsafe_releases} unsafe releases")
     print(f"start-up            {startup_s:.1f} s (processes, engines, registration)")
     print(f"result              {'OK' if summary.ok else 'FAILED'}")

@@ -1,8 +1,8 @@
 """Protocol timing: every deadline of every non-terminal state, with ``PDKV_*`` overrides.
 
-Owns: ``Timeouts``. Must not read a clock: deadlines are ``now + timeout`` where ``now`` is a
-parameter. ``from_env`` takes the environment as a mapping (``os.environ`` by default) so tests
-pass their own.
+Owns: ``Timeouts`` and ``ENV_VARS`` (field name -> environment variable). Must not read a clock:
+deadlines are ``now + timeout`` where ``now`` is a parameter. ``from_env`` takes the environment as
+a mapping (``os.environ`` by default) so tests pass their own.
 """
 
 from __future__ import annotations
@@ -16,15 +16,23 @@ import attrs
 
 from pdkv.errors import ConfigError
 
+_ENV = "pdkv_env"  # attrs metadata key: a field's environment variable when it is not PDKV_<NAME>_TIMEOUT
+
 
 def _positive_seconds(_: object, attribute: attrs.Attribute[float], value: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value <= 0
+    ):
         raise ConfigError(f"{attribute.name} must be a positive number of seconds, got {value!r}")
 
 
 @attrs.frozen(kw_only=True)
 class Timeouts:
-    """Seconds. Defaults follow DESIGN section 8: 300 s everywhere except the abort-ack wait."""
+    """Seconds. Defaults follow DESIGN section 8: 300 s for room states, 30 s for the abort-ack wait;
+    a heartbeat every 5 s, a peer lost after 30 s of silence."""
 
     bootstrap: float = attrs.field(default=300.0, validator=_positive_seconds)
     """Sender: no TransferRequest set yet. Receiver: registration with its targets not done."""
@@ -40,10 +48,28 @@ class Timeouts:
     """Receiver: resend Register to a prefill rank that has not answered."""
     tombstone: float = attrs.field(default=600.0, validator=_positive_seconds)
     """Sender: how long a closed or aborted room id is remembered, so late requests for it are refused."""
+    heartbeat_interval: float = attrs.field(
+        default=5.0, validator=_positive_seconds, metadata={_ENV: "PDKV_HEARTBEAT_INTERVAL"}
+    )
+    """Both sides: a Heartbeat goes to every registered peer this often; silence is checked as often."""
+    heartbeat_timeout: float = attrs.field(
+        default=30.0, validator=_positive_seconds, metadata={_ENV: "PDKV_HEARTBEAT_TIMEOUT"}
+    )
+    """Both sides: a peer that sent nothing for this long is lost (noticed at the next heartbeat round,
+    so within ``heartbeat_timeout + heartbeat_interval``): its rooms fail and its socket is rebuilt."""
+
+    def __attrs_post_init__(self) -> None:
+        if self.heartbeat_timeout <= self.heartbeat_interval:
+            # Otherwise every peer would be declared lost between two of its own heartbeats.
+            raise ConfigError(
+                f"heartbeat_timeout ({self.heartbeat_timeout:g} s) must exceed heartbeat_interval "
+                f"({self.heartbeat_interval:g} s)"
+            )
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: float) -> Timeouts:
-        """Defaults, then ``PDKV_<NAME>_TIMEOUT`` variables (e.g. ``PDKV_ABORT_ACK_TIMEOUT=10``), then kwargs."""
+        """Defaults, then the variables of ``ENV_VARS`` that are set (e.g. ``PDKV_ABORT_ACK_TIMEOUT=10``,
+        ``PDKV_HEARTBEAT_INTERVAL=2``), then kwargs."""
         source = os.environ if env is None else env
         values: dict[str, float] = {}
         for field in attrs.fields(cls):
@@ -59,5 +85,6 @@ class Timeouts:
 
 
 ENV_VARS: Final[Mapping[str, str]] = {
-    f.name: f"PDKV_{f.name.upper()}_TIMEOUT" for f in attrs.fields(Timeouts)
+    f.name: str(f.metadata.get(_ENV, f"PDKV_{f.name.upper()}_TIMEOUT")) for f in attrs.fields(Timeouts)
 }
+"""Field name -> the environment variable that overrides it."""

@@ -13,7 +13,15 @@ Safety rules this module enforces (DESIGN section 8):
   acknowledged the abort (after its in-flight writes ended), or after ``abort_ack`` seconds, which
   is counted and reported as unsafe;
 - Success only when every required (non-dummy) prefill rank reported Success;
-- every non-terminal room and every pending abort has a deadline.
+- every non-terminal room and every pending abort has a deadline;
+- liveness of prefill ranks: a Heartbeat goes to every registered prefill rank each
+  ``heartbeat_interval``, and any message of its current epoch is a sign of life. A rank silent for
+  ``heartbeat_timeout`` fails every room that targets it and is registered with again (its socket
+  rebuilt first: ``ForgetPeer``). Silence is not proof that the rank stopped writing, so those rooms'
+  pages still wait for its AbortAck (resent when it registers again) or the counted ``abort_ack``
+  timeout. A newer epoch means the old process is gone: its rooms fail, the new incarnation is
+  registered with at once, and the rooms' pages wait for the new incarnation's AbortAck (a request
+  sent to the address may have reached it) or the same counted timeout.
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ from pdkv.protocol.config import Timeouts
 from pdkv.protocol.effects import (
     Effect,
     FailureCause,
+    ForgetPeer,
     Notice,
     NoticeLevel,
     PeerKey,
@@ -93,6 +102,7 @@ class _PrefillPeer:
     state: PeerState = PeerState.REGISTERING
     reason: str = ""
     register_due: float = 0.0
+    last_heard: float = 0.0  # meaningful while READY: set when the registration was acknowledged
 
 
 @attrs.frozen(kw_only=True)
@@ -108,6 +118,12 @@ class DecodeStatistics:
     late_messages: int
     stale_messages: int
     unexpected_messages: int
+    aborts_unknown_room: int
+    """Abort from a prefill rank for a room this rank does not hold (logged with the room id)."""
+    peers_lost: int
+    """Prefill ranks that went silent for ``heartbeat_timeout`` (registered with again)."""
+    peer_restarts: int
+    """Prefill ranks seen with a newer epoch."""
 
 
 @attrs.define(eq=False)
@@ -120,6 +136,9 @@ class _Counters:
     late_messages: int = 0
     stale_messages: int = 0
     unexpected_messages: int = 0
+    aborts_unknown_room: int = 0
+    peers_lost: int = 0
+    peer_restarts: int = 0
 
 
 @attrs.define(eq=False)
@@ -176,6 +195,8 @@ class DecodeEndpoint:
         self._peers: dict[PeerKey, _PrefillPeer] = {}
         self._rooms: dict[RoomId, _ReceiverRoom] = {}
         self._deadlines: DeadlineQueue[RoomId] = DeadlineQueue()
+        self._heartbeat_due: float | None = None  # None while no prefill rank is READY
+        self._heartbeat_seq = 0
         self._counters = _Counters()
 
     # ------------------------------------------------------------------ registration
@@ -190,12 +211,12 @@ class DecodeEndpoint:
                 continue
             if known is not None and rank.epoch == known.epoch and known.state is not PeerState.REJECTED:
                 continue
-            if known is not None and rank.epoch > known.epoch:
-                reason = f"prefill rank {key[0]}:{key[1]} restarted (epoch {known.epoch} -> {rank.epoch})"
-                effects += self._peer_lost(key, reason, now)
             peer = _PrefillPeer(key=key, epoch=rank.epoch, endpoint=rank.endpoint, session=rank.session)
-            self._peers[key] = peer
-            effects += self._send_register(peer, now)
+            if known is not None and rank.epoch > known.epoch:
+                effects += self._peer_restarted(known, peer, now)
+            else:
+                self._peers[key] = peer
+                effects += self._send_register(peer, now)
         return effects
 
     def peer_ready(self, target: Target) -> bool:
@@ -217,13 +238,19 @@ class DecodeEndpoint:
         key = (message.origin.instance, message.origin.rank)
         peer = self._peers.get(key)
         if peer is not None and message.origin.epoch > peer.epoch:
-            # The rank restarted behind the same address: its old rooms can never complete, and it
-            # must be registered with again (the route table names the new epoch).
-            reason = (
-                f"prefill rank {key[0]}:{key[1]} restarted (epoch {peer.epoch} -> {message.origin.epoch})"
+            # The rank restarted behind the same address: its old rooms can never complete; the new
+            # incarnation is registered with at once. A RegisterAck/Reject of the new epoch answers
+            # a Register we sent to that address, so it counts; anything else of the new epoch
+            # belongs to no room of ours.
+            reborn = _PrefillPeer(
+                key=key, epoch=message.origin.epoch, endpoint=peer.endpoint, session=peer.session
             )
-            effects = self._peer_lost(key, reason, now)
-            del self._peers[key]
+            answer = isinstance(message, (RegisterAck, RegisterReject))
+            effects = self._peer_restarted(peer, reborn, now, register=not answer)
+            if isinstance(message, RegisterAck):
+                effects += self._on_register_ack(reborn, now)
+            elif isinstance(message, RegisterReject):
+                effects += self._on_register_reject(reborn, message.reason, now)
             return effects
         if peer is None or message.origin.epoch != peer.epoch:
             self._counters.stale_messages += 1
@@ -233,6 +260,7 @@ class DecodeEndpoint:
                     text=f"dropped {type(message).__name__} from stale or unknown {message.origin}",
                 )
             ]
+        peer.last_heard = now
         if isinstance(message, RegisterAck):
             return self._on_register_ack(peer, now)
         if isinstance(message, RegisterReject):
@@ -243,7 +271,16 @@ class DecodeEndpoint:
             return self._on_abort_ack(peer, message.room, now)
         if isinstance(message, Abort):
             r = self._rooms.get(message.room)
-            if r is None or r.terminal:
+            if r is None:
+                self._counters.aborts_unknown_room += 1
+                return [
+                    Notice(
+                        level=NoticeLevel.WARNING,
+                        text=f"abort for unknown room {message.room} from {message.origin}: {message.reason}",
+                        room=message.room,
+                    )
+                ]
+            if r.terminal:
                 return self._late(message, message.room)
             return self._fail(
                 r,
@@ -267,10 +304,23 @@ class DecodeEndpoint:
         if peer.state is PeerState.READY:
             return []
         peer.state = PeerState.READY
+        peer.last_heard = now
+        if self._heartbeat_due is None:
+            self._heartbeat_due = now + self.timeouts.heartbeat_interval
         effects: list[Effect] = []
         for r in list(self._rooms.values()):
             if r.state is ReceiverRoomState.BOOTSTRAPPING and all(self.peer_ready(t) for t in r.targets):
                 effects += self._send_requests(r, now)
+            elif (
+                r.abort is not None
+                and r.abort.state is DecodeAbortState.REQUESTED
+                and peer.key in r.must_ack - r.acked
+            ):
+                # Registered again after silence: the same process may still hold the room, and its
+                # ack is the only safe way to release the pages; the first Abort may have been lost.
+                self._counters.aborts_sent += 1
+                abort = Abort(origin=self.origin, room=r.room, reason=r.failure or "failed")
+                effects.append(Send(to=peer.endpoint, message=abort))
         return effects
 
     def _on_register_reject(self, peer: _PrefillPeer, reason: str, now: float) -> list[Effect]:
@@ -363,12 +413,8 @@ class DecodeEndpoint:
         self._rooms[room] = r
         self._set_deadline(r, now + self.timeouts.bootstrap)
         if not r.required:
-            return self._fail(
-                r,
-                "room has no transfer destination: every target prefill rank is a dummy",
-                FailureCause.NO_DESTINATION,
-                now,
-            )
+            why = "every target prefill rank is a dummy" if r.targets else "no target prefill rank was given"
+            return self._fail(r, f"room has no transfer destination: {why}", FailureCause.NO_DESTINATION, now)
         for t in r.targets:
             peer = self._peers.get(t.key)
             if peer is None:
@@ -434,6 +480,10 @@ class DecodeEndpoint:
     def rooms(self) -> list[RoomId]:
         return list(self._rooms)
 
+    def has_room(self, room: RoomId) -> bool:
+        """Does this rank hold ``room`` (opened or requested, not yet closed)? O(1), unlike ``rooms()``."""
+        return room in self._rooms
+
     # ------------------------------------------------------------------ timers
 
     def next_deadline(self) -> float | None:
@@ -442,16 +492,25 @@ class DecodeEndpoint:
             (p.register_due for p in self._peers.values() if p.state is PeerState.REGISTERING),
             default=None,
         )
-        candidates = [d for d in (room_deadline, register) if d is not None]
+        candidates = [d for d in (room_deadline, register, self._heartbeat_due) if d is not None]
         return min(candidates, default=None)
 
     def tick(self, now: float) -> list[Effect]:
-        """Resend due registrations, fail rooms past their deadline, release after ack timeouts."""
+        """Heartbeat round when due (register again with silent ranks, greet the others); resend due
+        registrations; fail rooms past their deadline; release after ack timeouts."""
         effects: list[Effect] = []
+        if self._heartbeat_due is not None and self._heartbeat_due <= now:
+            effects += self._heartbeat_round(now)
         for peer in self._peers.values():
             if peer.state is PeerState.REGISTERING and peer.register_due <= now:
                 effects += self._send_register(peer, now)
         for room in list(self._deadlines.pop_due(now, self._room_deadline)):
+            # The queue yields a room once per entry: two entries with the same deadline (e.g. equal
+            # bootstrap and waiting timeouts set at the same instant) would act twice, and the
+            # first action may have moved the deadline. Act only on what is still due.
+            deadline = self._room_deadline(room)
+            if deadline is None or deadline > now:
+                continue
             r = self._rooms[room]
             if r.abort is not None and r.abort.state is DecodeAbortState.REQUESTED:
                 r.abort.fire(DecodeAbortTrigger.ACK_TIMEOUT)
@@ -460,7 +519,8 @@ class DecodeEndpoint:
                 effects.append(
                     Notice(
                         level=NoticeLevel.WARNING,
-                        text=f"UNSAFE release of room {room}: no AbortAck from {missing} within {self.timeouts.abort_ack:g} s",
+                        text=f"UNSAFE release of room {room}: no AbortAck from {missing} "
+                        f"within {self.timeouts.abort_ack:g} s",
                         room=room,
                     )
                 )
@@ -474,6 +534,21 @@ class DecodeEndpoint:
             effects += self._fail(
                 r, f"{limit[0]} timeout: still {r.state.name} after {limit[1]:g} s", FailureCause.TIMEOUT, now
             )
+        return effects
+
+    def _heartbeat_round(self, now: float) -> list[Effect]:
+        effects: list[Effect] = []
+        self._heartbeat_seq += 1
+        for peer in list(self._peers.values()):
+            if peer.state is not PeerState.READY:
+                continue
+            if now - peer.last_heard >= self.timeouts.heartbeat_timeout:
+                effects += self._peer_silent(peer, now)
+            else:
+                beat = Heartbeat(origin=self.origin, seq=self._heartbeat_seq)
+                effects.append(Send(to=peer.endpoint, message=beat))
+        ready = any(p.state is PeerState.READY for p in self._peers.values())
+        self._heartbeat_due = now + self.timeouts.heartbeat_interval if ready else None
         return effects
 
     # ------------------------------------------------------------------ statistics
@@ -490,7 +565,15 @@ class DecodeEndpoint:
             late_messages=c.late_messages,
             stale_messages=c.stale_messages,
             unexpected_messages=c.unexpected_messages,
+            aborts_unknown_room=c.aborts_unknown_room,
+            peers_lost=c.peers_lost,
+            peer_restarts=c.peer_restarts,
         )
+
+    def peer_epoch(self, target: Target) -> Epoch | None:
+        """The epoch this rank knows for ``target``'s prefill rank (None if unknown)."""
+        peer = self._peers.get(target.key)
+        return None if peer is None else peer.epoch
 
     # ------------------------------------------------------------------ internals
 
@@ -557,19 +640,53 @@ class DecodeEndpoint:
         r.deadline = None
         return [ReleasePages(room=r.room, safe=safe, reason=reason)]
 
+    def _peer_restarted(
+        self, old: _PrefillPeer, new: _PrefillPeer, now: float, *, register: bool = True
+    ) -> list[Effect]:
+        """Replace ``old`` by its new incarnation ``new``: fail the old one's rooms, register again
+        (unless ``register`` is False: the new incarnation has just answered a Register)."""
+        reason = f"prefill rank {old.key[0]}:{old.key[1]} restarted (epoch {old.epoch} -> {new.epoch})"
+        self._counters.peer_restarts += 1
+        # Replaced before the rooms fail, so their Abort waits until the new process acknowledged
+        # registration (before that it would drop our messages as from an unregistered rank).
+        self._peers[new.key] = new
+        effects: list[Effect] = [ForgetPeer(endpoint=old.endpoint, reason=reason)]
+        effects += self._peer_lost(old.key, reason, now)
+        if register:
+            effects += self._send_register(new, now)
+        return effects
+
+    def _peer_silent(self, peer: _PrefillPeer, now: float) -> list[Effect]:
+        """``peer`` sent nothing for ``heartbeat_timeout``: fail the rooms that target it, register again.
+
+        Its rooms go through the normal abort handshake (the Abort is sent while it is still READY,
+        on the rebuilt socket): a silent process may still be writing, so only its AbortAck or the
+        counted ``abort_ack`` timeout releases their pages.
+        """
+        reason = f"prefill rank {peer.key[0]}:{peer.key[1]} silent for {now - peer.last_heard:.3g} s"
+        self._counters.peers_lost += 1
+        effects: list[Effect] = [
+            ForgetPeer(endpoint=peer.endpoint, reason=reason),
+            Notice(level=NoticeLevel.WARNING, text=f"{reason}: failing its rooms and registering again"),
+        ]
+        for r in list(self._rooms.values()):
+            if not r.terminal and any(t.key == peer.key for t in r.targets):
+                effects += self._fail(r, reason, FailureCause.PEER_SILENT, now)
+        peer.state = PeerState.REGISTERING
+        effects += self._send_register(peer, now)
+        return effects
+
     def _peer_lost(self, key: PeerKey, reason: str, now: float) -> list[Effect]:
-        """A prefill rank restarted: rooms that need it fail; its old incarnation owes no AbortAck."""
-        effects: list[Effect] = []
-        now_rooms = [r for r in self._rooms.values() if any(t.key == key for t in r.targets)]
-        for r in now_rooms:
-            r.armed.discard(key)  # the old process is gone: it cannot write any more
-            if r.abort is not None and r.abort.state is DecodeAbortState.REQUESTED:
-                r.must_ack.discard(key)
-                if r.must_ack <= r.acked:
-                    r.abort.fire(DecodeAbortTrigger.ALL_ACKED)
-                    self._counters.aborts_acked += 1
-                    effects += self._release(r, safe=True, reason="remaining prefill rank restarted")
-            elif not r.terminal:
+        """A prefill rank restarted: every live room that targets it fails.
+
+        Its pages still wait for an AbortAck from that rank, now from the new incarnation (the
+        Abort is resent when it acknowledges registration): the old process is gone, but a
+        TransferRequest sent to the address before the restart was known may have reached the new
+        one, and only its ack (which also tombstones the room there) proves nothing is written.
+        """
+        effects: list[Effect] = [Notice(level=NoticeLevel.WARNING, text=reason)]
+        for r in list(self._rooms.values()):
+            if not r.terminal and any(t.key == key for t in r.targets):
                 effects += self._fail(r, reason, FailureCause.PEER_RESTART, now)
         return effects
 

@@ -126,6 +126,7 @@ class FailureCause(enum.Enum):
     ENGINE = "engine"  # the transfer engine failed a write (or mapping refused the chunk)
     INVALID = "invalid"  # a request or registration broke the protocol's rules
     PEER_RESTART = "peer_restart"  # the peer came back with a new epoch
+    PEER_SILENT = "peer_silent"  # the peer sent nothing for heartbeat_timeout seconds
     NO_DESTINATION = "no_destination"  # nothing to send to
 
 
@@ -163,4 +164,17 @@ class Notice:
     room: RoomId | None = None
 
 
-Effect: TypeAlias = Send | SubmitChunk | RoomFinished | ReleasePages | Notice
+@attrs.frozen(kw_only=True)
+class ForgetPeer:
+    """Drop the connection to ``endpoint`` (and whatever is queued on it); the next send builds a new one.
+
+    Emitted, before any message for that peer in the same batch of effects, when a peer went
+    silent or restarted behind the same address: a socket to a dead or replaced process may hold
+    a queue that will never drain, or state of the old incarnation.
+    """
+
+    endpoint: Endpoint
+    reason: str
+
+
+Effect: TypeAlias = Send | SubmitChunk | RoomFinished | ReleasePages | Notice | ForgetPeer

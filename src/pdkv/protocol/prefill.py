@@ -5,7 +5,8 @@ decode ranks, request validation and the rank's deadlines. Must not do I/O, star
 clock: every input carries ``now``; the driver calls ``tick(now)`` at ``next_deadline()``.
 
 Inputs come from three places:
-- the network: ``receive(message, now)``;
+- the network: ``receive(message, now)`` (any message from a registered decode rank, with its
+  current epoch, is a sign of life);
 - the scheduler: ``open_room`` (``sender.init``), ``queue_chunk`` (``sender.send``), ``abort_room``,
   ``close_room``, and the queries ``poll`` / ``failure`` / ``metric``;
 - transfer workers: ``start_chunk`` (may answer "skip"), ``chunk_done``, ``chunk_failed``.
@@ -15,7 +16,14 @@ Safety rules this module enforces (DESIGN section 8):
   have reused; AbortAck is sent only when no chunk of the room is in flight;
 - a TransferRequest for a room that was aborted or closed is refused (tombstones), so a reordered
   request cannot revive a room after its AbortAck;
-- every non-terminal room has a deadline.
+- every non-terminal room has a deadline;
+- liveness of decode ranks: a Heartbeat goes to every registered decode rank each
+  ``heartbeat_interval``; one that sent nothing for ``heartbeat_timeout`` is forgotten (its live
+  rooms fail, its socket is rebuilt: ``ForgetPeer``) until it registers again. A message from a
+  decode rank with a newer epoch means it restarted: its rooms fail and it is forgotten likewise.
+  A forgotten rank that registers again gets its RegisterAck only once every write to it that was
+  in flight when it was forgotten has ended (a restarted process may reuse that memory).
+  A room that would write to a decode rank that is no longer registered fails loudly.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ from pdkv.protocol.effects import (
     Destination,
     Effect,
     FailureCause,
+    ForgetPeer,
     Notice,
     NoticeLevel,
     PeerKey,
@@ -40,6 +49,17 @@ from pdkv.protocol.effects import (
     SubmitChunk,
 )
 from pdkv.protocol.ids import RoomId
+from pdkv.protocol.machines import (
+    ChunkMachine,
+    ChunkState,
+    ChunkTrigger,
+    PrefillAbortMachine,
+    PrefillAbortState,
+    PrefillAbortTrigger,
+    SenderRoomMachine,
+    SenderRoomState,
+    SenderRoomTrigger,
+)
 from pdkv.protocol.messages import (
     MAX_REASON_CHARS,
     Abort,
@@ -55,17 +75,6 @@ from pdkv.protocol.messages import (
     TransferMetricData,
     TransferRequest,
     TransferStatus,
-)
-from pdkv.protocol.machines import (
-    ChunkMachine,
-    ChunkState,
-    ChunkTrigger,
-    PrefillAbortMachine,
-    PrefillAbortState,
-    PrefillAbortTrigger,
-    SenderRoomMachine,
-    SenderRoomState,
-    SenderRoomTrigger,
 )
 from pdkv.protocol.poll import KVPoll
 
@@ -92,6 +101,11 @@ class PrefillStatistics:
     registrations_rejected: int
     stale_messages: int
     unexpected_messages: int
+    peers_registered: int
+    peers_lost: int
+    """Decode ranks forgotten after ``heartbeat_timeout`` seconds of silence."""
+    peer_restarts: int
+    """Decode ranks seen with a newer epoch."""
 
 
 @attrs.define(eq=False)
@@ -105,6 +119,8 @@ class _Counters:
     registrations_rejected: int = 0
     stale_messages: int = 0
     unexpected_messages: int = 0
+    peers_lost: int = 0
+    peer_restarts: int = 0
 
 
 @attrs.define(eq=False)
@@ -158,6 +174,11 @@ class PrefillEndpoint:
         self.layout = layout
         self.timeouts = timeouts if timeouts is not None else Timeouts()
         self._peers: dict[PeerKey, DecodePeer] = {}
+        self._last_heard: dict[PeerKey, float] = {}
+        self._heartbeat_due: float | None = None  # None while no decode rank is registered
+        self._heartbeat_seq = 0
+        self._draining: dict[PeerKey, set[RoomId]] = {}  # forgotten rank -> rooms still writing to it
+        self._deferred_acks: set[PeerKey] = set()  # registered, RegisterAck waits for _draining
         self._rooms: dict[RoomId, _SenderRoom] = {}
         self._tombstones: dict[RoomId, float] = {}
         self._deadlines: DeadlineQueue[RoomId] = DeadlineQueue()
@@ -168,16 +189,33 @@ class PrefillEndpoint:
 
     def receive(self, message: Message, now: float) -> list[Effect]:
         """Handle one decoded message from a decode rank."""
+        key = (message.origin.instance, message.origin.rank)
+        effects: list[Effect] = []
+        known = self._peers.get(key)
+        if known is not None and message.origin.epoch > known.epoch:
+            # Whatever the message, the incarnation we knew is gone; a Register then registers the
+            # new one, anything else is treated as coming from an unregistered rank.
+            effects += self._peer_restarted(key, message.origin)
+        effects += self._dispatch(message, now)
+        peer = self._peers.get(key)
+        if peer is not None and peer.epoch == message.origin.epoch:
+            self._last_heard[key] = now
+        return effects
+
+    def _dispatch(self, message: Message, now: float) -> list[Effect]:
         if isinstance(message, Register):
-            return self._on_register(message)
+            return self._on_register(message, now)
         if isinstance(message, TransferRequest):
             return self._on_request(message, now)
         if isinstance(message, Abort):
             return self._on_abort(message, now)
-        if isinstance(message, Heartbeat):
+        if isinstance(message, (Heartbeat, HeartbeatAck)):
             peer = self._peers.get((message.origin.instance, message.origin.rank))
             if peer is None or peer.epoch != message.origin.epoch:
+                # Not answered: a decode rank we forgot learns it from the silence and registers again.
                 return self._stale(message)
+            if isinstance(message, HeartbeatAck):
+                return []  # its only news is that the peer is alive (recorded by receive)
             return [Send(to=peer.endpoint, message=HeartbeatAck(origin=self.origin, seq=message.seq))]
         self._counters.unexpected_messages += 1
         return [
@@ -186,22 +224,30 @@ class PrefillEndpoint:
             )
         ]
 
-    def _on_register(self, msg: Register) -> list[Effect]:
+    def _on_register(self, msg: Register, now: float) -> list[Effect]:
         key = (msg.origin.instance, msg.origin.rank)
         known = self._peers.get(key)
         effects: list[Effect] = []
         if known is not None and msg.origin.epoch < known.epoch:
             return self._stale(msg)
-        if known is not None and msg.origin.epoch > known.epoch:
-            effects += self._peer_restarted(key, msg.origin)
         difference = self.layout.difference(msg.layout)
         if difference is not None:
             self._counters.registrations_rejected += 1
-            self._peers.pop(key, None)
             reason = _clip(f"layout mismatch with prefill {self.origin}: {difference}")
+            if known is not None:
+                # Registered before with another layout: its live rooms were validated against
+                # buffers that no longer match, so none of them may write.
+                effects += self._fail_rooms_of(
+                    key,
+                    f"decode rank {msg.origin} re-registered with a rejected layout",
+                    FailureCause.INVALID,
+                )
+                self._drop_peer(key)
             effects.append(Send(to=msg.endpoint, message=RegisterReject(origin=self.origin, reason=reason)))
             effects.append(_notice(NoticeLevel.WARNING, f"rejected registration of {msg.origin}: {reason}"))
             return effects
+        if self._heartbeat_due is None:
+            self._heartbeat_due = now + self.timeouts.heartbeat_interval
         self._peers[key] = DecodePeer(
             instance=msg.origin.instance,
             epoch=msg.origin.epoch,
@@ -211,27 +257,59 @@ class PrefillEndpoint:
             session=msg.session,
             layout=msg.layout,
         )
+        if self._draining.get(key):
+            # Writes to a forgotten incarnation of this rank are still in flight; until they end, a
+            # new registration must not let it reuse the memory they may land in.
+            if key not in self._deferred_acks:
+                effects.append(
+                    _notice(
+                        NoticeLevel.INFO,
+                        f"registration of {msg.origin} acknowledged once writes of rooms "
+                        f"{sorted(self._draining[key])} to its previous incarnation end",
+                    )
+                )
+            self._deferred_acks.add(key)
+            return effects
         effects.append(Send(to=msg.endpoint, message=RegisterAck(origin=self.origin)))
+        return effects
+
+    def _note_draining(self, key: PeerKey) -> None:
+        """Remember the rooms with writes in flight to ``key`` as it is forgotten (silence, restart)."""
+        rooms = {r.room for r in self._rooms.values() if r.in_flight and key in r.requests}
+        if rooms:
+            self._draining.setdefault(key, set()).update(rooms)
+
+    def _writes_ended(self, room: RoomId) -> list[Effect]:
+        """``room`` may have had the last in-flight write to a forgotten rank: send deferred acks."""
+        effects: list[Effect] = []
+        if not self._draining or self.in_flight(room):
+            return effects
+        for key, rooms in list(self._draining.items()):
+            rooms.discard(room)
+            if rooms:
+                continue
+            del self._draining[key]
+            peer = self._peers.get(key)
+            if key in self._deferred_acks and peer is not None:
+                self._deferred_acks.discard(key)
+                effects.append(Send(to=peer.endpoint, message=RegisterAck(origin=self.origin)))
         return effects
 
     def _peer_restarted(self, key: PeerKey, new: Origin) -> list[Effect]:
         """A decode rank came back with a new epoch: its old rooms can never complete."""
-        old = self._peers.pop(key)
+        old = self._peers[key]
+        self._note_draining(key)
+        self._drop_peer(key)
+        self._counters.peer_restarts += 1
+        reason = f"decode rank {old.instance}:{old.rank} restarted (epoch {old.epoch} -> {new.epoch})"
         effects: list[Effect] = [
-            _notice(
-                NoticeLevel.WARNING,
-                f"decode rank {old.instance}:{old.rank} restarted (epoch {old.epoch} -> {new.epoch})",
-            )
+            ForgetPeer(endpoint=old.endpoint, reason=reason),
+            _notice(NoticeLevel.WARNING, reason),
         ]
         for r in list(self._rooms.values()):
             if key in r.requests:
                 if not r.terminal:
-                    effects += self._fail(
-                        r,
-                        f"decode rank {old.instance}:{old.rank} restarted",
-                        FailureCause.PEER_RESTART,
-                        notify=False,
-                    )
+                    effects += self._fail(r, reason, FailureCause.PEER_RESTART, notify=False)
                 # The old incarnation's pages are gone: nothing to acknowledge to it.
                 r.requests.pop(key)
         return effects
@@ -306,7 +384,8 @@ class PrefillEndpoint:
                 f"({capacity} pages) of {msg.origin}"
             )
         if r.num_pages is not None and msg.dst_pages.size != r.num_pages:
-            return f"request has {r.num_pages} pages but {msg.origin} gave {msg.dst_pages.size} destination pages"
+            given = msg.dst_pages.size
+            return f"request has {r.num_pages} pages but {msg.origin} gave {given} destination pages"
         if msg.dst_aux_row is not None:
             rows = min((b.num_items for b in peer.layout.aux_buffers), default=0)
             if msg.dst_aux_row >= rows:
@@ -366,6 +445,42 @@ class PrefillEndpoint:
             return effects
         return effects + self._maybe_drained(r)
 
+    def _peer_silent(self, key: PeerKey, now: float) -> list[Effect]:
+        """A decode rank sent nothing for ``heartbeat_timeout``: fail its live rooms and forget it.
+
+        Its rooms are told Failed (best effort, on a rebuilt socket) while it is still known, so a
+        rank that is alive but was unheard can abort; AbortAcks still go to it if it registers
+        again. Until then its messages are dropped, heartbeats included, so it notices the silence.
+        """
+        peer = self._peers[key]
+        silent = now - self._last_heard.get(key, now)
+        reason = f"decode rank {peer.instance}:{peer.rank} silent for {silent:.3g} s"
+        self._counters.peers_lost += 1
+        effects: list[Effect] = [
+            ForgetPeer(endpoint=peer.endpoint, reason=reason),
+            _notice(
+                NoticeLevel.WARNING, f"{reason}: failing its rooms and forgetting it until it registers again"
+            ),
+        ]
+        effects += self._fail_rooms_of(key, reason, FailureCause.PEER_SILENT)
+        self._note_draining(key)
+        self._drop_peer(key)
+        return effects
+
+    def _fail_rooms_of(self, key: PeerKey, reason: str, cause: FailureCause) -> list[Effect]:
+        effects: list[Effect] = []
+        for r in list(self._rooms.values()):
+            if key in r.requests and not r.terminal:
+                effects += self._fail(r, reason, cause)
+        return effects
+
+    def _drop_peer(self, key: PeerKey) -> None:
+        self._peers.pop(key, None)
+        self._last_heard.pop(key, None)
+        self._deferred_acks.discard(key)
+        if not self._peers:
+            self._heartbeat_due = None
+
     def _stale(self, msg: Message) -> list[Effect]:
         self._counters.stale_messages += 1
         return [_notice(NoticeLevel.INFO, f"dropped {type(msg).__name__} from stale or unknown {msg.origin}")]
@@ -412,6 +527,16 @@ class PrefillEndpoint:
         r.machine.fire(SenderRoomTrigger.QUEUE_CHUNK)  # raises LocalProtocolError before all requests are in
         r.chunks.append(chunk)
         r.last_queued = spec.last
+        gone = [key for key, q in r.requests.items() if not q.dummy and key not in self._peers]
+        if gone:
+            # Never a KeyError on the control thread, never a silent drop: the room fails loudly.
+            self._skip(chunk)
+            names = ", ".join(f"{k[0]}:{k[1]}" for k in sorted(gone, key=_peer_order))
+            return self._fail(
+                r,
+                f"no transfer destination: decode rank {names} is no longer registered",
+                FailureCause.NO_DESTINATION,
+            )
         destinations = tuple(
             Destination(peer=self._peers[key], request=q) for key, q in r.requests.items() if not q.dummy
         )
@@ -469,6 +594,10 @@ class PrefillEndpoint:
     def rooms(self) -> list[RoomId]:
         return list(self._rooms)
 
+    def has_room(self, room: RoomId) -> bool:
+        """Does this rank hold ``room`` (opened or requested, not yet closed)? O(1), unlike ``rooms()``."""
+        return room in self._rooms
+
     # ------------------------------------------------------------------ transfer-worker input
 
     def start_chunk(self, room: RoomId, chunk: int, now: float) -> bool:
@@ -506,13 +635,15 @@ class PrefillEndpoint:
             self._counters.rooms_succeeded += 1
             status_metric = TransferMetricData(pages=r.pages, bytes=r.bytes, seconds=r.seconds)
             for key, q in r.requests.items():
-                if not q.dummy:
+                peer = self._peers.get(key)
+                if not q.dummy and peer is not None:
                     status = TransferStatus(
                         origin=self.origin, room=room, outcome=Outcome.SUCCESS, metric=status_metric
                     )
-                    effects.append(Send(to=self._peers[key].endpoint, message=status))
+                    effects.append(Send(to=peer.endpoint, message=status))
             effects.append(RoomFinished(room=room, poll=KVPoll.Success))
         effects += self._maybe_drained(r)
+        effects += self._writes_ended(room)
         self._forget_if_idle(r)
         return effects
 
@@ -526,6 +657,7 @@ class PrefillEndpoint:
                 r, _clip(f"transfer of chunk {chunk} failed: {reason}"), FailureCause.ENGINE
             )
         effects += self._maybe_drained(r)
+        effects += self._writes_ended(room)
         self._forget_if_idle(r)
         return effects
 
@@ -537,15 +669,25 @@ class PrefillEndpoint:
             for d in (
                 self._deadlines.next_deadline(self._room_deadline),
                 self._tombstone_expiry.next_deadline(self._tombstones.get),
+                self._heartbeat_due,
             )
             if d is not None
         ]
         return min(candidates, default=None)
 
     def tick(self, now: float) -> list[Effect]:
-        """Fail every room whose deadline passed; forget expired tombstones."""
+        """Heartbeat round when due (forget silent decode ranks, greet the others); fail every room
+        whose deadline passed; forget expired tombstones."""
         effects: list[Effect] = []
+        if self._heartbeat_due is not None and self._heartbeat_due <= now:
+            effects += self._heartbeat_round(now)
         for room in list(self._deadlines.pop_due(now, self._room_deadline)):
+            # The queue yields a room once per entry: two entries with the same deadline (e.g. equal
+            # bootstrap and waiting timeouts set at the same instant) would act twice, and the
+            # first action may have moved the deadline. Act only on what is still due.
+            deadline = self._room_deadline(room)
+            if deadline is None or deadline > now:
+                continue
             r = self._rooms[room]
             limit = {
                 SenderRoomState.BOOTSTRAPPING: ("bootstrap", self.timeouts.bootstrap),
@@ -557,6 +699,18 @@ class PrefillEndpoint:
             )
         for room in list(self._tombstone_expiry.pop_due(now, self._tombstones.get)):
             del self._tombstones[room]
+        return effects
+
+    def _heartbeat_round(self, now: float) -> list[Effect]:
+        effects: list[Effect] = []
+        for key in sorted(self._peers, key=_peer_order):
+            if now - self._last_heard.get(key, now) >= self.timeouts.heartbeat_timeout:
+                effects += self._peer_silent(key, now)
+        self._heartbeat_seq += 1
+        for key in sorted(self._peers, key=_peer_order):
+            beat = Heartbeat(origin=self.origin, seq=self._heartbeat_seq)
+            effects.append(Send(to=self._peers[key].endpoint, message=beat))
+        self._heartbeat_due = now + self.timeouts.heartbeat_interval if self._peers else None
         return effects
 
     # ------------------------------------------------------------------ statistics
@@ -574,7 +728,14 @@ class PrefillEndpoint:
             registrations_rejected=c.registrations_rejected,
             stale_messages=c.stale_messages,
             unexpected_messages=c.unexpected_messages,
+            peers_registered=len(self._peers),
+            peers_lost=c.peers_lost,
+            peer_restarts=c.peer_restarts,
         )
+
+    def peers(self) -> list[DecodePeer]:
+        """The decode ranks registered now."""
+        return list(self._peers.values())
 
     def in_flight(self, room: RoomId) -> int:
         """Chunks of ``room`` whose writes may still land (0 for unknown rooms)."""

@@ -3,6 +3,8 @@
 - ``PrefillTransport`` / ``KVSender`` and ``DecodeTransport`` / ``KVReceiver``: one transport per
   rank, one sender or receiver per room; every scheduler call is non-blocking;
 - ``TransferExecutor``: shaped, bounded, fully-waited batches through a ``TransferBackend``;
+- ``PerLayerTransferManager`` (``PrefillTransport.per_layer``): a chunk's KV sent layer by layer
+  while its forward runs;
 - ``all_reduce_polls``: the MIN consensus of KVPoll across a torch.distributed group;
 - ``channels``: the zmq wiring (default channel factory, registry client and service).
 
@@ -19,6 +21,14 @@ from pdkv.runtime.executor import (
     TransferJob,
     TransferResult,
 )
+from pdkv.runtime.per_layer import (
+    LayerTransferResult,
+    PerLayerConfig,
+    PerLayerMode,
+    PerLayerStatistics,
+    PerLayerTransferManager,
+    UnknownLayerError,
+)
 from pdkv.runtime.prefill import KVSender, PrefillConfig, PrefillTransport
 
 __all__ = [
@@ -29,10 +39,16 @@ __all__ = [
     "JobStatus",
     "KVReceiver",
     "KVSender",
+    "LayerTransferResult",
+    "PerLayerConfig",
+    "PerLayerMode",
+    "PerLayerStatistics",
+    "PerLayerTransferManager",
     "PrefillConfig",
     "PrefillTransport",
     "RouteUnavailableError",
     "TransferExecutor",
     "TransferJob",
     "TransferResult",
+    "UnknownLayerError",
 ]

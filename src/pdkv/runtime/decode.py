@@ -26,7 +26,16 @@ from pdkv.mapping import BufferLayout, Topology, decode_fanout
 from pdkv.metrics import TransportMetrics, TransportMetricsSnapshot
 from pdkv.protocol.config import Timeouts
 from pdkv.protocol.decode import DecodeEndpoint, DecodeStatistics
-from pdkv.protocol.effects import Effect, Notice, ReleasePages, RoomFinished, Send, SubmitChunk, Target
+from pdkv.protocol.effects import (
+    Effect,
+    ForgetPeer,
+    Notice,
+    ReleasePages,
+    RoomFinished,
+    Send,
+    SubmitChunk,
+    Target,
+)
 from pdkv.protocol.ids import Endpoint, Epoch, InstanceId, RoomId, SessionId
 from pdkv.protocol.messages import (
     IntArray,
@@ -125,6 +134,7 @@ class DecodeTransport:
         self._registrations: list[Registration] = []
         self._released = 0
         self._unsafe = 0
+        self._forget: list[str] = []  # endpoints whose sockets the control thread (their owner) drops
         self._started = False
         self._closed = False
 
@@ -251,6 +261,11 @@ class DecodeTransport:
         with self._lock:
             self._accounting.channel(malformed=channel.malformed, unauthenticated=channel.unauthenticated)
             self._apply(self._endpoint.tick(now))
+            # On the control thread, before the loop flushes what was posted: those go out on
+            # fresh sockets. A ForgetPeer from another thread waits for this tick.
+            for endpoint in self._forget:
+                self._loop.channel.forget(endpoint)
+            self._forget.clear()
             return self._endpoint.next_deadline()
 
     def _apply(self, effects: Sequence[Effect]) -> None:
@@ -270,6 +285,10 @@ class DecodeTransport:
                         self._accounting.reported(effect.room, _peer_name(instance, rank), data)
             elif isinstance(effect, Notice):
                 log_notice(log, effect)
+            elif isinstance(effect, ForgetPeer):
+                rank, endpoint, reason = self.config.rank, effect.endpoint, effect.reason
+                log.warning("decode %s: rebuilding the connection to %s: %s", rank, endpoint, reason)
+                self._forget.append(effect.endpoint)
             elif isinstance(effect, SubmitChunk):  # prefill-side effect; a decode endpoint never emits it
                 raise AssertionError(f"decode endpoint emitted {effect}")
 

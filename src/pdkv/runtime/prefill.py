@@ -7,7 +7,11 @@ Owns: the threads and queues of one prefill rank around its sans-IO ``PrefillEnd
 - transfer workers take ``SubmitChunk`` effects from a bounded queue, map the chunk for each
   destination (``plan_chunk``), move the bytes (``TransferExecutor``) and report the result back;
 - the scheduler's calls (``KVSender``) only take the lock, update the endpoint and enqueue: they
-  never wait on the network.
+  never wait on the network;
+- the per-layer path (``transport.per_layer``, a ``PerLayerTransferManager``): a chunk registered
+  before its forward is sent layer by layer while the forward runs; the worker that picks the chunk
+  up after ``send()`` finishes that context instead of sending the chunk again. When a room fails,
+  its contexts are cancelled, and the room's AbortAck is held until their writes have ended.
 
 All room state lives in the endpoint, behind one lock. Effects are carried out in the order the
 endpoint produced them. A worker never dies on an exception: the chunk (and so the room) fails with
@@ -16,6 +20,7 @@ the reason, and the worker takes the next chunk.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import queue
@@ -27,15 +32,17 @@ from typing import TypeVar
 import attrs
 import numpy as np
 
+from pdkv.control.channel import ChannelStatistics
 from pdkv.engine.backend import Registration, TransferBackend
 from pdkv.errors import ConfigError, PdkvError
-from pdkv.control.channel import ChannelStatistics
 from pdkv.mapping import BufferLayout, OwnershipPolicy, PageInterleaved
 from pdkv.metrics import KVTransferMetric, TransportCounter, TransportMetrics, TransportMetricsSnapshot
 from pdkv.protocol.config import Timeouts
 from pdkv.protocol.effects import (
     ChunkSpec,
+    Destination,
     Effect,
+    ForgetPeer,
     Notice,
     NoticeLevel,
     ReleasePages,
@@ -44,7 +51,9 @@ from pdkv.protocol.effects import (
     SubmitChunk,
 )
 from pdkv.protocol.ids import Endpoint, Epoch, InstanceId, RoomId, SessionId
+from pdkv.protocol.machines import SenderRoomState
 from pdkv.protocol.messages import (
+    AbortAck,
     IntArray,
     Message,
     Origin,
@@ -59,6 +68,12 @@ from pdkv.runtime._accounting import Accounting
 from pdkv.runtime._loop import ControlLoop, MessageChannel
 from pdkv.runtime.chunk_plan import plan_chunk
 from pdkv.runtime.executor import ExecutorConfig, TransferExecutor
+from pdkv.runtime.per_layer import (
+    LayerTransferResult,
+    PerLayerConfig,
+    PerLayerStatistics,
+    PerLayerTransferManager,
+)
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +103,7 @@ class PrefillConfig:
     """CP shared-KV ownership (default: page-interleaved over ``cp_size``)."""
     timeouts: Timeouts = attrs.field(factory=Timeouts.from_env)
     executor: ExecutorConfig = attrs.field(factory=ExecutorConfig.from_env)
+    per_layer: PerLayerConfig = attrs.field(factory=PerLayerConfig.from_env)
     epoch: Epoch = attrs.field(factory=new_epoch)
     workers: int = attrs.field(default=2, validator=attrs.validators.ge(1))
     queue_size: int = attrs.field(default=4096, validator=attrs.validators.ge(1))
@@ -98,7 +114,9 @@ class PrefillConfig:
         if self.rank.tp >= self.tp_size or self.rank.cp >= self.cp_size:
             raise ConfigError(f"rank {self.rank} outside tp_size {self.tp_size} / cp_size {self.cp_size}")
         if self.ownership is not None and self.ownership.cp_size != self.cp_size:
-            raise ConfigError(f"ownership policy is for cp_size {self.ownership.cp_size}, transport has {self.cp_size}")
+            raise ConfigError(
+                f"ownership policy is for cp_size {self.ownership.cp_size}, transport has {self.cp_size}"
+            )
 
     @property
     def policy(self) -> OwnershipPolicy:
@@ -116,6 +134,7 @@ class PrefillTransportStatistics:
     endpoint: PrefillStatistics
     metrics: TransportMetricsSnapshot
     channel: ChannelStatistics
+    per_layer: PerLayerStatistics
     worker_errors: int
     queue_depth: int
 
@@ -154,8 +173,22 @@ class PrefillTransport:
             for i in range(config.workers)
         ]
         self.metrics = TransportMetrics()
-        """Counters and per-peer latency; ``pdkv.metrics.PrometheusExporter(transport.metrics)`` exports them."""
+        """Counters and per-peer latency, exported by ``pdkv.metrics.PrometheusExporter(metrics)``."""
         self._accounting = Accounting(self.metrics)
+        self.per_layer = PerLayerTransferManager(
+            self._executor,
+            layout=config.layout,
+            destinations=self._room_destinations,
+            cp_rank=config.rank.cp,
+            policy=config.policy,
+            guard=self._lock,
+            config=config.per_layer,
+            clock=clock,
+            name=str(config.rank),
+        )
+        """Per-layer transfer (DESIGN section 7): ``register``, ``on_layer_end`` per layer, ``send()``."""
+        self._held_acks: dict[RoomId, list[Send]] = {}
+        self._forget: list[str] = []  # endpoints whose sockets the control thread (their owner) drops
         self._worker_errors = 0
         self._partition_dump = os.environ.get("PDKV_DEBUG_PARTITION_DUMP") == "1"
         self._started = False
@@ -175,6 +208,7 @@ class PrefillTransport:
         if self.config.register_memory:
             for spec in self.config.layout.buffers:
                 self._registrations.append(self.backend.register_range(spec.base_ptr, spec.length))
+        self.per_layer.start()
         self._loop.start()
         for worker in self._workers:
             worker.start()
@@ -195,6 +229,9 @@ class PrefillTransport:
         if self._closed:
             return
         self._closed = True
+        # First: contexts waiting for layers that will never come release their workers, and every
+        # per-layer write ends before memory is unregistered below.
+        self.per_layer.close()
         for _ in self._workers:
             self._work.put(None)
         for worker in self._workers:
@@ -224,6 +261,7 @@ class PrefillTransport:
             endpoint=endpoint,
             metrics=self.metrics.snapshot(),
             channel=self._loop.channel.statistics(),
+            per_layer=self.per_layer.statistics(),
             worker_errors=self._worker_errors,
             queue_depth=self._work.qsize(),
         )
@@ -248,6 +286,11 @@ class PrefillTransport:
         with self._lock:
             self._accounting.channel(malformed=channel.malformed, unauthenticated=channel.unauthenticated)
             self._apply(self._endpoint.tick(now))
+            # On the control thread (the sockets' owner), before the loop flushes what was posted:
+            # those messages go out on fresh sockets. A ForgetPeer from another thread waits for this.
+            for endpoint in self._forget:
+                self._loop.channel.forget(endpoint)
+            self._forget.clear()
             return self._endpoint.next_deadline()
 
     # ------------------------------------------------------------------ effects (lock held)
@@ -256,7 +299,12 @@ class PrefillTransport:
         self._accounting.effects(effects)
         for effect in effects:
             if isinstance(effect, Send):
-                self._loop.post(effect.to, effect.message)
+                message = effect.message
+                if isinstance(message, AbortAck) and self.per_layer.outstanding(message.room):
+                    # Per-layer writes the endpoint does not see may still land: acknowledge later.
+                    self._held_acks.setdefault(message.room, []).append(effect)
+                    continue
+                self._loop.post(effect.to, message)
             elif isinstance(effect, SubmitChunk):
                 try:
                     self._work.put_nowait(effect)
@@ -269,8 +317,23 @@ class PrefillTransport:
             elif isinstance(effect, RoomFinished):
                 if effect.poll is KVPoll.Success:
                     log.debug("room %s succeeded on prefill %s", effect.room, self.config.rank)
+                    if self.per_layer.outstanding(effect.room):
+                        log.warning(
+                            "room %s succeeded with per-layer contexts never sent; dropping them", effect.room
+                        )
+                        self.per_layer.cancel(effect.room, "room succeeded without this chunk")
+                else:
+                    self.per_layer.cancel(
+                        effect.room,
+                        effect.reason or "room failed",
+                        on_drained=functools.partial(self._release_held_acks, effect.room),
+                    )
             elif isinstance(effect, Notice):
                 log_notice(log, effect)
+            elif isinstance(effect, ForgetPeer):
+                rank, endpoint, reason = self.config.rank, effect.endpoint, effect.reason
+                log.warning("prefill %s: rebuilding the connection to %s: %s", rank, endpoint, reason)
+                self._forget.append(effect.endpoint)
             elif isinstance(effect, ReleasePages):  # decode-side effect; a prefill endpoint never emits it
                 raise AssertionError(f"prefill endpoint emitted {effect}")
 
@@ -285,17 +348,48 @@ class PrefillTransport:
                 self._run_chunk(item)
             except Exception as exc:  # the room fails; the worker goes on
                 self._worker_errors += 1
-                log.exception("transfer worker: chunk %s of room %s failed unexpectedly", item.chunk, item.room)
+                log.exception(
+                    "transfer worker: chunk %s of room %s failed unexpectedly", item.chunk, item.room
+                )
                 try:
                     self._finish_failed(item, f"internal error: {type(exc).__name__}: {exc}")
                 except Exception:
-                    log.exception("transfer worker: could not fail chunk %s of room %s", item.chunk, item.room)
+                    log.exception(
+                        "transfer worker: could not fail chunk %s of room %s", item.chunk, item.room
+                    )
+
+    def _release_held_acks(self, room: RoomId) -> None:
+        """The per-layer writes of ``room`` ended: the AbortAcks held for it may go (any thread)."""
+        with self._lock:
+            for effect in self._held_acks.pop(room, []):
+                self._loop.post(effect.to, effect.message)
+
+    def _room_destinations(self, room: RoomId) -> tuple[Destination, ...] | None:
+        """The room's non-dummy destinations once it is WaitingForInput or Transferring (lock held).
+
+        The endpoint has no public query for this yet (its module is owned elsewhere): this reads
+        exactly what ``PrefillEndpoint.queue_chunk`` builds ``SubmitChunk.destinations`` from.
+        """
+        r = self._endpoint._rooms.get(room)
+        if r is None or not r.opened:
+            return None
+        if r.state not in (SenderRoomState.WAITING_FOR_INPUT, SenderRoomState.TRANSFERRING):
+            return None
+        peers = self._endpoint._peers
+        wanted = [(key, q) for key, q in r.requests.items() if not q.dummy]
+        if any(key not in peers for key, _ in wanted):
+            return None  # a destination rank is gone: send() fails the room loudly, not this path
+        return tuple(Destination(peer=peers[key], request=q) for key, q in wanted)
 
     def _run_chunk(self, submit: SubmitChunk) -> None:
         with self._lock:
             if not self._endpoint.start_chunk(submit.room, submit.chunk, self._clock()):
                 self.metrics.increment(TransportCounter.CHUNKS_SKIPPED)
                 return  # skipped: the room failed before any byte of this chunk moved
+        layered = self.per_layer.finish(submit.room, submit.spec.start_token, pages=submit.spec.pages)
+        if layered is not None:
+            self._complete_per_layer(submit, layered)
+            return
         started = self._clock()
         pages = written = 0
         for destination in submit.destinations:
@@ -309,12 +403,16 @@ class PrefillTransport:
                     writes_extras=self.config.rank.cp == 0,
                 )
             except PdkvError as exc:
-                self._finish_failed(submit, f"mapping for {destination.peer.instance}:{destination.peer.rank}: {exc}")
+                self._finish_failed(
+                    submit, f"mapping for {destination.peer.instance}:{destination.peer.rank}: {exc}"
+                )
                 return
             for note in plan.notes:
                 log.warning("room %s chunk %s: %s", submit.room, submit.chunk, note)
             if self._partition_dump:
-                _dump_partition(submit, plan.kv_pages, plan.state_slots, self.config.rank, destination.peer.rank)
+                _dump_partition(
+                    submit, plan.kv_pages, plan.state_slots, self.config.rank, destination.peer.rank
+                )
             submitted = self._clock()
             result = self._executor.transfer(destination.peer.session, plan.blocks)
             if not result.ok:
@@ -332,10 +430,71 @@ class PrefillTransport:
                 last_completion_at=max(submitted, self._clock()),
             )
             with self._lock:
-                self._accounting.wrote(submit.room, _peer_name(destination.peer.instance, destination.peer.rank), landed)
+                self._accounting.wrote(
+                    submit.room, _peer_name(destination.peer.instance, destination.peer.rank), landed
+                )
         metric = TransferMetricData(pages=pages, bytes=written, seconds=max(0.0, self._clock() - started))
         with self._lock:
             self._apply(self._endpoint.chunk_done(submit.room, submit.chunk, metric, self._clock()))
+
+    def _complete_per_layer(self, submit: SubmitChunk, layered: LayerTransferResult) -> None:
+        """A chunk whose KV went layer by layer: its extras (last chunk), then chunk_done or chunk_failed."""
+        destination = layered.destination
+        peer = f"{destination.peer.instance}:{destination.peer.rank}"
+        if not layered.ok:
+            if layered.engine_failure:
+                self.metrics.increment(TransportCounter.ENGINE_FAILURES)
+            self._finish_failed(submit, f"per-layer transfer to {peer}: {layered.reason}")
+            return
+        written = layered.bytes_written
+        state_slots = 0
+        if submit.spec.last and self.config.rank.cp == 0:
+            # State and aux rows ride on the last chunk, after its KV (as on the monolithic path);
+            # planned for no pages, plan_chunk yields exactly those blocks.
+            extras_only = attrs.evolve(
+                submit, spec=attrs.evolve(submit.spec, pages=np.zeros(0, dtype=np.int64))
+            )
+            try:
+                plan = plan_chunk(
+                    extras_only,
+                    destination,
+                    src_layout=self.config.layout,
+                    cp_rank=self.config.rank.cp,
+                    policy=self.config.policy,
+                    writes_extras=True,
+                )
+            except PdkvError as exc:
+                self._finish_failed(submit, f"mapping for {peer}: {exc}")
+                return
+            for note in plan.notes:
+                log.warning("room %s chunk %s: %s", submit.room, submit.chunk, note)
+            state_slots = plan.state_slots
+            if len(plan.blocks):
+                result = self._executor.transfer(destination.peer.session, plan.blocks)
+                if not result.ok:
+                    self.metrics.increment(TransportCounter.ENGINE_FAILURES)
+                    self._finish_failed(submit, f"to {destination.peer.session}: {result.reason}")
+                    return
+                written += result.bytes_written
+        if self._partition_dump:
+            _dump_partition(submit, layered.kv_pages, state_slots, self.config.rank, destination.peer.rank)
+        now = self._clock()
+        landed = KVTransferMetric(
+            room=submit.room,
+            pages=layered.kv_pages,
+            bytes=written,
+            seconds=max(0.0, now - layered.first_submit_at),
+            first_submit_at=layered.first_submit_at,
+            last_completion_at=max(layered.first_submit_at, now),
+        )
+        metric = TransferMetricData(
+            pages=layered.kv_pages, bytes=written, seconds=max(0.0, now - layered.first_submit_at)
+        )
+        with self._lock:
+            self._accounting.wrote(
+                submit.room, _peer_name(destination.peer.instance, destination.peer.rank), landed
+            )
+            self._apply(self._endpoint.chunk_done(submit.room, submit.chunk, metric, now))
 
     def _finish_failed(self, submit: SubmitChunk, reason: str) -> None:
         with self._lock:
@@ -351,7 +510,9 @@ class KVSender:
 
     def init(self, num_pages: int, aux_row: int | None) -> None:
         """The request has ``num_pages`` pages in all; its aux row here is ``aux_row``."""
-        self.transport._call(lambda e, now: e.open_room(self.room, num_pages=num_pages, aux_row=aux_row, now=now))
+        self.transport._call(
+            lambda e, now: e.open_room(self.room, num_pages=num_pages, aux_row=aux_row, now=now)
+        )
 
     def send(
         self,
@@ -362,7 +523,9 @@ class KVSender:
         state_indices: Sequence[StateIndices] | None = None,
     ) -> None:
         """Queue one chunk: its logical page ids (as every CP rank sees them) and its token offset."""
-        spec = ChunkSpec(pages=np.asarray(chunk_pages), start_token=start_token, last=last, state=state_indices or ())
+        spec = ChunkSpec(
+            pages=np.asarray(chunk_pages), start_token=start_token, last=last, state=state_indices or ()
+        )
         self.transport._call(lambda e, now: e.queue_chunk(self.room, spec, now))
 
     def poll(self) -> KVPoll:
@@ -380,6 +543,7 @@ class KVSender:
     def clear(self) -> None:
         """Forget a terminal room (its id is remembered as a tombstone for late messages)."""
         self.transport._call(lambda e, now: _close(e, self.room, now))
+        self.transport.per_layer.forget(self.room)
 
 
 def _peer_name(instance: str, rank: RankCoord) -> str:
@@ -392,7 +556,11 @@ def _close(endpoint: PrefillEndpoint, room: RoomId, now: float) -> list[Effect]:
     return []
 
 
-_LEVELS = {NoticeLevel.DEBUG: logging.DEBUG, NoticeLevel.INFO: logging.INFO, NoticeLevel.WARNING: logging.WARNING}
+_LEVELS = {
+    NoticeLevel.DEBUG: logging.DEBUG,
+    NoticeLevel.INFO: logging.INFO,
+    NoticeLevel.WARNING: logging.WARNING,
+}
 
 
 def log_notice(logger: logging.Logger, notice: Notice) -> None:
@@ -400,10 +568,13 @@ def log_notice(logger: logging.Logger, notice: Notice) -> None:
     logger.log(_LEVELS[notice.level], "%s", notice.text)
 
 
-def _dump_partition(submit: SubmitChunk, kv_pages: int, state_slots: int, rank: RankCoord, peer: RankCoord) -> None:
+def _dump_partition(
+    submit: SubmitChunk, kv_pages: int, state_slots: int, rank: RankCoord, peer: RankCoord
+) -> None:
     """PDKV_DEBUG_PARTITION_DUMP=1: one line per chunk and destination, no cap, no other effect."""
     log.warning(
-        "partition room=%s chunk=%s rank=%s peer=%s start_token=%s pages=%s kv_pages_sent=%s state_slots=%s last=%s",
+        "partition room=%s chunk=%s rank=%s peer=%s start_token=%s pages=%s kv_pages_sent=%s "
+        "state_slots=%s last=%s",
         submit.room,
         submit.chunk,
         rank,

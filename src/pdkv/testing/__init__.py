@@ -8,6 +8,7 @@ Must not be imported by library code below it (runtime, protocol, ...).
 """
 
 from pdkv.testing.endpoint_pair import (
+    ClosedRoom,
     EndpointPair,
     FakeClock,
     FaultyLink,
@@ -19,6 +20,7 @@ from pdkv.testing.endpoint_pair import (
 )
 
 __all__ = [
+    "ClosedRoom",
     "EndpointPair",
     "FakeClock",
     "FaultyLink",

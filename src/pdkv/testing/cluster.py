@@ -6,13 +6,19 @@ collects per-room outcomes, stops everything it started, by pid, with timeouts, 
 and the rank processes' simple schedulers. The integration tests and ``pdkv demo`` both run on it.
 
 Each rank builds its buffers with ``pdkv.testing.synthetic``; prefill ranks fill them from the
-content rule, decode ranks verify every successful room byte for byte against the same rule, keep
-the prefix positions (already on the decode side) untouched, and after an aborted room's safe
-release write a canary into its pages, checked at shutdown: a late write would break it.
+content rule, run a simulated forward per chunk (``simulate_forward``: a configurable compute time
+per layer; with ``forward_writes_kv`` the chunk's pages are zeroed first and each layer's KV is
+written as its layer ends), and send each chunk either whole after the forward or layer by layer
+during it (``per_layer``: registered with the transport's ``PerLayerTransferManager`` before the
+forward, ``on_layer_end`` after each layer); decode ranks verify every successful room byte for
+byte against the same rule, keep the prefix positions (already on the decode side) untouched, and
+after an aborted room's safe release write a canary into its pages, checked at shutdown: a late
+write would break it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import logging
 import multiprocessing as mp
@@ -30,7 +36,7 @@ import numpy as np
 import numpy.typing as npt
 
 from pdkv.alloc import PagePool
-from pdkv.mapping import BufferKind, OwnershipPolicy, PageInterleaved, chunk_page_start
+from pdkv.mapping import BufferKind, ModelRole, OwnershipPolicy, PageInterleaved, chunk_page_start, cp_owned
 from pdkv.protocol.config import Timeouts
 from pdkv.protocol.ids import InstanceId, RoomId
 from pdkv.protocol.messages import RankCoord, StateIndices
@@ -40,6 +46,7 @@ from pdkv.testing.synthetic import (
     ModelSpec,
     RankMemory,
     canary_intact,
+    simulate_forward,
     verify_room,
     write_canary,
 )
@@ -55,13 +62,18 @@ class ClusterSpec:
     prefill_tp: int = 1
     prefill_cp: int = 1
     decode_tp: int = 1
-    prefill_capacity: Capacity = Capacity(kv_pages=2048, state_slots=256, aux_rows=256)
-    decode_capacity: Capacity = Capacity(kv_pages=4096, state_slots=256, aux_rows=256)
-    timeouts: Timeouts = Timeouts(bootstrap=60, waiting=60, inflight=60, transfer=60, abort_ack=10)
+    prefill_capacity: Capacity = attrs.Factory(lambda: Capacity(kv_pages=2048, state_slots=256, aux_rows=256))
+    decode_capacity: Capacity = attrs.Factory(lambda: Capacity(kv_pages=4096, state_slots=256, aux_rows=256))
+    timeouts: Timeouts = attrs.Factory(
+        lambda: Timeouts(bootstrap=60, waiting=60, inflight=60, transfer=60, abort_ack=10)
+    )
     state_slots_per_room: int = 2
     startup_timeout_s: float = 120.0
     room_timeout_s: float = 120.0
     per_layer: bool = False
+    """Default transfer mode of a request (``RequestPlan.per_layer`` overrides it per request)."""
+    forward_writes_kv: bool = False
+    """The simulated forward zeroes the pages it computes and writes each layer's KV as it ends."""
 
     @property
     def policy(self) -> OwnershipPolicy:
@@ -73,6 +85,7 @@ class AbortPlan:
     side: str  # "decode" or "prefill"
     after_chunks: int = 1  # abort once this many chunks were sent (prefill) / seen sent (decode: seconds)
     after_s: float = 0.0  # decode side: seconds after init
+    after_layers: int | None = None  # prefill side: abort in the middle of that chunk's forward instead
 
 
 @attrs.frozen(kw_only=True)
@@ -83,12 +96,21 @@ class RequestPlan:
     prefix_tokens: int = 0
     abort: AbortPlan | None = None
     forward_s: float = 0.0
+    layer_compute_s: float = 0.0
+    """Compute time of each layer of the simulated forward (target and draft layers)."""
+    per_layer: bool | None = None
+    """Per-layer transfer for this request (None: the cluster's default)."""
+    resident_tokens: int = 0
+    """Tokens at the start of the first chunk whose KV the prefill side already holds (its own
+    prefix cache): the forward does not compute them; per-layer sends them at registration."""
 
     def __attrs_post_init__(self) -> None:
         if sum(self.chunk_tokens) + self.prefix_tokens != self.tokens:
             raise ValueError(
                 f"room {self.room}: chunks {self.chunk_tokens} + prefix {self.prefix_tokens} != {self.tokens}"
             )
+        if self.resident_tokens and (self.resident_tokens > self.chunk_tokens[0]):
+            raise ValueError(f"room {self.room}: {self.resident_tokens} resident tokens > first chunk")
 
 
 @attrs.frozen(kw_only=True)
@@ -99,7 +121,11 @@ class _PrefillRoom:
     state_src: tuple[tuple[BufferKind, IntArray], ...]
     aux_src: int
     abort_before_chunk: int | None
+    abort_after_layers: int | None
     forward_s: float
+    layer_compute_s: float
+    per_layer: bool
+    resident_pages: int
 
 
 @attrs.frozen(kw_only=True)
@@ -127,6 +153,12 @@ class RoomOutcome:
     mismatches: tuple[str, ...] = ()
     bytes_reported: int = 0
     released_safe: bool = True
+    forward_end_at: float = 0.0
+    """Prefill: ``time.monotonic()`` when the last chunk's forward ended (one clock for all processes)."""
+    finished_at: float = 0.0
+    """``time.monotonic()`` when this rank saw the room terminal."""
+    mode: str = ""
+    """Prefill: how its chunks went: ``per_layer``, ``monolithic`` or ``mixed``."""
 
 
 @attrs.frozen(kw_only=True)
@@ -154,8 +186,8 @@ def plan_requests(
     prefill_rooms, decode_rooms, allocations = [], [], []
     for i, plan in enumerate(plans):
         num_pages = -(-plan.tokens // page)
-        if plan.prefix_tokens % page:
-            raise ValueError(f"room {plan.room}: cached prefix must be page-aligned")
+        if plan.prefix_tokens % page or plan.resident_tokens % page:
+            raise ValueError(f"room {plan.room}: cached prefixes must be page-aligned")
         logical = pool.allocate(num_pages)
         allocations.append(logical)
         chunks = []
@@ -184,7 +216,11 @@ def plan_requests(
                 abort_before_chunk=abort.after_chunks
                 if abort is not None and abort.side == "prefill"
                 else None,
+                abort_after_layers=None if abort is None or abort.side != "prefill" else abort.after_layers,
                 forward_s=plan.forward_s,
+                layer_compute_s=plan.layer_compute_s,
+                per_layer=spec.per_layer if plan.per_layer is None else plan.per_layer,
+                resident_pages=plan.resident_tokens // page,
             )
         )
         decode_rooms.append(
@@ -264,7 +300,7 @@ def _prefill_rank(args: _RankArgs, conn: Connection) -> None:
     try:
         transport.start()
         conn.send(("ready", name))
-        active: dict[int, tuple[_PrefillRoom, Any, list[int], float]] = {}
+        active: dict[int, tuple[_PrefillRoom, Any, _Progress]] = {}
         stopping = False
         while not stopping or active:
             while conn.poll(0 if active else 0.05):
@@ -275,27 +311,16 @@ def _prefill_rank(args: _RankArgs, conn: Connection) -> None:
                 room: _PrefillRoom = command[1]
                 sender = transport.sender(room.room)
                 sender.init(room.num_pages, room.aux_src)
-                active[room.room] = (room, sender, [0], time.monotonic())
+                active[room.room] = (room, sender, _Progress(started=time.monotonic()))
             for key in list(active):
-                room, sender, next_chunk, started = active[key]
+                room, sender, progress = active[key]
                 poll = sender.poll()
-                if poll in (KVPoll.WaitingForInput, KVPoll.Transferring) and next_chunk[0] < len(room.chunks):
-                    if room.abort_before_chunk == next_chunk[0] and args.cp == 0 and args.tp == 0:
-                        sender.abort("planned prefill-side abort")
-                        next_chunk[0] = len(room.chunks)
-                        continue
-                    if room.forward_s:
-                        time.sleep(room.forward_s)
-                    pages, start_token, last = room.chunks[next_chunk[0]]
-                    state = (
-                        [StateIndices(kind=kind, indices=slots) for kind, slots in room.state_src]
-                        if last
-                        else None
-                    )
-                    sender.send(pages, start_token=start_token, last=last, state_indices=state)
-                    next_chunk[0] += 1
+                ready = poll in (KVPoll.WaitingForInput, KVPoll.Transferring)
+                if ready and progress.next_chunk < len(room.chunks):
+                    _prefill_chunk(args, memory, transport, room, sender, progress)
                 elif poll in (KVPoll.Success, KVPoll.Failed):
                     metric = sender.metric()
+                    modes = progress.modes
                     conn.send(
                         (
                             "result",
@@ -305,8 +330,11 @@ def _prefill_rank(args: _RankArgs, conn: Connection) -> None:
                                 rank=name,
                                 poll=int(poll),
                                 failure=sender.failure() or "",
-                                seconds=time.monotonic() - started,
+                                seconds=time.monotonic() - progress.started,
                                 bytes_reported=metric.bytes,
+                                forward_end_at=progress.forward_end_at,
+                                finished_at=time.monotonic(),
+                                mode=modes.pop() if len(modes) == 1 else ("mixed" if modes else ""),
                             ),
                         )
                     )
@@ -332,6 +360,62 @@ def _prefill_rank(args: _RankArgs, conn: Connection) -> None:
     finally:
         transport.close()
         backend.close()
+
+
+@attrs.define(eq=False)
+class _Progress:
+    """A prefill rank's scheduler state for one room."""
+
+    started: float
+    next_chunk: int = 0
+    forward_end_at: float = 0.0
+    modes: set[str] = attrs.Factory(set)
+
+
+def _prefill_chunk(
+    args: _RankArgs, memory: RankMemory, transport: Any, room: _PrefillRoom, sender: Any, progress: _Progress
+) -> None:
+    """One chunk: (register it for per-layer transfer,) run its forward, send it (or abort as planned)."""
+    spec = args.spec
+    index = progress.next_chunk
+    progress.next_chunk += 1
+    planned_abort = room.abort_before_chunk == index and args.cp == 0 and args.tp == 0
+    if planned_abort and room.abort_after_layers is None:
+        sender.abort("planned prefill-side abort")
+        progress.next_chunk = len(room.chunks)
+        return
+    pages, start_token, last = room.chunks[index]
+    resident = room.resident_pages if index == 0 else 0
+    manager = transport.per_layer
+    if room.per_layer:
+        mode = manager.register(room.room, pages, start_token=start_token, resident_pages=resident)
+        progress.modes.add(mode.value if mode.value != "duplicate" else "per_layer")
+    else:
+        progress.modes.add("monolithic")
+    computed = cp_owned(pages[resident:], 0, args.cp, spec.policy).physical
+    if spec.forward_writes_kv:
+        memory.clear_pages(computed)
+    ended = [0]
+    abort_at = room.abort_after_layers if planned_abort else None
+
+    def layer_end(model: ModelRole, layer: int) -> None:
+        if spec.forward_writes_kv:
+            memory.write_layer(model, layer, computed, cp_rank=args.cp, policy=spec.policy, tp_rank=args.tp)
+        if room.per_layer:
+            manager.on_layer_end(layer, model=model)
+        ended[0] += 1
+        if abort_at is not None and ended[0] == abort_at:
+            sender.abort("planned prefill-side abort in the middle of the forward")
+
+    simulate_forward(spec.model, layer_compute_s=room.layer_compute_s, on_layer_end=layer_end)
+    if room.forward_s:
+        time.sleep(room.forward_s)
+    progress.forward_end_at = time.monotonic()
+    if abort_at is not None:
+        progress.next_chunk = len(room.chunks)
+        return
+    state = [StateIndices(kind=kind, indices=slots) for kind, slots in room.state_src] if last else None
+    sender.send(pages, start_token=start_token, last=last, state_indices=state)
 
 
 def _decode_rank(args: _RankArgs, conn: Connection) -> None:
@@ -385,7 +469,8 @@ def _decode_rank(args: _RankArgs, conn: Connection) -> None:
             for key in list(active):
                 room, receiver, dst, slots, aux, started = active[key]
                 poll = receiver.poll()
-                elapsed = time.monotonic() - started
+                observed = time.monotonic()
+                elapsed = observed - started
                 if poll not in (KVPoll.Success, KVPoll.Failed):
                     if room.abort_after_s is not None and elapsed >= room.abort_after_s:
                         receiver.abort("planned decode-side abort")
@@ -429,6 +514,7 @@ def _decode_rank(args: _RankArgs, conn: Connection) -> None:
                             bytes_checked=checked,
                             mismatches=tuple(bad),
                             bytes_reported=metric.bytes,
+                            finished_at=observed,
                         ),
                     )
                 )
@@ -594,11 +680,9 @@ class Cluster:
         deadline = time.monotonic() + 30
         for _, proc, conn in self._procs:
             if proc.is_alive():
-                try:
+                with contextlib.suppress(BrokenPipeError, OSError):
                     conn.send(("stop",))
-                except (BrokenPipeError, OSError):
-                    pass
-        for side, proc, conn in self._procs:
+        for _side, proc, conn in self._procs:
             try:
                 while proc.is_alive() or conn.poll(0):
                     if not conn.poll(max(0.0, min(1.0, deadline - time.monotonic()))):

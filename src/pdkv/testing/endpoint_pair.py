@@ -1,10 +1,16 @@
 """In-memory harness: prefill endpoints and a decode endpoint talking through a faulty link.
 
-Owns: ``FakeClock``, ``LinkFaults`` / ``FaultyLink`` (drop, duplicate, delay, reorder), and
-``EndpointPair``, which carries the endpoints' effects out (messages over the link, chunk writes by
-simulated transfer workers, a simulated scheduler that runs each room's chunks) and checks the
-safety promise of DESIGN section 8 as it goes: no write of a room may start or be in flight once
-the decode side released the room's pages as safe.
+Owns: ``FakeClock``, ``LinkFaults`` / ``FaultyLink`` (drop, duplicate, delay, reorder, partitions),
+and ``EndpointPair``, which carries the endpoints' effects out (messages over the link, chunk
+writes by simulated transfer workers, a simulated scheduler that runs each room's chunks) and
+checks the safety promise of DESIGN section 8 as it goes: no write of a room may start or be in
+flight once the decode side released the room's pages as safe.
+
+Liveness faults: ``partition`` cuts the control link between one prefill rank and the decode rank
+(writes, the data plane, go on); ``restart_prefill`` replaces a prefill rank by a new incarnation
+with a higher epoch behind the same address (the old process and its in-flight writes are gone);
+``stale_messages`` / ``deliver`` replay what retired incarnations sent. ``close_settled`` plays
+the schedulers' ``clear()`` so long runs keep only live rooms.
 
 Shipped with the library (like ``trio.testing``) so embedders can test their own integration
 against the same harness. Deterministic: all randomness comes from one seeded ``random.Random``.
@@ -16,6 +22,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import random
+from collections import deque
 from collections.abc import Callable, Sequence
 
 import attrs
@@ -28,6 +35,8 @@ from pdkv.protocol.decode import DecodeEndpoint
 from pdkv.protocol.effects import (
     ChunkSpec,
     Effect,
+    FailureCause,
+    ForgetPeer,
     Notice,
     ReleasePages,
     RoomFinished,
@@ -70,7 +79,9 @@ class LinkFaults:
     """Per-message fault probabilities of a ``FaultyLink``; delays are uniform in [0, max_delay]."""
 
     drop: float = attrs.field(default=0.0, validator=[attrs.validators.ge(0.0), attrs.validators.le(1.0)])
-    duplicate: float = attrs.field(default=0.0, validator=[attrs.validators.ge(0.0), attrs.validators.le(1.0)])
+    duplicate: float = attrs.field(
+        default=0.0, validator=[attrs.validators.ge(0.0), attrs.validators.le(1.0)]
+    )
     max_delay: float = attrs.field(default=0.0, validator=attrs.validators.ge(0.0))
     """Random delay per message; different delays reorder messages."""
     latency: float = attrs.field(default=0.001, validator=attrs.validators.ge(0.0))
@@ -96,13 +107,16 @@ class FaultyLink:
         self._posted = self._delivered = self._dropped = self._duplicated = 0
         self.cut: set[Endpoint] = set()
         """Endpoints currently unreachable: messages to them are dropped (a partition)."""
+        self.partitions: set[frozenset[Endpoint]] = set()
+        """Pairs of endpoints that cannot reach each other (both ways); needs ``sender`` in ``post``."""
         self.drop_if: Callable[[Endpoint, Message], bool] | None = None
         """Targeted loss: messages for which this returns True are dropped."""
 
-    def post(self, to: Endpoint, message: Message, now: float) -> None:
+    def post(self, to: Endpoint, message: Message, now: float, *, sender: Endpoint | None = None) -> None:
         self._posted += 1
         targeted = self.drop_if is not None and self.drop_if(to, message)
-        if targeted or to in self.cut or self._rng.random() < self.faults.drop:
+        partitioned = sender is not None and frozenset((sender, to)) in self.partitions
+        if targeted or partitioned or to in self.cut or self._rng.random() < self.faults.drop:
             self._dropped += 1
             return
         frames = codec.encode(message)
@@ -156,9 +170,13 @@ class _Write:
 @attrs.define(eq=False)
 class _Progress:
     plan: RoomPlan
+    openers: tuple[PrefillEndpoint, ...]
+    """The prefill incarnations that opened the room (a restarted rank's new process never has it)."""
     next_chunk: int = 0
     decode_aborted: bool = False
     prefill_aborted: bool = False
+    idle: bool = False
+    """The simulated scheduler has nothing left to do for the room."""
 
 
 @attrs.frozen(kw_only=True)
@@ -166,6 +184,20 @@ class SafetyViolation:
     room: RoomId
     time: float
     what: str
+
+
+@attrs.frozen(kw_only=True)
+class ClosedRoom:
+    """A room that ``close_settled`` cleared on both sides, and how it ended there."""
+
+    room: RoomId
+    decode: KVPoll
+    decode_cause: FailureCause | None
+    """Why the room failed on the decode side (None: it succeeded)."""
+    release_safe: bool | None
+    """None when the room succeeded (its pages were never at risk)."""
+    prefill: tuple[KVPoll | None, ...]
+    """Per CP rank, the opener incarnation's final poll (None: that rank restarted meanwhile)."""
 
 
 class EndpointPair:
@@ -186,6 +218,7 @@ class EndpointPair:
         fail_write: Callable[[RoomId, int, int], bool] | None = None,
         layout: BufferLayout | None = None,
         clock: FakeClock | None = None,
+        notice_limit: int | None = None,
     ) -> None:
         self.clock = clock if clock is not None else FakeClock()
         self.rng = random.Random(seed)
@@ -213,14 +246,27 @@ class EndpointPair:
             timeouts=self.timeouts,
         )
         self._prefill_address = {Endpoint(f"inproc://prefill-{cp}"): cp for cp in range(cp_size)}
+        self.prefill_endpoints = list(self._prefill_address)
+        """Control address of each CP rank (kept by a restarted rank)."""
         self._writes: list[_Write] = []
         self._progress: dict[RoomId, _Progress] = {}
+        self._scheduled: list[tuple[float, RoomId]] = []  # heap of the scheduler's abort times
         self._released_safe: dict[RoomId, float] = {}
         self.violations: list[SafetyViolation] = []
         self.notices: list[Notice] = []
+        """Notices in order, the first ``notice_limit`` of them (all when None)."""
+        self._notice_limit = notice_limit
+        self.notices_seen = 0
         self.finished: dict[tuple[str, RoomId], RoomFinished] = {}
         self.releases: dict[RoomId, ReleasePages] = {}
+        self.forgotten: list[tuple[str, ForgetPeer]] = []
+        """Every ``ForgetPeer`` effect, with who emitted it."""
         self.writes_started = 0
+        self.retired: list[PrefillEndpoint] = []
+        """Prefill incarnations replaced by ``restart_prefill``, oldest first (a long run may clear it)."""
+        self._sent: list[deque[tuple[Endpoint, Message]]] = [deque(maxlen=64) for _ in range(cp_size)]
+        self._stale: deque[tuple[Endpoint, Message]] = deque(maxlen=256)
+        self._partition_until: dict[int, float | None] = {}
 
     # ------------------------------------------------------------------ set-up
 
@@ -232,7 +278,12 @@ class EndpointPair:
             page_size=self.layout.page_size,
             layout_digest=self.layout.digest(),
             ranks=[
-                RankRoute(rank=p.origin.rank, epoch=p.origin.epoch, endpoint=address, session=SessionId(f"prefill-{cp}:0"))
+                RankRoute(
+                    rank=p.origin.rank,
+                    epoch=p.origin.epoch,
+                    endpoint=address,
+                    session=SessionId(f"prefill-{cp}:0"),
+                )
                 for address, cp in self._prefill_address.items()
                 for p in [self.prefills[cp]]
             ],
@@ -248,19 +299,26 @@ class EndpointPair:
     def add_room(self, plan: RoomPlan, *, decode_first: bool = True) -> None:
         """Open the room on both sides (in either order) and let the simulated scheduler run it."""
         now = self.clock.now
-        self._progress[plan.room] = _Progress(plan=plan)
+        self._progress[plan.room] = _Progress(plan=plan, openers=tuple(self.prefills))
+        for at in (plan.abort_decode_at, plan.abort_prefill_at):
+            if at is not None:
+                heapq.heappush(self._scheduled, (at, plan.room))
         capacity = min(b.num_items for b in self.layout.kv_buffers)
         dst = np.arange(plan.num_pages, dtype=np.int64) + (plan.room * 37) % max(1, capacity - plan.num_pages)
 
         def open_decode() -> None:
             self._apply(
                 "decode",
-                self.decode.open_room(plan.room, targets=self.targets(), dst_pages=dst, dst_aux_row=plan.room % 8, now=now),
+                self.decode.open_room(
+                    plan.room, targets=self.targets(), dst_pages=dst, dst_aux_row=plan.room % 8, now=now
+                ),
             )
 
         def open_prefill() -> None:
             for i, p in enumerate(self.prefills):
-                self._apply(f"prefill{i}", p.open_room(plan.room, num_pages=plan.num_pages, aux_row=0, now=now))
+                self._apply(
+                    f"prefill{i}", p.open_room(plan.room, num_pages=plan.num_pages, aux_row=0, now=now)
+                )
 
         for step in (open_decode, open_prefill) if decode_first else (open_prefill, open_decode):
             step()
@@ -271,15 +329,19 @@ class EndpointPair:
         times = [self.link.next_delivery(), self.decode.next_deadline()]
         times += [p.next_deadline() for p in self.prefills]
         times += [w.done_at for w in self._writes]
-        for prog in self._progress.values():
-            for at in (prog.plan.abort_decode_at, prog.plan.abort_prefill_at):
-                if at is not None and at > self.clock.now:
-                    times.append(at)
+        times += [t for t in self._partition_until.values() if t is not None]
+        while self._scheduled and self._scheduled[0][0] <= self.clock.now:
+            heapq.heappop(self._scheduled)  # already acted on by the step at or after that time
+        if self._scheduled:
+            times.append(self._scheduled[0][0])
         return min((t for t in times if t is not None), default=None)
 
     def step(self) -> None:
         """Deliver what is due, finish due writes, fire due timers, let the scheduler act."""
         now = self.clock.now
+        for cp, until in list(self._partition_until.items()):
+            if until is not None and until <= now:
+                self.heal(cp)
         for to, message in self.link.due(now):
             if to == self.decode_endpoint:
                 self._apply("decode", self.decode.receive(message, now))
@@ -290,7 +352,9 @@ class EndpointPair:
             self._writes.remove(w)
             p = self.prefills[w.prefill]
             if w.fail:
-                self._apply(f"prefill{w.prefill}", p.chunk_failed(w.room, w.chunk, "injected engine failure", now))
+                self._apply(
+                    f"prefill{w.prefill}", p.chunk_failed(w.room, w.chunk, "injected engine failure", now)
+                )
             else:
                 metric = TransferMetricData(pages=1, bytes=4096, seconds=self.transfer_time)
                 self._apply(f"prefill{w.prefill}", p.chunk_done(w.room, w.chunk, metric, now))
@@ -316,13 +380,108 @@ class EndpointPair:
         self.run(until=self.clock.now + limit, stop=self.all_settled)
 
     def all_settled(self) -> bool:
-        for room in self._progress:
-            if room in self.decode.rooms() and not self.decode.release_ready(room):
+        return all(self.room_settled(room) for room in self._progress) and not self._writes
+
+    def room_settled(self, room: RoomId) -> bool:
+        """Terminal on every live endpoint that holds it, nothing in flight, decode pages released."""
+        if self.decode.has_room(room) and not self.decode.release_ready(room):
+            return False
+        for p in self.prefills:
+            if p.has_room(room) and (
+                p.poll(room) not in (KVPoll.Success, KVPoll.Failed) or p.in_flight(room)
+            ):
                 return False
+        return True
+
+    def openers(self, room: RoomId) -> tuple[PrefillEndpoint, ...]:
+        """The prefill incarnations (one per CP rank) that opened ``room``."""
+        return self._progress[room].openers
+
+    def open_rooms(self) -> list[RoomId]:
+        """Rooms added and not yet closed by ``close_settled``."""
+        return list(self._progress)
+
+    def close_settled(self) -> list[ClosedRoom]:
+        """Clear every settled room on both sides, as the schedulers' ``clear()`` would; forget it here."""
+        closed: list[ClosedRoom] = []
+        now = self.clock.now
+        for room in [r for r in self._progress if self.room_settled(r)]:
+            prog = self._progress.pop(room)
+            decode_poll = self.decode.poll(room) if self.decode.has_room(room) else KVPoll.Failed
+            release = self.releases.pop(room, None)
+            prefill_polls: list[KVPoll | None] = []
+            for i, opener in enumerate(prog.openers):
+                live = self.prefills[i] is opener
+                prefill_polls.append(opener.poll(room) if live and opener.has_room(room) else None)
+                self.finished.pop((f"prefill{i}", room), None)
             for p in self.prefills:
-                if room in p.rooms() and (p.poll(room) not in (KVPoll.Success, KVPoll.Failed) or p.in_flight(room)):
-                    return False
-        return not self._writes
+                if p.has_room(room):
+                    p.close_room(room, now)
+            if self.decode.has_room(room):
+                self.decode.close_room(room)
+            decode_finished = self.finished.pop(("decode", room), None)
+            self._released_safe.pop(room, None)
+            closed.append(
+                ClosedRoom(
+                    room=room,
+                    decode=decode_poll,
+                    decode_cause=None if decode_finished is None else decode_finished.cause,
+                    release_safe=None if release is None else release.safe,
+                    prefill=tuple(prefill_polls),
+                )
+            )
+        return closed
+
+    # ------------------------------------------------------------------ liveness faults
+
+    def partition(self, cp: int, *, until: float | None = None) -> None:
+        """Cut the control link between prefill rank ``cp`` and the decode rank (both ways) until
+        ``heal(cp)`` or clock time ``until``. Messages already on the wire still arrive."""
+        self.link.partitions.add(frozenset((self.prefill_endpoints[cp], self.decode_endpoint)))
+        self._partition_until[cp] = until
+
+    def heal(self, cp: int) -> None:
+        self.link.partitions.discard(frozenset((self.prefill_endpoints[cp], self.decode_endpoint)))
+        self._partition_until.pop(cp, None)
+
+    def restart_prefill(self, cp: int, *, announce: bool = True) -> PrefillEndpoint:
+        """Replace prefill rank ``cp`` by a new process (epoch + 1) behind the same address.
+
+        The old process is gone with its rooms and in-flight writes. With ``announce`` the decode
+        side learns the new epoch at once from a fresh route table (as from the registry);
+        without it, only from the new process's answers or the old one's silence.
+        """
+        now = self.clock.now
+        old = self.prefills[cp]
+        new = PrefillEndpoint(
+            origin=attrs.evolve(old.origin, epoch=Epoch(old.origin.epoch + 1)),
+            layout=self.layout,
+            timeouts=self.timeouts,
+        )
+        self.retired.append(old)
+        self.prefills[cp] = new
+        self._writes = [w for w in self._writes if w.prefill != cp]
+        self._stale.extend(self._sent[cp])
+        self._sent[cp].clear()
+        if announce:
+            self._apply("decode", self.decode.connect(self.route_table(), now))
+        return new
+
+    def stale_messages(self) -> list[tuple[Endpoint, Message]]:
+        """Messages that retired incarnations sent (the latest few of each), with their destination."""
+        return list(self._stale)
+
+    def deliver(self, to: Endpoint, message: Message) -> list[Effect]:
+        """Hand ``message`` to the endpoint at ``to`` now, bypassing the link (a replay, a forgery);
+        its effects are carried out as usual and returned."""
+        now = self.clock.now
+        if to == self.decode_endpoint:
+            who, effects = "decode", self.decode.receive(message, now)
+        else:
+            cp = self._prefill_address[to]
+            who, effects = f"prefill{cp}", self.prefills[cp].receive(message, now)
+        self._apply(who, effects)
+        return effects
 
     @property
     def decode_endpoint(self) -> Endpoint:
@@ -334,7 +493,13 @@ class EndpointPair:
         now = self.clock.now
         for e in effects:
             if isinstance(e, Send):
-                self.link.post(e.to, e.message, now)
+                if who == "decode":
+                    sender = self.decode_endpoint
+                else:
+                    cp = int(who.removeprefix("prefill"))
+                    sender = self.prefill_endpoints[cp]
+                    self._sent[cp].append((e.to, e.message))
+                self.link.post(e.to, e.message, now, sender=sender)
             elif isinstance(e, SubmitChunk):
                 prefill = int(who.removeprefix("prefill"))
                 self._start_write(prefill, e, now)
@@ -342,17 +507,25 @@ class EndpointPair:
                 self.finished[(who, e.room)] = e
             elif isinstance(e, ReleasePages):
                 self._on_release(e, now)
+            elif isinstance(e, ForgetPeer):
+                self.forgotten.append((who, e))
             else:
-                self.notices.append(e)
+                self.notices_seen += 1
+                if self._notice_limit is None or len(self.notices) < self._notice_limit:
+                    self.notices.append(e)
 
     def _start_write(self, prefill: int, e: SubmitChunk, now: float) -> None:
         if not self.prefills[prefill].start_chunk(e.room, e.chunk, now):
             return
         self.writes_started += 1
         if e.room in self._released_safe:
-            self.violations.append(SafetyViolation(room=e.room, time=now, what=f"chunk {e.chunk} started after safe release"))
+            self.violations.append(
+                SafetyViolation(room=e.room, time=now, what=f"chunk {e.chunk} started after safe release")
+            )
         fail = self.fail_write is not None and self.fail_write(e.room, e.chunk, prefill)
-        self._writes.append(_Write(room=e.room, chunk=e.chunk, prefill=prefill, done_at=now + self.transfer_time, fail=fail))
+        self._writes.append(
+            _Write(room=e.room, chunk=e.chunk, prefill=prefill, done_at=now + self.transfer_time, fail=fail)
+        )
 
     def _on_release(self, e: ReleasePages, now: float) -> None:
         self.releases[e.room] = e
@@ -361,30 +534,49 @@ class EndpointPair:
         self._released_safe[e.room] = now
         for i, p in enumerate(self.prefills):
             if p.may_write(e.room):
-                self.violations.append(SafetyViolation(room=e.room, time=now, what=f"released while prefill {i} may write"))
+                self.violations.append(
+                    SafetyViolation(room=e.room, time=now, what=f"released while prefill {i} may write")
+                )
 
     def _schedule(self, now: float) -> None:
-        """The simulated prefill scheduler: one chunk per room per step once bootstrapped, plus aborts."""
+        """The simulated prefill scheduler: one chunk per room per step once bootstrapped, plus aborts.
+
+        It drives each room on the incarnations that opened it; a rank that restarted lost the
+        request, which the rank consensus (MIN) sees as Failed.
+        """
         for room, prog in self._progress.items():
+            if prog.idle:
+                continue
             plan = prog.plan
             if plan.abort_decode_at is not None and not prog.decode_aborted and now >= plan.abort_decode_at:
                 prog.decode_aborted = True
-                if room in self.decode.rooms():
+                if self.decode.has_room(room):
                     self._apply("decode", self.decode.abort_room(room, "client went away", now))
-            if plan.abort_prefill_at is not None and not prog.prefill_aborted and now >= plan.abort_prefill_at:
+            live = [(i, p) for i, p in enumerate(prog.openers) if self.prefills[i] is p and p.has_room(room)]
+            if (
+                plan.abort_prefill_at is not None
+                and not prog.prefill_aborted
+                and now >= plan.abort_prefill_at
+            ):
                 prog.prefill_aborted = True
-                for i, p in enumerate(self.prefills):
+                for i, p in live:
                     self._apply(f"prefill{i}", p.abort_room(room, "prefill scheduler aborted", now))
-            polls = [p.poll(room) for p in self.prefills if room in p.rooms()]
-            if len(polls) < len(self.prefills):
-                continue
-            if min(polls) is KVPoll.Failed:
-                # Rank consensus (MIN): one failed rank fails the room on every rank.
-                for i, p in enumerate(self.prefills):
+            pending_aborts = (plan.abort_decode_at is not None and not prog.decode_aborted) or (
+                plan.abort_prefill_at is not None and not prog.prefill_aborted
+            )
+            polls = [p.poll(room) for _, p in live]
+            if len(live) < len(prog.openers) or min(polls) is KVPoll.Failed:
+                # Rank consensus (MIN): one failed (or lost) rank fails the room on every rank.
+                for i, p in live:
                     self._apply(f"prefill{i}", p.abort_room(room, "another CP rank failed the room", now))
+                prog.idle = not pending_aborts
                 continue
             if prog.next_chunk < len(plan.chunk_pages) and min(polls) >= KVPoll.WaitingForInput:
                 self._queue_next_chunk(prog, now)
+            done = prog.next_chunk == len(plan.chunk_pages) and all(
+                p.poll(room) is KVPoll.Success for _, p in live
+            )
+            prog.idle = done and not pending_aborts
 
     def _queue_next_chunk(self, prog: _Progress, now: float) -> None:
         plan = prog.plan
@@ -396,7 +588,7 @@ class EndpointPair:
             last=index == len(plan.chunk_pages) - 1,
         )
         prog.next_chunk += 1
-        for i, p in enumerate(self.prefills):
+        for i, p in enumerate(prog.openers):
             self._apply(f"prefill{i}", p.queue_chunk(plan.room, spec, now))
 
 
@@ -415,6 +607,13 @@ def default_layout(*, layers: int = 2, pages: int = 4096, page_size: int = 16) -
         for layer in range(layers)
     ]
     buffers.append(
-        BufferSpec(kind=BufferKind.AUX, model=ModelRole.TARGET, layer_id=0, base_ptr=0x20_0000_0000, length=64 * 64, item_bytes=64)
+        BufferSpec(
+            kind=BufferKind.AUX,
+            model=ModelRole.TARGET,
+            layer_id=0,
+            base_ptr=0x20_0000_0000,
+            length=64 * 64,
+            item_bytes=64,
+        )
     )
     return BufferLayout.build(attention=AttentionKind.MLA, page_size=page_size, buffers=buffers)

@@ -7,9 +7,17 @@ function of what it is (model, kind, layer, TP rank for MHA) and of its logical 
 fills its memory from the rule; the decode side verifies what landed by recomputing it, so a byte
 written to the wrong page, layer or position shows up as a mismatch, and untouched memory (zero:
 patterns are never zero) shows a missing write.
+
+``simulate_forward`` stands in for a prefill forward: layer after layer (target, then draft), each
+taking a configurable compute time, optionally writing that layer's KV of the chunk's pages (so a
+layer sent before its write would land as zeros), then reporting it (``on_layer_end``), as a model
+wired to ``PerLayerTransferManager`` does.
 """
 
 from __future__ import annotations
+
+import time
+from collections.abc import Callable
 
 import attrs
 import numpy as np
@@ -120,6 +128,32 @@ class RankMemory:
         """The buffer as a (items, item_bytes) numpy view (shares memory with the tensor)."""
         return self.tensors[key].numpy()
 
+    def kv_kinds(self) -> tuple[BufferKind, ...]:
+        return (BufferKind.KV,) if self.spec.attention is AttentionKind.MLA else (BufferKind.K, BufferKind.V)
+
+    def clear_pages(self, physical: IntArray) -> None:
+        """Zero KV pages in every KV buffer: what a forward has not written yet."""
+        for key in self.spec.kv_keys():
+            self.view(key)[physical] = 0
+
+    def write_layer(
+        self,
+        model: ModelRole,
+        layer: int,
+        physical: IntArray,
+        *,
+        cp_rank: int,
+        policy: OwnershipPolicy,
+        tp_rank: int = 0,
+    ) -> None:
+        """Write one layer's KV of physical pages ``physical`` from the content rule (a forward's write)."""
+        mha = self.spec.attention is AttentionKind.MHA
+        logical = policy.logical(cp_rank, np.asarray(physical, dtype=np.int64))
+        item_bytes = self.spec.kv_item_bytes
+        for kind in self.kv_kinds():
+            content = pattern(salt(model, kind, layer, tp_rank if mha else 0), logical, item_bytes)
+            self.view((model, kind, layer))[physical] = content
+
     def fill_prefill(self, *, cp_rank: int, policy: OwnershipPolicy, tp_rank: int = 0) -> None:
         """Fill every buffer from the content rule, as the prefill forward would have written it."""
         mha = self.spec.attention is AttentionKind.MHA
@@ -127,13 +161,46 @@ class RankMemory:
         logical = policy.logical(cp_rank, physical)
         for key in self.spec.kv_keys():
             model, kind, layer = key
-            self.view(key)[:] = pattern(salt(model, kind, layer, tp_rank if mha else 0), logical, self.spec.kv_item_bytes)
+            self.view(key)[:] = pattern(
+                salt(model, kind, layer, tp_rank if mha else 0), logical, self.spec.kv_item_bytes
+            )
         slots = np.arange(self.capacity.state_slots, dtype=np.int64)
         for key in self.spec.state_keys():
             self.view(key)[:] = pattern(salt(*key), slots, self.spec.state_item_bytes)
         rows = np.arange(self.capacity.aux_rows, dtype=np.int64)
         aux = (ModelRole.TARGET, BufferKind.AUX, 0)
         self.view(aux)[:] = pattern(salt(*aux), rows, self.spec.aux_item_bytes)
+
+
+def forward_layers(spec: ModelSpec) -> list[tuple[ModelRole, int]]:
+    """The order a forward computes layers in: the target model's, then the draft model's."""
+    return [(ModelRole.TARGET, layer) for layer in range(spec.layers)] + [
+        (ModelRole.DRAFT, layer) for layer in range(spec.draft_layers)
+    ]
+
+
+def simulate_forward(
+    spec: ModelSpec,
+    *,
+    layer_compute_s: float,
+    on_layer_end: Callable[[ModelRole, int], None] | None = None,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> float:
+    """Run a synthetic forward: every layer takes ``layer_compute_s``, then ``on_layer_end(model, layer)``.
+
+    Layer ``i`` ends ``(i + 1) * layer_compute_s`` after the start, whatever the callbacks cost (no
+    drift over 61 layers). Returns the clock at the end of the forward.
+    """
+    started = clock()
+    for i, (model, layer) in enumerate(forward_layers(spec)):
+        if layer_compute_s > 0:
+            delay = started + (i + 1) * layer_compute_s - clock()
+            if delay > 0:
+                sleep(delay)
+        if on_layer_end is not None:
+            on_layer_end(model, layer)
+    return clock()
 
 
 @attrs.frozen(kw_only=True)
@@ -174,8 +241,16 @@ def verify_room(
         checked += got.nbytes
         bad = np.flatnonzero((got[sent] != want[sent]).any(axis=1)) + prefix_pages
         stray = np.flatnonzero(got[:prefix_pages].any(axis=1))
-        mismatches += [Mismatch(what=f"{model.value}/{kind.value}/L{layer} position", index=int(i), expected_zero=False) for i in bad[:limit]]
-        mismatches += [Mismatch(what=f"{model.value}/{kind.value}/L{layer} prefix position", index=int(i), expected_zero=True) for i in stray[:limit]]
+        mismatches += [
+            Mismatch(what=f"{model.value}/{kind.value}/L{layer} position", index=int(i), expected_zero=False)
+            for i in bad[:limit]
+        ]
+        mismatches += [
+            Mismatch(
+                what=f"{model.value}/{kind.value}/L{layer} prefix position", index=int(i), expected_zero=True
+            )
+            for i in stray[:limit]
+        ]
     for key in spec.state_keys():
         model, kind, layer = key
         src, dst = state_src.get(kind), state_dst.get(kind)
@@ -185,7 +260,10 @@ def verify_room(
         got = memory.view(key)[dst[:n]]
         checked += got.nbytes
         bad = np.flatnonzero((got != pattern(salt(*key), src[:n], spec.state_item_bytes)).any(axis=1))
-        mismatches += [Mismatch(what=f"{kind.value}/L{layer} slot", index=int(i), expected_zero=False) for i in bad[:limit]]
+        mismatches += [
+            Mismatch(what=f"{kind.value}/L{layer} slot", index=int(i), expected_zero=False)
+            for i in bad[:limit]
+        ]
     if aux_src is not None and aux_dst is not None:
         aux = (ModelRole.TARGET, BufferKind.AUX, 0)
         got = memory.view(aux)[aux_dst]

@@ -16,6 +16,7 @@ from pdkv.protocol.machines.abort import (
     PrefillAbortTrigger,
 )
 from pdkv.protocol.machines.chunk import CHUNK, ChunkMachine, ChunkState, ChunkTrigger
+from pdkv.protocol.machines.per_layer import PER_LAYER, PerLayerMachine, PerLayerState, PerLayerTrigger
 from pdkv.protocol.machines.room_receiver import (
     RECEIVER_ROOM,
     ReceiverRoomMachine,
@@ -31,12 +32,15 @@ from pdkv.protocol.machines.room_sender import (
 from pdkv.protocol.poll import KVPoll, consensus, consensus_columns
 
 # Heterogeneous specs: each has its own state and trigger enums.
-ALL_MACHINES: tuple[MachineSpec[Any, Any], ...] = (SENDER_ROOM, RECEIVER_ROOM, CHUNK, DECODE_ABORT, PREFILL_ABORT)
+ALL_MACHINES: tuple[MachineSpec[Any, Any], ...] = (
+    SENDER_ROOM, RECEIVER_ROOM, CHUNK, DECODE_ABORT, PREFILL_ABORT, PER_LAYER
+)
 
 __all__ = [
     "ALL_MACHINES",
     "CHUNK",
     "DECODE_ABORT",
+    "PER_LAYER",
     "PREFILL_ABORT",
     "RECEIVER_ROOM",
     "SENDER_ROOM",
@@ -49,6 +53,9 @@ __all__ = [
     "Edge",
     "KVPoll",
     "MachineSpec",
+    "PerLayerMachine",
+    "PerLayerState",
+    "PerLayerTrigger",
     "PrefillAbortMachine",
     "PrefillAbortState",
     "PrefillAbortTrigger",

@@ -1,0 +1,151 @@
+"""Per-layer vs monolithic: time from the end of the prefill forward to decode Success, same request.
+
+Real rooms through ``pdkv.testing.cluster`` (a prefill rank and a decode rank in their own processes,
+Mooncake TCP on 127.0.0.1): an MLA request of ``--tokens`` tokens, 61 layers, page size 64, 1,152 bytes
+per token per layer (73,728 bytes per page per layer), sent as one chunk after a simulated forward
+(``simulate_forward``: a sleep per layer, then ``on_layer_end``). The per-layer compute time is, unless
+``--layer-ms`` fixes it, the measured monolithic transfer time divided by the layers, so compute and
+transfer take about the same time per layer, the case per-layer transfer is for.
+
+Per size, rooms run one at a time: a calibration room (monolithic, no forward), then ``--repeats``
+monolithic and ``--repeats`` per-layer rooms with the forward; the best of each is reported. The time
+is the decode rank's clock at Success minus the prefill rank's clock at the end of the forward (one
+monotonic clock for every process of the machine). Every room is verified byte for byte.
+
+The default sizes (1,024 and 8,192 tokens) take about half a minute here; ``--tokens
+1024,8192,32768`` adds the 2.3 GB request (about 80 s more, mostly filling and verifying memory).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+
+from pdkv.bench._report import emit, table
+from pdkv.protocol.ids import RoomId
+from pdkv.protocol.poll import KVPoll
+from pdkv.testing.cluster import Cluster, ClusterSpec, RequestPlan, RoomOutcome
+from pdkv.testing.synthetic import Capacity, ModelSpec
+
+TARGET_RATIO = 0.25  # the issue's goal: per-layer at most a quarter of monolithic
+
+
+def _tokens(text: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--tokens takes whole numbers separated by commas: {text!r}"
+        ) from None
+    if not values or min(values) <= 0:
+        raise argparse.ArgumentTypeError(f"--tokens needs positive token counts, got {text!r}")
+    return values
+
+
+class _Runner:
+    def __init__(self, cluster: Cluster) -> None:
+        self.cluster = cluster
+        self.next_room = 1
+        self.verified = True
+
+    def tail_seconds(self, tokens: int, *, per_layer: bool, layer_s: float) -> float:
+        """One room: seconds from the end of its forward (last prefill rank) to decode Success."""
+        room = RoomId(self.next_room)
+        self.next_room += 1
+        plan = RequestPlan(
+            room=room, tokens=tokens, chunk_tokens=(tokens,), per_layer=per_layer, layer_compute_s=layer_s
+        )
+        outcomes = self.cluster.run([plan], max_active=1)
+        decode = [o for o in outcomes if o.side == "decode"]
+        prefill = [o for o in outcomes if o.side == "prefill"]
+        self.verified &= _verified(decode) and all(o.poll == KVPoll.Success for o in prefill)
+        expected = "per_layer" if per_layer else "monolithic"
+        if any(o.mode != expected for o in prefill):
+            raise RuntimeError(f"room {room} went {[o.mode for o in prefill]}, expected {expected}")
+        forward_end = max(o.forward_end_at for o in prefill)
+        return max(0.0, max(o.finished_at for o in decode) - forward_end)
+
+
+def _verified(decode: list[RoomOutcome]) -> bool:
+    landed = all(o.poll == KVPoll.Success and not o.mismatches and o.bytes_checked for o in decode)
+    return bool(decode) and landed
+
+
+def main(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(prog="pdkv bench per_layer", description=(__doc__ or "").splitlines()[0])
+    parser.add_argument(
+        "--tokens", type=_tokens, default=[1024, 8192], help="request sizes (default 1024,8192)"
+    )
+    parser.add_argument("--layers", type=int, default=61)
+    parser.add_argument("--page-size", type=int, default=64)
+    parser.add_argument("--bytes-per-token", type=int, default=1152, help="KV bytes per token per layer")
+    parser.add_argument(
+        "--layer-ms", type=float, default=None, help="compute per layer (default: transfer/layers)"
+    )
+    parser.add_argument("--cp", type=int, default=1, help="prefill CP ranks")
+    parser.add_argument("--repeats", type=int, default=2, help="rooms per mode and size (best is reported)")
+    parser.add_argument("--quick", action="store_true", help="tiny run: 1,024 tokens, 4 layers, 1 repeat")
+    args = parser.parse_args(list(argv))
+    if args.quick:
+        args.tokens, args.layers, args.repeats = [1024], 4, 1
+    model = ModelSpec(
+        layers=args.layers,
+        page_size=args.page_size,
+        kv_bytes_per_token=args.bytes_per_token,
+        state_layers=(),
+        state_kinds=(),
+        draft_layers=0,
+    )
+    max_pages = -(-max(args.tokens) // args.page_size)
+    spec = ClusterSpec(
+        model=model,
+        prefill_cp=args.cp,
+        prefill_capacity=Capacity(kv_pages=max_pages // args.cp + 8, state_slots=8, aux_rows=8),
+        decode_capacity=Capacity(kv_pages=max_pages + 8, state_slots=8, aux_rows=8),
+        state_slots_per_room=0,
+    )
+    rows = []
+    ok = True
+    with Cluster(spec) as cluster:
+        runner = _Runner(cluster)
+        for tokens in args.tokens:
+            pages = -(-tokens // args.page_size)
+            total = pages * model.kv_item_bytes * args.layers
+            calibration = runner.tail_seconds(tokens, per_layer=False, layer_s=0.0)
+            layer_s = args.layer_ms / 1000 if args.layer_ms is not None else calibration / args.layers
+            best: dict[bool, float] = {}
+            for per_layer in (False, True):
+                runs = [
+                    runner.tail_seconds(tokens, per_layer=per_layer, layer_s=layer_s)
+                    for _ in range(args.repeats)
+                ]
+                best[per_layer] = min(runs)
+            monolithic, layered = best[False], best[True]
+            ratio = layered / monolithic if monolithic > 0 else float("inf")
+            record = {
+                "bench": "per_layer",
+                "kind": "size",
+                "tokens": tokens,
+                "layers": args.layers,
+                "prefill_cp": args.cp,
+                "bytes": total,
+                "layer_compute_ms": layer_s * 1000,
+                "forward_s": layer_s * args.layers,
+                "calibration_transfer_s": calibration,
+                "seconds": {"monolithic": monolithic, "per_layer": layered},
+                "per_layer_vs_monolithic": ratio,
+                "target_ratio": TARGET_RATIO,
+                "repeats": args.repeats,
+                "verified": runner.verified,
+            }
+            ok &= runner.verified
+            emit(record)
+            ms = [layer_s * 1000, monolithic * 1000, layered * 1000]
+            rows.append([tokens, total / 1e9, *ms, ratio, runner.verified])
+    table(
+        f"pdkv bench per_layer: {args.layers} layers, {model.kv_item_bytes:,} B per page per layer, "
+        f"prefill cp{args.cp}, end of forward -> decode Success (best of {args.repeats})",
+        ["tokens", "GB", "layer ms", "monolithic ms", "per-layer ms", "ratio", "verified"],
+        rows,
+    )
+    return 0 if ok else 1
