@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.pdkv-installed
 SYSLIB := $(VENV)/.pdkv-syslibs
 
-.PHONY: demo test typecheck lint-imports pytest bench diagram venv clean
+.PHONY: demo test typecheck lint lint-imports pytest bench diagram venv clean
 
 venv: $(STAMP) $(SYSLIB)
 
@@ -42,3 +42,6 @@ diagram: venv
 
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache .hypothesis
+
+lint: venv
+	$(VENV)/bin/ruff check src tests

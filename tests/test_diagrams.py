@@ -14,19 +14,29 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_diagram_check_passes_on_the_committed_tree() -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "pdkv", "diagram", "--check"], cwd=ROOT, capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "pdkv", "diagram", "--check"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
 
 
 def test_check_fails_when_a_diagram_drifts(tmp_path: Path) -> None:
     (tmp_path / "specs" / "diagrams").mkdir(parents=True)
-    ok = subprocess.run([sys.executable, "-m", "pdkv", "diagram"], cwd=tmp_path, capture_output=True, timeout=120)
+    ok = subprocess.run(
+        [sys.executable, "-m", "pdkv", "diagram"], cwd=tmp_path, capture_output=True, timeout=120
+    )
     assert ok.returncode == 0
     target = tmp_path / "specs" / "diagrams" / "chunk.dot"
     target.write_text(target.read_text().replace("SKIPPED", "GONE"))
     proc = subprocess.run(
-        [sys.executable, "-m", "pdkv", "diagram", "--check"], cwd=tmp_path, capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "pdkv", "diagram", "--check"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 1
     assert "chunk.dot" in proc.stderr

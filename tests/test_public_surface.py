@@ -35,8 +35,14 @@ def test_kvpoll_values_and_room_ids() -> None:
 
 def test_errors_form_one_hierarchy() -> None:
     for cls in (
-        pdkv.ProtocolError, pdkv.LocalProtocolError, pdkv.RemoteProtocolError, pdkv.MappingError,
-        pdkv.LayoutMismatchError, pdkv.TransferError, pdkv.EngineUnavailableError, pdkv.ConfigError,
+        pdkv.ProtocolError,
+        pdkv.LocalProtocolError,
+        pdkv.RemoteProtocolError,
+        pdkv.MappingError,
+        pdkv.LayoutMismatchError,
+        pdkv.TransferError,
+        pdkv.EngineUnavailableError,
+        pdkv.ConfigError,
     ):
         assert issubclass(cls, pdkv.PdkvError)
     assert issubclass(pdkv.LocalProtocolError, pdkv.ProtocolError)

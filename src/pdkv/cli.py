@@ -14,7 +14,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="pdkv", description="KV-cache transport for PD disaggregation")
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("demo", help="run the demo (main job); --protocol-only for the in-memory one", add_help=False)
+    sub.add_parser(
+        "demo", help="run the demo (main job); --protocol-only for the in-memory one", add_help=False
+    )
     bench = sub.add_parser("bench", help="run a benchmark: pdkv bench NAME [args] (NAME 'list' or 'all')")
     bench.add_argument("name")
     diagram = sub.add_parser("diagram", help="write the state diagrams into specs/diagrams/")

@@ -32,7 +32,12 @@ def _split(params: str) -> list[str]:
 
 
 def _normalize(annotation: str) -> str:
-    return annotation.replace("typing.", "").replace("mooncake.engine.", "").replace("List[", "list[").replace(" ", "")
+    return (
+        annotation.replace("typing.", "")
+        .replace("mooncake.engine.", "")
+        .replace("List[", "list[")
+        .replace(" ", "")
+    )
 
 
 def _binding(name: str) -> tuple[list[tuple[str, bool]], str]:
@@ -70,8 +75,14 @@ def _stubbed() -> dict[str, tuple[list[tuple[str, bool]], str]]:
 
 def test_every_stubbed_method_matches_the_binding() -> None:
     stubbed = _stubbed()
-    assert {"initialize", "get_rpc_port", "register_memory", "unregister_memory",
-            "batch_transfer_async_write", "get_batch_transfer_status"} <= set(stubbed)
+    assert {
+        "initialize",
+        "get_rpc_port",
+        "register_memory",
+        "unregister_memory",
+        "batch_transfer_async_write",
+        "get_batch_transfer_status",
+    } <= set(stubbed)
     for name, (params, ret) in stubbed.items():
         assert hasattr(engine.TransferEngine, name), f"stub declares {name}, the binding has none"
         bound_params, bound_ret = _binding(name)
@@ -82,5 +93,7 @@ def test_every_stubbed_method_matches_the_binding() -> None:
 
 def test_the_methods_pdkv_calls_are_stubbed() -> None:
     source = (Path(__file__).resolve().parents[2] / "src" / "pdkv" / "engine" / "mooncake.py").read_text()
-    called = set(re.findall(r"\.(\w+)\(", source)) & {n for n in dir(engine.TransferEngine) if not n.startswith("_")}
+    called = set(re.findall(r"\.(\w+)\(", source)) & {
+        n for n in dir(engine.TransferEngine) if not n.startswith("_")
+    }
     assert called <= set(_stubbed()), called - set(_stubbed())

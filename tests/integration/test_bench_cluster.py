@@ -12,7 +12,9 @@ pytestmark = pytest.mark.slow
 
 
 def run(*args: str) -> list[dict[str, object]]:
-    proc = subprocess.run([sys.executable, "-m", "pdkv", "bench", *args], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pdkv", "bench", *args], capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [json.loads(line) for line in proc.stdout.splitlines()]
 

@@ -16,20 +16,39 @@ from pdkv.testing.synthetic import Capacity, ModelSpec
 pytestmark = pytest.mark.slow
 
 MLA = ModelSpec(layers=4, page_size=16, kv_bytes_per_token=64, state_layers=(0, 2), draft_layers=1)
-MHA = ModelSpec(attention=AttentionKind.MHA, layers=3, page_size=16, kv_bytes_per_token=32, state_layers=(1,), draft_layers=1)
+MHA = ModelSpec(
+    attention=AttentionKind.MHA,
+    layers=3,
+    page_size=16,
+    kv_bytes_per_token=32,
+    state_layers=(1,),
+    draft_layers=1,
+)
 
 
 def plans(*, aborts: bool) -> list[RequestPlan]:
     out = [
         RequestPlan(room=RoomId(1), tokens=16 * 20, chunk_tokens=(16 * 8, 16 * 8, 16 * 4)),
         RequestPlan(room=RoomId(2), tokens=16 * 13 + 5, chunk_tokens=(16 * 13 + 5,)),  # partial last page
-        RequestPlan(room=RoomId(3), tokens=16 * 24, prefix_tokens=16 * 6, chunk_tokens=(16 * 10, 16 * 8)),  # cached prefix
+        RequestPlan(
+            room=RoomId(3), tokens=16 * 24, prefix_tokens=16 * 6, chunk_tokens=(16 * 10, 16 * 8)
+        ),  # cached prefix
         RequestPlan(room=RoomId(4), tokens=16 * 40, chunk_tokens=(16 * 10,) * 4),
     ]
     if aborts:
         out += [
-            RequestPlan(room=RoomId(5), tokens=16 * 30, chunk_tokens=(16 * 10,) * 3, abort=AbortPlan(side="prefill", after_chunks=1)),
-            RequestPlan(room=RoomId(6), tokens=16 * 30, chunk_tokens=(16 * 10,) * 3, abort=AbortPlan(side="decode", after_s=0.0)),
+            RequestPlan(
+                room=RoomId(5),
+                tokens=16 * 30,
+                chunk_tokens=(16 * 10,) * 3,
+                abort=AbortPlan(side="prefill", after_chunks=1),
+            ),
+            RequestPlan(
+                room=RoomId(6),
+                tokens=16 * 30,
+                chunk_tokens=(16 * 10,) * 3,
+                abort=AbortPlan(side="decode", after_s=0.0),
+            ),
         ]
     return out
 
@@ -51,20 +70,26 @@ def check(outcomes: list[RoomOutcome], cluster: Cluster, *, decode_ranks: int = 
 
 @pytest.mark.parametrize("cp", [1, 2, 4])
 def test_cp_shared_kv_mla(cp: int) -> None:
-    spec = ClusterSpec(model=MLA, prefill_cp=cp, prefill_capacity=Capacity(kv_pages=256, state_slots=32, aux_rows=16))
+    spec = ClusterSpec(
+        model=MLA, prefill_cp=cp, prefill_capacity=Capacity(kv_pages=256, state_slots=32, aux_rows=16)
+    )
     with Cluster(spec) as cluster:
         outcomes = cluster.run(plans(aborts=cp == 2), max_active=4)
         check(outcomes, cluster)
 
 
 def test_mha_layout() -> None:
-    spec = ClusterSpec(model=MHA, prefill_cp=2, prefill_capacity=Capacity(kv_pages=256, state_slots=32, aux_rows=16))
+    spec = ClusterSpec(
+        model=MHA, prefill_cp=2, prefill_capacity=Capacity(kv_pages=256, state_slots=32, aux_rows=16)
+    )
     with Cluster(spec) as cluster:
         check(cluster.run(plans(aborts=False)), cluster)
 
 
 def test_prefill_tp2_to_decode_tp1_uses_a_dummy() -> None:
-    spec = ClusterSpec(model=MLA, prefill_tp=2, prefill_capacity=Capacity(kv_pages=256, state_slots=32, aux_rows=16))
+    spec = ClusterSpec(
+        model=MLA, prefill_tp=2, prefill_capacity=Capacity(kv_pages=256, state_slots=32, aux_rows=16)
+    )
     with Cluster(spec) as cluster:
         outcomes = cluster.run(plans(aborts=False))
         prefill = [o for o in outcomes if o.side == "prefill"]
@@ -77,7 +102,9 @@ def test_prefill_tp2_to_decode_tp1_uses_a_dummy() -> None:
 
 
 def test_prefill_tp1_fans_out_to_decode_tp2() -> None:
-    spec = ClusterSpec(model=MLA, decode_tp=2, prefill_capacity=Capacity(kv_pages=256, state_slots=32, aux_rows=16))
+    spec = ClusterSpec(
+        model=MLA, decode_tp=2, prefill_capacity=Capacity(kv_pages=256, state_slots=32, aux_rows=16)
+    )
     with Cluster(spec) as cluster:
         outcomes = cluster.run(plans(aborts=False))
         check(outcomes, cluster, decode_ranks=2)

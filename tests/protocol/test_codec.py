@@ -413,7 +413,9 @@ def test_encode_refuses_what_a_receiver_would_reject() -> None:
         encode(ORIGIN)  # type: ignore[arg-type]  # the runtime check behind the static one
     # The message classes refuse what cannot travel (values past 2**63, lone surrogates) ...
     with pytest.raises(ValueError, match="base_ptr"):
-        BufferSpec(kind=BufferKind.KV, model=ModelRole.TARGET, layer_id=0, base_ptr=2**64, length=0, item_bytes=1)
+        BufferSpec(
+            kind=BufferKind.KV, model=ModelRole.TARGET, layer_id=0, base_ptr=2**64, length=0, item_bytes=1
+        )
     with pytest.raises(ValueError, match="lone surrogate"):
         Abort(origin=ORIGIN, room=RoomId(1), reason="lone surrogate \ud800")
     # ... and encode still refuses an object whose fields were forced past validation.

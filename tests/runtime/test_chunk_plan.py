@@ -4,6 +4,7 @@ memory, reproduce the prefill full layout (chunked, cached prefix, state on some
 from __future__ import annotations
 
 import ctypes
+import itertools
 
 import numpy as np
 import pytest
@@ -55,8 +56,13 @@ def run_request(
         dst_state=[StateIndices(kind=k, indices=dst_slots) for k in spec.state_kinds],
     )
     peer = DecodePeer(
-        instance=DECODE.instance, epoch=DECODE.epoch, rank=DECODE.rank, tp_size=1,
-        endpoint=Endpoint("e"), session=SessionId("s"), layout=decode.layout,
+        instance=DECODE.instance,
+        epoch=DECODE.epoch,
+        rank=DECODE.rank,
+        tp_size=1,
+        endpoint=Endpoint("e"),
+        session=SessionId("s"),
+        layout=decode.layout,
     )
     token = prefix_tokens
     for n, size in enumerate(chunk_tokens):
@@ -70,16 +76,33 @@ def run_request(
             state=[StateIndices(kind=k, indices=src_slots) for k in spec.state_kinds] if last else (),
         )
         for rank in range(cp):
-            submit = SubmitChunk(room=RoomId(9), chunk=n, spec=spec_chunk, num_pages=num_pages, src_aux_row=2,
-                                 destinations=(Destination(peer=peer, request=request),))
-            plan = plan_chunk(submit, submit.destinations[0], src_layout=prefill[rank].layout, cp_rank=rank,
-                              policy=policy, writes_extras=rank == 0)
+            submit = SubmitChunk(
+                room=RoomId(9),
+                chunk=n,
+                spec=spec_chunk,
+                num_pages=num_pages,
+                src_aux_row=2,
+                destinations=(Destination(peer=peer, request=request),),
+            )
+            plan = plan_chunk(
+                submit,
+                submit.destinations[0],
+                src_layout=prefill[rank].layout,
+                cp_rank=rank,
+                policy=policy,
+                writes_extras=rank == 0,
+            )
             apply(plan.blocks)
         token += size
     checked, mismatches = verify_room(
-        decode, logical_ids=logical, dst_pages=dst, prefix_pages=prefix_tokens // page,
-        state_src={k: src_slots for k in spec.state_kinds}, state_dst={k: dst_slots for k in spec.state_kinds},
-        aux_src=2, aux_dst=3,
+        decode,
+        logical_ids=logical,
+        dst_pages=dst,
+        prefix_pages=prefix_tokens // page,
+        state_src={k: src_slots for k in spec.state_kinds},
+        state_dst={k: dst_slots for k in spec.state_kinds},
+        aux_src=2,
+        aux_dst=3,
     )
     return checked, [f"{m.what} {m.index}" for m in mismatches]
 
@@ -97,13 +120,17 @@ def run_request(
 def test_all_ranks_reproduce_the_full_layout(
     cp: int, pages: int, prefix_pages: int, cuts: list[int], partial: int, mha: bool, seed: int
 ) -> None:
-    spec = ModelSpec(attention=AttentionKind.MHA if mha else AttentionKind.MLA, layers=3, page_size=16, state_layers=(1,))
+    spec = ModelSpec(
+        attention=AttentionKind.MHA if mha else AttentionKind.MLA, layers=3, page_size=16, state_layers=(1,)
+    )
     prefix_pages = min(prefix_pages, pages - 1)
     tokens = pages * 16 - (partial if pages > prefix_pages + 1 else 0)
     inner = sorted(c for c in cuts if prefix_pages < c < pages)
     bounds = [prefix_pages * 16, *(c * 16 for c in inner), tokens]
-    chunks = [b - a for a, b in zip(bounds, bounds[1:], strict=False)]
-    checked, mismatches = run_request(spec, cp=cp, tokens=tokens, prefix_tokens=prefix_pages * 16, chunk_tokens=chunks, seed=seed)
+    chunks = [b - a for a, b in itertools.pairwise(bounds)]
+    checked, mismatches = run_request(
+        spec, cp=cp, tokens=tokens, prefix_tokens=prefix_pages * 16, chunk_tokens=chunks, seed=seed
+    )
     assert mismatches == []
     assert checked > 0
 
@@ -113,7 +140,9 @@ def test_a_chunk_mapped_without_its_offset_is_caught() -> None:
     spec = ModelSpec(layers=2, page_size=16, state_layers=(), state_kinds=())
     _, ok = run_request(spec, cp=2, tokens=64, prefix_tokens=0, chunk_tokens=[32, 32], seed=1)
     assert ok == []
-    _, bad = run_request(spec, cp=2, tokens=64, prefix_tokens=0, chunk_tokens=[32, 32], seed=1, ignore_offset=True)
+    _, bad = run_request(
+        spec, cp=2, tokens=64, prefix_tokens=0, chunk_tokens=[32, 32], seed=1, ignore_offset=True
+    )
     assert bad and all("position" in m for m in bad)
 
 
@@ -121,13 +150,31 @@ def test_state_kind_without_destination_is_a_mapping_error() -> None:
     spec = ModelSpec(layers=2, page_size=16, state_layers=(0,))
     memory = RankMemory(spec, Capacity(kv_pages=8, state_slots=4, aux_rows=2))
     request = TransferRequest(origin=DECODE, room=RoomId(1), dst_pages=[0])
-    peer = DecodePeer(instance=DECODE.instance, epoch=DECODE.epoch, rank=DECODE.rank, tp_size=1,
-                      endpoint=Endpoint("e"), session=SessionId("s"), layout=memory.layout)
+    peer = DecodePeer(
+        instance=DECODE.instance,
+        epoch=DECODE.epoch,
+        rank=DECODE.rank,
+        tp_size=1,
+        endpoint=Endpoint("e"),
+        session=SessionId("s"),
+        layout=memory.layout,
+    )
     submit = SubmitChunk(
-        room=RoomId(1), chunk=0,
-        spec=ChunkSpec(pages=[0], start_token=0, last=True, state=[StateIndices(kind=BufferKind.INDEX_K, indices=[0])]),
-        num_pages=1, src_aux_row=None, destinations=(Destination(peer=peer, request=request),),
+        room=RoomId(1),
+        chunk=0,
+        spec=ChunkSpec(
+            pages=[0], start_token=0, last=True, state=[StateIndices(kind=BufferKind.INDEX_K, indices=[0])]
+        ),
+        num_pages=1,
+        src_aux_row=None,
+        destinations=(Destination(peer=peer, request=request),),
     )
     with pytest.raises(MappingError, match="names no destination slots"):
-        plan_chunk(submit, submit.destinations[0], src_layout=memory.layout, cp_rank=0,
-                   policy=PageInterleaved(cp_size=1), writes_extras=True)
+        plan_chunk(
+            submit,
+            submit.destinations[0],
+            src_layout=memory.layout,
+            cp_rank=0,
+            policy=PageInterleaved(cp_size=1),
+            writes_extras=True,
+        )

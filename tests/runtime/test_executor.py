@@ -35,8 +35,8 @@ from pdkv.runtime.executor import (
     ENV_VARS,
     ExecutorConfig,
     JobFinishedError,
-    TransferExecutor,
     JobStatus,
+    TransferExecutor,
 )
 from pdkv.testing.backend_conformance import HostBuffer
 

@@ -50,8 +50,13 @@ class Setup:
             memory.fill_prefill(cp_rank=rank, policy=self.policy)
             backend = LoopbackBackend(fabric=self.fabric)
             config = PrefillConfig(
-                instance=InstanceId("p"), rank=RankCoord(tp=0, cp=rank), tp_size=1, cp_size=cp,
-                layout=memory.layout, registry=self.registry.address, timeouts=TIMEOUTS,
+                instance=InstanceId("p"),
+                rank=RankCoord(tp=0, cp=rank),
+                tp_size=1,
+                cp_size=cp,
+                layout=memory.layout,
+                registry=self.registry.address,
+                timeouts=TIMEOUTS,
             )
             self.prefill_memory.append(memory)
             self.backends.append(backend)
@@ -60,7 +65,13 @@ class Setup:
         backend = LoopbackBackend(fabric=self.fabric)
         self.backends.append(backend)
         self.decode = DecodeTransport(
-            DecodeConfig(instance=InstanceId("d"), rank=RankCoord(tp=0), tp_size=1, layout=self.decode_memory.layout, timeouts=TIMEOUTS),
+            DecodeConfig(
+                instance=InstanceId("d"),
+                rank=RankCoord(tp=0),
+                tp_size=1,
+                layout=self.decode_memory.layout,
+                timeouts=TIMEOUTS,
+            ),
             backend,
         )
 
@@ -93,7 +104,9 @@ def setup_factory() -> Iterator[Callable[..., Setup]]:
         s.close()
 
 
-def run_room(s: Setup, prefill: InstanceId, room: RoomId, logical: np.ndarray, dst: np.ndarray, chunks: list[int]) -> list[KVSender]:
+def run_room(
+    s: Setup, prefill: InstanceId, room: RoomId, logical: np.ndarray, dst: np.ndarray, chunks: list[int]
+) -> list[KVSender]:
     receiver = s.decode.receiver(room, prefill)
     slots = np.array([3, 4])
     receiver.init(dst, 5, [StateIndices(kind=k, indices=slots) for k in SPEC.state_kinds])
@@ -106,7 +119,12 @@ def run_room(s: Setup, prefill: InstanceId, room: RoomId, logical: np.ndarray, d
         last = n == len(chunks) - 1
         state = [StateIndices(kind=k, indices=np.array([1, 6])) for k in SPEC.state_kinds] if last else None
         for sender in senders:
-            sender.send(logical[start:start + size], start_token=start * SPEC.page_size, last=last, state_indices=state)
+            sender.send(
+                logical[start : start + size],
+                start_token=start * SPEC.page_size,
+                last=last,
+                state_indices=state,
+            )
         start += size
     return senders
 
@@ -122,9 +140,14 @@ def test_rooms_end_to_end_cp2(setup_factory: Callable[..., Setup]) -> None:
     wait_for(lambda: receiver.poll() is KVPoll.Success)
     wait_for(lambda: all(x.poll() is KVPoll.Success for x in senders))
     checked, mismatches = verify_room(
-        s.decode_memory, logical_ids=logical, dst_pages=dst, prefix_pages=0,
-        state_src={k: np.array([1, 6]) for k in SPEC.state_kinds}, state_dst={k: np.array([3, 4]) for k in SPEC.state_kinds},
-        aux_src=2, aux_dst=5,
+        s.decode_memory,
+        logical_ids=logical,
+        dst_pages=dst,
+        prefix_pages=0,
+        state_src={k: np.array([1, 6]) for k in SPEC.state_kinds},
+        state_dst={k: np.array([3, 4]) for k in SPEC.state_kinds},
+        aux_src=2,
+        aux_dst=5,
     )
     assert mismatches == [] and checked > 0
     metric = receiver.metric()
@@ -145,7 +168,7 @@ def test_rooms_end_to_end_cp2(setup_factory: Callable[..., Setup]) -> None:
     registry = CollectorRegistry()
     PrometheusExporter(s.decode.metrics, registry=registry)
     text = generate_latest(registry).decode()
-    assert 'pdkv_rooms_succeeded_total 1.0' in text
+    assert "pdkv_rooms_succeeded_total 1.0" in text
     assert 'peer="p:tp0/cp1"' in text
 
 
@@ -183,7 +206,13 @@ def test_garbage_on_every_socket_leaves_transports_serving(setup_factory: Callab
     prefill = s.start()
     assert s.decode.wait_registered(prefill, timeout_s=20)
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-    garbage = [[b"PDKV"], [b"\x00" * 10, b"\x81"], [b"PDKV\x09\x00\x07\x00\x00\x00", b"junk"], [b""], [bytes(range(256))]]
+    garbage = [
+        [b"PDKV"],
+        [b"\x00" * 10, b"\x81"],
+        [b"PDKV\x09\x00\x07\x00\x00\x00", b"junk"],
+        [b""],
+        [bytes(range(256))],
+    ]
     for address in (s.prefills[0].address, s.decode.address):
         push = ctx.socket(zmq.PUSH)
         push.setsockopt(zmq.LINGER, 1000)
@@ -227,8 +256,13 @@ def test_partition_dump_logs_every_chunk_and_changes_nothing_else(
     assert sum("kv_pages_sent=1" in line for line in lines) == len(chunks)  # each position owned once
     assert all(x.poll() is KVPoll.Success for x in senders)
     _, mismatches = verify_room(
-        s.decode_memory, logical_ids=logical, dst_pages=dst, prefix_pages=0,
-        state_src={k: np.array([1, 6]) for k in SPEC.state_kinds}, state_dst={k: np.array([3, 4]) for k in SPEC.state_kinds},
-        aux_src=2, aux_dst=5,
+        s.decode_memory,
+        logical_ids=logical,
+        dst_pages=dst,
+        prefix_pages=0,
+        state_src={k: np.array([1, 6]) for k in SPEC.state_kinds},
+        state_dst={k: np.array([3, 4]) for k in SPEC.state_kinds},
+        aux_src=2,
+        aux_dst=5,
     )
     assert mismatches == []

@@ -28,7 +28,7 @@ def available() -> dict[str, str]:
 
 
 def load(name: str) -> BenchMain:
-    """The ``main`` of benchmark ``name`` (``per-layer`` and ``per_layer`` alike); KeyError names the available ones."""
+    """The ``main`` of benchmark ``name`` (``per-layer`` = ``per_layer``); KeyError names the others."""
     name = name.replace("-", "_")
     names = available()
     if name not in names:

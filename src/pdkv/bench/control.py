@@ -31,12 +31,18 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--quick", action="store_true", help="tiny run for tests")
     args = parser.parse_args(list(argv))
     rooms = 20 if args.quick else args.rooms
-    model = ModelSpec(layers=2, page_size=16, kv_bytes_per_token=64, state_layers=(), state_kinds=(), draft_layers=0)
+    model = ModelSpec(
+        layers=2, page_size=16, kv_bytes_per_token=64, state_layers=(), state_kinds=(), draft_layers=0
+    )
     spec = ClusterSpec(
         model=model,
         prefill_cp=args.cp,
         prefill_capacity=Capacity(kv_pages=rooms * 2 + 16, state_slots=8, aux_rows=8),
-        decode_capacity=Capacity(kv_pages=args.concurrency * 2 + 16, state_slots=args.concurrency * 2 + 8, aux_rows=args.concurrency + 8),
+        decode_capacity=Capacity(
+            kv_pages=args.concurrency * 2 + 16,
+            state_slots=args.concurrency * 2 + 8,
+            aux_rows=args.concurrency + 8,
+        ),
         state_slots_per_room=0,
     )
     rows: list[list[object]] = []
@@ -62,11 +68,20 @@ def main(argv: Sequence[str]) -> int:
                 "failed": float(failed),
             }
             records[label] = record
-            rows.append([label, count, concurrency, record["rooms_per_s"], record["p50_ms"], record["p99_ms"], failed])
+            rows.append(
+                [label, count, concurrency, record["rooms_per_s"], record["p50_ms"], record["p99_ms"], failed]
+            )
     for label, record in records.items():
         emit({"bench": "control", "kind": label, **record})
     ratio = records["concurrent"]["rooms_per_s"] / records["serial"]["rooms_per_s"]
-    emit({"bench": "control", "kind": "summary", "concurrent_vs_serial_rooms_per_s": ratio, "prefill_cp": args.cp})
+    emit(
+        {
+            "bench": "control",
+            "kind": "summary",
+            "concurrent_vs_serial_rooms_per_s": ratio,
+            "prefill_cp": args.cp,
+        }
+    )
     table(
         f"pdkv bench control: 1-page rooms across processes (prefill cp{args.cp}, decode tp1); "
         f"concurrency gives {ratio:.1f}x the serial rate",

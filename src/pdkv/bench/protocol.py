@@ -68,7 +68,13 @@ def main(argv: Sequence[str]) -> int:
     rows: list[tuple[str, float, str]] = []
 
     codec_us = best_us(lambda: codec.decode(codec.encode(request)), number=number, repeat=repeat)
-    rows.append(("codec encode+decode, TransferRequest", codec_us, f"{args.pages} pages, {sum(map(len, frames))} bytes"))
+    rows.append(
+        (
+            "codec encode+decode, TransferRequest",
+            codec_us,
+            f"{args.pages} pages, {sum(map(len, frames))} bytes",
+        )
+    )
 
     construct_us = best_us(lambda: ChunkMachine("bench"), number=number, repeat=repeat)
     # TRANSFERRING --queue_chunk--> TRANSFERRING is a self-loop: a pure trigger, repeatable.
@@ -78,20 +84,45 @@ def main(argv: Sequence[str]) -> int:
     key = (SenderRoomState.TRANSFERRING, SenderRoomTrigger.QUEUE_CHUNK)
     table_us = best_us(lambda: SENDER_ROOM.table[key], number=number * 10, repeat=repeat)
     rows.append(("machine construction (transitions)", construct_us, "per room/chunk/abort object"))
-    rows.append(("trigger (table check + transitions)", trigger_us, f"{trigger_us / max(table_us, 1e-9):.0f}x a bare table lookup"))
+    rows.append(
+        (
+            "trigger (table check + transitions)",
+            trigger_us,
+            f"{trigger_us / max(table_us, 1e-9):.0f}x a bare table lookup",
+        )
+    )
 
     layout = default_layout(layers=61, pages=65536)
     prefill = PrefillEndpoint(origin=prefill_origin, layout=layout)
-    register = Register(origin=decode_origin, tp_size=1, endpoint=Endpoint("inproc://d"), session=SessionId("d"), layout=layout)
+    register = Register(
+        origin=decode_origin,
+        tp_size=1,
+        endpoint=Endpoint("inproc://d"),
+        session=SessionId("d"),
+        layout=layout,
+    )
     prefill.receive(register, 0.0)
-    decode = DecodeEndpoint(origin=decode_origin, tp_size=1, endpoint=Endpoint("inproc://d"), session=SessionId("d"), layout=layout)
+    decode = DecodeEndpoint(
+        origin=decode_origin,
+        tp_size=1,
+        endpoint=Endpoint("inproc://d"),
+        session=SessionId("d"),
+        layout=layout,
+    )
     route = RouteTable(
         origin=prefill_origin,
         tp_size=1,
         cp_size=1,
         page_size=layout.page_size,
         layout_digest=layout.digest(),
-        ranks=[RankRoute(rank=prefill_origin.rank, epoch=Epoch(1), endpoint=Endpoint("inproc://p"), session=SessionId("p"))],
+        ranks=[
+            RankRoute(
+                rank=prefill_origin.rank,
+                epoch=Epoch(1),
+                endpoint=Endpoint("inproc://p"),
+                session=SessionId("p"),
+            )
+        ],
         complete=True,
     )
     decode.connect(route, 0.0)
@@ -126,5 +157,5 @@ def main(argv: Sequence[str]) -> int:
 
     for name, us, note in rows:
         emit({"bench": "protocol", "figure": name, "microseconds": round(us, 3), "note": note})
-    table("pdkv bench protocol (best of %d runs)" % repeat, ["figure", "us", "note"], rows)
+    table(f"pdkv bench protocol (best of {repeat} runs)", ["figure", "us", "note"], rows)
     return 0

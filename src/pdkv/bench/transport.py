@@ -27,7 +27,7 @@ from pdkv.testing.synthetic import Capacity, ModelSpec
 
 
 def raw_engine_seconds(total: int, layers: int, repeats: int) -> float:
-    """Best time for the executor to move ``total`` contiguous bytes (one block per layer) across processes."""
+    """Best time for the executor to move ``total`` contiguous bytes (a block per layer) across processes."""
     layer_bytes = total // layers
     source = HostBuffer(layer_bytes * layers)
     best = float("inf")
@@ -56,7 +56,9 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--page-size", type=int, default=64)
     parser.add_argument("--bytes-per-token", type=int, default=1152)
     parser.add_argument("--cp", type=int, default=1, help="prefill CP ranks")
-    parser.add_argument("--repeats", type=int, default=3, help="rooms run one after another (best is reported)")
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="rooms run one after another (best is reported)"
+    )
     parser.add_argument("--quick", action="store_true", help="tiny run: 2,048 tokens, 4 layers, 1 room")
     args = parser.parse_args(list(argv))
     if args.quick:
@@ -78,7 +80,10 @@ def main(argv: Sequence[str]) -> int:
         state_slots_per_room=0,
     )
     total = pages * model.kv_item_bytes * args.layers
-    plans = [RequestPlan(room=RoomId(1 + i), tokens=args.tokens, chunk_tokens=(args.tokens,)) for i in range(args.repeats)]
+    plans = [
+        RequestPlan(room=RoomId(1 + i), tokens=args.tokens, chunk_tokens=(args.tokens,))
+        for i in range(args.repeats)
+    ]
     with Cluster(spec) as cluster:
         outcomes = cluster.run(plans, max_active=1)
     decode = [o for o in outcomes if o.side == "decode"]
@@ -99,7 +104,8 @@ def main(argv: Sequence[str]) -> int:
     }
     emit(record)
     table(
-        f"pdkv bench transport: {args.tokens} tokens x {args.layers} layers = {total / 1e9:.2f} GB, prefill cp{args.cp}",
+        f"pdkv bench transport: {args.tokens} tokens x {args.layers} layers = {total / 1e9:.2f} GB, "
+        f"prefill cp{args.cp}",
         ["path", "seconds", "GB/s"],
         [
             ["full transports (init -> Success)", transport_s, total / transport_s / 1e9],

@@ -34,8 +34,16 @@ class _Case:
 
 def _cases() -> list[_Case]:
     return [
-        _Case(plan=RoomPlan(room=RoomId(101), num_pages=12, chunk_pages=(4, 4, 4)), story="3 chunks", expect=KVPoll.Success),
-        _Case(plan=RoomPlan(room=RoomId(102), num_pages=5, chunk_pages=(5,)), story="1 chunk", expect=KVPoll.Success),
+        _Case(
+            plan=RoomPlan(room=RoomId(101), num_pages=12, chunk_pages=(4, 4, 4)),
+            story="3 chunks",
+            expect=KVPoll.Success,
+        ),
+        _Case(
+            plan=RoomPlan(room=RoomId(102), num_pages=5, chunk_pages=(5,)),
+            story="1 chunk",
+            expect=KVPoll.Success,
+        ),
         _Case(
             plan=RoomPlan(room=RoomId(103), num_pages=16, chunk_pages=(4, 4, 4, 4), abort_decode_at=0.0045),
             story="decode aborts mid-transfer",
@@ -46,7 +54,11 @@ def _cases() -> list[_Case]:
             story="prefill aborts mid-transfer",
             expect=KVPoll.Failed,
         ),
-        _Case(plan=RoomPlan(room=RoomId(105), num_pages=8, chunk_pages=(4, 4)), story="engine fails chunk 1", expect=KVPoll.Failed),
+        _Case(
+            plan=RoomPlan(room=RoomId(105), num_pages=8, chunk_pages=(4, 4)),
+            story="engine fails chunk 1",
+            expect=KVPoll.Failed,
+        ),
         _Case(
             plan=RoomPlan(room=RoomId(106), num_pages=6, chunk_pages=(6,)),
             story="TransferRequest lost; waiting deadline",
@@ -56,7 +68,9 @@ def _cases() -> list[_Case]:
 
 
 def main(argv: Sequence[str] = ()) -> int:
-    parser = argparse.ArgumentParser(prog="pdkv demo --protocol-only", description=__doc__.splitlines()[0] if __doc__ else None)
+    parser = argparse.ArgumentParser(
+        prog="pdkv demo --protocol-only", description=__doc__.splitlines()[0] if __doc__ else None
+    )
     parser.add_argument("--cp", type=int, default=2, help="prefill CP ranks (default 2)")
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--json", action="store_true", help="one JSON object per room on stdout")
@@ -125,7 +139,10 @@ def _report(pair: EndpointPair, case: _Case) -> RoomReport:
 
 def _print_report(rows: list[RoomReport], pair: EndpointPair, cp: int) -> None:
     out = sys.stdout
-    print(f"pdkv demo (sans-IO): {cp} prefill CP ranks, 1 decode rank, in-memory link through the codec\n", file=out)
+    print(
+        f"pdkv demo (sans-IO): {cp} prefill CP ranks, 1 decode rank, in-memory link through the codec\n",
+        file=out,
+    )
     for row in rows:
         print(f"room {row.room}: {row.story}  [{'ok' if row.ok else 'UNEXPECTED'}]", file=out)
         print(f"  decode     : {' -> '.join(row.decode)}", file=out)

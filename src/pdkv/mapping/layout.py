@@ -157,9 +157,7 @@ class BufferLayout:
     def select(self, *kinds: BufferKind, model: ModelRole | None = None) -> tuple[BufferSpec, ...]:
         """Buffers of the given kinds (all kinds if none given), optionally of one model, in order."""
         wanted = frozenset(kinds) if kinds else frozenset(BufferKind)
-        return tuple(
-            b for b in self.buffers if b.kind in wanted and (model is None or b.model is model)
-        )
+        return tuple(b for b in self.buffers if b.kind in wanted and (model is None or b.model is model))
 
     @property
     def kv_buffers(self) -> tuple[BufferSpec, ...]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable
 from typing import Generic, TypeVar
 
 K = TypeVar("K", bound=Hashable)
@@ -22,12 +22,20 @@ class DeadlineQueue(Generic[K]):
     def push(self, key: K, deadline: float) -> None:
         heapq.heappush(self._heap, (deadline, next(self._order), key))
 
-    def pop_due(self, now: float, current: Callable[[K], float | None]) -> Iterator[K]:
-        """Keys whose current deadline is <= now (each once); stale entries are dropped."""
+    def pop_due(self, now: float, current: Callable[[K], float | None]) -> list[K]:
+        """Keys whose current deadline is <= now, each once, in deadline order; stale entries are dropped.
+
+        A key may sit in the heap twice with the same deadline (set again at the same instant): it is
+        still returned once, so the owner acts once per key and tick.
+        """
+        due: list[K] = []
+        seen: set[K] = set()
         while self._heap and self._heap[0][0] <= now:
             deadline, _, key = heapq.heappop(self._heap)
-            if current(key) == deadline:
-                yield key
+            if key not in seen and current(key) == deadline:
+                seen.add(key)
+                due.append(key)
+        return due
 
     def next_deadline(self, current: Callable[[K], float | None]) -> float | None:
         """Earliest live deadline (drops stale entries from the top)."""

@@ -504,13 +504,7 @@ class DecodeEndpoint:
         for peer in self._peers.values():
             if peer.state is PeerState.REGISTERING and peer.register_due <= now:
                 effects += self._send_register(peer, now)
-        for room in list(self._deadlines.pop_due(now, self._room_deadline)):
-            # The queue yields a room once per entry: two entries with the same deadline (e.g. equal
-            # bootstrap and waiting timeouts set at the same instant) would act twice, and the
-            # first action may have moved the deadline. Act only on what is still due.
-            deadline = self._room_deadline(room)
-            if deadline is None or deadline > now:
-                continue
+        for room in self._deadlines.pop_due(now, self._room_deadline):
             r = self._rooms[room]
             if r.abort is not None and r.abort.state is DecodeAbortState.REQUESTED:
                 r.abort.fire(DecodeAbortTrigger.ACK_TIMEOUT)

@@ -69,7 +69,12 @@ def _text(max_chars: int, *, allow_empty: bool = False) -> Any:
 
 def _finite_non_negative(_: object, attribute: attrs.Attribute[float], value: float) -> None:
     try:
-        ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and value >= 0
+        ok = (
+            not isinstance(value, bool)
+            and isinstance(value, (int, float))
+            and math.isfinite(value)
+            and value >= 0
+        )
     except OverflowError:  # an int too large for a float
         ok = False
     if not ok:
@@ -100,7 +105,6 @@ def index_array(value: object) -> IntArray:
 
 def _array_eq() -> Any:
     return attrs.cmp_using(eq=np.array_equal)
-
 
 
 # ---------------------------------------------------------------- value types
@@ -233,7 +237,9 @@ class RouteTable:
             if c.tp >= self.tp_size or c.cp >= self.cp_size:
                 raise ValueError(f"rank {c} outside tp_size {self.tp_size} cp_size {self.cp_size}")
         if self.complete and len(coords) != self.tp_size * self.cp_size:
-            raise ValueError(f"a complete route table lists all {self.tp_size * self.cp_size} ranks, got {len(coords)}")
+            raise ValueError(
+                f"a complete route table lists all {self.tp_size * self.cp_size} ranks, got {len(coords)}"
+            )
 
 
 # ---------------------------------------------------------------- registration

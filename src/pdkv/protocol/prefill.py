@@ -585,6 +585,20 @@ class PrefillEndpoint:
         r = self._room(room)
         return TransferMetricData(pages=r.pages, bytes=r.bytes, seconds=r.seconds)
 
+    def destinations(self, room: RoomId) -> tuple[Destination, ...] | None:
+        """Where the room's bytes go (its non-dummy requests and their registered decode ranks), once
+        every request is in (WaitingForInput or Transferring); None before, after, or when a
+        destination rank is no longer registered (``queue_chunk`` then fails the room loudly)."""
+        r = self._rooms.get(room)
+        if r is None or not r.opened:
+            return None
+        if r.state not in (SenderRoomState.WAITING_FOR_INPUT, SenderRoomState.TRANSFERRING):
+            return None
+        wanted = [(key, q) for key, q in r.requests.items() if not q.dummy]
+        if any(key not in self._peers for key, _ in wanted):
+            return None
+        return tuple(Destination(peer=self._peers[key], request=q) for key, q in wanted)
+
     def room_history(self, room: RoomId) -> list[SenderRoomState]:
         return list(self._room(room).machine.history)
 
@@ -681,13 +695,7 @@ class PrefillEndpoint:
         effects: list[Effect] = []
         if self._heartbeat_due is not None and self._heartbeat_due <= now:
             effects += self._heartbeat_round(now)
-        for room in list(self._deadlines.pop_due(now, self._room_deadline)):
-            # The queue yields a room once per entry: two entries with the same deadline (e.g. equal
-            # bootstrap and waiting timeouts set at the same instant) would act twice, and the
-            # first action may have moved the deadline. Act only on what is still due.
-            deadline = self._room_deadline(room)
-            if deadline is None or deadline > now:
-                continue
+        for room in self._deadlines.pop_due(now, self._room_deadline):
             r = self._rooms[room]
             limit = {
                 SenderRoomState.BOOTSTRAPPING: ("bootstrap", self.timeouts.bootstrap),
@@ -697,7 +705,7 @@ class PrefillEndpoint:
             effects += self._fail(
                 r, f"{limit[0]} timeout: still {r.state.name} after {limit[1]:g} s", FailureCause.TIMEOUT
             )
-        for room in list(self._tombstone_expiry.pop_due(now, self._tombstones.get)):
+        for room in self._tombstone_expiry.pop_due(now, self._tombstones.get):
             del self._tombstones[room]
         return effects
 

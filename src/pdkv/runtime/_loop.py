@@ -99,7 +99,9 @@ class ControlLoop:
                 if next_deadline is None or next_deadline <= now:
                     next_deadline = self._on_tick(now)
                 self._flush()
-                timeout = _MAX_IDLE_S if next_deadline is None else max(0.0, min(_MAX_IDLE_S, next_deadline - now))
+                timeout = (
+                    _MAX_IDLE_S if next_deadline is None else max(0.0, min(_MAX_IDLE_S, next_deadline - now))
+                )
                 for message in self.channel.wait(timeout):
                     self._on_message(message, self._clock())
                 # A message may have created an earlier deadline: recompute next round.

@@ -17,14 +17,24 @@ from pdkv.control.framing import WireCodec
 from pdkv.errors import PdkvError, RemoteProtocolError
 from pdkv.protocol import codec
 from pdkv.protocol.ids import Epoch, InstanceId
-from pdkv.protocol.messages import Message, Origin, RankAnnounce, RankCoord, RegisterReject, RouteQuery, RouteTable
+from pdkv.protocol.messages import (
+    Message,
+    Origin,
+    RankAnnounce,
+    RankCoord,
+    RegisterReject,
+    RouteQuery,
+    RouteTable,
+)
 from pdkv.protocol.registry import RouteBook
 from pdkv.runtime._loop import MessageChannel
 from pdkv.runtime.prefill import ChannelFactory, log_notice, new_epoch
 
 log = logging.getLogger(__name__)
 
-CODEC: WireCodec[Message] = WireCodec(encode=codec.encode, decode=codec.decode, decode_error=RemoteProtocolError)
+CODEC: WireCodec[Message] = WireCodec(
+    encode=codec.encode, decode=codec.decode, decode_error=RemoteProtocolError
+)
 
 
 class RegistryError(PdkvError):
@@ -65,7 +75,9 @@ def start_registry(
 ) -> RegistryService[Message]:
     """Run the bootstrap registry of a prefill instance (a thread of this process); stop() it when done."""
     book = RouteBook(
-        Origin(instance=instance, epoch=Epoch(new_epoch()), rank=RankCoord(tp=0)), tp_size=tp_size, cp_size=cp_size
+        Origin(instance=instance, epoch=Epoch(new_epoch()), rank=RankCoord(tp=0)),
+        tp_size=tp_size,
+        cp_size=cp_size,
     )
 
     def handle(message: Message) -> Message | None:

@@ -50,7 +50,7 @@ def plan_chunk(
     policy: OwnershipPolicy | None,
     writes_extras: bool,
 ) -> ChunkPlan:
-    """Map ``submit``'s chunk for ``destination``; raises MappingError/LayoutMismatchError on a broken contract."""
+    """Map ``submit``'s chunk for ``destination``; MappingError/LayoutMismatchError on a broken contract."""
     spec = submit.spec
     request = destination.request
     dst_layout = destination.peer.layout

@@ -31,7 +31,9 @@ def all_reduce_polls(
         dist.all_reduce(lengths, op=dist.ReduceOp.MIN, group=group)
         lo, hi = int(lengths[0]), -int(lengths[1])
         if lo != hi:
-            raise ConsensusError(f"ranks polled different numbers of rooms: between {lo} and {hi} (this rank {n})")
+            raise ConsensusError(
+                f"ranks polled different numbers of rooms: between {lo} and {hi} (this rank {n})"
+            )
     if not polls:
         return []
     values = torch.tensor([int(p) for p in polls], dtype=torch.int32)

@@ -19,9 +19,9 @@ from typing import TypeVar
 import attrs
 import numpy as np
 
+from pdkv.control.channel import ChannelStatistics
 from pdkv.engine.backend import Registration, TransferBackend
 from pdkv.errors import ConfigError, PdkvError
-from pdkv.control.channel import ChannelStatistics
 from pdkv.mapping import BufferLayout, Topology, decode_fanout
 from pdkv.metrics import TransportMetrics, TransportMetricsSnapshot
 from pdkv.protocol.config import Timeouts
@@ -124,7 +124,11 @@ class DecodeTransport:
             timeouts=config.timeouts,
         )
         self._loop = ControlLoop(
-            channel, name=f"pdkv-decode-{config.rank}", on_message=self._on_message, on_tick=self._on_tick, clock=clock
+            channel,
+            name=f"pdkv-decode-{config.rank}",
+            on_message=self._on_message,
+            on_tick=self._on_tick,
+            clock=clock,
         )
         self._query_route = query if query is not None else _default_query()
         self._routes: dict[InstanceId, RouteTable] = {}
@@ -187,7 +191,8 @@ class DecodeTransport:
             with self._lock:
                 table = self._routes[instance]
                 ready = all(
-                    self._endpoint.peer_ready(Target(instance=instance, rank=route.rank)) for route in table.ranks
+                    self._endpoint.peer_ready(Target(instance=instance, rank=route.rank))
+                    for route in table.ranks
                 )
             if ready:
                 return True
@@ -236,7 +241,9 @@ class DecodeTransport:
             attention=self.config.layout.attention,
         )
         fan = decode_fanout(topology, self.config.rank.tp)
-        targets = [Target(instance=prefill, rank=RankCoord(tp=t.tp, cp=t.cp), dummy=t.dummy) for t in fan.targets]
+        targets = [
+            Target(instance=prefill, rank=RankCoord(tp=t.tp, cp=t.cp), dummy=t.dummy) for t in fan.targets
+        ]
         # Every prefill rank of one room waits for the same number of decode requests.
         ratio = topology.ratio if topology.decode_tp > topology.prefill_tp else 1
         return targets, ratio

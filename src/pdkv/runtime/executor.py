@@ -290,9 +290,7 @@ class TransferJob:
         outcome = self._backend.wait([head.handle], remaining).outcomes[0]
         if outcome.status is BatchStatus.TIMED_OUT:
             # It stays in flight: finish()/drain() must still wait for it before memory is reused.
-            self._fail(
-                head.index, JobStatus.TIMED_OUT, "not finished in time (waiting for room to submit)"
-            )
+            self._fail(head.index, JobStatus.TIMED_OUT, "not finished in time (waiting for room to submit)")
             return
         self._in_flight.popleft()
         self._record(head.index, outcome)

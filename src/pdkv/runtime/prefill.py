@@ -40,7 +40,6 @@ from pdkv.metrics import KVTransferMetric, TransportCounter, TransportMetrics, T
 from pdkv.protocol.config import Timeouts
 from pdkv.protocol.effects import (
     ChunkSpec,
-    Destination,
     Effect,
     ForgetPeer,
     Notice,
@@ -51,7 +50,6 @@ from pdkv.protocol.effects import (
     SubmitChunk,
 )
 from pdkv.protocol.ids import Endpoint, Epoch, InstanceId, RoomId, SessionId
-from pdkv.protocol.machines import SenderRoomState
 from pdkv.protocol.messages import (
     AbortAck,
     IntArray,
@@ -178,7 +176,7 @@ class PrefillTransport:
         self.per_layer = PerLayerTransferManager(
             self._executor,
             layout=config.layout,
-            destinations=self._room_destinations,
+            destinations=self._endpoint.destinations,  # called with the lock held
             cp_rank=config.rank.cp,
             policy=config.policy,
             guard=self._lock,
@@ -363,23 +361,6 @@ class PrefillTransport:
         with self._lock:
             for effect in self._held_acks.pop(room, []):
                 self._loop.post(effect.to, effect.message)
-
-    def _room_destinations(self, room: RoomId) -> tuple[Destination, ...] | None:
-        """The room's non-dummy destinations once it is WaitingForInput or Transferring (lock held).
-
-        The endpoint has no public query for this yet (its module is owned elsewhere): this reads
-        exactly what ``PrefillEndpoint.queue_chunk`` builds ``SubmitChunk.destinations`` from.
-        """
-        r = self._endpoint._rooms.get(room)
-        if r is None or not r.opened:
-            return None
-        if r.state not in (SenderRoomState.WAITING_FOR_INPUT, SenderRoomState.TRANSFERRING):
-            return None
-        peers = self._endpoint._peers
-        wanted = [(key, q) for key, q in r.requests.items() if not q.dummy]
-        if any(key not in peers for key, _ in wanted):
-            return None  # a destination rank is gone: send() fails the room loudly, not this path
-        return tuple(Destination(peer=peers[key], request=q) for key, q in wanted)
 
     def _run_chunk(self, submit: SubmitChunk) -> None:
         with self._lock:

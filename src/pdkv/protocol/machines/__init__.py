@@ -33,7 +33,12 @@ from pdkv.protocol.poll import KVPoll, consensus, consensus_columns
 
 # Heterogeneous specs: each has its own state and trigger enums.
 ALL_MACHINES: tuple[MachineSpec[Any, Any], ...] = (
-    SENDER_ROOM, RECEIVER_ROOM, CHUNK, DECODE_ABORT, PREFILL_ABORT, PER_LAYER
+    SENDER_ROOM,
+    RECEIVER_ROOM,
+    CHUNK,
+    DECODE_ABORT,
+    PREFILL_ABORT,
+    PER_LAYER,
 )
 
 __all__ = [

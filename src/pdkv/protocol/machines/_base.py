@@ -135,7 +135,9 @@ class StateMachine(Generic[S, T]):
             )
         self._machine.events[trigger.value].trigger(self._model)
         if self._model.state is not dest:  # the library and the table disagree: a bug in pdkv
-            raise AssertionError(f"{self.spec.name}: transitions went to {self._model.state}, table says {dest}")
+            raise AssertionError(
+                f"{self.spec.name}: transitions went to {self._model.state}, table says {dest}"
+            )
         self.history.append(dest)
         return dest
 

@@ -1,11 +1,11 @@
 """Chunk: one prefill forward's share of a room on one prefill rank (DESIGN section 5).
 
-    REGISTERED    queued by ``send()``, not yet picked by a transfer worker
-    TRANSFERRING  a worker submitted its writes (they may land at any moment)
-    DONE          every write of the chunk completed
-    FAILED        the engine reported a failure (the room fails with it)
-    SKIPPED       the room failed or was aborted before a worker picked the chunk: nothing written,
-                  so nothing can land in pages the decode side may have reused
+REGISTERED    queued by ``send()``, not yet picked by a transfer worker
+TRANSFERRING  a worker submitted its writes (they may land at any moment)
+DONE          every write of the chunk completed
+FAILED        the engine reported a failure (the room fails with it)
+SKIPPED       the room failed or was aborted before a worker picked the chunk: nothing written,
+              so nothing can land in pages the decode side may have reused
 """
 
 from __future__ import annotations
