@@ -11,7 +11,6 @@ to say when pages are safe to reuse (``release_ready``: after every AbortAck, or
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import TypeVar
@@ -23,13 +22,11 @@ from pdkv.control.channel import ChannelStatistics
 from pdkv.engine.backend import Registration, TransferBackend
 from pdkv.errors import ConfigError, PdkvError
 from pdkv.mapping import BufferLayout, Topology, decode_fanout
-from pdkv.metrics import TransportMetrics, TransportMetricsSnapshot
+from pdkv.metrics import TransportMetricsSnapshot
 from pdkv.protocol.config import Timeouts
 from pdkv.protocol.decode import DecodeEndpoint, DecodeStatistics
 from pdkv.protocol.effects import (
     Effect,
-    ForgetPeer,
-    Notice,
     ReleasePages,
     RoomFinished,
     Send,
@@ -39,7 +36,6 @@ from pdkv.protocol.effects import (
 from pdkv.protocol.ids import Endpoint, Epoch, InstanceId, RoomId, SessionId
 from pdkv.protocol.messages import (
     IntArray,
-    Message,
     Origin,
     RankCoord,
     RouteQuery,
@@ -48,9 +44,8 @@ from pdkv.protocol.messages import (
     TransferMetricData,
 )
 from pdkv.protocol.poll import KVPoll
-from pdkv.runtime._accounting import Accounting
-from pdkv.runtime._loop import ControlLoop
-from pdkv.runtime.prefill import ChannelFactory, _default_channel_factory, _peer_name, log_notice, new_epoch
+from pdkv.runtime._host import EndpointHost
+from pdkv.runtime.prefill import ChannelFactory, _default_channel_factory, _peer_name, new_epoch
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +92,7 @@ class DecodeTransportStatistics:
 Query = Callable[[str, RouteQuery, float], RouteTable | None]
 
 
-class DecodeTransport:
+class DecodeTransport(EndpointHost[DecodeEndpoint]):
     """One decode rank: registers its buffers and receives rooms from prefill instances."""
 
     def __init__(
@@ -111,11 +106,9 @@ class DecodeTransport:
     ) -> None:
         self.config = config
         self.backend = backend
-        self._clock = clock
-        self._lock = threading.Lock()
         factory = channel_factory if channel_factory is not None else _default_channel_factory()
         channel = factory(config.host)
-        self._endpoint = DecodeEndpoint(
+        endpoint = DecodeEndpoint(
             origin=config.origin,
             tp_size=config.tp_size,
             endpoint=Endpoint(channel.address),
@@ -123,28 +116,14 @@ class DecodeTransport:
             layout=config.layout,
             timeouts=config.timeouts,
         )
-        self._loop = ControlLoop(
-            channel,
-            name=f"pdkv-decode-{config.rank}",
-            on_message=self._on_message,
-            on_tick=self._on_tick,
-            clock=clock,
-        )
+        super().__init__(endpoint, channel, thread_name=f"pdkv-decode-{config.rank}", logger=log, clock=clock)
         self._query_route = query if query is not None else _default_query()
         self._routes: dict[InstanceId, RouteTable] = {}
-        self.metrics = TransportMetrics()
-        """Counters and per-prefill-peer latency (as the peers report it)."""
-        self._accounting = Accounting(self.metrics)
         self._registrations: list[Registration] = []
         self._released = 0
         self._unsafe = 0
-        self._forget: list[str] = []  # endpoints whose sockets the control thread (their owner) drops
         self._started = False
         self._closed = False
-
-    @property
-    def address(self) -> str:
-        return self._loop.channel.address
 
     def start(self) -> None:
         if self._started:
@@ -250,54 +229,21 @@ class DecodeTransport:
 
     # ------------------------------------------------------------------ internals
 
-    def _call(self, fn: Callable[[DecodeEndpoint, float], list[Effect]]) -> None:
-        with self._lock:
-            self._apply(fn(self._endpoint, self._clock()))
-
-    def _query(self, fn: Callable[[DecodeEndpoint], _T]) -> _T:
-        with self._lock:
-            return fn(self._endpoint)
-
-    def _on_message(self, message: Message, now: float) -> None:
-        with self._lock:
-            self._accounting.received(message)
-            self._apply(self._endpoint.receive(message, now))
-
-    def _on_tick(self, now: float) -> float | None:
-        channel = self._loop.channel.statistics()
-        with self._lock:
-            self._accounting.channel(malformed=channel.malformed, unauthenticated=channel.unauthenticated)
-            self._apply(self._endpoint.tick(now))
-            # On the control thread, before the loop flushes what was posted: those go out on
-            # fresh sockets. A ForgetPeer from another thread waits for this tick.
-            for endpoint in self._forget:
-                self._loop.channel.forget(endpoint)
-            self._forget.clear()
-            return self._endpoint.next_deadline()
-
-    def _apply(self, effects: Sequence[Effect]) -> None:
-        self._accounting.effects(effects)
-        for effect in effects:
-            if isinstance(effect, Send):
-                self._loop.post(effect.to, effect.message)
-            elif isinstance(effect, ReleasePages):
-                self._released += 1
-                if not effect.safe:
-                    self._unsafe += 1
-                    log.warning("room %s: pages released UNSAFELY: %s", effect.room, effect.reason)
-            elif isinstance(effect, RoomFinished):
-                if effect.poll is KVPoll.Success:
-                    log.debug("room %s succeeded on decode %s", effect.room, self.config.rank)
-                    for (instance, rank), data in self._endpoint.metric(effect.room).items():
-                        self._accounting.reported(effect.room, _peer_name(instance, rank), data)
-            elif isinstance(effect, Notice):
-                log_notice(log, effect)
-            elif isinstance(effect, ForgetPeer):
-                rank, endpoint, reason = self.config.rank, effect.endpoint, effect.reason
-                log.warning("decode %s: rebuilding the connection to %s: %s", rank, endpoint, reason)
-                self._forget.append(effect.endpoint)
-            elif isinstance(effect, SubmitChunk):  # prefill-side effect; a decode endpoint never emits it
-                raise AssertionError(f"decode endpoint emitted {effect}")
+    def _apply_effect(self, effect: Effect) -> None:
+        if isinstance(effect, Send):
+            self._loop.post(effect.to, effect.message)
+        elif isinstance(effect, ReleasePages):
+            self._released += 1
+            if not effect.safe:
+                self._unsafe += 1
+                log.warning("room %s: pages released UNSAFELY: %s", effect.room, effect.reason)
+        elif isinstance(effect, RoomFinished):
+            if effect.poll is KVPoll.Success:
+                log.debug("room %s succeeded on decode %s", effect.room, self.config.rank)
+                for (instance, rank), data in self._endpoint.metric(effect.room).items():
+                    self._accounting.reported(effect.room, _peer_name(instance, rank), data)
+        elif isinstance(effect, SubmitChunk):  # prefill-side effect; a decode endpoint never emits it
+            raise AssertionError(f"decode endpoint emitted {effect}")
 
 
 class KVReceiver:

@@ -36,14 +36,11 @@ from pdkv.control.channel import ChannelStatistics
 from pdkv.engine.backend import Registration, TransferBackend
 from pdkv.errors import ConfigError, PdkvError
 from pdkv.mapping import BufferLayout, OwnershipPolicy, PageInterleaved
-from pdkv.metrics import KVTransferMetric, TransportCounter, TransportMetrics, TransportMetricsSnapshot
+from pdkv.metrics import KVTransferMetric, TransportCounter, TransportMetricsSnapshot
 from pdkv.protocol.config import Timeouts
 from pdkv.protocol.effects import (
     ChunkSpec,
     Effect,
-    ForgetPeer,
-    Notice,
-    NoticeLevel,
     ReleasePages,
     RoomFinished,
     Send,
@@ -53,7 +50,6 @@ from pdkv.protocol.ids import Endpoint, Epoch, InstanceId, RoomId, SessionId
 from pdkv.protocol.messages import (
     AbortAck,
     IntArray,
-    Message,
     Origin,
     RankAnnounce,
     RankCoord,
@@ -62,8 +58,8 @@ from pdkv.protocol.messages import (
 )
 from pdkv.protocol.poll import KVPoll
 from pdkv.protocol.prefill import PrefillEndpoint, PrefillStatistics
-from pdkv.runtime._accounting import Accounting
-from pdkv.runtime._loop import ControlLoop, MessageChannel
+from pdkv.runtime._host import EndpointHost
+from pdkv.runtime._loop import MessageChannel
 from pdkv.runtime.chunk_plan import plan_chunk
 from pdkv.runtime.executor import ExecutorConfig, TransferExecutor
 from pdkv.runtime.per_layer import (
@@ -137,7 +133,7 @@ class PrefillTransportStatistics:
     queue_depth: int
 
 
-class PrefillTransport:
+class PrefillTransport(EndpointHost[PrefillEndpoint]):
     """One prefill rank: registers its buffers, announces itself, and serves its rooms."""
 
     def __init__(
@@ -151,28 +147,22 @@ class PrefillTransport:
     ) -> None:
         self.config = config
         self.backend = backend
-        self._clock = clock
-        self._lock = threading.Lock()
-        self._endpoint = PrefillEndpoint(origin=config.origin, layout=config.layout, timeouts=config.timeouts)
+        factory = channel_factory if channel_factory is not None else _default_channel_factory()
+        super().__init__(
+            PrefillEndpoint(origin=config.origin, layout=config.layout, timeouts=config.timeouts),
+            factory(config.host),
+            thread_name=f"pdkv-prefill-{config.rank}",
+            logger=log,
+            clock=clock,
+        )
         self._executor = TransferExecutor(backend, config.executor)
         self._work: queue.Queue[SubmitChunk | None] = queue.Queue(maxsize=config.queue_size)
         self._registrations: list[Registration] = []
-        factory = channel_factory if channel_factory is not None else _default_channel_factory()
-        self._loop = ControlLoop(
-            factory(config.host),
-            name=f"pdkv-prefill-{config.rank}",
-            on_message=self._on_message,
-            on_tick=self._on_tick,
-            clock=clock,
-        )
         self._announce = announce if announce is not None else _default_announce()
         self._workers = [
             threading.Thread(target=self._work_loop, name=f"pdkv-transfer-{config.rank}-{i}", daemon=True)
             for i in range(config.workers)
         ]
-        self.metrics = TransportMetrics()
-        """Counters and per-peer latency, exported by ``pdkv.metrics.PrometheusExporter(metrics)``."""
-        self._accounting = Accounting(self.metrics)
         self.per_layer = PerLayerTransferManager(
             self._executor,
             layout=config.layout,
@@ -186,17 +176,12 @@ class PrefillTransport:
         )
         """Per-layer transfer (DESIGN section 7): ``register``, ``on_layer_end`` per layer, ``send()``."""
         self._held_acks: dict[RoomId, list[Send]] = {}
-        self._forget: list[str] = []  # endpoints whose sockets the control thread (their owner) drops
         self._worker_errors = 0
         self._partition_dump = os.environ.get("PDKV_DEBUG_PARTITION_DUMP") == "1"
         self._started = False
         self._closed = False
 
     # ------------------------------------------------------------------ lifecycle
-
-    @property
-    def address(self) -> str:
-        return self._loop.channel.address
 
     def start(self, *, announce_timeout_s: float = 30.0) -> None:
         """Register buffers, start threads, announce this rank to the registry."""
@@ -264,76 +249,41 @@ class PrefillTransport:
             queue_depth=self._work.qsize(),
         )
 
-    def _call(self, fn: Callable[[PrefillEndpoint, float], list[Effect]]) -> None:
-        with self._lock:
-            self._apply(fn(self._endpoint, self._clock()))
-
-    def _query(self, fn: Callable[[PrefillEndpoint], _T]) -> _T:
-        with self._lock:
-            return fn(self._endpoint)
-
-    # ------------------------------------------------------------------ control thread
-
-    def _on_message(self, message: Message, now: float) -> None:
-        with self._lock:
-            self._accounting.received(message)
-            self._apply(self._endpoint.receive(message, now))
-
-    def _on_tick(self, now: float) -> float | None:
-        channel = self._loop.channel.statistics()
-        with self._lock:
-            self._accounting.channel(malformed=channel.malformed, unauthenticated=channel.unauthenticated)
-            self._apply(self._endpoint.tick(now))
-            # On the control thread (the sockets' owner), before the loop flushes what was posted:
-            # those messages go out on fresh sockets. A ForgetPeer from another thread waits for this.
-            for endpoint in self._forget:
-                self._loop.channel.forget(endpoint)
-            self._forget.clear()
-            return self._endpoint.next_deadline()
-
     # ------------------------------------------------------------------ effects (lock held)
 
-    def _apply(self, effects: Sequence[Effect]) -> None:
-        self._accounting.effects(effects)
-        for effect in effects:
-            if isinstance(effect, Send):
-                message = effect.message
-                if isinstance(message, AbortAck) and self.per_layer.outstanding(message.room):
-                    # Per-layer writes the endpoint does not see may still land: acknowledge later.
-                    self._held_acks.setdefault(message.room, []).append(effect)
-                    continue
-                self._loop.post(effect.to, message)
-            elif isinstance(effect, SubmitChunk):
-                try:
-                    self._work.put_nowait(effect)
-                except queue.Full:
-                    # Never block the caller: the chunk fails, and with it the room (decode is told).
-                    now = self._clock()
-                    self._endpoint.start_chunk(effect.room, effect.chunk, now)
-                    reason = f"transfer queue full ({self.config.queue_size} chunks)"
-                    self._apply(self._endpoint.chunk_failed(effect.room, effect.chunk, reason, now))
-            elif isinstance(effect, RoomFinished):
-                if effect.poll is KVPoll.Success:
-                    log.debug("room %s succeeded on prefill %s", effect.room, self.config.rank)
-                    if self.per_layer.outstanding(effect.room):
-                        log.warning(
-                            "room %s succeeded with per-layer contexts never sent; dropping them", effect.room
-                        )
-                        self.per_layer.cancel(effect.room, "room succeeded without this chunk")
-                else:
-                    self.per_layer.cancel(
-                        effect.room,
-                        effect.reason or "room failed",
-                        on_drained=functools.partial(self._release_held_acks, effect.room),
+    def _apply_effect(self, effect: Effect) -> None:
+        if isinstance(effect, Send):
+            message = effect.message
+            if isinstance(message, AbortAck) and self.per_layer.outstanding(message.room):
+                # Per-layer writes the endpoint does not see may still land: acknowledge later.
+                self._held_acks.setdefault(message.room, []).append(effect)
+                return
+            self._loop.post(effect.to, message)
+        elif isinstance(effect, SubmitChunk):
+            try:
+                self._work.put_nowait(effect)
+            except queue.Full:
+                # Never block the caller: the chunk fails, and with it the room (decode is told).
+                now = self._clock()
+                self._endpoint.start_chunk(effect.room, effect.chunk, now)
+                reason = f"transfer queue full ({self.config.queue_size} chunks)"
+                self._apply(self._endpoint.chunk_failed(effect.room, effect.chunk, reason, now))
+        elif isinstance(effect, RoomFinished):
+            if effect.poll is KVPoll.Success:
+                log.debug("room %s succeeded on prefill %s", effect.room, self.config.rank)
+                if self.per_layer.outstanding(effect.room):
+                    log.warning(
+                        "room %s succeeded with per-layer contexts never sent; dropping them", effect.room
                     )
-            elif isinstance(effect, Notice):
-                log_notice(log, effect)
-            elif isinstance(effect, ForgetPeer):
-                rank, endpoint, reason = self.config.rank, effect.endpoint, effect.reason
-                log.warning("prefill %s: rebuilding the connection to %s: %s", rank, endpoint, reason)
-                self._forget.append(effect.endpoint)
-            elif isinstance(effect, ReleasePages):  # decode-side effect; a prefill endpoint never emits it
-                raise AssertionError(f"prefill endpoint emitted {effect}")
+                    self.per_layer.cancel(effect.room, "room succeeded without this chunk")
+            else:
+                self.per_layer.cancel(
+                    effect.room,
+                    effect.reason or "room failed",
+                    on_drained=functools.partial(self._release_held_acks, effect.room),
+                )
+        elif isinstance(effect, ReleasePages):  # decode-side effect; a prefill endpoint never emits it
+            raise AssertionError(f"prefill endpoint emitted {effect}")
 
     # ------------------------------------------------------------------ transfer workers
 
@@ -535,18 +485,6 @@ def _peer_name(instance: str, rank: RankCoord) -> str:
 def _close(endpoint: PrefillEndpoint, room: RoomId, now: float) -> list[Effect]:
     endpoint.close_room(room, now)
     return []
-
-
-_LEVELS = {
-    NoticeLevel.DEBUG: logging.DEBUG,
-    NoticeLevel.INFO: logging.INFO,
-    NoticeLevel.WARNING: logging.WARNING,
-}
-
-
-def log_notice(logger: logging.Logger, notice: Notice) -> None:
-    """An endpoint's notice as a log line (failures WARNING, hot-path success DEBUG: DESIGN section 8)."""
-    logger.log(_LEVELS[notice.level], "%s", notice.text)
 
 
 def _dump_partition(

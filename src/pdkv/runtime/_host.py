@@ -1,0 +1,127 @@
+"""What both transports share: one sans-IO endpoint behind one lock, driven by one control thread.
+
+Owns: ``EndpointHost`` — the lock, the control loop (messages and deadlines into the endpoint),
+the accounting of effects into ``TransportMetrics``, the handling of the effects every side emits
+(log lines, rebuilding a peer's socket) — and the ``_call`` / ``_query`` helpers the scheduler
+surface goes through. Each transport adds the effects of its side in ``_apply_effect``.
+
+All room state lives in the endpoint; every access holds ``_lock`` (never a lock per room: one lock
+is cheaper than a transitions LockedMachine per room, and the endpoint is fast). Effects are carried
+out in the order the endpoint produced them, with the lock held, so they never interleave with
+another caller's.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from typing import Generic, Protocol, TypeVar
+
+from pdkv.metrics import TransportMetrics
+from pdkv.protocol.effects import Effect, ForgetPeer, Notice, NoticeLevel
+from pdkv.protocol.messages import Message
+from pdkv.runtime._accounting import Accounting
+from pdkv.runtime._loop import ControlLoop, MessageChannel
+
+_T = TypeVar("_T")
+
+_LEVELS = {
+    NoticeLevel.DEBUG: logging.DEBUG,
+    NoticeLevel.INFO: logging.INFO,
+    NoticeLevel.WARNING: logging.WARNING,
+}
+
+
+def log_notice(logger: logging.Logger, notice: Notice) -> None:
+    """An endpoint's notice as a log line (failures WARNING, hot-path success DEBUG: DESIGN section 8)."""
+    logger.log(_LEVELS[notice.level], "%s", notice.text)
+
+
+class Endpoint(Protocol):
+    """The part of ``PrefillEndpoint`` / ``DecodeEndpoint`` the host drives."""
+
+    def receive(self, message: Message, now: float) -> list[Effect]: ...
+
+    def tick(self, now: float) -> list[Effect]: ...
+
+    def next_deadline(self) -> float | None: ...
+
+
+E = TypeVar("E", bound=Endpoint)
+
+
+class EndpointHost(Generic[E]):
+    """The lock, control loop and accounting around one endpoint (see the module docstring)."""
+
+    def __init__(
+        self,
+        endpoint: E,
+        channel: MessageChannel,
+        *,
+        thread_name: str,
+        logger: logging.Logger,
+        clock: Callable[[], float],
+    ) -> None:
+        self._endpoint = endpoint
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._log = logger
+        self.metrics = TransportMetrics()
+        """Counters and per-peer latency (``pdkv.metrics.PrometheusExporter(transport.metrics)``)."""
+        self._accounting = Accounting(self.metrics)
+        self._forget: list[str] = []  # endpoints whose sockets the control thread (their owner) drops
+        self._loop = ControlLoop(
+            channel, name=thread_name, on_message=self._on_message, on_tick=self._on_tick, clock=clock
+        )
+
+    @property
+    def address(self) -> str:
+        """This rank's control endpoint (``tcp://host:port``)."""
+        return self._loop.channel.address
+
+    # ------------------------------------------------------------------ any thread
+
+    def _call(self, fn: Callable[[E, float], list[Effect]]) -> None:
+        with self._lock:
+            self._apply(fn(self._endpoint, self._clock()))
+
+    def _query(self, fn: Callable[[E], _T]) -> _T:
+        with self._lock:
+            return fn(self._endpoint)
+
+    # ------------------------------------------------------------------ control thread
+
+    def _on_message(self, message: Message, now: float) -> None:
+        with self._lock:
+            self._accounting.received(message)
+            self._apply(self._endpoint.receive(message, now))
+
+    def _on_tick(self, now: float) -> float | None:
+        channel = self._loop.channel.statistics()
+        with self._lock:
+            self._accounting.channel(malformed=channel.malformed, unauthenticated=channel.unauthenticated)
+            self._apply(self._endpoint.tick(now))
+            # On the control thread (the sockets' owner), before the loop flushes what was posted:
+            # those messages go out on fresh sockets. A ForgetPeer from another thread waits for this.
+            for endpoint in self._forget:
+                self._loop.channel.forget(endpoint)
+            self._forget.clear()
+            return self._endpoint.next_deadline()
+
+    # ------------------------------------------------------------------ effects (lock held)
+
+    def _apply(self, effects: Sequence[Effect]) -> None:
+        self._accounting.effects(effects)
+        for effect in effects:
+            if isinstance(effect, Notice):
+                log_notice(self._log, effect)
+            elif isinstance(effect, ForgetPeer):
+                self._log.warning("rebuilding the connection to %s: %s", effect.endpoint, effect.reason)
+                self._forget.append(effect.endpoint)
+            else:
+                self._apply_effect(effect)
+
+    def _apply_effect(self, effect: Effect) -> None:
+        """One side-specific effect (Send, SubmitChunk, RoomFinished, ReleasePages), lock held."""
+        raise NotImplementedError
