@@ -20,7 +20,9 @@ from typing import Generic, Protocol, TypeVar
 
 from pdkv.metrics import TransportMetrics
 from pdkv.protocol.effects import Effect, ForgetPeer, Notice, NoticeLevel
+from pdkv.protocol.ids import RoomId
 from pdkv.protocol.messages import Message
+from pdkv.protocol.poll import KVPoll
 from pdkv.runtime._accounting import Accounting
 from pdkv.runtime._loop import ControlLoop, MessageChannel
 
@@ -39,13 +41,20 @@ def log_notice(logger: logging.Logger, notice: Notice) -> None:
 
 
 class Endpoint(Protocol):
-    """The part of ``PrefillEndpoint`` / ``DecodeEndpoint`` the host drives."""
+    """The part of ``PrefillEndpoint`` / ``DecodeEndpoint`` the host drives, and the room queries
+    both scheduler handles answer from."""
 
     def receive(self, message: Message, now: float) -> list[Effect]: ...
 
     def tick(self, now: float) -> list[Effect]: ...
 
     def next_deadline(self) -> float | None: ...
+
+    def poll(self, room: RoomId) -> KVPoll: ...
+
+    def failure(self, room: RoomId) -> str | None: ...
+
+    def abort_room(self, room: RoomId, reason: str, now: float) -> list[Effect]: ...
 
 
 E = TypeVar("E", bound=Endpoint)
@@ -125,3 +134,20 @@ class EndpointHost(Generic[E]):
     def _apply_effect(self, effect: Effect) -> None:
         """One side-specific effect (Send, SubmitChunk, RoomFinished, ReleasePages), lock held."""
         raise NotImplementedError
+
+
+class RoomHandle(Generic[E]):
+    """What ``KVSender`` and ``KVReceiver`` share: one room of one transport (no call waits on the network)."""
+
+    def __init__(self, transport: EndpointHost[E], room: RoomId) -> None:
+        self.transport = transport
+        self.room = room
+
+    def poll(self) -> KVPoll:
+        return self.transport._query(lambda e: e.poll(self.room))
+
+    def abort(self, reason: str) -> None:
+        self.transport._call(lambda e, now: e.abort_room(self.room, reason, now))
+
+    def failure(self) -> str | None:
+        return self.transport._query(lambda e: e.failure(self.room))

@@ -44,7 +44,7 @@ from pdkv.protocol.messages import (
     TransferMetricData,
 )
 from pdkv.protocol.poll import KVPoll
-from pdkv.runtime._host import EndpointHost
+from pdkv.runtime._host import EndpointHost, RoomHandle
 from pdkv.runtime.prefill import ChannelFactory, _default_channel_factory, _peer_name, new_epoch
 
 log = logging.getLogger(__name__)
@@ -246,12 +246,13 @@ class DecodeTransport(EndpointHost[DecodeEndpoint]):
             raise AssertionError(f"decode endpoint emitted {effect}")
 
 
-class KVReceiver:
+class KVReceiver(RoomHandle[DecodeEndpoint]):
     """The scheduler's handle on one room of a decode rank. Every call returns without network waits."""
 
+    transport: DecodeTransport
+
     def __init__(self, transport: DecodeTransport, room: RoomId, prefill: InstanceId) -> None:
-        self.transport = transport
-        self.room = room
+        super().__init__(transport, room)
         self.prefill = prefill
 
     def init(
@@ -274,15 +275,6 @@ class KVReceiver:
                 now=now,
             )
         )
-
-    def poll(self) -> KVPoll:
-        return self.transport._query(lambda e: e.poll(self.room))
-
-    def abort(self, reason: str) -> None:
-        self.transport._call(lambda e, now: e.abort_room(self.room, reason, now))
-
-    def failure(self) -> str | None:
-        return self.transport._query(lambda e: e.failure(self.room))
 
     def release_ready(self) -> bool:
         """True when no prefill rank can still write into this room's pages."""

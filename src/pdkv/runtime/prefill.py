@@ -58,7 +58,7 @@ from pdkv.protocol.messages import (
 )
 from pdkv.protocol.poll import KVPoll
 from pdkv.protocol.prefill import PrefillEndpoint, PrefillStatistics
-from pdkv.runtime._host import EndpointHost
+from pdkv.runtime._host import EndpointHost, RoomHandle
 from pdkv.runtime._loop import MessageChannel
 from pdkv.runtime.chunk_plan import plan_chunk
 from pdkv.runtime.executor import ExecutorConfig, TransferExecutor
@@ -432,12 +432,13 @@ class PrefillTransport(EndpointHost[PrefillEndpoint]):
             self._apply(self._endpoint.chunk_failed(submit.room, submit.chunk, reason, self._clock()))
 
 
-class KVSender:
+class KVSender(RoomHandle[PrefillEndpoint]):
     """The scheduler's handle on one room of a prefill rank. Every call returns without network waits."""
 
+    transport: PrefillTransport
+
     def __init__(self, transport: PrefillTransport, room: RoomId) -> None:
-        self.transport = transport
-        self.room = room
+        super().__init__(transport, room)
 
     def init(self, num_pages: int, aux_row: int | None) -> None:
         """The request has ``num_pages`` pages in all; its aux row here is ``aux_row``."""
@@ -458,15 +459,6 @@ class KVSender:
             pages=np.asarray(chunk_pages), start_token=start_token, last=last, state=state_indices or ()
         )
         self.transport._call(lambda e, now: e.queue_chunk(self.room, spec, now))
-
-    def poll(self) -> KVPoll:
-        return self.transport._query(lambda e: e.poll(self.room))
-
-    def abort(self, reason: str) -> None:
-        self.transport._call(lambda e, now: e.abort_room(self.room, reason, now))
-
-    def failure(self) -> str | None:
-        return self.transport._query(lambda e: e.failure(self.room))
 
     def metric(self) -> TransferMetricData:
         return self.transport._query(lambda e: e.metric(self.room))
