@@ -11,7 +11,8 @@ the forward), which ``pdkv bench per_layer`` shows ends the transfer far sooner 
 Every successful room's decode memory is compared byte for byte with the prefill full layout; the
 pages of aborted rooms get a canary after their safe release, checked at the end (no late write).
 Shows progress, prints a summary table (``--json``: one JSON object per room plus a summary line),
-exits non-zero on any mismatch.
+exits non-zero on any mismatch. The prefill ranks (CP x TP) run rank consensus over a gloo group
+(``--no-consensus`` turns it off): one rank's failure fails the room on every rank together.
 """
 
 from __future__ import annotations
@@ -213,6 +214,12 @@ def main(argv: Sequence[str] = ()) -> int:
     parser.add_argument(
         "--layer-ms", type=float, default=0.5, help="simulated compute per layer (default 0.5 ms)"
     )
+    parser.add_argument(
+        "--consensus",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="prefill ranks MIN-reduce room polls over a gloo group (default on; --no-consensus: off)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="JSON lines on stdout instead of the table")
     parser.add_argument(
@@ -253,6 +260,7 @@ def main(argv: Sequence[str] = ()) -> int:
         ),
         per_layer=args.per_layer,
         forward_writes_kv=True,
+        consensus=args.consensus,
     )
     print(
         f"pdkv demo: prefill tp{args.tp} x cp{args.cp}, decode tp{args.decode_tp}, "

@@ -14,6 +14,16 @@ forward, ``on_layer_end`` after each layer); decode ranks verify every successfu
 byte against the same rule, keep the prefix positions (already on the decode side) untouched, and
 after an aborted room's safe release write a canary into its pages, checked at shutdown: a late
 write would break it.
+
+Rank consensus (``ClusterSpec.consensus``, on by default): the prefill ranks of the instance (all
+TP x CP) form a gloo group; each scheduler iteration agrees on how many rooms every rank has received
+and MIN-reduces the polls of those rooms in one collective, so one Failed rank fails the room on every
+rank (the others abort it), and a room leaves every rank's list in the same iteration. A collective
+that fails (a dead rank; gloo's timeout is ``consensus_timeout_s``) fails every room of the rank, which
+then goes on alone. Decode TP ranks do not run consensus: each decode rank's room already waits for
+every prefill status it needs. Faults (``pdkv.testing.faults``) are applied per rank from
+``ClusterSpec.faults``; ``Cluster.kill`` and ``Cluster.restart`` stop a rank process (SIGKILL) and
+start it again behind the same control address (``stable_addresses``).
 """
 
 from __future__ import annotations
@@ -41,6 +51,17 @@ from pdkv.protocol.config import Timeouts
 from pdkv.protocol.ids import InstanceId, RoomId
 from pdkv.protocol.messages import RankCoord, StateIndices
 from pdkv.protocol.poll import KVPoll
+from pdkv.testing.faults import (
+    BackendFaults,
+    ChannelFaults,
+    FaultCounts,
+    FaultyBackend,
+    FaultyChannel,
+    RankFaults,
+    faulty_channel_factory,
+    fixed_port_channel_factory,
+    wrap_for_rank,
+)
 from pdkv.testing.synthetic import (
     Capacity,
     ModelSpec,
@@ -74,6 +95,14 @@ class ClusterSpec:
     """Default transfer mode of a request (``RequestPlan.per_layer`` overrides it per request)."""
     forward_writes_kv: bool = False
     """The simulated forward zeroes the pages it computes and writes each layer's KV as it ends."""
+    consensus: bool = True
+    """Prefill ranks MIN-reduce their room polls over a gloo group (only with more than one rank)."""
+    consensus_timeout_s: float = 30.0
+    """gloo's timeout for the group (its default is 30 min: a dead rank would hang the others)."""
+    faults: tuple[RankFaults, ...] = ()
+    stable_addresses: bool = False
+    """Prefill ranks bind their control sockets on ports chosen by the parent, so ``restart`` brings a
+    rank back behind the same address."""
 
     @property
     def policy(self) -> OwnershipPolicy:
@@ -170,6 +199,17 @@ class RankReport:
     unsafe_releases: int
     bytes_written: int
     worker_errors: int
+    malformed: int = 0
+    """Inbound frame sets the rank's control channel rejected."""
+    stale_messages: int = 0
+    late_messages: int = 0
+    peers_lost: int = 0
+    peer_restarts: int = 0
+    consensus_lost: str = ""
+    """Why the rank's consensus group broke ("" if it never did or there was none)."""
+    faults: FaultCounts = attrs.Factory(FaultCounts)
+    pages_in_use: int = 0
+    """Decode: KV pages, state slots and aux rows still allocated at shutdown (leaked: must be 0)."""
 
 
 class ClusterError(RuntimeError):
@@ -249,6 +289,8 @@ class _RankArgs:
     registry: str
     log_level: int
     log_dir: str | None
+    consensus_address: str | None = None
+    control_port: int = 0
 
 
 def _rank_main(args: _RankArgs, conn: Connection) -> None:
@@ -273,10 +315,70 @@ def _rank_main(args: _RankArgs, conn: Connection) -> None:
         raise
 
 
-def _make_backend() -> Any:
+def _make_backend(faults: BackendFaults | None) -> Any:
     from pdkv.engine.mooncake import MooncakeBackend, MooncakeConfig
 
-    return MooncakeBackend(MooncakeConfig())
+    backend = MooncakeBackend(MooncakeConfig())
+    return backend if faults is None else FaultyBackend(backend, faults)
+
+
+def _channel_factory(args: _RankArgs, faults: ChannelFaults | None, made: list[FaultyChannel]) -> Any:
+    base = fixed_port_channel_factory(args.control_port) if args.control_port else None
+    if faults is None:
+        return base
+    return faulty_channel_factory(faults, made, base)
+
+
+def _fault_counts(backend: Any, channels: list[FaultyChannel]) -> FaultCounts:
+    counts = backend.counts() if isinstance(backend, FaultyBackend) else FaultCounts()
+    for channel in channels:
+        c = channel.counts()
+        counts = attrs.evolve(
+            counts,
+            dropped=counts.dropped + c.dropped,
+            duplicated=counts.duplicated + c.duplicated,
+            delayed=counts.delayed + c.delayed,
+        )
+    return counts
+
+
+class _RankConsensus:
+    """The prefill ranks' gloo group: agree on the rooms every rank holds, then MIN-reduce their polls."""
+
+    def __init__(self, address: str, rank: int, world: int, timeout_s: float) -> None:
+        import datetime
+
+        import torch.distributed as dist
+
+        dist.init_process_group(
+            "gloo",
+            init_method=address,
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+        self.lost = ""
+
+    def agree(self, arrived: int, done: bool) -> tuple[int, bool]:
+        """(rooms every rank has received, whether every rank is stopping with nothing left)."""
+        import torch
+        import torch.distributed as dist
+
+        values = torch.tensor([arrived, int(done)], dtype=torch.int64)
+        dist.all_reduce(values, op=dist.ReduceOp.MIN)
+        return int(values[0]), bool(values[1])
+
+    def reduce(self, polls: list[KVPoll]) -> list[KVPoll]:
+        from pdkv.runtime.consensus import all_reduce_polls
+
+        # The lengths were agreed by ``agree`` in this iteration: no second length check.
+        return all_reduce_polls(polls, check_lengths=False)
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
 
 
 def _prefill_rank(args: _RankArgs, conn: Connection) -> None:
@@ -285,7 +387,9 @@ def _prefill_rank(args: _RankArgs, conn: Connection) -> None:
     spec = args.spec
     memory = RankMemory(spec.model, spec.prefill_capacity)
     memory.fill_prefill(cp_rank=args.cp, policy=spec.policy, tp_rank=args.tp)
-    backend = _make_backend()
+    channel_faults, backend_faults = wrap_for_rank(spec.faults, "prefill", args.tp, args.cp)
+    backend = _make_backend(backend_faults)
+    channels: list[FaultyChannel] = []
     config = PrefillConfig(
         instance=InstanceId("prefill-0"),
         rank=RankCoord(tp=args.tp, cp=args.cp),
@@ -295,14 +399,26 @@ def _prefill_rank(args: _RankArgs, conn: Connection) -> None:
         registry=args.registry,
         timeouts=spec.timeouts,
     )
-    transport = PrefillTransport(config, backend)
+    transport = PrefillTransport(
+        config, backend, channel_factory=_channel_factory(args, channel_faults, channels)
+    )
     name = f"prefill tp{args.tp}/cp{args.cp}"
+    consensus: _RankConsensus | None = None
     try:
         transport.start()
-        conn.send(("ready", name))
+        if args.consensus_address is not None:
+            consensus = _RankConsensus(
+                args.consensus_address,
+                rank=args.tp * spec.prefill_cp + args.cp,
+                world=spec.prefill_tp * spec.prefill_cp,
+                timeout_s=spec.consensus_timeout_s,
+            )
+        conn.send(("ready", name, transport.address))
         active: dict[int, tuple[_PrefillRoom, Any, _Progress]] = {}
+        order: list[int] = []  # rooms in arrival order (the same on every rank) not yet retired by consensus
+        agreed: dict[int, KVPoll] = {}  # the consensus of retired rooms still finishing here
         stopping = False
-        while not stopping or active:
+        while True:
             while conn.poll(0 if active else 0.05):
                 command = conn.recv()
                 if command[0] == "stop":
@@ -312,13 +428,23 @@ def _prefill_rank(args: _RankArgs, conn: Connection) -> None:
                 sender = transport.sender(room.room)
                 sender.init(room.num_pages, room.aux_src)
                 active[room.room] = (room, sender, _Progress(started=time.monotonic()))
+                order.append(room.room)
+            grouped = consensus is not None and not consensus.lost
+            if not grouped:
+                order.clear()
+                if stopping and not active:
+                    break
             for key in list(active):
                 room, sender, progress = active[key]
                 poll = sender.poll()
                 ready = poll in (KVPoll.WaitingForInput, KVPoll.Transferring)
                 if ready and progress.next_chunk < len(room.chunks):
                     _prefill_chunk(args, memory, transport, room, sender, progress)
-                elif poll in (KVPoll.Success, KVPoll.Failed):
+                elif poll in (KVPoll.Success, KVPoll.Failed) and (not grouped or key in agreed):
+                    final = min(poll, agreed.pop(key, poll))
+                    failure = sender.failure() or ""
+                    if final is KVPoll.Failed and not failure:
+                        failure = "rank consensus: another prefill rank failed the room"
                     metric = sender.metric()
                     modes = progress.modes
                     conn.send(
@@ -328,8 +454,8 @@ def _prefill_rank(args: _RankArgs, conn: Connection) -> None:
                                 room=room.room,
                                 side="prefill",
                                 rank=name,
-                                poll=int(poll),
-                                failure=sender.failure() or "",
+                                poll=int(final),
+                                failure=failure,
                                 seconds=time.monotonic() - progress.started,
                                 bytes_reported=metric.bytes,
                                 forward_end_at=progress.forward_end_at,
@@ -340,7 +466,10 @@ def _prefill_rank(args: _RankArgs, conn: Connection) -> None:
                     )
                     sender.clear()
                     del active[key]
-            if active:
+            if consensus is not None and grouped:
+                if _consensus_round(consensus, name, active, order, agreed, done=stopping and not active):
+                    break
+            elif active:
                 time.sleep(0.0005)
         stats = transport.statistics()
         conn.send(
@@ -354,12 +483,63 @@ def _prefill_rank(args: _RankArgs, conn: Connection) -> None:
                     unsafe_releases=0,
                     bytes_written=stats.metrics.counters.bytes_sent,
                     worker_errors=stats.worker_errors,
+                    malformed=stats.channel.malformed,
+                    stale_messages=stats.endpoint.stale_messages,
+                    peers_lost=stats.endpoint.peers_lost,
+                    peer_restarts=stats.endpoint.peer_restarts,
+                    consensus_lost=consensus.lost if consensus is not None else "",
+                    faults=_fault_counts(backend, channels),
                 ),
             )
         )
     finally:
+        if consensus is not None:
+            consensus.close()
         transport.close()
         backend.close()
+
+
+def _consensus_round(
+    consensus: _RankConsensus,
+    name: str,
+    active: dict[int, tuple[_PrefillRoom, Any, _Progress]],
+    order: list[int],
+    agreed: dict[int, KVPoll],
+    *,
+    done: bool,
+) -> bool:
+    """One iteration's collectives; True when every rank is stopping with nothing left (leave the loop).
+
+    Rooms whose consensus is terminal leave ``order`` on every rank in this same iteration (so the
+    lists stay aligned); a rank whose own poll is not terminal yet aborts the room: another rank failed.
+    """
+    try:
+        arrived, all_done = consensus.agree(len(order), done)
+        if all_done:
+            return True
+        window = order[:arrived]
+        local = [active[key][1].poll() for key in window]
+        reduced = consensus.reduce(local) if window else []
+    except Exception as exc:  # a dead rank or a broken group: every room of this rank fails
+        consensus.lost = f"{type(exc).__name__}: {exc}"
+        log.warning("%s: rank consensus lost (%s); failing every room of this rank", name, consensus.lost)
+        for key in order:
+            sender = active[key][1]
+            if sender.poll() not in (KVPoll.Success, KVPoll.Failed):
+                sender.abort(f"rank consensus lost: {consensus.lost}")
+        order.clear()
+        return False
+    retired = set()
+    for key, mine, together in zip(window, local, reduced, strict=True):
+        if together not in (KVPoll.Success, KVPoll.Failed):
+            continue
+        retired.add(key)
+        agreed[key] = together
+        if mine not in (KVPoll.Success, KVPoll.Failed):
+            active[key][1].abort("rank consensus: another prefill rank failed the room")
+    if retired:
+        order[:] = [key for key in order if key not in retired]
+    return False
 
 
 @attrs.define(eq=False)
@@ -424,7 +604,9 @@ def _decode_rank(args: _RankArgs, conn: Connection) -> None:
     spec = args.spec
     cap = spec.decode_capacity
     memory = RankMemory(spec.model, cap)
-    backend = _make_backend()
+    channel_faults, backend_faults = wrap_for_rank(spec.faults, "decode", args.tp, args.cp)
+    backend = _make_backend(backend_faults)
+    channels: list[FaultyChannel] = []
     config = DecodeConfig(
         instance=InstanceId("decode-0"),
         rank=RankCoord(tp=args.tp),
@@ -432,7 +614,11 @@ def _decode_rank(args: _RankArgs, conn: Connection) -> None:
         layout=memory.layout,
         timeouts=spec.timeouts,
     )
-    transport = DecodeTransport(config, backend)
+    transport = DecodeTransport(
+        config,
+        backend,
+        channel_factory=_channel_factory(attrs.evolve(args, control_port=0), channel_faults, channels),
+    )
     name = f"decode tp{args.tp}"
     pages = PagePool(pages_per_lane=cap.kv_pages, tier="decode-device")
     state_slots = PagePool(pages_per_lane=cap.state_slots, tier="decode-state")
@@ -444,7 +630,7 @@ def _decode_rank(args: _RankArgs, conn: Connection) -> None:
         prefill = transport.connect(args.registry, timeout_s=spec.startup_timeout_s)
         if not transport.wait_registered(prefill, timeout_s=spec.startup_timeout_s):
             raise ClusterError("prefill ranks did not acknowledge registration")
-        conn.send(("ready", name))
+        conn.send(("ready", name, transport.address))
         active: dict[int, tuple[_DecodeRoom, Any, IntArray, IntArray, IntArray, float]] = {}
         stopping = False
         while not stopping or active:
@@ -539,6 +725,15 @@ def _decode_rank(args: _RankArgs, conn: Connection) -> None:
                     unsafe_releases=stats.unsafe_releases,
                     bytes_written=0,
                     worker_errors=0,
+                    malformed=stats.channel.malformed,
+                    stale_messages=stats.endpoint.stale_messages,
+                    late_messages=stats.endpoint.late_messages,
+                    peers_lost=stats.endpoint.peers_lost,
+                    peer_restarts=stats.endpoint.peer_restarts,
+                    faults=_fault_counts(backend, channels),
+                    pages_in_use=(pages.total_pages - pages.free_pages)
+                    + (state_slots.total_pages - state_slots.free_pages)
+                    + (aux_rows.total_pages - aux_rows.free_pages),
                 ),
             )
         )
@@ -548,6 +743,36 @@ def _decode_rank(args: _RankArgs, conn: Connection) -> None:
 
 
 # ---------------------------------------------------------------------------- the parent
+
+
+@attrs.define(eq=False)
+class _RankProcess:
+    side: str
+    tp: int
+    cp: int
+    name: str
+    proc: Any
+    conn: Connection
+    address: str = ""
+    control_port: int = 0
+    killed: bool = False
+
+
+@attrs.frozen(kw_only=True)
+class TimedAction:
+    """``action(cluster)`` once ``after_s`` seconds of ``Cluster.run`` have passed (e.g. kill a rank)."""
+
+    after_s: float
+    action: Callable[[Cluster], None]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for the gloo group and stable addresses)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 class Cluster:
@@ -561,9 +786,11 @@ class Cluster:
         self.log_level = log_level
         self.log_dir = log_dir
         self._ctx = mp.get_context("spawn")
-        self._procs: list[tuple[str, Any, Connection]] = []
+        self._ranks: list[_RankProcess] = []
         self._registry: Any = None
+        self._consensus_address: str | None = None
         self.reports: list[RankReport] = []
+        self._pending: dict[int, set[str]] = {}
 
     def __enter__(self) -> Cluster:
         try:
@@ -578,11 +805,32 @@ class Cluster:
 
     @property
     def prefill_conns(self) -> list[Connection]:
-        return [c for side, _, c in self._procs if side == "prefill"]
+        return [r.conn for r in self._ranks if r.side == "prefill" and not r.killed]
 
     @property
     def decode_conns(self) -> list[Connection]:
-        return [c for side, _, c in self._procs if side == "decode"]
+        return [r.conn for r in self._ranks if r.side == "decode" and not r.killed]
+
+    @property
+    def registry_address(self) -> str:
+        return str(self._registry.address)
+
+    def registry_statistics(self) -> Any:
+        """The bootstrap registry's counters (``RegistryStatistics``)."""
+        return self._registry.statistics()
+
+    def address(self, side: str, tp: int = 0, cp: int = 0) -> str:
+        """The control address of a rank (``tcp://host:port``)."""
+        return self._rank(side, tp, cp).address
+
+    def pid(self, side: str, tp: int = 0, cp: int = 0) -> int:
+        return int(self._rank(side, tp, cp).proc.pid)
+
+    def _rank(self, side: str, tp: int, cp: int) -> _RankProcess:
+        for r in self._ranks:
+            if (r.side, r.tp, r.cp) == (side, tp, cp):
+                return r
+        raise ClusterError(f"no {side} rank tp{tp}/cp{cp}")
 
     def start(self) -> None:
         from pdkv.runtime.channels import start_registry
@@ -594,30 +842,71 @@ class Cluster:
             cp_size=spec.prefill_cp,
             host="127.0.0.1",
         )
+        if spec.consensus and spec.prefill_tp * spec.prefill_cp > 1:
+            self._consensus_address = f"tcp://127.0.0.1:{free_port()}"
         ranks = [("prefill", tp, cp) for tp in range(spec.prefill_tp) for cp in range(spec.prefill_cp)]
         ranks += [("decode", tp, 0) for tp in range(spec.decode_tp)]
         for side, tp, cp in ranks:
-            parent, child = self._ctx.Pipe()
-            args = _RankArgs(
-                side=side,
-                tp=tp,
-                cp=cp,
-                spec=spec,
-                registry=self._registry.address,
-                log_level=self.log_level,
-                log_dir=self.log_dir,
-            )
-            proc = self._ctx.Process(
-                target=_rank_main, args=(args, child), name=f"pdkv-{side}{tp}.{cp}", daemon=True
-            )
-            proc.start()
-            child.close()
-            self._procs.append((side, proc, parent))
+            port = free_port() if side == "prefill" and spec.stable_addresses else 0
+            self._ranks.append(self._spawn(side, tp, cp, port))
         deadline = time.monotonic() + spec.startup_timeout_s
-        for side, proc, conn in self._procs:
-            message = self._recv(conn, proc, deadline)
-            if message[0] != "ready":
-                raise ClusterError(f"{side} rank failed to start:\n{message[1]}")
+        for rank in self._ranks:
+            self._await_ready(rank, deadline)
+
+    def _spawn(self, side: str, tp: int, cp: int, port: int) -> _RankProcess:
+        parent, child = self._ctx.Pipe()
+        args = _RankArgs(
+            side=side,
+            tp=tp,
+            cp=cp,
+            spec=self.spec,
+            registry=self._registry.address,
+            log_level=self.log_level,
+            log_dir=self.log_dir,
+            consensus_address=self._consensus_address if side == "prefill" else None,
+            control_port=port,
+        )
+        proc = self._ctx.Process(
+            target=_rank_main, args=(args, child), name=f"pdkv-{side}{tp}.{cp}", daemon=True
+        )
+        proc.start()
+        child.close()
+        name = f"prefill tp{tp}/cp{cp}" if side == "prefill" else f"decode tp{tp}"
+        return _RankProcess(side=side, tp=tp, cp=cp, name=name, proc=proc, conn=parent, control_port=port)
+
+    def _await_ready(self, rank: _RankProcess, deadline: float) -> None:
+        message = self._recv(rank.conn, rank.proc, deadline)
+        if message[0] != "ready":
+            raise ClusterError(f"{rank.side} rank failed to start:\n{message[1]}")
+        rank.address = str(message[2])
+
+    def kill(self, side: str, tp: int = 0, cp: int = 0) -> None:
+        """SIGKILL one rank process (no goodbye to anyone); its unfinished rooms are no longer awaited."""
+        rank = self._rank(side, tp, cp)
+        rank.killed = True
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(rank.proc.pid, signal.SIGKILL)
+        rank.proc.join(10)
+        for room in list(self._pending):
+            self._pending[room].discard(rank.name)
+            if not self._pending[room]:
+                del self._pending[room]
+
+    def restart(self, side: str, tp: int = 0, cp: int = 0) -> None:
+        """Kill a rank and start it again (a new epoch) behind the same control address; new rooms go
+        to the new incarnation. Needs ``stable_addresses`` for a prefill rank, and no consensus group
+        (a gloo group cannot take a rank back)."""
+        rank = self._rank(side, tp, cp)
+        if side == "prefill" and not rank.control_port:
+            raise ClusterError("restart behind the same address needs ClusterSpec(stable_addresses=True)")
+        if side == "prefill" and self._consensus_address is not None:
+            raise ClusterError("a rank of a consensus group cannot be restarted")
+        if not rank.killed:
+            self.kill(side, tp, cp)
+        rank.conn.close()
+        fresh = self._spawn(side, tp, cp, rank.control_port)
+        self._ranks[self._ranks.index(rank)] = fresh
+        self._await_ready(fresh, time.monotonic() + self.spec.startup_timeout_s)
 
     def run(
         self,
@@ -625,26 +914,31 @@ class Cluster:
         *,
         max_active: int = 8,
         progress: Callable[[RoomOutcome], None] | None = None,
+        actions: Sequence[TimedAction] = (),
     ) -> list[RoomOutcome]:
-        """Run every request; returns one outcome per room and rank (prefill and decode)."""
+        """Run every request; returns one outcome per room and live rank (prefill and decode).
+
+        ``actions`` run from this loop at their times (a killed rank's rooms are no longer awaited)."""
         spec = self.spec
         pool = PagePool(pages_per_lane=spec.prefill_capacity.kv_pages, policy=spec.policy, tier="prefill")
         prefill_rooms, decode_rooms, _ = plan_requests(spec, plans, pool)
-        per_room = len(self.prefill_conns) + len(self.decode_conns)
         outcomes: list[RoomOutcome] = []
-        pending: dict[int, int] = {}
+        self._pending = {}
         results: queue.SimpleQueue[RoomOutcome] = queue.SimpleQueue()
+        todo = sorted(actions, key=lambda a: a.after_s)
         next_room = 0
-        deadline = (
-            time.monotonic() + spec.room_timeout_s + spec.room_timeout_s * len(plans) / max(1, max_active)
-        )
-        while next_room < len(plans) or pending:
-            while next_room < len(plans) and len(pending) < max_active:
-                for conn in self.prefill_conns:
-                    conn.send(("room", prefill_rooms[next_room]))
-                for conn in self.decode_conns:
-                    conn.send(("room", decode_rooms[next_room]))
-                pending[int(plans[next_room].room)] = per_room
+        started = time.monotonic()
+        deadline = started + spec.room_timeout_s + spec.room_timeout_s * len(plans) / max(1, max_active)
+        while next_room < len(plans) or self._pending or todo:
+            while todo and time.monotonic() - started >= todo[0].after_s:
+                todo.pop(0).action(self)
+            while next_room < len(plans) and len(self._pending) < max_active:
+                live = [r for r in self._ranks if not r.killed]
+                for r in live:
+                    r.conn.send(
+                        ("room", prefill_rooms[next_room] if r.side == "prefill" else decode_rooms[next_room])
+                    )
+                self._pending[int(plans[next_room].room)] = {r.name for r in live}
                 next_room += 1
             self._collect(results, deadline)
             while not results.empty():
@@ -652,59 +946,64 @@ class Cluster:
                 outcomes.append(outcome)
                 if progress is not None:
                     progress(outcome)
-                pending[outcome.room] -= 1
-                if pending[outcome.room] == 0:
-                    del pending[outcome.room]
+                waiting = self._pending.get(outcome.room)
+                if waiting is not None:
+                    waiting.discard(outcome.rank)
+                    if not waiting:
+                        del self._pending[outcome.room]
         return outcomes
 
     def _collect(self, results: queue.SimpleQueue[RoomOutcome], deadline: float) -> None:
         from multiprocessing.connection import wait
 
-        conns = [conn for _, _, conn in self._procs]
-        ready = wait(conns, timeout=0.5)
+        live = [r for r in self._ranks if not r.killed]
+        ready = wait([r.conn for r in live], timeout=0.1)
         for conn in ready:
             assert isinstance(conn, Connection)
-            message = conn.recv()
+            try:
+                message = conn.recv()
+            except (EOFError, OSError):
+                continue  # a rank that died; reported below
             if message[0] == "result":
                 results.put(message[1])
             elif message[0] == "error":
                 raise ClusterError(f"a rank failed:\n{message[1]}")
         if time.monotonic() > deadline:
-            raise ClusterError("rooms did not finish in time")
-        for side, proc, _ in self._procs:
-            if not proc.is_alive():
-                raise ClusterError(f"{side} rank process {proc.name} died (exit code {proc.exitcode})")
+            raise ClusterError(f"rooms did not finish in time: {sorted(self._pending)}")
+        for r in live:
+            if not r.proc.is_alive():
+                raise ClusterError(f"{r.side} rank process {r.proc.name} died (exit code {r.proc.exitcode})")
 
     def close(self) -> list[RankReport]:
         """Stop every rank (gracefully, then by force) and the registry; returns the ranks' final reports."""
         deadline = time.monotonic() + 30
-        for _, proc, conn in self._procs:
-            if proc.is_alive():
+        for r in self._ranks:
+            if r.proc.is_alive():
                 with contextlib.suppress(BrokenPipeError, OSError):
-                    conn.send(("stop",))
-        for _side, proc, conn in self._procs:
+                    r.conn.send(("stop",))
+        for r in self._ranks:
             try:
-                while proc.is_alive() or conn.poll(0):
-                    if not conn.poll(max(0.0, min(1.0, deadline - time.monotonic()))):
+                while r.proc.is_alive() or r.conn.poll(0):
+                    if not r.conn.poll(max(0.0, min(1.0, deadline - time.monotonic()))):
                         if time.monotonic() > deadline:
                             break
                         continue
-                    message = conn.recv()
+                    message = r.conn.recv()
                     if message[0] == "final":
                         self.reports.append(message[1])
                         break
             except (EOFError, OSError):
                 pass
-        for _, proc, conn in self._procs:
-            proc.join(max(0.1, deadline - time.monotonic()))
-            if proc.is_alive():
-                proc.terminate()
-                proc.join(5)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(5)
-            conn.close()
-        self._procs.clear()
+        for r in self._ranks:
+            r.proc.join(max(0.1, deadline - time.monotonic()))
+            if r.proc.is_alive():
+                r.proc.terminate()
+                r.proc.join(5)
+            if r.proc.is_alive():
+                r.proc.kill()
+                r.proc.join(5)
+            r.conn.close()
+        self._ranks.clear()
         if self._registry is not None:
             self._registry.stop()
             self._registry = None
@@ -730,4 +1029,6 @@ __all__ = [
     "RankReport",
     "RequestPlan",
     "RoomOutcome",
+    "TimedAction",
+    "free_port",
 ]
