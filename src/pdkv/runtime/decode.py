@@ -277,8 +277,12 @@ class KVReceiver(RoomHandle[DecodeEndpoint]):
         )
 
     def release_ready(self) -> bool:
-        """True when no prefill rank can still write into this room's pages."""
+        """True when no prefill rank can still write into this room's pages (or the ack wait timed out)."""
         return self.transport._query(lambda e: e.release_ready(self.room))
+
+    def release_was_safe(self) -> bool:
+        """False when the pages were released after the abort-ack timeout: a late write may still land."""
+        return self.transport._query(lambda e: e.release_was_safe(self.room))
 
     def metric(self) -> TransferMetricData:
         """The room's totals as reported by its prefill ranks (pages, bytes, slowest rank's seconds)."""

@@ -4,7 +4,8 @@
   ``EndpointPair`` (prefill endpoints and a decode endpoint wired through it, with abort-safety checks);
 - ``backend_conformance``: the suite every ``TransferBackend`` must pass;
 - ``faults``: fault-injecting control channel and transfer backend wrappers (``FaultyChannel``,
-  ``FaultyBackend``) and frame-level attacks, used by ``pdkv.testing.cluster`` rank processes.
+  ``FaultyBackend``), frame-level attacks, and network namespaces joined by veth (``veth_namespaces``)
+  for partitions, used by ``pdkv.testing.cluster`` rank processes.
 
 Must not be imported by library code below it (runtime, protocol, ...).
 """
@@ -26,7 +27,9 @@ from pdkv.testing.faults import (
     FaultyBackend,
     FaultyChannel,
     MessageRule,
+    NetnsLayout,
     RankFaults,
+    veth_namespaces,
 )
 
 __all__ = [
@@ -41,8 +44,10 @@ __all__ = [
     "LinkFaults",
     "LinkStatistics",
     "MessageRule",
+    "NetnsLayout",
     "RankFaults",
     "RoomPlan",
     "SafetyViolation",
     "default_layout",
+    "veth_namespaces",
 ]

@@ -57,7 +57,9 @@ from pdkv.testing.faults import (
     FaultCounts,
     FaultyBackend,
     FaultyChannel,
+    NetnsLayout,
     RankFaults,
+    enter_netns,
     faulty_channel_factory,
     fixed_port_channel_factory,
     wrap_for_rank,
@@ -103,6 +105,22 @@ class ClusterSpec:
     stable_addresses: bool = False
     """Prefill ranks bind their control sockets on ports chosen by the parent, so ``restart`` brings a
     rank back behind the same address."""
+    engine_transfer_timeout_s: int | None = None
+    """``MC_TRANSFER_TIMEOUT`` of every rank's engine (None: the engine's default, 30 s)."""
+    netns: NetnsLayout | None = None
+    """Run prefill ranks (and the registry) in one network namespace and decode ranks in another,
+    joined by a veth pair, so a test can partition them (``NetnsLayout.partition``)."""
+
+    def host(self, side: str) -> str:
+        """The address ranks of ``side`` bind and advertise."""
+        if self.netns is None:
+            return "127.0.0.1"
+        return self.netns.prefill_ip if side == "prefill" else self.netns.decode_ip
+
+    def namespace(self, side: str) -> str | None:
+        if self.netns is None:
+            return None
+        return self.netns.prefill_ns if side == "prefill" else self.netns.decode_ns
 
     @property
     def policy(self) -> OwnershipPolicy:
@@ -196,9 +214,12 @@ class RankReport:
     rank: str
     rooms: int
     canary_violations: int
+    """Decode: pages of safely released rooms that something wrote into after the release (must be 0)."""
     unsafe_releases: int
     bytes_written: int
     worker_errors: int
+    unsafe_canary_violations: int = 0
+    """Decode: the same for rooms released after the abort-ack timeout (the risk that release counts)."""
     malformed: int = 0
     """Inbound frame sets the rank's control channel rejected."""
     stale_messages: int = 0
@@ -294,6 +315,9 @@ class _RankArgs:
 
 
 def _rank_main(args: _RankArgs, conn: Connection) -> None:
+    namespace = args.spec.namespace(args.side)
+    if namespace is not None:
+        enter_netns(namespace)  # first: every socket and thread of this process lives there
     if args.log_dir is not None:
         # Everything this process writes to stderr (Python logging, the engine's glog) goes to a file.
         path = os.path.join(args.log_dir, f"{args.side}-tp{args.tp}-cp{args.cp}.log")
@@ -315,10 +339,10 @@ def _rank_main(args: _RankArgs, conn: Connection) -> None:
         raise
 
 
-def _make_backend(faults: BackendFaults | None) -> Any:
+def _make_backend(faults: BackendFaults | None, host: str, transfer_timeout_s: int | None) -> Any:
     from pdkv.engine.mooncake import MooncakeBackend, MooncakeConfig
 
-    backend = MooncakeBackend(MooncakeConfig())
+    backend = MooncakeBackend(MooncakeConfig(local_hostname=host, transfer_timeout_s=transfer_timeout_s))
     return backend if faults is None else FaultyBackend(backend, faults)
 
 
@@ -388,7 +412,7 @@ def _prefill_rank(args: _RankArgs, conn: Connection) -> None:
     memory = RankMemory(spec.model, spec.prefill_capacity)
     memory.fill_prefill(cp_rank=args.cp, policy=spec.policy, tp_rank=args.tp)
     channel_faults, backend_faults = wrap_for_rank(spec.faults, "prefill", args.tp, args.cp)
-    backend = _make_backend(backend_faults)
+    backend = _make_backend(backend_faults, spec.host("prefill"), spec.engine_transfer_timeout_s)
     channels: list[FaultyChannel] = []
     config = PrefillConfig(
         instance=InstanceId("prefill-0"),
@@ -397,6 +421,7 @@ def _prefill_rank(args: _RankArgs, conn: Connection) -> None:
         cp_size=spec.prefill_cp,
         layout=memory.layout,
         registry=args.registry,
+        host=spec.host("prefill"),
         timeouts=spec.timeouts,
     )
     transport = PrefillTransport(
@@ -605,13 +630,14 @@ def _decode_rank(args: _RankArgs, conn: Connection) -> None:
     cap = spec.decode_capacity
     memory = RankMemory(spec.model, cap)
     channel_faults, backend_faults = wrap_for_rank(spec.faults, "decode", args.tp, args.cp)
-    backend = _make_backend(backend_faults)
+    backend = _make_backend(backend_faults, spec.host("decode"), spec.engine_transfer_timeout_s)
     channels: list[FaultyChannel] = []
     config = DecodeConfig(
         instance=InstanceId("decode-0"),
         rank=RankCoord(tp=args.tp),
         tp_size=spec.decode_tp,
         layout=memory.layout,
+        host=spec.host("decode"),
         timeouts=spec.timeouts,
     )
     transport = DecodeTransport(
@@ -623,8 +649,8 @@ def _decode_rank(args: _RankArgs, conn: Connection) -> None:
     pages = PagePool(pages_per_lane=cap.kv_pages, tier="decode-device")
     state_slots = PagePool(pages_per_lane=cap.state_slots, tier="decode-state")
     aux_rows = PagePool(pages_per_lane=cap.aux_rows, tier="decode-aux")
-    quarantined: list[IntArray] = []
-    canary_violations = 0
+    quarantined: list[tuple[IntArray, bool]] = []  # pages of failed rooms, released safely or not
+    canary_violations = unsafe_canary_violations = 0
     try:
         transport.start()
         prefill = transport.connect(args.registry, timeout_s=spec.startup_timeout_s)
@@ -683,7 +709,7 @@ def _decode_rank(args: _RankArgs, conn: Connection) -> None:
                     pages.free(dst)
                 else:
                     write_canary(memory, dst)
-                    quarantined.append(dst)
+                    quarantined.append((dst, receiver.release_was_safe()))
                 state_slots.free(slots)
                 aux_rows.free(aux)
                 metric = receiver.metric()
@@ -709,9 +735,12 @@ def _decode_rank(args: _RankArgs, conn: Connection) -> None:
             if active:
                 time.sleep(0.0005)
         time.sleep(0.2)  # a late write, if any, would land now
-        for dst in quarantined:
+        for dst, safe in quarantined:
             if not canary_intact(memory, dst):
-                canary_violations += 1
+                if safe:
+                    canary_violations += 1
+                else:
+                    unsafe_canary_violations += 1
             pages.free(dst)
         stats = transport.statistics()
         conn.send(
@@ -722,6 +751,7 @@ def _decode_rank(args: _RankArgs, conn: Connection) -> None:
                     rank=name,
                     rooms=stats.endpoint.rooms_succeeded + stats.endpoint.rooms_failed,
                     canary_violations=canary_violations,
+                    unsafe_canary_violations=unsafe_canary_violations,
                     unsafe_releases=stats.unsafe_releases,
                     bytes_written=0,
                     worker_errors=0,
@@ -773,6 +803,55 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def _registry_main(spec: ClusterSpec, conn: Connection) -> None:
+    """The bootstrap registry in its own process, inside the prefill namespace."""
+    from pdkv.runtime.channels import start_registry
+
+    namespace = spec.namespace("prefill")
+    if namespace is not None:
+        enter_netns(namespace)
+    service = start_registry(
+        instance=InstanceId("prefill-0"),
+        tp_size=spec.prefill_tp,
+        cp_size=spec.prefill_cp,
+        host=spec.host("prefill"),
+    )
+    try:
+        conn.send(("ready", service.address))
+        conn.recv()  # any message (or EOF) means stop
+    except EOFError:
+        pass
+    finally:
+        service.stop()
+
+
+class _RegistryProcess:
+    """A registry living in another process (namespaced clusters); ``address`` and ``stop`` as in-process."""
+
+    def __init__(self, ctx: Any, spec: ClusterSpec, deadline: float) -> None:
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_registry_main, args=(spec, child), name="pdkv-registry", daemon=True)
+        self._proc.start()
+        child.close()
+        while not self._conn.poll(0.2):
+            if time.monotonic() > deadline or not self._proc.is_alive():
+                self.stop()
+                raise ClusterError("the registry process did not start")
+        self.address: str = self._conn.recv()[1]
+
+    def statistics(self) -> Any:
+        raise ClusterError("registry statistics are not available from a registry in another namespace")
+
+    def stop(self) -> None:
+        with contextlib.suppress(OSError, BrokenPipeError):
+            self._conn.send(("stop",))
+        self._proc.join(10)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join(5)
+        self._conn.close()
 
 
 class Cluster:
@@ -836,12 +915,12 @@ class Cluster:
         from pdkv.runtime.channels import start_registry
 
         spec = self.spec
-        self._registry = start_registry(
-            instance=InstanceId("prefill-0"),
-            tp_size=spec.prefill_tp,
-            cp_size=spec.prefill_cp,
-            host="127.0.0.1",
-        )
+        if spec.netns is None:
+            self._registry = start_registry(
+                instance=InstanceId("prefill-0"), tp_size=spec.prefill_tp, cp_size=spec.prefill_cp
+            )
+        else:
+            self._registry = _RegistryProcess(self._ctx, spec, time.monotonic() + spec.startup_timeout_s)
         if spec.consensus and spec.prefill_tp * spec.prefill_cp > 1:
             self._consensus_address = f"tcp://127.0.0.1:{free_port()}"
         ranks = [("prefill", tp, cp) for tp in range(spec.prefill_tp) for cp in range(spec.prefill_cp)]

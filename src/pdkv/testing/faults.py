@@ -20,7 +20,7 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 
 import attrs
@@ -443,3 +443,95 @@ __all__ = [
     "stale_heartbeat",
     "wrap_for_rank",
 ]
+
+
+# --------------------------------------------------------------------------- network namespaces
+
+_CLONE_NEWNET = 0x40000000
+
+
+@attrs.frozen(kw_only=True)
+class NetnsLayout:
+    """Two network namespaces joined by a veth pair: prefill ranks (and the registry) in one, decode in
+    the other. Addresses exist only inside these namespaces, which the test itself created."""
+
+    prefill_ns: str
+    prefill_ip: str
+    prefill_link: str
+    decode_ns: str
+    decode_ip: str
+    decode_link: str
+
+    def partition(self) -> None:
+        """Cut the link between the two sides (both ends down)."""
+        _ip("-n", self.decode_ns, "link", "set", "dev", self.decode_link, "down")
+        _ip("-n", self.prefill_ns, "link", "set", "dev", self.prefill_link, "down")
+
+    def heal(self) -> None:
+        _ip("-n", self.decode_ns, "link", "set", "dev", self.decode_link, "up")
+        _ip("-n", self.prefill_ns, "link", "set", "dev", self.prefill_link, "up")
+
+
+def _ip(*args: str) -> None:
+    import subprocess
+
+    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=10)
+
+
+def netns_unavailable() -> str | None:
+    """Why namespaces cannot be made here (not root, no ``ip``), or None when they can."""
+    import os
+    import shutil
+
+    if shutil.which("ip") is None:
+        return "the ip command (Debian iproute2) is not installed"
+    if os.geteuid() != 0:
+        return "creating network namespaces needs root"
+    return None
+
+
+@contextlib.contextmanager
+def veth_namespaces(tag: str, subnet: int = 231) -> Iterator[NetnsLayout]:
+    """Create two namespaces and a veth pair (10.<subnet>.<n>.1 decode, .2 prefill); remove them on exit."""
+    n = random.randrange(1, 250)
+    layout = NetnsLayout(
+        prefill_ns=f"pdkv-{tag}-p",
+        prefill_ip=f"10.{subnet}.{n}.2",
+        prefill_link=f"pk{tag[:6]}p",
+        decode_ns=f"pdkv-{tag}-d",
+        decode_ip=f"10.{subnet}.{n}.1",
+        decode_link=f"pk{tag[:6]}d",
+    )
+    try:
+        for ns in (layout.prefill_ns, layout.decode_ns):
+            _ip("netns", "add", ns)
+            _ip("-n", ns, "link", "set", "dev", "lo", "up")
+        _ip("link", "add", layout.decode_link, "type", "veth", "peer", "name", layout.prefill_link)
+        _ip("link", "set", layout.decode_link, "netns", layout.decode_ns)
+        _ip("link", "set", layout.prefill_link, "netns", layout.prefill_ns)
+        _ip("-n", layout.decode_ns, "addr", "add", f"{layout.decode_ip}/24", "dev", layout.decode_link)
+        _ip("-n", layout.prefill_ns, "addr", "add", f"{layout.prefill_ip}/24", "dev", layout.prefill_link)
+        layout.heal()
+        yield layout
+    finally:
+        for ns in (layout.prefill_ns, layout.decode_ns):
+            with contextlib.suppress(Exception):
+                _ip("netns", "del", ns)  # deleting a namespace also deletes its end of the veth pair
+
+
+def enter_netns(name: str) -> None:
+    """Move the calling thread (call it first thing in a fresh process) into network namespace ``name``.
+
+    Threads and sockets created afterwards (zmq's, the engine's) live there too.
+    """
+    import ctypes
+    import os
+
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    fd = os.open(f"/var/run/netns/{name}", os.O_RDONLY)
+    try:
+        if libc.setns(fd, _CLONE_NEWNET) != 0:
+            errno = ctypes.get_errno()
+            raise OSError(errno, f"setns into network namespace {name!r} failed: {os.strerror(errno)}")
+    finally:
+        os.close(fd)
