@@ -137,7 +137,7 @@ class EndpointHost(Generic[E]):
 
 
 class RoomHandle(Generic[E]):
-    """What ``KVSender`` and ``KVReceiver`` share: one room of one transport (no call waits on the network)."""
+    """What ``KVSender`` and ``KVReceiver`` share: one room of one transport (no call waits on I/O)."""
 
     def __init__(self, transport: EndpointHost[E], room: RoomId) -> None:
         self.transport = transport
