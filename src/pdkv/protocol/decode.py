@@ -548,20 +548,9 @@ class DecodeEndpoint:
     # ------------------------------------------------------------------ statistics
 
     def statistics(self) -> DecodeStatistics:
-        c = self._counters
         return DecodeStatistics(
             rooms_open=sum(1 for r in self._rooms.values() if not r.terminal),
-            rooms_succeeded=c.rooms_succeeded,
-            rooms_failed=c.rooms_failed,
-            aborts_sent=c.aborts_sent,
-            aborts_acked=c.aborts_acked,
-            unsafe_releases=c.unsafe_releases,
-            late_messages=c.late_messages,
-            stale_messages=c.stale_messages,
-            unexpected_messages=c.unexpected_messages,
-            aborts_unknown_room=c.aborts_unknown_room,
-            peers_lost=c.peers_lost,
-            peer_restarts=c.peer_restarts,
+            **attrs.asdict(self._counters),  # every counter field, by name
         )
 
     def peer_epoch(self, target: Target) -> Epoch | None:

@@ -724,21 +724,10 @@ class PrefillEndpoint:
     # ------------------------------------------------------------------ statistics
 
     def statistics(self) -> PrefillStatistics:
-        c = self._counters
         return PrefillStatistics(
             rooms_open=sum(1 for r in self._rooms.values() if not r.terminal),
-            rooms_succeeded=c.rooms_succeeded,
-            rooms_failed=c.rooms_failed,
-            chunks_skipped=c.chunks_skipped,
-            aborts_received=c.aborts_received,
-            aborts_unknown_room=c.aborts_unknown_room,
-            requests_refused=c.requests_refused,
-            registrations_rejected=c.registrations_rejected,
-            stale_messages=c.stale_messages,
-            unexpected_messages=c.unexpected_messages,
             peers_registered=len(self._peers),
-            peers_lost=c.peers_lost,
-            peer_restarts=c.peer_restarts,
+            **attrs.asdict(self._counters),  # every counter field, by name
         )
 
     def peers(self) -> list[DecodePeer]:
