@@ -12,7 +12,7 @@ import ctypes
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -21,7 +21,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdkv.engine.loopback import LoopbackBackend, LoopbackConfig, LoopbackFabric, LoopbackFaults
+from pdkv.engine.loopback import LoopbackBackend, LoopbackFabric, LoopbackFaults
 from pdkv.mapping import (
     AttentionKind,
     BufferKind,
@@ -33,133 +33,31 @@ from pdkv.mapping import (
     TransferBlocks,
     cp_owned,
 )
-from pdkv.protocol.config import Timeouts
 from pdkv.protocol.effects import ChunkSpec, DecodePeer, Destination, SubmitChunk
 from pdkv.protocol.ids import Endpoint, Epoch, InstanceId, RoomId, SessionId
 from pdkv.protocol.machines import PerLayerState
 from pdkv.protocol.messages import Origin, RankCoord, StateIndices, TransferRequest
 from pdkv.protocol.poll import KVPoll
-from pdkv.runtime.channels import start_registry
 from pdkv.runtime.chunk_plan import plan_chunk
-from pdkv.runtime.decode import DecodeConfig, DecodeTransport, KVReceiver
+from pdkv.runtime.decode import KVReceiver
 from pdkv.runtime.executor import TransferExecutor
 from pdkv.runtime.per_layer import (
-    PerLayerConfig,
     PerLayerMode,
     PerLayerTransferManager,
     UnknownLayerError,
     unsupported_reason,
 )
-from pdkv.runtime.prefill import KVSender, PrefillConfig, PrefillTransport
+from pdkv.runtime.prefill import KVSender
 from pdkv.testing.synthetic import Capacity, ModelSpec, RankMemory, forward_layers, verify_room
+from tests.runtime.rig import DECODE_PAGES, PREFILL_PAGES, SPEC, Rig, wait_for
 
-TIMEOUTS = Timeouts(bootstrap=20, waiting=20, inflight=20, transfer=20, abort_ack=5, register_retry=0.2)
-SPEC = ModelSpec(layers=3, page_size=16, state_layers=(1,), draft_layers=1)
 MHA = ModelSpec(attention=AttentionKind.MHA, layers=2, page_size=16, kv_bytes_per_token=32, state_layers=(0,))
-PREFILL_PAGES = 64
-DECODE_PAGES = 256
 
 
-def wait_for(predicate: Callable[[], bool], timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        time.sleep(0.002)
-
-
-class Rig:
-    """Prefill CP ranks and decode TP ranks, in-process, over zmq and one loopback fabric."""
-
-    def __init__(
-        self,
-        *,
-        spec: ModelSpec = SPEC,
-        cp: int = 1,
-        decode_tp: int = 1,
-        finish_timeout_s: float = 20.0,
-        faults: LoopbackFaults | None = None,
-    ) -> None:
-        self.spec = spec
-        self.fabric = LoopbackFabric("per-layer")
-        self.policy = PageInterleaved(cp_size=cp)
-        self.registry = start_registry(instance=InstanceId("p"), tp_size=1, cp_size=cp)
-        self.prefill_memory: list[RankMemory] = []
-        self.prefill_backends: list[LoopbackBackend] = []
-        self.prefills: list[PrefillTransport] = []
-        loopback = LoopbackConfig(faults=faults or LoopbackFaults())
-        for rank in range(cp):
-            memory = RankMemory(spec, Capacity(kv_pages=PREFILL_PAGES, state_slots=8, aux_rows=8))
-            memory.fill_prefill(cp_rank=rank, policy=self.policy)
-            backend = LoopbackBackend(loopback, fabric=self.fabric)
-            config = PrefillConfig(
-                instance=InstanceId("p"),
-                rank=RankCoord(tp=0, cp=rank),
-                tp_size=1,
-                cp_size=cp,
-                layout=memory.layout,
-                registry=self.registry.address,
-                timeouts=TIMEOUTS,
-                per_layer=PerLayerConfig(finish_timeout_s=finish_timeout_s),
-            )
-            self.prefill_memory.append(memory)
-            self.prefill_backends.append(backend)
-            self.prefills.append(PrefillTransport(config, backend))
-        self.decode_memory: list[RankMemory] = []
-        self.decode_backends: list[LoopbackBackend] = []
-        self.decodes: list[DecodeTransport] = []
-        for tp in range(decode_tp):
-            memory = RankMemory(spec, Capacity(kv_pages=DECODE_PAGES, state_slots=8, aux_rows=8))
-            backend = LoopbackBackend(fabric=self.fabric)
-            config_d = DecodeConfig(
-                instance=InstanceId("d"),
-                rank=RankCoord(tp=tp),
-                tp_size=decode_tp,
-                layout=memory.layout,
-                timeouts=TIMEOUTS,
-            )
-            self.decode_memory.append(memory)
-            self.decode_backends.append(backend)
-            self.decodes.append(DecodeTransport(config_d, backend))
-        for p in self.prefills:
-            p.start()
-        self.prefill_instance = InstanceId("p")
-        for d in self.decodes:
-            d.start()
-            assert d.connect(self.registry.address, timeout_s=20) == self.prefill_instance
-            assert d.wait_registered(self.prefill_instance, timeout_s=20)
-
-    def close(self) -> None:
-        for p in self.prefills:
-            p.close()
-        for d in self.decodes:
-            d.close()
-        for b in [*self.prefill_backends, *self.decode_backends]:
-            b.close()
-        self.registry.stop()
-
-    def bytes_sent(self) -> int:
-        return sum(b.statistics().bytes_completed for b in self.prefill_backends)
-
-    def batches_in_flight(self) -> int:
-        return sum(b.statistics().batches_in_flight for b in self.prefill_backends)
-
-    def batches_submitted(self) -> int:
-        return sum(b.statistics().batches_submitted for b in self.prefill_backends)
-
-
-@pytest.fixture
-def rig_factory() -> Iterator[Callable[..., Rig]]:
-    made: list[Rig] = []
-
-    def make(**kw: Any) -> Rig:
-        r = Rig(**kw)
-        made.append(r)
-        return r
-
-    yield make
-    for r in made:
-        r.close()
+def started(factory: Callable[..., Rig], **kw: Any) -> Rig:
+    rig = factory(**kw)
+    rig.start_registered()
+    return rig
 
 
 class Room:
@@ -271,7 +169,7 @@ def expected_bytes(spec: ModelSpec, pages_sent: int, state_slots: int) -> int:
 def test_per_layer_equals_monolithic_byte_for_byte(
     rig_factory: Callable[..., Rig], spec: ModelSpec, cp: int
 ) -> None:
-    rig = rig_factory(spec=spec, cp=cp)
+    rig = started(rig_factory, spec=spec, cp=cp)
     rng = np.random.default_rng(cp)
     # Consecutive logical pages first (multi-page runs on every rank), then scattered ones.
     scattered = rng.choice(np.arange(8, PREFILL_PAGES * cp), size=12, replace=False)
@@ -305,7 +203,9 @@ def test_per_layer_equals_monolithic_byte_for_byte(
 
 
 def test_duplicate_registration_is_a_noop_and_nothing_is_sent_twice(rig_factory: Callable[..., Rig]) -> None:
-    rig = rig_factory()
+    rig = started(
+        rig_factory,
+    )
     logical = np.arange(8, dtype=np.int64) + 3
     room = Room(rig, 3, logical, np.arange(8, dtype=np.int64) + 40, slots=2, aux=1)
     first, second = logical[:5], logical[5:]
@@ -327,7 +227,9 @@ def test_duplicate_registration_is_a_noop_and_nothing_is_sent_twice(rig_factory:
 
 
 def test_finish_before_all_layers_ended_waits_for_them(rig_factory: Callable[..., Rig]) -> None:
-    rig = rig_factory()
+    rig = started(
+        rig_factory,
+    )
     logical = np.arange(6, dtype=np.int64) + 20
     room = Room(rig, 4, logical, np.arange(6, dtype=np.int64) + 60, slots=0, aux=2)
     room.register(logical, 0)
@@ -345,7 +247,7 @@ def test_finish_before_all_layers_ended_waits_for_them(rig_factory: Callable[...
 
 
 def test_layer_that_never_ends_fails_the_room_after_its_writes(rig_factory: Callable[..., Rig]) -> None:
-    rig = rig_factory(finish_timeout_s=0.3, faults=LoopbackFaults(delay_seconds=1.0))
+    rig = started(rig_factory, finish_timeout_s=0.3, faults=LoopbackFaults(delay_seconds=1.0))
     logical = np.arange(6, dtype=np.int64)
     room = Room(rig, 5, logical, np.arange(6, dtype=np.int64) + 30, slots=0, aux=3)
     room.register(logical, 0)
@@ -368,7 +270,7 @@ def test_layer_that_never_ends_fails_the_room_after_its_writes(rig_factory: Call
 
 
 def test_abort_mid_forward_nothing_written_after_drop_returns(rig_factory: Callable[..., Rig]) -> None:
-    rig = rig_factory(faults=LoopbackFaults(delay_seconds=0.3))
+    rig = started(rig_factory, faults=LoopbackFaults(delay_seconds=0.3))
     logical = np.arange(8, dtype=np.int64) + 10
     dst = np.arange(8, dtype=np.int64) + 80
     room = Room(rig, 6, logical, dst, slots=0, aux=4)
@@ -399,7 +301,7 @@ def test_abort_mid_forward_nothing_written_after_drop_returns(rig_factory: Calla
 def test_decode_abort_mid_forward_acknowledged_only_after_layer_writes(
     rig_factory: Callable[..., Rig],
 ) -> None:
-    rig = rig_factory(faults=LoopbackFaults(delay_seconds=0.4))
+    rig = started(rig_factory, faults=LoopbackFaults(delay_seconds=0.4))
     logical = np.arange(8, dtype=np.int64) + 30
     dst = np.arange(8, dtype=np.int64) + 120
     room = Room(rig, 7, logical, dst, slots=0, aux=6)
@@ -426,7 +328,9 @@ def test_decode_abort_mid_forward_acknowledged_only_after_layer_writes(
 
 
 def test_ready_event_is_awaited_before_the_layer_is_submitted(rig_factory: Callable[..., Rig]) -> None:
-    rig = rig_factory()
+    rig = started(
+        rig_factory,
+    )
     logical = np.arange(6, dtype=np.int64) + 40
     room = Room(rig, 8, logical, np.arange(6, dtype=np.int64) + 150, slots=0, aux=7)
     room.register(logical, 0)
@@ -456,7 +360,7 @@ def test_ready_event_is_awaited_before_the_layer_is_submitted(rig_factory: Calla
 
 
 def test_fallbacks_are_explicit(rig_factory: Callable[..., Rig], caplog: pytest.LogCaptureFixture) -> None:
-    rig = rig_factory(decode_tp=2)
+    rig = started(rig_factory, decode_tp=2)
     manager = rig.prefills[0].per_layer
     logical = np.arange(4, dtype=np.int64)
     with caplog.at_level(logging.DEBUG, logger="pdkv.runtime.per_layer"):

@@ -4,108 +4,24 @@ out-of-range destination that fails exactly its room, and garbage on every socke
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable
 
 import numpy as np
 import pytest
 import zmq
 from prometheus_client import CollectorRegistry, generate_latest
 
-from pdkv.engine.loopback import LoopbackBackend, LoopbackFabric
-from pdkv.mapping import PageInterleaved
 from pdkv.metrics import PrometheusExporter
-from pdkv.protocol.config import Timeouts
 from pdkv.protocol.ids import InstanceId, RoomId
-from pdkv.protocol.messages import RankCoord, StateIndices
+from pdkv.protocol.messages import StateIndices
 from pdkv.protocol.poll import KVPoll
-from pdkv.runtime.channels import start_registry
-from pdkv.runtime.decode import DecodeConfig, DecodeTransport
-from pdkv.runtime.prefill import KVSender, PrefillConfig, PrefillTransport
-from pdkv.testing.synthetic import Capacity, ModelSpec, RankMemory, verify_room
-
-TIMEOUTS = Timeouts(bootstrap=20, waiting=20, inflight=20, transfer=20, abort_ack=5, register_retry=0.2)
-SPEC = ModelSpec(layers=3, page_size=16, state_layers=(1,))
-
-
-def wait_for(predicate: Callable[[], bool], timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        time.sleep(0.002)
-
-
-class Setup:
-    def __init__(self, *, cp: int = 1, decode_spec: ModelSpec = SPEC) -> None:
-        self.fabric = LoopbackFabric("test")
-        self.policy = PageInterleaved(cp_size=cp)
-        self.registry = start_registry(instance=InstanceId("p"), tp_size=1, cp_size=cp)
-        self.prefill_memory: list[RankMemory] = []
-        self.prefills: list[PrefillTransport] = []
-        self.backends: list[LoopbackBackend] = []
-        for rank in range(cp):
-            memory = RankMemory(SPEC, Capacity(kv_pages=64, state_slots=8, aux_rows=8))
-            memory.fill_prefill(cp_rank=rank, policy=self.policy)
-            backend = LoopbackBackend(fabric=self.fabric)
-            config = PrefillConfig(
-                instance=InstanceId("p"),
-                rank=RankCoord(tp=0, cp=rank),
-                tp_size=1,
-                cp_size=cp,
-                layout=memory.layout,
-                registry=self.registry.address,
-                timeouts=TIMEOUTS,
-            )
-            self.prefill_memory.append(memory)
-            self.backends.append(backend)
-            self.prefills.append(PrefillTransport(config, backend))
-        self.decode_memory = RankMemory(decode_spec, Capacity(kv_pages=256, state_slots=8, aux_rows=8))
-        backend = LoopbackBackend(fabric=self.fabric)
-        self.backends.append(backend)
-        self.decode = DecodeTransport(
-            DecodeConfig(
-                instance=InstanceId("d"),
-                rank=RankCoord(tp=0),
-                tp_size=1,
-                layout=self.decode_memory.layout,
-                timeouts=TIMEOUTS,
-            ),
-            backend,
-        )
-
-    def start(self) -> InstanceId:
-        for p in self.prefills:
-            p.start()
-        self.decode.start()
-        return self.decode.connect(self.registry.address, timeout_s=20)
-
-    def close(self) -> None:
-        for p in self.prefills:
-            p.close()
-        self.decode.close()
-        for b in self.backends:
-            b.close()
-        self.registry.stop()
-
-
-@pytest.fixture
-def setup_factory() -> Iterator[Callable[..., Setup]]:
-    made: list[Setup] = []
-
-    def make(**kw: Any) -> Setup:
-        s = Setup(**kw)
-        made.append(s)
-        return s
-
-    yield make
-    for s in made:
-        s.close()
+from pdkv.runtime.prefill import KVSender
+from pdkv.testing.synthetic import ModelSpec, verify_room
+from tests.runtime.rig import SPEC, Rig, wait_for
 
 
 def run_room(
-    s: Setup, prefill: InstanceId, room: RoomId, logical: np.ndarray, dst: np.ndarray, chunks: list[int]
+    s: Rig, prefill: InstanceId, room: RoomId, logical: np.ndarray, dst: np.ndarray, chunks: list[int]
 ) -> list[KVSender]:
     receiver = s.decode.receiver(room, prefill)
     slots = np.array([3, 4])
@@ -129,8 +45,8 @@ def run_room(
     return senders
 
 
-def test_rooms_end_to_end_cp2(setup_factory: Callable[..., Setup]) -> None:
-    s = setup_factory(cp=2)
+def test_rooms_end_to_end_cp2(rig_factory: Callable[..., Rig]) -> None:
+    s = rig_factory(cp=2)
     prefill = s.start()
     assert s.decode.wait_registered(prefill, timeout_s=20)
     logical = np.array([5, 0, 7, 2, 9, 12, 3], dtype=np.int64)
@@ -140,7 +56,7 @@ def test_rooms_end_to_end_cp2(setup_factory: Callable[..., Setup]) -> None:
     wait_for(lambda: receiver.poll() is KVPoll.Success)
     wait_for(lambda: all(x.poll() is KVPoll.Success for x in senders))
     checked, mismatches = verify_room(
-        s.decode_memory,
+        s.decode_memory[0],
         logical_ids=logical,
         dst_pages=dst,
         prefix_pages=0,
@@ -172,9 +88,9 @@ def test_rooms_end_to_end_cp2(setup_factory: Callable[..., Setup]) -> None:
     assert 'peer="p:tp0/cp1"' in text
 
 
-def test_layout_mismatch_is_rejected_with_both_lists(setup_factory: Callable[..., Setup]) -> None:
+def test_layout_mismatch_is_rejected_with_both_lists(rig_factory: Callable[..., Rig]) -> None:
     other = ModelSpec(layers=4, page_size=16, state_layers=(1,))
-    s = setup_factory(decode_spec=other)
+    s = rig_factory(decode_spec=other)
     prefill = s.start()
     assert not s.decode.wait_registered(prefill, timeout_s=1.0)
     receiver = s.decode.receiver(RoomId(5), prefill)
@@ -184,8 +100,8 @@ def test_layout_mismatch_is_rejected_with_both_lists(setup_factory: Callable[...
     assert "target kv layer ids differ: [0, 1, 2] vs [0, 1, 2, 3]" in reason
 
 
-def test_out_of_range_destination_fails_exactly_that_room(setup_factory: Callable[..., Setup]) -> None:
-    s = setup_factory()
+def test_out_of_range_destination_fails_exactly_that_room(rig_factory: Callable[..., Rig]) -> None:
+    s = rig_factory()
     prefill = s.start()
     assert s.decode.wait_registered(prefill, timeout_s=20)
     bad = s.decode.receiver(RoomId(1), prefill)
@@ -201,8 +117,8 @@ def test_out_of_range_destination_fails_exactly_that_room(setup_factory: Callabl
     wait_for(bad.release_ready)
 
 
-def test_garbage_on_every_socket_leaves_transports_serving(setup_factory: Callable[..., Setup]) -> None:
-    s = setup_factory()
+def test_garbage_on_every_socket_leaves_transports_serving(rig_factory: Callable[..., Rig]) -> None:
+    s = rig_factory()
     prefill = s.start()
     assert s.decode.wait_registered(prefill, timeout_s=20)
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
@@ -238,10 +154,10 @@ def test_garbage_on_every_socket_leaves_transports_serving(setup_factory: Callab
 
 
 def test_partition_dump_logs_every_chunk_and_changes_nothing_else(
-    setup_factory: Callable[..., Setup], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    rig_factory: Callable[..., Rig], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setenv("PDKV_DEBUG_PARTITION_DUMP", "1")
-    s = setup_factory(cp=2)
+    s = rig_factory(cp=2)
     prefill = s.start()
     assert s.decode.wait_registered(prefill, timeout_s=20)
     chunks = [1] * 40  # more lines than any sensible cap
@@ -256,7 +172,7 @@ def test_partition_dump_logs_every_chunk_and_changes_nothing_else(
     assert sum("kv_pages_sent=1" in line for line in lines) == len(chunks)  # each position owned once
     assert all(x.poll() is KVPoll.Success for x in senders)
     _, mismatches = verify_room(
-        s.decode_memory,
+        s.decode_memory[0],
         logical_ids=logical,
         dst_pages=dst,
         prefix_pages=0,
