@@ -3,8 +3,8 @@
 A hot function may contain no ``for`` / ``while`` statement and no comprehension or generator.
 The two exceptions loop once per *batch* (``batch_bounds``'s cut loop and ``shape_batches``'s list
 of batches); they are listed with their exact loop count so a new loop anywhere fails this test.
-Layout pairing (a loop over buffers) is registration-time work behind an identity cache; the last
-test shows the hot path does not redo it.
+Layout pairing (a loop over buffers, and the per-buffer segment templates of ``heads``) is
+registration-time work behind an identity cache; the last tests show the hot path does not redo it.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from pdkv.mapping import (
     _arrays,
     batches,
     buffers,
+    heads,
     layer_blocks,
     ownership,
     pages,
@@ -63,6 +64,18 @@ HOT: dict[ModuleType, dict[str, int]] = {
         "cached_pairs": 0,
     },
     batches: {"slice_blocks": 0, "batch_bounds": 1, "shape_batches": 1},
+    heads: {
+        "head_range": 0,
+        "head_plan": 0,
+        "_ranges": 0,
+        "HeadPairs.select": 0,
+        "cached_head_pairs": 0,
+        "_check_head_capacity": 0,
+        "head_pairs_to_blocks": 0,
+        "head_blocks": 0,
+        "describes_heads": 0,
+        "kv_blocks": 0,
+    },
     state: {
         "clip_state": 0,
         "StateLayerMap.from_layer_ids": 0,
@@ -123,4 +136,41 @@ def test_block_building_does_not_repeat_the_layout_pairing(monkeypatch: pytest.M
     run = PageRuns(src_start=[0], dst_start=[1], length=[2])
     for _ in range(5):
         assert len(layer_blocks(run, layout, layout)) == 61
+    assert len(calls) == 1
+
+
+def test_head_blocks_do_not_repeat_the_head_pairing(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+    real = heads.pair_head_buffers
+
+    def counting(local: BufferLayout, peer: BufferLayout) -> heads.HeadPairs:
+        calls.append(1)
+        return real(local, peer)
+
+    monkeypatch.setattr(heads, "pair_head_buffers", counting)
+
+    def layout(tp_rank: int) -> BufferLayout:
+        geometry = heads.rank_heads(kv_heads=8, tp_size=4, tp_rank=tp_rank, head_bytes=128)
+        return BufferLayout.build(
+            attention=AttentionKind.MHA,
+            page_size=16,
+            buffers=[
+                BufferSpec(
+                    kind=kind,
+                    model=ModelRole.TARGET,
+                    layer_id=i,
+                    base_ptr=(i * 2 + (kind is BufferKind.V)) << 20,
+                    length=4 * 4096,
+                    item_bytes=4096,
+                    heads=geometry,
+                )
+                for i in range(61)
+                for kind in (BufferKind.K, BufferKind.V)
+            ],
+        )
+
+    local, peer = layout(1), layout(1)
+    run = PageRuns(src_start=[0], dst_start=[1], length=[2])
+    for _ in range(5):
+        assert len(heads.head_blocks(run, local, peer)) == 122
     assert len(calls) == 1

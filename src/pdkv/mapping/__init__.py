@@ -9,7 +9,9 @@ Pure, vectorised numpy functions from "pages the scheduler knows" to "bytes the 
 - ``buffers``: runs turned into byte blocks per paired buffer (KV, state slots, aux rows);
 - ``batches``: blocks sliced and cut into batches within the engine's limits;
 - ``state``: state index clipping and state-layer compaction for index-skip models;
-- ``fanout``: TP fan-out (targets, dummy ranks, required_dst_info_num, statuses to wait for).
+- ``fanout``: TP fan-out (targets, dummy ranks, required_dst_info_num, statuses to wait for);
+- ``heads``: MHA/GQA across unequal TP: head ranges per rank, the head plan of a topology, and the
+  strided byte blocks (``head_blocks``; ``kv_blocks`` picks it or ``layer_blocks``).
 
 Inputs may be numpy arrays, integer sequences or CPU torch tensors; a tensor on an accelerator is a
 ``MappingError`` (never a hidden device-to-host copy). Every contract violation is a typed error
@@ -37,7 +39,26 @@ from pdkv.mapping.fanout import (
     prefill_fanout,
     required_dst_info_num,
 )
-from pdkv.mapping.layout import AttentionKind, BufferKind, BufferLayout, BufferSpec, ModelRole
+from pdkv.mapping.heads import (
+    HeadPairs,
+    HeadPlan,
+    HeadRange,
+    head_blocks,
+    head_plan,
+    head_range,
+    kv_blocks,
+    pair_head_buffers,
+    rank_heads,
+)
+from pdkv.mapping.layout import (
+    AttentionKind,
+    BufferKind,
+    BufferLayout,
+    BufferSpec,
+    HeadGeometry,
+    ItemLayout,
+    ModelRole,
+)
 from pdkv.mapping.ownership import BlockCyclic, OwnershipPolicy, PageInterleaved
 from pdkv.mapping.pages import (
     MappedChunk,
@@ -68,6 +89,11 @@ __all__ = [
     "BufferSpec",
     "ClippedState",
     "DecodeFanout",
+    "HeadGeometry",
+    "HeadPairs",
+    "HeadPlan",
+    "HeadRange",
+    "ItemLayout",
     "LayerKey",
     "MappedChunk",
     "ModelRole",
@@ -94,10 +120,16 @@ __all__ = [
     "decode_fanout",
     "dst_for_positions",
     "expand",
+    "head_blocks",
+    "head_plan",
+    "head_range",
+    "kv_blocks",
     "layer_blocks",
     "map_chunk",
     "pair_buffers",
+    "pair_head_buffers",
     "prefill_fanout",
+    "rank_heads",
     "required_dst_info_num",
     "runs_to_blocks",
     "shape_batches",

@@ -12,9 +12,14 @@ Rules (SGLang's semantics, with every CP rank of the real TP source sending its 
 - Decode TP < prefill TP by ratio r: decode rank d addresses prefill TP ranks d*r .. d*r + r - 1.
   Under MLA (KV replicated across TP) only the first is real; the other r - 1 get dummy requests so
   their rooms advance, and send no status.
-- MHA splits heads across TP: only equal TP is supported for now (a ``TopologyError`` otherwise).
+- MHA/GQA splits the model's ``kv_heads`` KV heads across TP (``pdkv.mapping.heads`` has the head
+  ranges and byte slices). Equal TP needs nothing more; unequal TP needs ``kv_heads``. Who addresses
+  whom is the same as under MLA; only the dummies differ: with decode TP < prefill TP, the r prefill
+  ranks a decode rank addresses hold ``r / copies`` distinct head ranges, each held by ``copies =
+  min(r, max(1, prefill_tp // kv_heads))`` of them (GQA replicas when kv_heads < prefill tp); the
+  first rank of each replica group is real, the others are dummies (MLA is ``copies = r``).
 - Prefill CP C: each TP target stands for C ranks (tp, 0..C-1); a decode rank waits for one status
-  from every CP rank of its real TP source.
+  from every CP rank of each of its real TP sources.
 """
 
 from __future__ import annotations
@@ -44,6 +49,8 @@ class Topology:
     attention: AttentionKind = attrs.field(
         default=AttentionKind.MLA, validator=attrs.validators.instance_of(AttentionKind)
     )
+    kv_heads: int | None = attrs.field(default=None, validator=attrs.validators.optional(_positive))
+    """MHA/GQA: the model's KV head count (needed when the TP sizes differ); None under MLA."""
 
     def __attrs_post_init__(self) -> None:
         big, small = max(self.prefill_tp, self.decode_tp), min(self.prefill_tp, self.decode_tp)
@@ -51,16 +58,39 @@ class Topology:
             raise TopologyError(
                 f"prefill tp {self.prefill_tp} and decode tp {self.decode_tp}: one must divide the other"
             )
-        if self.attention is AttentionKind.MHA and self.prefill_tp != self.decode_tp:
-            raise TopologyError(
-                f"MHA splits heads across TP ranks: prefill tp {self.prefill_tp} and decode tp "
-                f"{self.decode_tp} must be equal (head slicing between unequal TP is not supported)"
-            )
+        if self.attention is AttentionKind.MLA:
+            if self.kv_heads is not None:
+                raise TopologyError(f"kv_heads={self.kv_heads} given for MLA (latent KV has no heads)")
+            return
+        if self.kv_heads is None:
+            if self.prefill_tp != self.decode_tp:
+                raise TopologyError(
+                    f"MHA splits heads across TP ranks: prefill tp {self.prefill_tp} and decode tp "
+                    f"{self.decode_tp} differ, so the topology needs kv_heads (the model's KV head count)"
+                )
+            return
+        for side, tp in (("prefill", self.prefill_tp), ("decode", self.decode_tp)):
+            if self.kv_heads % tp and tp % self.kv_heads:
+                raise TopologyError(
+                    f"{self.kv_heads} KV heads cannot be split over {side} tp {tp}: one must divide the "
+                    "other (each rank holds kv_heads/tp heads, or one head replicated tp/kv_heads times)"
+                )
 
     @property
     def ratio(self) -> int:
         """Larger TP size / smaller TP size (1 for equal TP)."""
         return max(self.prefill_tp, self.decode_tp) // min(self.prefill_tp, self.decode_tp)
+
+    @property
+    def copies(self) -> int:
+        """With decode tp < prefill tp: how many of the ``ratio`` prefill ranks a decode rank addresses
+        hold the same heads (one of each group is real). MLA: all of them; MHA: the GQA replicas."""
+        if self.decode_tp >= self.prefill_tp:
+            return 1
+        if self.attention is AttentionKind.MLA:
+            return self.ratio
+        heads = self.prefill_tp if self.kv_heads is None else self.kv_heads  # equal-TP MHA never gets here
+        return min(self.ratio, max(1, self.prefill_tp // heads))
 
 
 @attrs.frozen(kw_only=True)
@@ -111,20 +141,19 @@ def _rank(value: int, size: int, name: str) -> int:
 def decode_fanout(topology: Topology, decode_tp_rank: int) -> DecodeFanout:
     """The prefill ranks (tp, cp) decode rank ``decode_tp_rank`` requests, and how many statuses it needs.
 
-    Targets are ordered by TP rank, then CP rank. Only real targets send a status, one per CP rank.
+    Targets are ordered by TP rank, then CP rank. Only real targets send a status, one per CP rank
+    (under MHA with decode tp < prefill tp several TP ranks can be real: each holds other heads).
     """
     d = _rank(decode_tp_rank, topology.decode_tp, "decode_tp_rank")
-    r = topology.ratio
-    if topology.decode_tp >= topology.prefill_tp:
-        tp_ranks, real_tp = [d // r], d // r
-    else:
-        tp_ranks, real_tp = list(range(d * r, d * r + r)), d * r
+    r, copies = topology.ratio, topology.copies
+    tp_ranks = [d // r] if topology.decode_tp >= topology.prefill_tp else list(range(d * r, d * r + r))
     targets = tuple(
-        PrefillTarget(tp=tp, cp=cp, dummy=tp != real_tp)
+        PrefillTarget(tp=tp, cp=cp, dummy=tp % copies != 0)
         for tp in tp_ranks
         for cp in range(topology.prefill_cp)
     )
-    return DecodeFanout(decode_tp_rank=d, targets=targets, required_statuses=topology.prefill_cp)
+    real_tp = len(tp_ranks) // copies
+    return DecodeFanout(decode_tp_rank=d, targets=targets, required_statuses=real_tp * topology.prefill_cp)
 
 
 def prefill_fanout(topology: Topology, prefill_tp_rank: int) -> PrefillFanout:
@@ -133,7 +162,7 @@ def prefill_fanout(topology: Topology, prefill_tp_rank: int) -> PrefillFanout:
     r = topology.ratio
     if topology.decode_tp >= topology.prefill_tp:
         return PrefillFanout(prefill_tp_rank=p, decode_ranks=tuple(range(p * r, p * r + r)), dummy=False)
-    return PrefillFanout(prefill_tp_rank=p, decode_ranks=(p // r,), dummy=p % r != 0)
+    return PrefillFanout(prefill_tp_rank=p, decode_ranks=(p // r,), dummy=p % topology.copies != 0)
 
 
 def required_dst_info_num(topology: Topology, prefill_tp_rank: int) -> int:

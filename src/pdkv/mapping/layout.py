@@ -6,13 +6,20 @@ accepts anything with ``data_ptr()``, ``numel()`` and ``element_size()`` (torch 
 
 Items: for KV buffers an item is one page (``page_size`` tokens); for state buffers one state slot
 (page-indexed state such as SWA or NSA index K/scale uses its own index space); for aux one row.
+
+Heads (MHA/GQA K and V buffers, optional): ``HeadGeometry`` says which of the model's KV heads a
+rank's buffer holds and how a page item is laid out (``ItemLayout``): token-major
+``[page_size][head_count][head_bytes]`` (SGLang's token pool, vLLM NHD) or head-major
+``[head_count][page_size][head_bytes]`` (vLLM HND). With it, ``item_bytes`` must equal
+``page_size * head_count * head_bytes``, and two layouts compare by model head count and bytes per
+head instead of bytes per item, so prefill and decode instances of different TP sizes can register.
 """
 
 from __future__ import annotations
 
 import enum
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 import attrs
@@ -56,6 +63,13 @@ class AttentionKind(enum.Enum):
     MHA = "mha"  # K and V split by heads across TP ranks
 
 
+class ItemLayout(enum.Enum):
+    """Byte order inside one KV page item of an MHA/GQA buffer (``head_bytes`` = head_dim x dtype size)."""
+
+    TOKEN_HEAD = "token_head"  # [page_size tokens][head_count heads][head_bytes]: token-major
+    HEAD_TOKEN = "head_token"  # [head_count heads][page_size tokens][head_bytes]: head-major
+
+
 class TensorLike(Protocol):
     """The part of a torch tensor that a layout needs (keeps this module free of torch)."""
 
@@ -78,6 +92,50 @@ def _positive(_: object, attribute: attrs.Attribute[int], value: int) -> None:
 
 
 @attrs.frozen(kw_only=True)
+class HeadGeometry:
+    """The KV heads one rank's K or V buffer holds: model heads ``head_start .. head_start + head_count - 1``.
+
+    ``kv_heads`` is the model's KV head count (all ranks); ``head_bytes`` the bytes of one head of one
+    token (head_dim x dtype size); ``item_layout`` the byte order inside a page item. Under GQA with
+    fewer KV heads than TP ranks a rank holds one head that other ranks hold too (a replica).
+    """
+
+    kv_heads: int = attrs.field(validator=_positive)
+    head_start: int = attrs.field(validator=_non_negative)
+    head_count: int = attrs.field(validator=_positive)
+    head_bytes: int = attrs.field(validator=_positive)
+    item_layout: ItemLayout = attrs.field(
+        default=ItemLayout.TOKEN_HEAD, validator=attrs.validators.instance_of(ItemLayout)
+    )
+
+    def __attrs_post_init__(self) -> None:
+        if self.head_start + self.head_count > self.kv_heads:
+            raise ValueError(
+                f"heads {self.head_start}..{self.head_start + self.head_count - 1} are outside the "
+                f"model's {self.kv_heads} KV heads"
+            )
+
+    @property
+    def head_stop(self) -> int:
+        return self.head_start + self.head_count
+
+    def item_bytes(self, page_size: int) -> int:
+        """Bytes of one page item holding these heads."""
+        return page_size * self.head_count * self.head_bytes
+
+    @property
+    def model_signature(self) -> tuple[int, int]:
+        """What both sides must agree on (the rank's own head range may differ): (kv_heads, head_bytes)."""
+        return (self.kv_heads, self.head_bytes)
+
+    def describe(self) -> str:
+        return (
+            f"{self.kv_heads} KV heads x {self.head_bytes} B, heads {self.head_start}..{self.head_stop - 1}, "
+            f"{self.item_layout.value}"
+        )
+
+
+@attrs.frozen(kw_only=True)
 class BufferSpec:
     """One registered region. ``length`` is a whole number of items of ``item_bytes`` each."""
 
@@ -87,8 +145,14 @@ class BufferSpec:
     base_ptr: int = attrs.field(validator=_non_negative)
     length: int = attrs.field(validator=_non_negative)
     item_bytes: int = attrs.field(validator=_positive)
+    heads: HeadGeometry | None = attrs.field(
+        default=None, validator=attrs.validators.optional(attrs.validators.instance_of(HeadGeometry))
+    )
+    """MHA/GQA K and V buffers only: the heads this rank holds (None: not described, equal TP only)."""
 
     def __attrs_post_init__(self) -> None:
+        if self.heads is not None and self.kind not in (BufferKind.K, BufferKind.V):
+            raise ValueError(f"{self.kind.value} layer {self.layer_id}: only K and V buffers describe heads")
         if self.length % self.item_bytes:
             raise ValueError(
                 f"{self.kind.value} layer {self.layer_id}: length {self.length} is not a multiple of "
@@ -123,6 +187,17 @@ class BufferLayout:
             raise ValueError("a layout lists the same (model, kind, layer) twice")
         if keys != sorted(keys, key=_canonical_key):
             raise ValueError("buffers must be in canonical order (use BufferLayout.build)")
+        for b in self.buffers:
+            if b.heads is None:
+                continue
+            if self.attention is not AttentionKind.MHA:
+                raise ValueError(f"{b.kind.value} layer {b.layer_id}: only MHA layouts describe heads")
+            if b.item_bytes != b.heads.item_bytes(self.page_size):
+                raise ValueError(
+                    f"{b.model.value} {b.kind.value} layer {b.layer_id}: item_bytes {b.item_bytes} != "
+                    f"page_size {self.page_size} x {b.heads.head_count} heads x {b.heads.head_bytes} "
+                    "bytes per head"
+                )
 
     @classmethod
     def build(
@@ -139,8 +214,13 @@ class BufferLayout:
         attention: AttentionKind,
         page_size: int,
         tensors: Sequence[tuple[BufferKind, ModelRole, int, TensorLike, int]],
+        heads: Mapping[ModelRole, HeadGeometry] | None = None,
     ) -> BufferLayout:
-        """Build from ``(kind, model, layer_id, tensor, item_bytes)`` entries (torch tensors work)."""
+        """Build from ``(kind, model, layer_id, tensor, item_bytes)`` entries (torch tensors work).
+
+        ``heads`` (MHA/GQA): the head geometry of each model's K and V buffers on this rank.
+        """
+        per_model = {} if heads is None else dict(heads)
         specs = [
             BufferSpec(
                 kind=kind,
@@ -149,6 +229,7 @@ class BufferLayout:
                 base_ptr=t.data_ptr(),
                 length=t.numel() * t.element_size(),
                 item_bytes=item_bytes,
+                heads=per_model.get(model) if kind in (BufferKind.K, BufferKind.V) else None,
             )
             for kind, model, layer_id, t, item_bytes in tensors
         ]
@@ -180,6 +261,9 @@ class BufferLayout:
         text = f"{self.attention.value}/{self.page_size}/" + ";".join(
             ",".join(map(str, s)) for s in self.signature
         )
+        described = [b.heads for b in self.buffers if b.heads is not None]
+        if described:  # layouts without heads keep the digest they always had
+            text += "/heads:" + ";".join(h.describe() for h in described)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def difference(self, other: BufferLayout) -> str | None:
@@ -196,8 +280,16 @@ class BufferLayout:
                 if mine != theirs:
                     problems.append(f"{model.value} {kind.value} layer ids differ: {mine} vs {theirs}")
                     continue
-                mine_b = [b.item_bytes for b in self.buffers if b.kind is kind and b.model is model]
-                theirs_b = [b.item_bytes for b in other.buffers if b.kind is kind and b.model is model]
+                mine_s = [b for b in self.buffers if b.kind is kind and b.model is model]
+                theirs_s = [b for b in other.buffers if b.kind is kind and b.model is model]
+                heads = _head_difference(mine_s, theirs_s)
+                if heads is not None:
+                    problems.append(f"{model.value} {kind.value} {heads}")
+                    continue
+                if any(b.heads is not None for b in mine_s):
+                    continue  # same model heads: bytes per item follow each rank's own head range
+                mine_b = [b.item_bytes for b in mine_s]
+                theirs_b = [b.item_bytes for b in theirs_s]
                 if mine_b != theirs_b:
                     problems.append(
                         f"{model.value} {kind.value} bytes per item differ: {sorted(set(mine_b))} "
@@ -209,6 +301,26 @@ class BufferLayout:
         diff = self.difference(other)
         if diff is not None:
             raise LayoutMismatchError(f"buffer layouts are incompatible: {diff}")
+
+
+def _head_difference(mine: list[BufferSpec], theirs: list[BufferSpec]) -> str | None:
+    """None when both sides describe no heads, or the same model heads (count, bytes per head) per layer.
+
+    Head ranges and item layouts may differ (other TP size, other attention backend): the head
+    mapping slices and reorders bytes for them. Described on one side only is a difference.
+    """
+    described = [b.heads is not None for b in mine], [b.heads is not None for b in theirs]
+    if not any(described[0]) and not any(described[1]):
+        return None
+    if not all(described[0]) or not all(described[1]):
+        here = "all" if all(described[0]) else ("some" if any(described[0]) else "no")
+        there = "all" if all(described[1]) else ("some" if any(described[1]) else "no")
+        return f"head geometry described on {here} buffers here vs {there} at the peer"
+    mine_h = [b.heads.model_signature for b in mine if b.heads is not None]
+    theirs_h = [b.heads.model_signature for b in theirs if b.heads is not None]
+    if mine_h != theirs_h:
+        return f"(KV heads, bytes per head) differ: {sorted(set(mine_h))} vs {sorted(set(theirs_h))}"
+    return None
 
 
 _KIND_ORDER = {kind: i for i, kind in enumerate(BufferKind)}
