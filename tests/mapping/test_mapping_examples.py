@@ -12,6 +12,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 
 from pdkv.errors import PdkvError
@@ -21,6 +22,8 @@ from pdkv.mapping import (
     BufferKind,
     BufferLayout,
     BufferSpec,
+    HeadGeometry,
+    ItemLayout,
     LayerKey,
     ModelRole,
     OwnershipPolicy,
@@ -36,6 +39,8 @@ from pdkv.mapping import (
     cp_owned,
     decode_fanout,
     dst_for_positions,
+    head_plan,
+    kv_blocks,
     layer_blocks,
     prefill_fanout,
     required_dst_info_num,
@@ -54,6 +59,16 @@ def _policy(data: dict[str, Any]) -> OwnershipPolicy:
     return BlockCyclic(cp_size=data["cp_size"], block_pages=data["block_pages"])
 
 
+def _heads(data: dict[str, Any]) -> HeadGeometry:
+    return HeadGeometry(
+        kv_heads=data["kv_heads"],
+        head_start=data["head_start"],
+        head_count=data["head_count"],
+        head_bytes=data["head_bytes"],
+        item_layout=ItemLayout(data["item_layout"]),
+    )
+
+
 def _layout(data: dict[str, Any]) -> BufferLayout:
     specs = [
         BufferSpec(
@@ -63,6 +78,7 @@ def _layout(data: dict[str, Any]) -> BufferLayout:
             base_ptr=b["base_ptr"],
             length=b["length"],
             item_bytes=b["item_bytes"],
+            heads=_heads(b["heads"]) if "heads" in b else None,
         )
         for b in data["buffers"]
     ]
@@ -96,7 +112,9 @@ def _run_chunk(inp: dict[str, Any], expected: dict[str, Any]) -> None:
 def _run_blocks(inp: dict[str, Any], expected: dict[str, Any]) -> None:
     local, peer = _layout(inp["local"]), _layout(inp["peer"])
     if "runs" in inp:
-        got = layer_blocks(PageRuns(**inp["runs"]), local, peer)
+        with_heads = any("heads" in b for b in inp["local"]["buffers"])
+        build = kv_blocks if with_heads else layer_blocks
+        got = build(PageRuns(**inp["runs"]), local, peer)
     else:
         state = inp["state"]
         got = state_blocks(BufferKind(state["kind"]), state["src_slots"], state["dst_slots"], local, peer)
@@ -123,6 +141,7 @@ def _run_fanout(inp: dict[str, Any], expected: dict[str, Any]) -> None:
         decode_tp=inp["decode_tp"],
         prefill_cp=inp["prefill_cp"],
         attention=AttentionKind(inp["attention"]),
+        kv_heads=inp.get("kv_heads"),
     )
     for want in expected["decode"]:
         fanout = decode_fanout(topology, want["decode_tp_rank"])
@@ -134,6 +153,10 @@ def _run_fanout(inp: dict[str, Any], expected: dict[str, Any]) -> None:
         assert list(served.decode_ranks) == want["decode_ranks"]
         assert served.dummy is want["dummy"]
         assert required_dst_info_num(topology, p) == want["required_dst_info_num"]
+    if "plan" in expected:
+        plan = head_plan(topology)
+        assert {name: getattr(plan, name).tolist() for name in expected["plan"]} == expected["plan"]
+        assert len(expected["plan"]) == len(attrs.fields(type(plan)))
 
 
 def _run_clip_state(inp: dict[str, Any], expected: dict[str, Any]) -> None:
@@ -186,6 +209,19 @@ def test_the_examples_cover_what_the_spec_promises() -> None:
     fanouts = [(e["input"]["prefill_tp"], e["input"]["decode_tp"]) for e in EXAMPLES if e["kind"] == "fanout"]
     assert (2, 1) in fanouts and (1, 2) in fanouts
     assert any(e["kind"] == "state_layers" for e in EXAMPLES)
+    heads = [e["input"] for e in EXAMPLES if e["kind"] == "fanout" and "kv_heads" in e["input"]]
+    shapes = {(i["kv_heads"], i["prefill_tp"], i["decode_tp"]) for i in heads}
+    assert {(8, 2, 4), (8, 4, 2), (2, 4, 2), (2, 2, 4)} <= shapes  # both directions, dividing and replicating
+    head_blocks = [
+        e["input"]
+        for e in EXAMPLES
+        if e["kind"] == "blocks" and any("heads" in b for b in e["input"]["local"]["buffers"])
+    ]
+    counts = {
+        (i["local"]["buffers"][0]["heads"]["head_count"], i["peer"]["buffers"][0]["heads"]["head_count"])
+        for i in head_blocks
+    }
+    assert any(here > there for here, there in counts) and any(here < there for here, there in counts)
 
 
 def test_the_spec_embeds_every_example_verbatim() -> None:
