@@ -393,18 +393,26 @@ def head_pairs_to_blocks(runs: PageRuns, pairs: HeadPairs) -> TransferBlocks:
     unit_len = np.concatenate([runs.length, np.ones(pages.src.size, dtype=np.int64)])
     unit_first = np.where(pairs.whole, 0, len(runs))
     unit_count = np.where(pairs.whole, len(runs), pages.src.size)
-    per_buffer = unit_count * pairs.seg_count
-    owner = np.repeat(np.arange(len(pairs), dtype=np.int64), per_buffer)
-    first_block = np.cumsum(per_buffer) - per_buffer
-    k = np.arange(int(per_buffer.sum()), dtype=np.int64) - np.repeat(first_block, per_buffer)
-    seg_count = pairs.seg_count[owner]
-    unit = unit_first[owner] + k // seg_count
-    seg = pairs.seg_first[owner] + k % seg_count
+    # One row per (buffer, unit): the unit's item addresses in that buffer (small: buffers x pages).
+    owner = np.repeat(np.arange(len(pairs), dtype=np.int64), unit_count)
+    unit = (
+        unit_first[owner]
+        + np.arange(owner.size, dtype=np.int64)
+        - np.repeat(np.cumsum(unit_count) - unit_count, unit_count)
+    )
+    row_src = pairs.src_base[owner] + unit_src[unit] * pairs.src_item_bytes[owner]
+    row_dst = pairs.dst_base[owner] + unit_dst[unit] * pairs.dst_item_bytes[owner]
+    row_segs = pairs.seg_count[owner]
+    # Every row expands into its buffer's segments: seg = that buffer's seg_first + 0 .. seg_count - 1.
+    first_block = np.cumsum(row_segs) - row_segs
+    seg = np.arange(int(row_segs.sum()), dtype=np.int64) - np.repeat(
+        first_block - pairs.seg_first[owner], row_segs
+    )
     return TransferBlocks(
-        src=pairs.src_base[owner] + unit_src[unit] * pairs.src_item_bytes[owner] + pairs.seg_src[seg],
-        dst=pairs.dst_base[owner] + unit_dst[unit] * pairs.dst_item_bytes[owner] + pairs.seg_dst[seg],
-        length=pairs.seg_bytes[seg] * unit_len[unit],
-        buffer=pairs.buffer[owner],
+        src=np.repeat(row_src, row_segs) + pairs.seg_src[seg],
+        dst=np.repeat(row_dst, row_segs) + pairs.seg_dst[seg],
+        length=pairs.seg_bytes[seg] * np.repeat(unit_len[unit], row_segs),
+        buffer=np.repeat(pairs.buffer[owner], row_segs),
     )
 
 
