@@ -4,8 +4,9 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.pdkv-installed
 SYSLIB := $(VENV)/.pdkv-syslibs
+SGLANG := $(VENV)/.pdkv-sglang
 
-.PHONY: demo test typecheck lint lint-imports pytest bench diagram venv clean
+.PHONY: demo test typecheck lint lint-imports pytest bench diagram venv sglang clean
 
 venv: $(STAMP) $(SYSLIB)
 
@@ -19,6 +20,16 @@ $(SYSLIB): $(STAMP) scripts/ensure-syslibs.sh
 	./scripts/ensure-syslibs.sh $(PY)
 	@touch $@
 
+# SGLang 0.5.23's CPU import closure, for the adapter tests (tests/adapters). --no-deps: SGLang's own
+# requirements pull a CUDA torch and GPU kernels; the pinned list is what its transfer path imports on CPU,
+# and the check after it proves torch is still the CPU 2.13.0 of constraints.txt.
+sglang: $(SGLANG)
+
+$(SGLANG): $(STAMP) requirements/sglang-cpu.txt constraints.txt
+	$(PY) -m pip install -q --no-deps -c constraints.txt -r requirements/sglang-cpu.txt
+	$(PY) -c "import torch; assert torch.__version__.startswith('2.13.0') and torch.version.cuda is None, torch.__version__"
+	@touch $@
+
 demo: venv
 	$(PY) -m pdkv demo
 
@@ -28,10 +39,10 @@ typecheck: venv
 lint-imports: venv
 	$(VENV)/bin/lint-imports --no-cache
 
-pytest: venv
+pytest: venv $(SGLANG)
 	$(PY) -m pytest
 
-test: typecheck lint-imports
+test: typecheck lint-imports $(SGLANG)
 	$(PY) -m pytest
 
 bench: venv

@@ -1,0 +1,649 @@
+"""SGLang's disaggregation interfaces (``sglang.srt.disaggregation.base.conn``) implemented over pdkv.
+
+Owns: ``PdkvKVManager`` (one per scheduler rank: builds the layout from KVArgs, owns the rank's
+``PrefillTransport`` or ``DecodeTransport``), ``PdkvKVSender`` / ``PdkvKVReceiver`` (one per request: thin
+handles on a pdkv ``KVSender`` / ``KVReceiver``), ``PdkvKVBootstrapServer`` (the prefill instance's pdkv
+bootstrap registry on SGLang's bootstrap port), and the translation of SGLang's conventions:
+
+- poll values are SGLang's ``KVPoll`` ints (pdkv's ``KVPoll`` has the same values), from creation on;
+- ``failure_exception()`` raises SGLang's ``KVTransferError`` carrying pdkv's failure cause and reason;
+- the sender decides the last chunk itself (pages sent == ``num_kv_indices`` given to ``init``);
+- ``get_transfer_metric()`` stays valid after ``clear()``;
+- deferred decode KV release: pages are safe once pdkv says every prefill rank acked the abort
+  (``is_abort_release_safe``); SGLang's own 30 s bound is pdkv's abort-ack timeout;
+- timeouts come from SGLang's ``SGLANG_DISAGGREGATION_*`` variables (then ``PDKV_*`` ones, see README).
+
+Refused at manager init with a ``ConfigError`` naming the feature (pdkv cannot do it, or this adapter does
+not wire it yet): pipeline parallelism, DP attention / prefill DP-rank routing, attention context
+parallelism, PD role switch, the decode radix cache (decode-side prefix), state types other than SWA and
+DSA/NSA, compressed-MLA pools. Host destinations are declined through ``supports_host_destination``;
+MHA with a prefill TP different from the decode TP is refused when the decode first meets that prefill.
+
+Must not block the scheduler thread on the network beyond what SGLang's own backends do (only
+``try_ensure_parallel_info`` waits, briefly, as Mooncake's HTTP query does), must not import pdkv
+internals beyond the registry pieces named in ``_start_registry`` (pdkv has no public registry class
+yet), and must not change behaviour for any other SGLang backend.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+from collections.abc import Sequence
+from typing import Any, Final
+
+import attrs
+import numpy as np
+from sglang.srt.disaggregation.base.conn import (
+    BaseKVBootstrapServer,
+    BaseKVManager,
+    BaseKVReceiver,
+    BaseKVSender,
+    KVArgs,
+    KVPoll,
+    KVTransferDestination,
+    KVTransferMetric,
+)
+from sglang.srt.disaggregation.common.conn import KVTransferError
+from sglang.srt.disaggregation.utils import DisaggregationMode
+from sglang.srt.environ import envs
+from sglang.srt.server_args import ServerArgs
+
+from pdkv.adapters.sglang.layout import layout_from_kv_args, state_kind_for
+from pdkv.engine import MooncakeBackend, MooncakeConfig
+from pdkv.errors import ConfigError, LocalProtocolError, MappingError, PdkvError
+from pdkv.mapping import AttentionKind, BufferLayout
+from pdkv.protocol import RoomId, Timeouts, room_id
+from pdkv.protocol.ids import Epoch, InstanceId
+from pdkv.protocol.messages import Message, Origin, RankCoord, RouteQuery, StateIndices
+from pdkv.runtime import DecodeConfig, DecodeTransport, KVReceiver, KVSender, PrefillConfig, PrefillTransport
+
+log = logging.getLogger(__name__)
+
+ABORT_BY_PREFILL: Final = "aborted by the SGLang prefill scheduler"
+ABORT_BY_DECODE: Final = "aborted by the SGLang decode scheduler"
+_QUERY_TIMEOUT_S: Final = 1.0
+"""How long ``try_ensure_parallel_info`` waits for the registry (the scheduler retries on False)."""
+
+
+# --------------------------------------------------------------------------- configuration
+
+
+def timeouts_from_sglang_env() -> Timeouts:
+    """pdkv deadlines from SGLang's variables; ``PDKV_*`` variables still apply to what SGLang lacks.
+
+    ``SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT`` -> bootstrap, ``..._WAITING_TIMEOUT`` -> waiting,
+    ``..._HEARTBEAT_INTERVAL`` -> heartbeat interval, interval x (``..._HEARTBEAT_MAX_FAILURE`` + 1) ->
+    heartbeat timeout (a peer is lost after that many missed beats),
+    ``..._DEFERRED_DECODE_KV_RELEASE_TIMEOUT`` -> abort-ack wait.
+    """
+    interval = float(envs.SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL.get())
+    max_failure = int(envs.SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE.get())
+    return Timeouts.from_env(
+        bootstrap=float(envs.SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT.get()),
+        waiting=float(envs.SGLANG_DISAGGREGATION_WAITING_TIMEOUT.get()),
+        heartbeat_interval=interval,
+        heartbeat_timeout=interval * (max(max_failure, 1) + 1),
+        abort_ack=float(envs.SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT.get()),
+    )
+
+
+def refuse_unsupported(server_args: ServerArgs, mode: DisaggregationMode) -> None:
+    """Raise ``ConfigError`` naming the first SGLang feature pdkv's backend cannot serve."""
+    checks: list[tuple[bool, str]] = [
+        (int(getattr(server_args, "pp_size", 1)) > 1, "pipeline parallelism (--pp-size > 1)"),
+        (
+            bool(getattr(server_args, "enable_dp_attention", False))
+            or int(getattr(server_args, "dp_size", 1)) > 1,
+            "data parallelism / DP attention (prefill DP-rank routing)",
+        ),
+        (
+            int(getattr(server_args, "attn_cp_size", 1)) > 1,
+            "attention context parallelism (--attn-cp-size > 1)",
+        ),
+        (
+            bool(getattr(server_args, "enable_pd_role_switch", False)),
+            "PD role switch (--enable-pd-role-switch)",
+        ),
+        (
+            mode is DisaggregationMode.DECODE
+            and bool(getattr(server_args, "disaggregation_decode_enable_radix_cache", False)),
+            "the decode radix cache (--disaggregation-decode-enable-radix-cache): pdkv's TransferRequest "
+            "carries no decode prefix, so the prefill could not skip the pages the decode already holds",
+        ),
+    ]
+    for refused, what in checks:
+        if refused:
+            raise ConfigError(f"the pdkv transfer backend does not support {what}")
+
+
+def prefill_instance_id(bootstrap_host: str, bootstrap_port: int) -> InstanceId:
+    """The pdkv instance id of the prefill server whose bootstrap server listens at host:port.
+
+    The bootstrap server and every prefill rank derive it from the same two values, so the registry
+    accepts the ranks' announcements without another channel between the processes.
+    """
+    return InstanceId(f"sglang-prefill@{_reachable(bootstrap_host)}:{bootstrap_port}")
+
+
+def _reachable(host: str) -> str:
+    """An address a peer can connect to: a wildcard bind address becomes this host's address."""
+    if host in ("", "0.0.0.0", "::"):
+        return socket.gethostbyname(socket.gethostname())
+    return host
+
+
+def _advertise_host(server_args: ServerArgs) -> str:
+    return os.environ.get("PDKV_ADVERTISE_HOST") or _reachable(str(server_args.host))
+
+
+def _mooncake_config(kv_args: KVArgs, host: str) -> MooncakeConfig:
+    """``PDKV_MOONCAKE_*`` settings, with SGLang's IB device and this rank's address as defaults."""
+    config = MooncakeConfig.from_env()
+    changes: dict[str, Any] = {}
+    if "PDKV_MOONCAKE_HOSTNAME" not in os.environ:
+        changes["local_hostname"] = host
+    device = getattr(kv_args, "ib_device", None)
+    if "PDKV_MOONCAKE_DEVICE" not in os.environ and isinstance(device, str) and device:
+        changes["device_name"] = device
+    return attrs.evolve(config, **changes)
+
+
+def _describe_failure(failure: object) -> str:
+    """pdkv's failure as one line: ``cause: reason (peer)`` for a typed failure, the text otherwise."""
+    if failure is None:
+        return "failed (pdkv gave no reason)"
+    if isinstance(failure, str):
+        return failure
+    cause = getattr(failure, "cause", None)
+    reason = getattr(failure, "reason", None)
+    peer = getattr(failure, "peer", None)
+    cause_text = str(getattr(cause, "value", cause)) if cause is not None else "failed"
+    text = f"{cause_text}: {reason}" if reason else cause_text
+    return f"{text} (peer {peer})" if peer else text
+
+
+@attrs.frozen(kw_only=True)
+class PrefillInfo:
+    """What SGLang's decode scheduler reads from ``prefill_info_table[bootstrap_addr]``."""
+
+    instance: InstanceId
+    tp_size: int
+    cp_size: int
+    dp_size: int = 1
+    follow_bootstrap_room: bool = True
+
+
+# --------------------------------------------------------------------------- manager
+
+
+class PdkvKVManager(BaseKVManager):
+    """One SGLang scheduler rank's pdkv transport (prefill or decode), built from SGLang's KVArgs."""
+
+    supports_host_destination = False
+    supports_role_switch = False
+    supports_deferred_decode_kv_release = True
+
+    def __init__(
+        self,
+        args: KVArgs,
+        disaggregation_mode: DisaggregationMode,
+        server_args: ServerArgs,
+        is_mla_backend: bool | None = False,
+    ) -> None:
+        mode = DisaggregationMode(getattr(disaggregation_mode, "value", disaggregation_mode))
+        if mode not in (DisaggregationMode.PREFILL, DisaggregationMode.DECODE):
+            raise ConfigError(f"the pdkv transfer backend serves prefill or decode, not {mode.value!r}")
+        refuse_unsupported(server_args, mode)
+        self.kv_args = args
+        self.disaggregation_mode = mode
+        self.server_args = server_args
+        self.is_mla_backend = bool(is_mla_backend)
+        self.layout: BufferLayout = layout_from_kv_args(args, self.is_mla_backend)
+        self.state_kinds = tuple(state_kind_for(t) for t in (getattr(args, "state_types", None) or ()))
+        self.timeouts = timeouts_from_sglang_env()
+        self.enable_deferred_decode_kv_release = bool(
+            envs.SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE.get()
+        )
+        self.page_size = self.layout.page_size
+        self.tp_size = int(server_args.tp_size)
+        self.rank = RankCoord(tp=int(args.engine_rank) % self.tp_size)
+        self.host = _advertise_host(server_args)
+        self.bootstrap_port = int(server_args.disaggregation_bootstrap_port)
+        self.prefill_info_table: dict[str, PrefillInfo] = {}
+        self._lock = threading.Lock()
+        self._deferred: dict[int, KVReceiver] = {}
+        self._to_clear: list[KVReceiver] = []
+        backend = MooncakeBackend(_mooncake_config(args, self.host))
+        self._prefill: PrefillTransport | None = None
+        self._decode: DecodeTransport | None = None
+        if mode is DisaggregationMode.PREFILL:
+            self.instance = prefill_instance_id(str(server_args.host), self.bootstrap_port)
+            self._prefill = PrefillTransport(
+                PrefillConfig(
+                    instance=self.instance,
+                    rank=self.rank,
+                    tp_size=self.tp_size,
+                    layout=self.layout,
+                    registry=f"tcp://{_reachable(str(server_args.host))}:{self.bootstrap_port}",
+                    host=self.host,
+                    timeouts=self.timeouts,
+                ),
+                backend,
+            )
+            self.register_to_bootstrap()
+        else:
+            self.instance = InstanceId(f"sglang-decode@{self.host}:{int(server_args.port)}")
+            self._decode = DecodeTransport(
+                DecodeConfig(
+                    instance=self.instance,
+                    rank=self.rank,
+                    tp_size=self.tp_size,
+                    layout=self.layout,
+                    host=self.host,
+                    timeouts=self.timeouts,
+                ),
+                backend,
+            )
+            self._decode.start()
+
+    # -- both sides
+
+    def register_to_bootstrap(self) -> None:
+        """Prefill: register buffers with the engine and announce this rank to the bootstrap registry."""
+        if self._prefill is not None:
+            self._prefill.start()
+
+    def close(self) -> None:
+        """Stop the transport (unregisters memory, closes sockets); the manager is unusable afterwards."""
+        for transport in (self._prefill, self._decode):
+            if transport is not None:
+                transport.close()
+
+    @property
+    def prefill_transport(self) -> PrefillTransport:
+        if self._prefill is None:
+            raise ConfigError("this SGLang manager is a decode manager: it has no prefill transport")
+        return self._prefill
+
+    @property
+    def decode_transport(self) -> DecodeTransport:
+        if self._decode is None:
+            raise ConfigError("this SGLang manager is a prefill manager: it has no decode transport")
+        return self._decode
+
+    # -- decode side
+
+    def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
+        """Connect to the prefill instance behind ``bootstrap_addr`` (host:port) once its route is complete.
+
+        False while its registry has no complete route table (SGLang retries, then aborts the requests);
+        ``ConfigError`` for a pairing pdkv cannot serve (MHA with a prefill TP different from ours).
+        """
+        if bootstrap_addr in self.prefill_info_table:
+            return True
+        decode = self.decode_transport
+        registry = f"tcp://{bootstrap_addr}"
+        table = _query_route(
+            registry, Origin(instance=self.instance, epoch=decode.config.epoch, rank=self.rank)
+        )
+        if table is None or not table.complete:
+            return False
+        if self.layout.attention is AttentionKind.MHA and table.tp_size != self.tp_size:
+            raise ConfigError(
+                f"the pdkv transfer backend does not support MHA with prefill TP {table.tp_size} != "
+                f"decode TP {self.tp_size} (prefill {bootstrap_addr})"
+            )
+        if table.cp_size != 1:
+            raise ConfigError(
+                f"prefill {bootstrap_addr} runs attention CP {table.cp_size}: not wired in this adapter"
+            )
+        instance = decode.connect(registry, timeout_s=max(_QUERY_TIMEOUT_S, 5.0))
+        self.prefill_info_table[bootstrap_addr] = PrefillInfo(
+            instance=instance, tp_size=table.tp_size, cp_size=table.cp_size
+        )
+        return True
+
+    def track_abort(self, room: int, receiver: KVReceiver) -> None:
+        with self._lock:
+            self._deferred[room] = receiver
+
+    def is_abort_release_safe(self, room: int, required_acks: int = 0) -> bool:
+        """True once no prefill rank can still write into the room's pages (pdkv counted every ack).
+
+        ``required_acks`` is SGLang's count; pdkv tracks the acks per prefill rank itself.
+        """
+        with self._lock:
+            receiver = self._deferred.get(room)
+        if receiver is None:
+            return True
+        return _release_ready(receiver)
+
+    def clear_deferred_abort_state(self, room: int) -> None:
+        with self._lock:
+            receiver = self._deferred.pop(room, None)
+        if receiver is not None:
+            self.retire(receiver)
+
+    def retire(self, receiver: KVReceiver) -> None:
+        """Forget a receiver's room once pdkv allows it (after its abort acks); retried on later calls."""
+        with self._lock:
+            pending = [*self._to_clear, receiver]
+            self._to_clear = []
+        for item in pending:
+            if not _release_ready(item):
+                with self._lock:
+                    self._to_clear.append(item)
+                continue
+            try:
+                item.clear()
+            except PdkvError as exc:  # already forgotten, or a transport closed under us
+                log.debug("pdkv room %d not cleared: %s", item.room, exc)
+
+
+def _release_ready(receiver: KVReceiver) -> bool:
+    try:
+        return receiver.release_ready()
+    except PdkvError:
+        return True
+
+
+def _query_route(registry: str, origin: Origin) -> Any:
+    """The prefill instance's route table, or None while its registry has none (or does not answer)."""
+    from pdkv.control.errors import ControlError
+    from pdkv.runtime.channels import query_registry
+
+    try:
+        return query_registry(registry, RouteQuery(origin=origin), _QUERY_TIMEOUT_S)
+    except (ControlError, PdkvError) as exc:
+        log.debug("bootstrap registry %s not ready: %s", registry, exc)
+        return None
+
+
+# --------------------------------------------------------------------------- sender (prefill)
+
+
+class PdkvKVSender(BaseKVSender):
+    """One request on a prefill rank. Created before the decode asked for the room: polls Bootstrapping."""
+
+    def __init__(
+        self,
+        mgr: BaseKVManager,
+        bootstrap_addr: str,
+        bootstrap_room: int,
+        req_has_disagg_prefill_dp_rank: bool = False,
+    ) -> None:
+        if not isinstance(mgr, PdkvKVManager):
+            raise ConfigError(f"PdkvKVSender needs a PdkvKVManager, got {type(mgr).__name__}")
+        self.kv_mgr = mgr
+        self.bootstrap_addr = bootstrap_addr
+        self.bootstrap_room = int(bootstrap_room)
+        self._sender: KVSender = mgr.prefill_transport.sender(room_id(self.bootstrap_room))
+        self._num_pages: int | None = None
+        self._pages_sent = 0
+        self._last_sent = False
+        self._concluded: int | None = None
+        self._metric: KVTransferMetric | None = None
+
+    def init(self, num_kv_indices: int, aux_index: int | None = None) -> None:
+        """The request has ``num_kv_indices`` pages to send in all; its metadata row is ``aux_index``."""
+        self._num_pages = int(num_kv_indices)
+        self._sender.init(self._num_pages, None if aux_index is None else int(aux_index))
+
+    def should_send_kv_chunk(self, num_pages: int, last_chunk: bool) -> bool:
+        return num_pages > 0 and not self._last_sent
+
+    def send(
+        self,
+        kv_indices: Any,
+        state_indices: list[Any] | None = None,
+        num_kv_tokens: int | None = None,
+    ) -> None:
+        """Queue one chunk's pages; the chunk that completes ``num_kv_indices`` pages is the last one."""
+        if self._num_pages is None:
+            raise LocalProtocolError(
+                f"room {self.bootstrap_room}: send() before init()", machine="sglang-sender", trigger="send"
+            )
+        pages = np.asarray(kv_indices, dtype=np.int64).reshape(-1)
+        if self._last_sent:
+            if pages.size:
+                raise MappingError(
+                    f"room {self.bootstrap_room}: {pages.size} pages sent after the last chunk "
+                    f"({self._num_pages} pages were announced)"
+                )
+            return
+        start = self._pages_sent
+        self._pages_sent += int(pages.size)
+        if self._pages_sent > self._num_pages:
+            raise MappingError(
+                f"room {self.bootstrap_room}: {self._pages_sent} pages sent, {self._num_pages} announced"
+            )
+        last = self._pages_sent == self._num_pages
+        state = _state_indices(self.kv_mgr.state_kinds, state_indices) if last else None
+        self._last_sent = last
+        self._sender.send(pages, start_token=start * self.kv_mgr.page_size, last=last, state_indices=state)
+
+    def poll(self) -> int:
+        if self._concluded is not None:
+            return self._concluded
+        return int(self._sender.poll())
+
+    def failure_exception(self) -> None:
+        raise KVTransferError(self.bootstrap_room, f"pdkv: {_describe_failure(self._sender.failure())}")
+
+    def get_transfer_metric(self) -> KVTransferMetric:
+        if self._metric is None:
+            self._metric = self._read_metric()
+        return self._metric
+
+    def _read_metric(self) -> KVTransferMetric:
+        metric = self._sender.metric()
+        return KVTransferMetric(
+            transfer_latency_s=float(metric.seconds) if metric.pages else None,
+            transfer_total_bytes=int(metric.bytes),
+        )
+
+    def clear(self) -> None:
+        if self._concluded is not None:
+            return
+        state = int(self._sender.poll())
+        if state in (KVPoll.Success, KVPoll.Failed):
+            self._metric = self._read_metric()
+        try:
+            self._sender.clear()
+        except PdkvError as exc:
+            log.warning("room %d: pdkv refused clear() in state %d: %s", self.bootstrap_room, state, exc)
+            return
+        self._concluded = state
+
+    def abort(self) -> None:
+        self._sender.abort(ABORT_BY_PREFILL)
+
+
+def _state_indices(kinds: Sequence[Any], state_indices: list[Any] | None) -> list[StateIndices] | None:
+    """SGLang's per-state-type index lists (one per ``state_types`` entry) as pdkv ``StateIndices``."""
+    if not state_indices:
+        return None
+    if len(state_indices) != len(kinds):
+        raise MappingError(f"{len(state_indices)} state index lists for {len(kinds)} state types")
+    return [
+        StateIndices(kind=kind, indices=np.asarray(indices, dtype=np.int64).reshape(-1))
+        for kind, indices in zip(kinds, state_indices, strict=True)
+        if indices is not None
+    ]
+
+
+# --------------------------------------------------------------------------- receiver (decode)
+
+
+class PdkvKVReceiver(BaseKVReceiver):
+    """One request on a decode rank. Polls Bootstrapping until ``send_metadata`` opened the pdkv room."""
+
+    def __init__(self, mgr: BaseKVManager, bootstrap_addr: str, bootstrap_room: int | None = None) -> None:
+        if not isinstance(mgr, PdkvKVManager):
+            raise ConfigError(f"PdkvKVReceiver needs a PdkvKVManager, got {type(mgr).__name__}")
+        if bootstrap_room is None:
+            raise ConfigError("the pdkv transfer backend needs a bootstrap_room for every request")
+        self.kv_mgr = mgr
+        self.bootstrap_addr = bootstrap_addr
+        self.bootstrap_room = int(bootstrap_room)
+        self.room: RoomId = room_id(self.bootstrap_room)
+        self._receiver: KVReceiver | None = None
+        self._metadata_sent = False
+        self._local_failure: str | None = None
+        self.abort_notified = False
+        self.bootstrap_infos: list[RankCoord] = []
+        self.conclude_state: int | None = None
+        self.require_staging = False
+
+    @property
+    def supports_host_destination(self) -> bool:
+        return False
+
+    def init(self, prefill_dp_rank: int) -> None:
+        if prefill_dp_rank not in (0, None):
+            self._fail_locally(f"prefill DP rank {prefill_dp_rank} requested: pdkv serves one DP rank")
+            return
+        if not self.kv_mgr.try_ensure_parallel_info(self.bootstrap_addr):
+            self._fail_locally(f"no complete route from the prefill at {self.bootstrap_addr}")
+            return
+        info = self.kv_mgr.prefill_info_table[self.bootstrap_addr]
+        decode = self.kv_mgr.decode_transport
+        self._receiver = decode.receiver(self.room, info.instance)
+        targets, _ = decode.fanout_targets(info.instance)
+        self.bootstrap_infos = [t.rank for t in targets if not t.dummy]
+
+    def send_metadata(
+        self,
+        kv_indices: Any,
+        aux_index: int | None = None,
+        state_indices: list[Any] | None = None,
+        decode_prefix_len: int | None = None,
+        destination: KVTransferDestination = KVTransferDestination.DEVICE,
+    ) -> None:
+        if self._local_failure is not None or self._receiver is None:
+            return
+        if str(getattr(destination, "value", destination)) != KVTransferDestination.DEVICE.value:
+            self._fail_locally(f"destination {destination!r}: pdkv writes device (registered) memory only")
+            return
+        if decode_prefix_len:
+            self._fail_locally(
+                f"decode prefix of {decode_prefix_len} tokens: pdkv cannot skip the pages the decode "
+                "already holds"
+            )
+            return
+        state = _state_indices(self.kv_mgr.state_kinds, state_indices) or ()
+        self._receiver.init(
+            np.asarray(kv_indices, dtype=np.int64).reshape(-1),
+            None if aux_index is None else int(aux_index),
+            state,
+        )
+        self._metadata_sent = True
+
+    def poll(self) -> int:
+        if self.conclude_state is not None:
+            return self.conclude_state
+        if self._local_failure is not None:
+            return KVPoll.Failed
+        if self._receiver is None or not self._metadata_sent:
+            return KVPoll.Bootstrapping
+        return int(self._receiver.poll())
+
+    def failure_exception(self) -> None:
+        if self._local_failure is not None:
+            reason = self._local_failure
+        elif self._receiver is not None:
+            reason = _describe_failure(self._receiver.failure())
+        else:
+            reason = "failed before the room was opened"
+        raise KVTransferError(self.bootstrap_room, f"pdkv: {reason}")
+
+    def abort(self) -> None:
+        if self._receiver is not None and self._metadata_sent:
+            self._notify_abort(ABORT_BY_DECODE)
+        elif self._local_failure is None:
+            # Before send_metadata pdkv has no room with the prefill yet: nothing can be written into
+            # pages we hold, and the prefill's own bootstrap deadline ends its side of the room.
+            self._fail_locally(ABORT_BY_DECODE + " before its metadata was sent")
+
+    def ensure_abort_notified(self, force_arm: bool = False) -> None:
+        """Make sure every prefill rank is told to stop (SGLang's deferred release then waits for acks)."""
+        if self._receiver is not None and self._metadata_sent and not self.abort_notified:
+            self._notify_abort(ABORT_BY_DECODE)
+
+    def _notify_abort(self, reason: str) -> None:
+        assert self._receiver is not None
+        try:
+            self._receiver.abort(reason)
+        except LocalProtocolError as exc:  # terminal already: pdkv keeps the pages held until acks anyway
+            log.debug("room %d: abort in a terminal state: %s", self.bootstrap_room, exc)
+        self.abort_notified = True
+        self.kv_mgr.track_abort(self.bootstrap_room, self._receiver)
+
+    def is_abort_release_safe(self) -> bool:
+        return self._receiver is None or not self._metadata_sent or _release_ready(self._receiver)
+
+    def clear(self) -> None:
+        if self.conclude_state is not None:
+            return
+        self.conclude_state = self.poll()
+        if self._receiver is not None and self._metadata_sent:
+            self.kv_mgr.retire(self._receiver)
+
+    def _fail_locally(self, reason: str) -> None:
+        log.warning("room %d (prefill %s): %s", self.bootstrap_room, self.bootstrap_addr, reason)
+        self._local_failure = reason
+
+
+# --------------------------------------------------------------------------- bootstrap server
+
+
+class PdkvKVBootstrapServer(BaseKVBootstrapServer):
+    """The prefill instance's pdkv bootstrap registry, on SGLang's ``--disaggregation-bootstrap-port``.
+
+    The instance's shape (TP, CP, page size, layout) is taken from the first rank that announces.
+    """
+
+    def __init__(self, host: str, port: int) -> None:
+        self.host = host
+        self.port = int(port)
+        self.instance = prefill_instance_id(host, self.port)
+        self._service = _start_registry(self.instance, host, self.port)
+
+    @property
+    def address(self) -> str:
+        return str(self._service.address)
+
+    def close(self) -> None:
+        self._service.stop()
+
+    # SGLang's bootstrap servers expose no stop; tests and embedders call close().
+
+
+def _start_registry(instance: InstanceId, host: str, port: int) -> Any:
+    """A bootstrap registry whose shape is learned from the first announcement.
+
+    ``pdkv.runtime.channels.start_registry`` needs the TP and CP sizes up front, which SGLang's bootstrap
+    server is not given; until pdkv offers a public registry class, this builds the same service from
+    the protocol's ``RouteBook`` and the runtime's codec.
+    """
+    from pdkv.control.auth import Authenticator
+    from pdkv.control.bootstrap import RegistryService
+    from pdkv.protocol.registry import RouteBook
+    from pdkv.runtime.channels import CODEC
+    from pdkv.runtime.prefill import new_epoch
+
+    book = RouteBook(Origin(instance=instance, epoch=Epoch(new_epoch()), rank=RankCoord(tp=0)))
+
+    def handle(message: Message) -> Message | None:
+        reply = book.handle(message)
+        for notice in book.take_notices():
+            log.info("pdkv registry %s: %s", instance, notice)
+        return reply
+
+    bind = "0.0.0.0" if host in ("", "0.0.0.0", "::") else host
+    service = RegistryService(CODEC, handle, host=bind, port=port, auth=Authenticator.from_env())
+    service.start()
+    return service

@@ -1,0 +1,398 @@
+"""One SGLang-side process of the adapter tests: ``python -m tests.adapters.sglang_child SCENARIO PLAN``.
+
+Owns: the scenarios that need SGLang imported (plugin registration; a prefill rank; a decode rank). Each
+runs in its own interpreter because importing SGLang on CPU installs GPU stubs (``gpu_stubs``) that must
+never leak into the pytest process. A scenario reads its plan (JSON) from the file named on the command
+line and writes its result (JSON) to ``plan["result"]``; it exits non-zero only on a harness error, and
+reports what it observed so the test decides. Must not pick ports or clean up processes: the test owns
+both. Transfer classes come only from ``get_kv_class`` after SGLang's ``load_plugins()``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from tests.adapters import gpu_stubs
+
+gpu_stubs.install()
+
+# SGLang's modules are imported below the stubs on purpose (they import triton & co at module level).
+import torch  # noqa: E402
+from sglang.srt.disaggregation.base.conn import KVPoll  # noqa: E402
+from sglang.srt.disaggregation.utils import (  # noqa: E402
+    DisaggregationMode,
+    KVClassType,
+    MetadataBuffers,
+    TransferBackend,
+    get_kv_class,
+)
+from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool  # noqa: E402
+from sglang.srt.plugins import load_plugins  # noqa: E402
+from sglang.srt.server_args import ServerArgs  # noqa: E402
+
+PAGE = 64
+KV_LORA_RANK = 512
+ROPE_DIM = 64
+SENTINEL = 0xA5
+TERMINAL = (KVPoll.Success, KVPoll.Failed)
+
+
+def kv_class(kind: KVClassType) -> Any:
+    """pdkv's class of one kind, only ever through SGLang's (hooked) ``get_kv_class``."""
+    cls = get_kv_class(TransferBackend("pdkv"), kind)
+    if cls is None:
+        raise AssertionError(f"get_kv_class gave no {kind.value} class for pdkv")
+    return cls
+
+
+def page_bytes(layer: int, page: int, item: int) -> torch.Tensor:
+    """The bytes the prefill writes into one page of one layer (the decode recomputes them to compare)."""
+    gen = torch.Generator().manual_seed(layer * 1_000_003 + page)
+    return torch.randint(0, 256, (item,), dtype=torch.uint8, generator=gen)
+
+
+def page_view(pool: MLATokenToKVPool, layer: int, page: int) -> torch.Tensor:
+    return pool.kv_buffer[layer][page * PAGE : (page + 1) * PAGE].view(torch.uint8).reshape(-1)
+
+
+def make_pool(plan: dict[str, Any], pages: int) -> MLATokenToKVPool:
+    return MLATokenToKVPool(
+        size=pages * PAGE,
+        page_size=PAGE,
+        dtype=torch.bfloat16,
+        kv_lora_rank=KV_LORA_RANK,
+        qk_rope_head_dim=ROPE_DIM,
+        layer_num=int(plan["layers"]),
+        device="cpu",
+        enable_memory_saver=False,
+        start_layer=0,
+        end_layer=int(plan["layers"]) - 1,
+    )
+
+
+def make_kv_args(pool: MLATokenToKVPool, metadata: MetadataBuffers, engine_rank: int) -> Any:
+    """KVArgs filled the way SGLang's prefill/decode bootstrap queues fill them (MLA, no draft, no state)."""
+    from sglang.srt.disaggregation.utils import setup_state_kv_args
+
+    kv_args = kv_class(KVClassType.KVARGS)()
+    kv_args.engine_rank = engine_rank
+    kv_args.pp_rank = 0
+    kv_args.system_dp_rank = 0
+    kv_args.prefill_start_layer = 0
+    ptrs, lens, items = pool.get_contiguous_buf_infos()
+    kv_args.kv_data_ptrs, kv_args.kv_data_lens, kv_args.kv_item_lens = ptrs, lens, items
+    kv_args.prefill_end_layer = None
+    kv_args.num_draft_entries = 0
+    kv_args.kv_layer_ids = []
+    kv_args.page_size = pool.page_size
+    kv_args.aux_data_ptrs, kv_args.aux_data_lens, kv_args.aux_item_lens = metadata.get_buf_infos()
+    kv_args.ib_device = None
+    kv_args.gpu_id = 0
+    setup_state_kv_args(kv_args, pool, None, len(ptrs))
+    return kv_args
+
+
+def server_args(plan: dict[str, Any], mode: str, **extra: Any) -> ServerArgs:
+    return ServerArgs(
+        model_path="dummy",
+        host="127.0.0.1",
+        port=int(plan.get("http_port", 30000)),
+        disaggregation_mode=mode,
+        disaggregation_transfer_backend="pdkv",
+        disaggregation_bootstrap_port=int(plan["bootstrap_port"]),
+        **extra,
+    )
+
+
+# --------------------------------------------------------------------------- scenarios
+
+
+def scenario_plugin(plan: dict[str, Any]) -> dict[str, Any]:
+    """Registration: Enum member, CLI choice, get_kv_class everywhere SGLang calls it; refusals."""
+    import sglang.srt.disaggregation.decode as decode_mod
+    import sglang.srt.disaggregation.prefill as prefill_mod
+    import sglang.srt.managers.disagg_service as service_mod
+    from sglang.srt.arg_groups.choices import DISAGG_TRANSFER_BACKEND_CHOICES
+    from sglang.srt.server_args import prepare_server_args
+
+    load_plugins()
+    load_plugins()  # idempotent, as SGLang calls it in several places
+    from pdkv.adapters.sglang import conn, plugin
+
+    plugin.register()  # a second registration changes nothing
+    backend = TransferBackend("pdkv")
+    found: dict[str, dict[str, str | None]] = {}
+    for name, module in (("prefill", prefill_mod), ("decode", decode_mod), ("disagg_service", service_mod)):
+        found[name] = {}
+        for kind in KVClassType:
+            cls = module.get_kv_class(backend, kind)
+            found[name][kind.value] = None if cls is None else f"{cls.__module__}.{cls.__qualname__}"
+    mooncake = get_kv_class(TransferBackend.MOONCAKE, KVClassType.SENDER)
+    parsed = prepare_server_args(["--model-path", "dummy", "--disaggregation-transfer-backend", "pdkv"])
+    refusals: dict[str, str] = {}
+    for label, extra in (
+        ("pp", {"pp_size": 2}),
+        ("dp_attention", {"dp_size": 2, "enable_dp_attention": True}),
+        ("role_switch", {"enable_pd_role_switch": True}),
+    ):
+        args = server_args(plan, "prefill")
+        for key, value in extra.items():
+            setattr(args, key, value)
+        try:
+            conn.refuse_unsupported(args, DisaggregationMode.PREFILL)
+            refusals[label] = "accepted"
+        except Exception as exc:
+            refusals[label] = f"{type(exc).__name__}: {exc}"
+    decode_args = server_args(plan, "decode")
+    decode_args.disaggregation_decode_enable_radix_cache = True
+    try:
+        conn.refuse_unsupported(decode_args, DisaggregationMode.DECODE)
+        refusals["decode_radix"] = "accepted"
+    except Exception as exc:
+        refusals["decode_radix"] = f"{type(exc).__name__}: {exc}"
+    return {
+        "member": f"{backend!r}",
+        "members": [m.value for m in TransferBackend],
+        "in_choices": DISAGG_TRANSFER_BACKEND_CHOICES.count("pdkv"),
+        "server_args_backend": server_args(plan, "prefill").disaggregation_transfer_backend,
+        "cli_backend": parsed.disaggregation_transfer_backend,
+        "classes": found,
+        "mooncake_sender": f"{mooncake.__module__}.{mooncake.__qualname__}" if mooncake else None,
+        "hooked": hasattr(prefill_mod.get_kv_class, "__wrapped__"),
+        "refusals": refusals,
+    }
+
+
+def scenario_prefill(plan: dict[str, Any]) -> dict[str, Any]:
+    """A prefill rank: bootstrap server + manager + one sender per room, chunks as the plan says."""
+    load_plugins()
+    server = kv_class(KVClassType.BOOTSTRAP_SERVER)("127.0.0.1", int(plan["bootstrap_port"]))
+    pool = make_pool(plan, int(plan["prefill_pages"]))
+    layers = int(plan["layers"])
+    for layer in range(layers):
+        for page in range(int(plan["prefill_pages"]) + 1):
+            view = page_view(pool, layer, page)
+            view.copy_(page_bytes(layer, page, view.numel()))
+    metadata = MetadataBuffers(
+        size=8, hidden_size=16, hidden_states_dtype=torch.bfloat16, max_sampling_mask_tokens=0
+    )
+    kv_args = make_kv_args(pool, metadata, engine_rank=0)
+    mgr = kv_class(KVClassType.MANAGER)(
+        kv_args, DisaggregationMode.PREFILL, server_args(plan, "prefill"), True
+    )
+    calls_before = len(gpu_stubs.calls_outside_import())
+    addr = f"127.0.0.1:{plan['bootstrap_port']}"
+    sender_cls = kv_class(KVClassType.SENDER)
+    rooms = {int(r["room"]): r for r in plan["rooms"]}
+    senders = {room: sender_cls(mgr, addr, room) for room in rooms}
+    first_polls = {room: int(s.poll()) for room, s in senders.items()}
+    outcome: dict[int, dict[str, Any]] = {}
+    started: set[int] = set()
+    deadline = time.monotonic() + float(plan.get("timeout_s", 60))
+    while len(outcome) < len(rooms) and time.monotonic() < deadline:
+        for room, sender in senders.items():
+            if room in outcome:
+                continue
+            spec = rooms[room]
+            state = int(sender.poll())
+            if state == KVPoll.WaitingForInput and room not in started:
+                started.add(room)
+                row = int(spec["prefill_row"])
+                metadata.bootstrap_room[row, 0] = room
+                metadata.output_ids[row, 0] = room % 50_000
+                src = list(spec["src_pages"])
+                sender.init(len(src), row)
+                offset = 0
+                for size in spec["chunks"]:
+                    chunk = torch.tensor(src[offset : offset + size], dtype=torch.int32).numpy()
+                    if sender.should_send_kv_chunk(len(chunk), offset + size == len(src)):
+                        sender.send(chunk)
+                    offset += size
+                if spec.get("prefill_abort"):
+                    sender.abort()
+            elif state in TERMINAL:
+                record: dict[str, Any] = {"state": state}
+                if state == KVPoll.Failed:
+                    try:
+                        sender.failure_exception()
+                    except Exception as exc:
+                        record["error"] = f"{type(exc).__name__}: {exc}"
+                sender.clear()
+                metric = sender.get_transfer_metric()
+                record["bytes"] = metric.transfer_total_bytes
+                record["latency_s"] = metric.transfer_latency_s
+                record["poll_after_clear"] = int(sender.poll())
+                outcome[room] = record
+        time.sleep(0.002)
+    for room, sender in senders.items():
+        if room not in outcome:
+            outcome[room] = {"state": int(sender.poll()), "unfinished": True}
+    result = {
+        "first_polls": first_polls,
+        "rooms": outcome,
+        "stub_calls_during_transfer": list(gpu_stubs.calls_outside_import()[calls_before:]),
+        "stub_calls_outside_import": list(gpu_stubs.calls_outside_import()),
+    }
+    write_result(plan, result)
+    stop = Path(plan["stop_file"])
+    stop_deadline = time.monotonic() + float(plan.get("timeout_s", 60))
+    while not stop.exists() and time.monotonic() < stop_deadline:
+        time.sleep(0.05)
+    mgr.close()
+    server.close()
+    return result
+
+
+def scenario_decode(plan: dict[str, Any]) -> dict[str, Any]:
+    """A decode rank: manager + one receiver per room; verifies every byte against the prefill's pattern."""
+    load_plugins()
+    pool = make_pool(plan, int(plan["decode_pages"]))
+    layers = int(plan["layers"])
+    for layer in range(layers):
+        pool.kv_buffer[layer].view(torch.uint8).fill_(SENTINEL)
+    metadata = MetadataBuffers(
+        size=8, hidden_size=16, hidden_states_dtype=torch.bfloat16, max_sampling_mask_tokens=0
+    )
+    kv_args = make_kv_args(pool, metadata, engine_rank=0)
+    mgr = kv_class(KVClassType.MANAGER)(kv_args, DisaggregationMode.DECODE, server_args(plan, "decode"), True)
+    calls_before = len(gpu_stubs.calls_outside_import())
+    addr = f"127.0.0.1:{plan['bootstrap_port']}"
+    deadline = time.monotonic() + float(plan.get("timeout_s", 60))
+    while not mgr.try_ensure_parallel_info(addr):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no route from {addr}")
+        time.sleep(0.05)
+    info = mgr.prefill_info_table[addr]
+    receiver_cls = kv_class(KVClassType.RECEIVER)
+    rooms = {int(r["room"]): r for r in plan["rooms"]}
+    receivers = {}
+    first_polls = {}
+    for room, spec in rooms.items():
+        receiver = receiver_cls(mgr, addr, room)
+        first_polls[room] = int(receiver.poll())
+        receiver.init(0)
+        if spec.get("decode_abort") == "before_metadata":
+            receiver.abort()
+        else:
+            pages = torch.tensor(spec["dst_pages"], dtype=torch.int32).numpy()
+            receiver.send_metadata(pages, int(spec["decode_row"]), None)
+            if spec.get("decode_abort") == "after_metadata":
+                receiver.abort()
+        receivers[room] = receiver
+    outcome: dict[int, dict[str, Any]] = {}
+    while len(outcome) < len(rooms) and time.monotonic() < deadline:
+        for room, receiver in receivers.items():
+            if room in outcome:
+                continue
+            state = int(receiver.poll())
+            if state not in TERMINAL:
+                continue
+            record: dict[str, Any] = {"state": state}
+            if state == KVPoll.Failed:
+                try:
+                    receiver.failure_exception()
+                except Exception as exc:
+                    record["error"] = f"{type(exc).__name__}: {exc}"
+                receiver.ensure_abort_notified(force_arm=True)
+                release_deadline = time.monotonic() + 20
+                while not mgr.is_abort_release_safe(room, len(receiver.bootstrap_infos)):
+                    if time.monotonic() > release_deadline:
+                        break
+                    time.sleep(0.01)
+                record["release_safe"] = mgr.is_abort_release_safe(room, len(receiver.bootstrap_infos))
+                mgr.clear_deferred_abort_state(room)
+            receiver.clear()
+            outcome[room] = record
+        time.sleep(0.002)
+    for room, receiver in receivers.items():
+        if room not in outcome:
+            outcome[room] = {"state": int(receiver.poll()), "unfinished": True}
+    verified = verify(plan, pool, metadata, rooms, outcome)
+    result = {
+        "prefill_info": {"dp_size": info.dp_size, "follow_bootstrap_room": info.follow_bootstrap_room},
+        "first_polls": first_polls,
+        "rooms": outcome,
+        "verified": verified,
+        "stub_calls_during_transfer": list(gpu_stubs.calls_outside_import()[calls_before:]),
+        "stub_calls_outside_import": list(gpu_stubs.calls_outside_import()),
+    }
+    mgr.close()
+    return result
+
+
+def verify(
+    plan: dict[str, Any],
+    pool: MLATokenToKVPool,
+    metadata: MetadataBuffers,
+    rooms: dict[int, dict[str, Any]],
+    outcome: dict[int, dict[str, Any]],
+) -> dict[str, Any]:
+    """Digest of source pages == digest of destination pages per successful room; every other page intact."""
+    layers = int(plan["layers"])
+    report: dict[str, Any] = {}
+    written: set[int] = set()
+    for room, spec in rooms.items():
+        if outcome[room]["state"] != KVPoll.Success:
+            continue
+        src_digest, dst_digest = hashlib.sha256(), hashlib.sha256()
+        mismatched = 0
+        for layer in range(layers):
+            for src, dst in zip(spec["src_pages"], spec["dst_pages"], strict=True):
+                got = page_view(pool, layer, int(dst))
+                want = page_bytes(layer, int(src), got.numel())
+                src_digest.update(want.numpy().tobytes())
+                dst_digest.update(got.numpy().tobytes())
+                mismatched += int(not torch.equal(got, want))
+        written.update(int(p) for p in spec["dst_pages"])
+        row = int(spec["decode_row"])
+        report[str(room)] = {
+            "digests_equal": src_digest.hexdigest() == dst_digest.hexdigest(),
+            "mismatched_pages": mismatched,
+            "aux_room": int(metadata.bootstrap_room[row, 0].item()),
+            "aux_token": int(metadata.output_ids[row, 0].item()),
+        }
+    untouched = 0
+    dirty: list[int] = []
+    for page in range(1, int(plan["decode_pages"]) + 1):
+        if page in written:
+            continue
+        clean = all(bool((page_view(pool, layer, page) == SENTINEL).all()) for layer in range(layers))
+        untouched += int(clean)
+        if not clean:
+            dirty.append(page)
+    report["untouched_pages"] = untouched
+    report["dirty_pages"] = dirty
+    return report
+
+
+def write_result(plan: dict[str, Any], result: dict[str, Any]) -> None:
+    path = Path(plan["result"])
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result, default=str))
+    tmp.replace(path)
+
+
+SCENARIOS = {"plugin": scenario_plugin, "prefill": scenario_prefill, "decode": scenario_decode}
+
+
+def main() -> int:
+    scenario, plan_path = sys.argv[1], sys.argv[2]
+    plan = json.loads(Path(plan_path).read_text())
+    try:
+        result = SCENARIOS[scenario](plan)
+        result["stub_calls_outside_import"] = list(gpu_stubs.calls_outside_import())
+        write_result(plan, result)
+    except Exception:
+        write_result(plan, {"harness_error": traceback.format_exc()})
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,53 @@
+"""The ``sglang.srt.plugins`` entry point against the real SGLang 0.5.23 (CPU closure, GPU stubs).
+
+Proves: SGLang's own ``load_plugins()`` finds pdkv's entry point; ``TransferBackend("pdkv")`` exists; the CLI
+accepts ``--disaggregation-transfer-backend pdkv``; ``get_kv_class`` as imported by prefill.py, decode.py and
+disagg_service.py answers pdkv's classes while other backends keep theirs; unsupported features are refused
+by name; and no GPU stub was called outside module import.
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import entry_points
+from pathlib import Path
+
+import pytest
+
+from tests.adapters.helpers import Child, children, requires_sglang
+
+pytestmark = [requires_sglang, pytest.mark.slow]
+
+
+def test_entry_point_is_declared() -> None:
+    eps = [ep for ep in entry_points(group="sglang.srt.plugins") if ep.name == "pdkv"]
+    assert [ep.value for ep in eps] == ["pdkv.adapters.sglang.plugin:register"]
+
+
+def test_plugin_registers_pdkv_with_sglang(tmp_path: Path) -> None:
+    plan = {"bootstrap_port": 18998, "result": str(tmp_path / "plugin.json")}
+    with children() as started:
+        child = Child("plugin", plan, tmp_path)
+        started.append(child)
+        assert child.wait(240) == 0, child.log_tail()
+        result = child.result()
+    assert result["member"] == "<TransferBackend.PDKV: 'pdkv'>"
+    assert result["members"].count("pdkv") == 1
+    assert result["in_choices"] == 1
+    assert result["server_args_backend"] == "pdkv"
+    assert result["cli_backend"] == "pdkv"
+    assert result["hooked"] is True
+    ours = {
+        "kvargs": "sglang.srt.disaggregation.base.conn.KVArgs",
+        "manager": "pdkv.adapters.sglang.conn.PdkvKVManager",
+        "sender": "pdkv.adapters.sglang.conn.PdkvKVSender",
+        "receiver": "pdkv.adapters.sglang.conn.PdkvKVReceiver",
+        "bootstrap_server": "pdkv.adapters.sglang.conn.PdkvKVBootstrapServer",
+    }
+    assert result["classes"] == {"prefill": ours, "decode": ours, "disagg_service": ours}
+    assert result["mooncake_sender"] == "sglang.srt.disaggregation.mooncake.conn.MooncakeKVSender"
+    refusals = result["refusals"]
+    assert refusals["pp"].startswith("ConfigError") and "pipeline parallelism" in refusals["pp"]
+    assert "DP attention" in refusals["dp_attention"]
+    assert "role switch" in refusals["role_switch"]
+    assert "decode radix cache" in refusals["decode_radix"]
+    assert result["stub_calls_outside_import"] == []

@@ -1,0 +1,16 @@
+from typing import Generic, TypeVar
+
+_T = TypeVar("_T")
+
+class EnvField(Generic[_T]):
+    def get(self) -> _T: ...
+
+class Envs:
+    SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT: EnvField[int]
+    SGLANG_DISAGGREGATION_WAITING_TIMEOUT: EnvField[int]
+    SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL: EnvField[float]
+    SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE: EnvField[int]
+    SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE: EnvField[bool]
+    SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT: EnvField[float]
+
+envs: Envs
