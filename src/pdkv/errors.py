@@ -6,11 +6,15 @@ Owns: exception classes only. Must not import anything from pdkv (it is the bott
       ProtocolError            a rule of the protocol was broken
         LocalProtocolError     ... by us (invalid trigger for a machine's state)
         RemoteProtocolError    ... by the peer (undecodable or invalid message)
+      InvalidArgumentError     a scheduler call got a value of the wrong type or range
       MappingError             page-count or layout contract violated (would corrupt KV)
       LayoutMismatchError      two sides' buffer layouts differ
       TransferError            the transfer engine failed or timed out
       EngineUnavailableError   the engine module or its system libraries are missing
       ConfigError              a configuration value is invalid
+      RouteUnavailableError    the bootstrap registry did not answer, or its route table is unusable
+        RegistryError          ... the registry refused an announcement or a query
+      TransportClosedError     a call on a transport after close() (or before start())
 """
 
 from __future__ import annotations
@@ -38,6 +42,20 @@ class RemoteProtocolError(ProtocolError):
     """The peer sent bytes or a message that the protocol does not allow."""
 
 
+class InvalidArgumentError(PdkvError, ValueError, TypeError):
+    """A scheduler-facing call got an argument of the wrong type or outside its range.
+
+    Raised before anything changes: the room (if any) is exactly as it was before the call. Both a
+    ``ValueError`` and a ``TypeError``, so callers that caught the built-in errors keep working.
+    """
+
+    def __init__(self, message: str, *, room: int | None = None, argument: str = "", value: object = None):
+        super().__init__(message)
+        self.room = room
+        self.argument = argument
+        self.value = value
+
+
 class MappingError(PdkvError, ValueError):
     """A mapping contract was violated: moving these pages would write the wrong bytes."""
 
@@ -56,3 +74,15 @@ class EngineUnavailableError(PdkvError, ImportError):
 
 class ConfigError(PdkvError, ValueError):
     """A configuration value (or its PDKV_* environment override) is invalid."""
+
+
+class TransportClosedError(PdkvError):
+    """A call on a transport that was closed (its rooms failed, their peers told)."""
+
+
+class RouteUnavailableError(PdkvError):
+    """The bootstrap registry did not answer in time, or its route table is incomplete or incompatible."""
+
+
+class RegistryError(RouteUnavailableError):
+    """The bootstrap registry refused an announcement or a query (the reason is in the message)."""

@@ -11,6 +11,7 @@ import pytest
 import zmq
 from prometheus_client import CollectorRegistry, generate_latest
 
+from pdkv.errors import InvalidArgumentError, LayoutMismatchError
 from pdkv.metrics import PrometheusExporter
 from pdkv.protocol.ids import InstanceId, RoomId
 from pdkv.protocol.messages import StateIndices
@@ -88,33 +89,41 @@ def test_rooms_end_to_end_cp2(rig_factory: Callable[..., Rig]) -> None:
     assert 'peer="p:tp0/cp1"' in text
 
 
-def test_layout_mismatch_is_rejected_with_both_lists(rig_factory: Callable[..., Rig]) -> None:
+def test_layout_mismatch_is_raised_by_connect_with_the_difference(rig_factory: Callable[..., Rig]) -> None:
     other = ModelSpec(layers=4, page_size=16, state_layers=(1,))
     s = rig_factory(decode_spec=other)
-    prefill = s.start()
-    assert not s.decode.wait_registered(prefill, timeout_s=1.0)
-    receiver = s.decode.receiver(RoomId(5), prefill)
+    for p in s.prefills:
+        p.start()
+    s.decode.start()
+    with pytest.raises(
+        LayoutMismatchError, match=r"target kv layer ids differ: \[0, 1, 2\] vs \[0, 1, 2, 3\]"
+    ):
+        s.decode.connect(s.registry.address, timeout_s=20)
+    with pytest.raises(LayoutMismatchError, match="refused decode"):
+        s.decode.wait_registered(s.prefill_instance, timeout_s=1.0)
+    # A room asked of that instance anyway fails with the same reason.
+    receiver = s.decode.receiver(RoomId(5), s.prefill_instance)
     receiver.init(np.arange(2), None)
     wait_for(lambda: receiver.poll() is KVPoll.Failed)
-    reason = receiver.failure() or ""
-    assert "target kv layer ids differ: [0, 1, 2] vs [0, 1, 2, 3]" in reason
+    assert "target kv layer ids differ: [0, 1, 2] vs [0, 1, 2, 3]" in (receiver.failure() or "")
 
 
-def test_out_of_range_destination_fails_exactly_that_room(rig_factory: Callable[..., Rig]) -> None:
+def test_out_of_range_destination_is_refused_at_the_call_and_creates_nothing(
+    rig_factory: Callable[..., Rig],
+) -> None:
     s = rig_factory()
     prefill = s.start()
     assert s.decode.wait_registered(prefill, timeout_s=20)
     bad = s.decode.receiver(RoomId(1), prefill)
-    bad.init(np.array([0, 256]), None)  # the decode buffers hold 256 pages: 256 is outside
-    sender_bad = s.prefills[0].sender(RoomId(1))
-    sender_bad.init(2, None)
-    good_senders = run_room(s, prefill, RoomId(2), np.array([1, 2, 3]), np.array([10, 11, 12]), [3])
-    good = s.decode.receiver(RoomId(2), prefill)
-    wait_for(lambda: bad.poll() is KVPoll.Failed and good.poll() is KVPoll.Success)
-    assert "destination page 256 outside the decode KV buffers (256 pages)" in (bad.failure() or "")
-    assert sender_bad.poll() is KVPoll.Failed
-    assert all(x.poll() is KVPoll.Success for x in good_senders)
-    wait_for(bad.release_ready)
+    with pytest.raises(
+        InvalidArgumentError, match=r"room 1: dst_pages holds ids past the 256 registered pages"
+    ):
+        bad.init(np.array([0, 256]), None)  # the decode buffers hold 256 pages: 256 is outside
+    assert bad.poll() is KVPoll.Bootstrapping  # nothing was created: the same room can be inited again
+    good_senders = run_room(s, prefill, RoomId(1), np.array([1, 2, 3]), np.array([10, 11, 12]), [3])
+    good = s.decode.receiver(RoomId(1), prefill)
+    wait_for(lambda: good.poll() is KVPoll.Success)
+    wait_for(lambda: all(x.poll() is KVPoll.Success for x in good_senders))
 
 
 def test_garbage_on_every_socket_leaves_transports_serving(rig_factory: Callable[..., Rig]) -> None:

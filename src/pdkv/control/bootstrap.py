@@ -268,6 +268,7 @@ def request(
     frames = codec.encode(message)
     socket: zmq.Socket[bytes] = ctx.socket(zmq.DEALER)
     started = time.monotonic()
+    ignored: list[str] = []  # replies refused (authentication, malformed): said in the timeout error
     try:
         socket.setsockopt(zmq.LINGER, 0)
         if "[" in address:
@@ -283,7 +284,7 @@ def request(
             except zmq.Again:
                 log.debug("request to %s: attempt %d not queued (earlier ones still wait)", address, attempt)
             deadline = deadline_after(max(0.0, started + timeout_s * attempt / attempts - time.monotonic()))
-            reply = _await_reply(socket, deadline, codec, auth, address)
+            reply = _await_reply(socket, deadline, codec, auth, address, ignored)
             if reply is not None:
                 return reply
             if attempt < attempts:
@@ -291,8 +292,17 @@ def request(
     finally:
         socket.close(linger=0)
     elapsed = time.monotonic() - started
+    why = ""
+    if ignored:
+        hint = (
+            "PDKV_AUTH_KEY is set here but the peer's key differs or is unset"
+            if auth is not None
+            else "the peer may require PDKV_AUTH_KEY, which is not set here"
+        )
+        why = f"; {len(ignored)} reply(s) refused ({ignored[-1]}): {hint}"
     raise ControlTimeoutError(
-        f"no reply from {address} to {type(message).__name__} after {attempts} attempt(s) in {elapsed:.2f} s",
+        f"no reply from {address} to {type(message).__name__} after {attempts} attempt(s) in {elapsed:.2f} s"
+        f"{why}",
         address=address,
         attempts=attempts,
         timeout_s=timeout_s,
@@ -305,6 +315,7 @@ def _await_reply(
     codec: WireCodec[M],
     auth: Authenticator | None,
     address: str,
+    ignored: list[str],
 ) -> M | None:
     while True:
         if socket.poll(remaining_ms(deadline), zmq.POLLIN):
@@ -314,11 +325,13 @@ def _await_reply(
                     frames = auth.verify(frames, unix_ms())
                 except AuthenticationError as exc:
                     log.warning("ignored a reply from %s: %s", address, exc)
+                    ignored.append(f"authentication: {exc}")
                     continue
             try:
                 return codec.decode(frames)
             except codec.decode_error as exc:
                 log.warning("ignored a malformed reply from %s: %s", address, exc)
+                ignored.append(f"malformed: {exc}")
                 continue
         if expired(deadline):
             return None

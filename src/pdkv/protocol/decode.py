@@ -31,8 +31,9 @@ from collections.abc import Sequence
 
 import attrs
 
-from pdkv.errors import LocalProtocolError
+from pdkv.errors import InvalidArgumentError, LocalProtocolError
 from pdkv.mapping.layout import BufferLayout
+from pdkv.protocol import arguments
 from pdkv.protocol._deadlines import DeadlineQueue
 from pdkv.protocol.config import Timeouts
 from pdkv.protocol.effects import (
@@ -155,6 +156,7 @@ class _ReceiverRoom:
     succeeded: set[PeerKey] = attrs.Factory(set)
     metric: dict[PeerKey, TransferMetricData] = attrs.Factory(dict)
     failure: str | None = None
+    cause: FailureCause | None = None
     abort: DecodeAbortMachine | None = None
     must_ack: set[PeerKey] = attrs.Factory(set)
     acked: set[PeerKey] = attrs.Factory(set)
@@ -222,6 +224,11 @@ class DecodeEndpoint:
     def peer_ready(self, target: Target) -> bool:
         peer = self._peers.get(target.key)
         return peer is not None and peer.state is PeerState.READY
+
+    def peer_refusal(self, target: Target) -> str | None:
+        """The reason ``target``'s prefill rank refused our registration (None unless it did)."""
+        peer = self._peers.get(target.key)
+        return peer.reason if peer is not None and peer.state is PeerState.REJECTED else None
 
     def peer_session(self, target: Target) -> SessionId | None:
         peer = self._peers.get(target.key)
@@ -395,19 +402,51 @@ class DecodeEndpoint:
         required_dst_info_num: int = 1,
         now: float,
     ) -> list[Effect]:
-        """``receiver.init``: the room's destinations (by position) and the prefill ranks it needs."""
+        """``receiver.init``: the room's destinations (by position) and the prefill ranks it needs.
+
+        Every argument is checked against this rank's own buffers first (``InvalidArgumentError``,
+        or ``MappingError`` for repeated pages); a bad call creates nothing.
+        """
         if room in self._rooms:
             raise LocalProtocolError(f"room {room} was already opened on decode {self.origin}")
         if len({t.key for t in targets}) != len(targets):
             raise LocalProtocolError(f"room {room}: a prefill rank is listed twice in targets")
+        layout = self._register.layout
+        pages = arguments.page_list(
+            dst_pages,
+            room=room,
+            argument="dst_pages",
+            limit=min((b.num_items for b in layout.kv_buffers), default=0),
+        )
+        rows = min((b.num_items for b in layout.aux_buffers), default=0)
+        aux_row = arguments.optional_row(dst_aux_row, room=room, argument="aux_row", rows=rows)
+        state = arguments.state_list(dst_state, room=room, argument="state_indices")
+        for item in state:
+            buffers = layout.select(item.kind)
+            if not buffers:
+                raise InvalidArgumentError(
+                    f"room {room}: state_indices name kind {item.kind.value}, not registered on this rank",
+                    room=room,
+                    argument="state_indices",
+                    value=item.kind,
+                )
+            arguments.page_list(
+                item.indices,
+                room=room,
+                argument=f"state_indices[{item.kind.value}]",
+                limit=min(b.num_items for b in buffers),
+            )
+        required = arguments.count(
+            required_dst_info_num, room=room, argument="required_dst_info_num", minimum=1, maximum=1 << 16
+        )
         r = _ReceiverRoom(
             room=room,
             machine=ReceiverRoomMachine(f"room {room}"),
             targets=tuple(targets),
-            dst_pages=index_array(dst_pages),
-            dst_aux_row=dst_aux_row,
-            dst_state=tuple(dst_state),
-            required_dst_info_num=required_dst_info_num,
+            dst_pages=index_array(pages),
+            dst_aux_row=aux_row,
+            dst_state=state,
+            required_dst_info_num=required,
             deadline=None,
         )
         self._rooms[room] = r
@@ -435,9 +474,28 @@ class DecodeEndpoint:
             return self._send_requests(r, now)
         return []
 
-    def abort_room(self, room: RoomId, reason: str, now: float) -> list[Effect]:
-        """``receiver.abort``: fail the room and tell every prefill rank; pages wait for the acks."""
-        r = self._room(room)
+    def abort_room(
+        self, room: RoomId, reason: str, now: float, *, targets: Sequence[Target] = ()
+    ) -> list[Effect]:
+        """``receiver.abort``: fail the room and tell every prefill rank; pages wait for the acks.
+
+        A room not opened yet is created Failed and its ``targets`` (the prefill ranks it would
+        have asked) are told, so a prefill scheduler that opens it sees Failed at once; none of
+        them was given a destination, so nothing waits for an ack.
+        """
+        r = self._rooms.get(room)
+        if r is None:
+            r = _ReceiverRoom(
+                room=room,
+                machine=ReceiverRoomMachine(f"room {room}"),
+                targets=tuple(targets),
+                dst_pages=index_array(()),
+                dst_aux_row=None,
+                dst_state=(),
+                required_dst_info_num=1,
+                deadline=None,
+            )
+            self._rooms[room] = r
         if r.terminal:
             return []
         return self._fail(r, _clip(f"aborted by decode: {reason}"), FailureCause.ABORTED_HERE, now)
@@ -454,15 +512,23 @@ class DecodeEndpoint:
         del self._rooms[room]
 
     def poll(self, room: RoomId) -> KVPoll:
-        return _POLL[self._room(room).state]
+        """The room's state; a room not opened yet (``receiver.init`` not called) is Bootstrapping."""
+        r = self._rooms.get(room)
+        return KVPoll.Bootstrapping if r is None else _POLL[r.state]
 
     def failure(self, room: RoomId) -> str | None:
-        return self._room(room).failure
+        r = self._rooms.get(room)
+        return None if r is None else r.failure
+
+    def failure_cause(self, room: RoomId) -> FailureCause | None:
+        r = self._rooms.get(room)
+        return None if r is None else r.cause
 
     def release_ready(self, room: RoomId) -> bool:
-        """True when no prefill rank can still write into the room's pages (or the ack wait timed out)."""
-        r = self._room(room)
-        return r.state is ReceiverRoomState.SUCCESS or r.released
+        """True when no prefill rank can still write into the room's pages (or the ack wait timed out);
+        True too before ``receiver.init``: no prefill rank was told any page of it."""
+        r = self._rooms.get(room)
+        return r is None or r.state is ReceiverRoomState.SUCCESS or r.released
 
     def release_was_safe(self, room: RoomId) -> bool:
         return self._room(room).release_safe
@@ -591,6 +657,7 @@ class DecodeEndpoint:
         """Fail the room and start the abort handshake with every prefill rank of the room."""
         r.machine.fire(ReceiverRoomTrigger.FAIL)
         r.failure = reason
+        r.cause = cause
         self._counters.rooms_failed += 1
         r.abort = DecodeAbortMachine(f"room {r.room}")
         # Only a rank that was told the destinations can write; dummies never write.

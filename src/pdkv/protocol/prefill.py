@@ -12,10 +12,18 @@ Inputs come from three places:
 - transfer workers: ``start_chunk`` (may answer "skip"), ``chunk_done``, ``chunk_failed``.
 
 Safety rules this module enforces (DESIGN section 8):
+- Success only when the room's positions were all submitted and written: after the first chunk's
+  start (past 0 when the decode already holds a cached prefix) chunks are contiguous and
+  non-overlapping, the last one ends exactly at ``num_pages``, and no page id repeats in the room's
+  source pages or in a decode rank's destination pages. A scheduler's chunk that breaks the rule is
+  refused at the call (``MappingError``, nothing changed); a request that breaks it fails the room;
 - a chunk of a failed room is never started (Skipped), so nothing lands in pages the decode side may
   have reused; AbortAck is sent only when no chunk of the room is in flight;
-- a TransferRequest for a room that was aborted or closed is refused (tombstones), so a reordered
-  request cannot revive a room after its AbortAck;
+- a TransferRequest for a room that was aborted or closed is refused (tombstones) and answered
+  Failed with the reason at once (aborted, or "room id reused"), so a reordered request cannot
+  revive a room after its AbortAck and a reused id costs the decode no deadline;
+- a remote input never raises: it is a counted, logged fault or a state change;
+- a room that the scheduler never opened is freed once it failed (its id stays a tombstone);
 - every non-terminal room has a deadline;
 - liveness of decode ranks: a Heartbeat goes to every registered decode rank each
   ``heartbeat_interval``; one that sent nothing for ``heartbeat_timeout`` is forgotten (its live
@@ -29,9 +37,13 @@ Safety rules this module enforces (DESIGN section 8):
 from __future__ import annotations
 
 import attrs
+import numpy as np
 
-from pdkv.errors import LocalProtocolError
+from pdkv.errors import LocalProtocolError, MappingError
+from pdkv.mapping import chunk_page_start
+from pdkv.mapping._arrays import summarize
 from pdkv.mapping.layout import BufferLayout
+from pdkv.protocol import arguments
 from pdkv.protocol._deadlines import DeadlineQueue
 from pdkv.protocol.config import Timeouts
 from pdkv.protocol.effects import (
@@ -106,6 +118,8 @@ class PrefillStatistics:
     """Decode ranks forgotten after ``heartbeat_timeout`` seconds of silence."""
     peer_restarts: int
     """Decode ranks seen with a newer epoch."""
+    unopened_rooms_freed: int
+    """Rooms requested by a decode rank that this rank's scheduler never opened, freed once failed."""
 
 
 @attrs.define(eq=False)
@@ -121,6 +135,16 @@ class _Counters:
     unexpected_messages: int = 0
     peers_lost: int = 0
     peer_restarts: int = 0
+    unopened_rooms_freed: int = 0
+
+
+@attrs.frozen
+class _Tombstone:
+    """A room id that must not come back before ``expiry``: why, for whoever asks about it."""
+
+    expiry: float
+    reason: str
+    cause: FailureCause
 
 
 @attrs.define(eq=False)
@@ -141,7 +165,10 @@ class _SenderRoom:
     requests: dict[PeerKey, TransferRequest] = attrs.Factory(dict)
     chunks: list[_Chunk] = attrs.Factory(list)
     last_queued: bool = False
+    next_position: int | None = None  # where the next chunk must start (None before the first)
+    src_pages: list[np.ndarray] = attrs.Factory(list)  # every queued chunk's pages, for duplicates
     failure: str | None = None
+    cause: FailureCause | None = None
     pages: int = 0
     bytes: int = 0
     seconds: float = 0.0
@@ -180,7 +207,8 @@ class PrefillEndpoint:
         self._draining: dict[PeerKey, set[RoomId]] = {}  # forgotten rank -> rooms still writing to it
         self._deferred_acks: set[PeerKey] = set()  # registered, RegisterAck waits for _draining
         self._rooms: dict[RoomId, _SenderRoom] = {}
-        self._tombstones: dict[RoomId, float] = {}
+        self._tombstones: dict[RoomId, _Tombstone] = {}
+        self._unopened_failed: list[RoomId] = []  # freed at the end of the input that failed them
         self._deadlines: DeadlineQueue[RoomId] = DeadlineQueue()
         self._tombstone_expiry: DeadlineQueue[RoomId] = DeadlineQueue()
         self._counters = _Counters()
@@ -200,6 +228,7 @@ class PrefillEndpoint:
         peer = self._peers.get(key)
         if peer is not None and peer.epoch == message.origin.epoch:
             self._last_heard[key] = now
+        self._free_unopened(now)
         return effects
 
     def _dispatch(self, message: Message, now: float) -> list[Effect]:
@@ -326,14 +355,20 @@ class PrefillEndpoint:
                     msg.room,
                 )
             ]
-        if msg.room in self._tombstones:
+        tomb = self._tombstones.get(msg.room)
+        if tomb is not None and msg.room not in self._rooms:
+            # Answered at once: an aborted room stays aborted, and a reused id is said to be one.
             self._counters.requests_refused += 1
+            failed = TransferStatus(
+                origin=self.origin, room=msg.room, outcome=Outcome.FAILED, reason=tomb.reason
+            )
             return [
                 _notice(
                     NoticeLevel.WARNING,
-                    f"refused late TransferRequest for closed or aborted room {msg.room} from {msg.origin}",
+                    f"refused TransferRequest for room {msg.room} from {msg.origin}: {tomb.reason}",
                     msg.room,
-                )
+                ),
+                Send(to=peer.endpoint, message=failed),
             ]
         r = self._rooms.get(msg.room) or self._new_room(msg.room, now)
         previous = r.requests.get(key)
@@ -350,6 +385,18 @@ class PrefillEndpoint:
                     )
                 ]
             return self._fail(r, f"conflicting TransferRequests from {msg.origin}", FailureCause.INVALID)
+        if r.state is SenderRoomState.SUCCESS:
+            # Another decode rank (or a restarted one) asks for a finished room: the room stays
+            # Success for the ranks that got it; this one is told, and nothing is written to it.
+            self._counters.requests_refused += 1
+            reason = f"room {msg.room} already finished on prefill {self.origin}; room id reused?"
+            failed = TransferStatus(origin=self.origin, room=msg.room, outcome=Outcome.FAILED, reason=reason)
+            return [
+                _notice(
+                    NoticeLevel.WARNING, f"refused TransferRequest from {msg.origin}: {reason}", msg.room
+                ),
+                Send(to=peer.endpoint, message=failed),
+            ]
         r.requests[key] = msg
         if r.state is SenderRoomState.FAILED:
             return self._status_to(r, peer)
@@ -376,6 +423,14 @@ class PrefillEndpoint:
         """Destination checks before any byte moves (DESIGN section 4)."""
         if msg.dummy:
             return None
+        if msg.dst_pages.size > 1:
+            ordered = np.sort(msg.dst_pages)
+            repeated = np.unique(ordered[1:][ordered[1:] == ordered[:-1]])
+            if repeated.size:
+                return (
+                    f"destination pages of {msg.origin} repeat page ids {repeated[:6].tolist()}: two "
+                    f"positions would share one page; {summarize(msg.dst_pages, 'dst_pages')}"
+                )
         kv = peer.layout.kv_buffers
         capacity = min((b.num_items for b in kv), default=0)
         if msg.dst_pages.size and int(msg.dst_pages.max()) >= capacity:
@@ -422,7 +477,13 @@ class PrefillEndpoint:
                         msg.room,
                     )
                 )
-            self._tombstone(msg.room, now)
+            self._tombstone(
+                msg.room,
+                now,
+                _clip(f"aborted by decode {msg.origin} before the prefill side opened it: {msg.reason}"),
+                FailureCause.ABORTED_BY_PEER,
+                keep_reason=True,
+            )
             if peer is not None:
                 effects.append(Send(to=peer.endpoint, message=AbortAck(origin=self.origin, room=msg.room)))
             return effects
@@ -488,20 +549,27 @@ class PrefillEndpoint:
     # ------------------------------------------------------------------ scheduler input
 
     def open_room(self, room: RoomId, *, num_pages: int, aux_row: int | None, now: float) -> list[Effect]:
-        """``sender.init``: the request has ``num_pages`` pages; its aux row on this side is ``aux_row``."""
-        if num_pages < 0:
-            raise LocalProtocolError(f"room {room}: num_pages must be >= 0, got {num_pages}")
+        """``sender.init``: the request has ``num_pages`` pages; its aux row on this side is ``aux_row``.
+
+        Arguments are checked first (``InvalidArgumentError``; nothing changes on a bad call). A
+        room the decode side already failed (aborted before this call, or its id reused) opens
+        Failed with that reason: a peer-caused condition is the room's state, not the caller's error.
+        """
+        num_pages = arguments.count(num_pages, room=room, argument="num_pages")
+        rows = min((b.num_items for b in self.layout.aux_buffers), default=0)
+        aux_row = arguments.optional_row(aux_row, room=room, argument="aux_row", rows=rows)
         r = self._rooms.get(room)
         if r is not None and r.opened:
             raise LocalProtocolError(f"room {room} was already opened on prefill {self.origin}")
         if r is None:
+            tomb = self._tombstones.get(room)
             r = self._new_room(room, now)
-            if room in self._tombstones:
+            if tomb is not None:
                 r.opened, r.num_pages, r.aux_row = True, num_pages, aux_row
-                return self._fail(
-                    r, "aborted by decode before the prefill side opened it", FailureCause.ABORTED_BY_PEER
-                )
+                return self._fail(r, tomb.reason, tomb.cause)
         r.opened, r.num_pages, r.aux_row = True, num_pages, aux_row
+        if r.terminal:
+            return []  # failed before the scheduler opened it: poll() says Failed, failure() why
         for q in r.real_requests:
             if q.dst_pages.size != num_pages:
                 return self._fail(
@@ -511,22 +579,77 @@ class PrefillEndpoint:
                 )
         return []
 
-    def queue_chunk(self, room: RoomId, spec: ChunkSpec, now: float) -> list[Effect]:
-        """``sender.send``: queue one chunk; returns SubmitChunk unless the room failed (then Skipped)."""
+    def check_chunk(self, room: RoomId, spec: ChunkSpec) -> int:
+        """The scheduler's chunk against the room's page contract; returns its first position.
+
+        Raises ``MappingError`` (naming the room, the argument and both sides) when the chunk would
+        leave a gap, overlap an earlier chunk, run past ``num_pages``, end a room short (a last
+        chunk), or repeat a source page. Changes nothing: ``queue_chunk`` and per-layer
+        registration call it before any byte moves.
+        """
         r = self._opened(room)
         if r.last_queued:
             raise LocalProtocolError(f"room {room}: chunk queued after the last chunk")
+        num_pages = r.num_pages or 0
+        try:
+            start = chunk_page_start(spec.start_token, self.layout.page_size)
+        except MappingError as exc:
+            raise MappingError(f"room {room}: start_token: {exc}") from None
+        end = start + int(spec.pages.size)
+        where = (
+            f"chunk start_token {spec.start_token} = page {start}, {spec.pages.size} pages -> "
+            f"positions {start}..{end - 1}; room has {num_pages} pages"
+        )
+        if r.next_position is not None and start != r.next_position:
+            gap = start - r.next_position
+            what = (
+                f"leaves positions {r.next_position}..{start - 1} unwritten"
+                if gap > 0
+                else (f"overlaps {-gap} position(s) already queued")
+            )
+            raise MappingError(
+                f"room {room}: chunk_pages {what} (the previous chunk ended at position "
+                f"{r.next_position}); {where}"
+            )
+        if end > num_pages:
+            raise MappingError(f"room {room}: chunk_pages run past the request's last page; {where}")
+        if spec.last and end != num_pages:
+            raise MappingError(
+                f"room {room}: the last chunk ends at position {end}, short of num_pages {num_pages}: "
+                f"positions {end}..{num_pages - 1} would never be written; {where}"
+            )
+        if r.src_pages and spec.pages.size:
+            earlier = np.concatenate(r.src_pages)
+            repeated = spec.pages[np.isin(spec.pages, earlier)]
+            if repeated.size:
+                raise MappingError(
+                    f"room {room}: chunk_pages repeat page ids {repeated[:6].tolist()} of an earlier "
+                    f"chunk; {summarize(spec.pages, 'chunk_pages')}; {summarize(earlier, 'earlier pages')}"
+                )
+        return start
+
+    def queue_chunk(self, room: RoomId, spec: ChunkSpec, now: float) -> list[Effect]:
+        """``sender.send``: queue one chunk; returns SubmitChunk unless the room failed (then Skipped).
+
+        The chunk must keep the room's page contract (``check_chunk``); a chunk that breaks it is
+        refused with ``MappingError`` before anything changes.
+        """
+        r = self._opened(room)
+        start = self.check_chunk(room, spec)
+        failed = r.state is SenderRoomState.FAILED
+        if not failed:
+            r.machine.fire(SenderRoomTrigger.QUEUE_CHUNK)  # LocalProtocolError before all requests are in
+        r.next_position = start + int(spec.pages.size)
+        if spec.pages.size:
+            r.src_pages.append(spec.pages)
         chunk = _Chunk(
             index=len(r.chunks), spec=spec, machine=ChunkMachine(f"room {room} chunk {len(r.chunks)}")
         )
-        if r.state is SenderRoomState.FAILED:
-            r.chunks.append(chunk)
-            r.last_queued = spec.last
-            self._skip(chunk)
-            return []
-        r.machine.fire(SenderRoomTrigger.QUEUE_CHUNK)  # raises LocalProtocolError before all requests are in
         r.chunks.append(chunk)
         r.last_queued = spec.last
+        if failed:
+            self._skip(chunk)
+            return []
         gone = [key for key, q in r.requests.items() if not q.dummy and key not in self._peers]
         if gone:
             # Never a KeyError on the control thread, never a silent drop: the room fails loudly.
@@ -559,7 +682,10 @@ class PrefillEndpoint:
         """``sender.abort``: fail the room and tell every decode rank at once."""
         r = self._rooms.get(room)
         if r is None:
-            return [_notice(NoticeLevel.WARNING, f"abort of unknown room {room}: {reason}", room)]
+            # Not requested yet: remember the abort, so the decode's request (if it comes) is
+            # answered Failed at once instead of starting a room that waits for its deadline.
+            self._tombstone(room, now, _clip(f"aborted by prefill: {reason}"), FailureCause.ABORTED_HERE)
+            return [_notice(NoticeLevel.INFO, f"abort of room {room} before its request: {reason}", room)]
         if r.terminal:
             return []
         return self._fail(r, _clip(f"aborted by prefill: {reason}"), FailureCause.ABORTED_HERE)
@@ -572,14 +698,36 @@ class PrefillEndpoint:
         if not r.terminal:
             raise LocalProtocolError(f"room {room} closed in state {r.state.name}; abort it first")
         r.closed = True
-        self._tombstone(room, now)
+        self._tombstone(
+            room,
+            now,
+            f"room id reused: room {room} finished and was cleared on prefill {self.origin} "
+            f"less than {self.timeouts.tombstone:g} s ago",
+            FailureCause.INVALID,
+        )
         self._forget_if_idle(r)
 
     def poll(self, room: RoomId) -> KVPoll:
-        return _POLL[self._room(room).state]
+        """The room's state; a room this rank has not heard of yet is Bootstrapping (SGLang polls
+        every sender from creation), one it refuses (aborted, reused id) is Failed."""
+        r = self._rooms.get(room)
+        if r is not None:
+            return _POLL[r.state]
+        return KVPoll.Failed if room in self._tombstones else KVPoll.Bootstrapping
 
     def failure(self, room: RoomId) -> str | None:
-        return self._room(room).failure
+        r = self._rooms.get(room)
+        if r is not None:
+            return r.failure
+        tomb = self._tombstones.get(room)
+        return None if tomb is None else tomb.reason
+
+    def failure_cause(self, room: RoomId) -> FailureCause | None:
+        r = self._rooms.get(room)
+        if r is not None:
+            return r.cause
+        tomb = self._tombstones.get(room)
+        return None if tomb is None else tomb.cause
 
     def metric(self, room: RoomId) -> TransferMetricData:
         r = self._room(room)
@@ -682,7 +830,7 @@ class PrefillEndpoint:
             d
             for d in (
                 self._deadlines.next_deadline(self._room_deadline),
-                self._tombstone_expiry.next_deadline(self._tombstones.get),
+                self._tombstone_expiry.next_deadline(self._tombstone_deadline),
                 self._heartbeat_due,
             )
             if d is not None
@@ -705,8 +853,9 @@ class PrefillEndpoint:
             effects += self._fail(
                 r, f"{limit[0]} timeout: still {r.state.name} after {limit[1]:g} s", FailureCause.TIMEOUT
             )
-        for room in self._tombstone_expiry.pop_due(now, self._tombstones.get):
+        for room in self._tombstone_expiry.pop_due(now, self._tombstone_deadline):
             del self._tombstones[room]
+        self._free_unopened(now)
         return effects
 
     def _heartbeat_round(self, now: float) -> list[Effect]:
@@ -767,8 +916,11 @@ class PrefillEndpoint:
     def _fail(self, r: _SenderRoom, reason: str, cause: FailureCause, *, notify: bool = True) -> list[Effect]:
         r.machine.fire(SenderRoomTrigger.FAIL)
         r.failure = reason
+        r.cause = cause
         r.deadline = None
         self._counters.rooms_failed += 1
+        if not r.opened:
+            self._unopened_failed.append(r.room)
         for c in r.chunks:
             if c.machine.state is ChunkState.REGISTERED:
                 self._skip(c)
@@ -817,10 +969,35 @@ class PrefillEndpoint:
         if r.closed and not r.in_flight and (r.abort is None or r.abort.state is PrefillAbortState.ACKED):
             self._rooms.pop(r.room, None)
 
-    def _tombstone(self, room: RoomId, now: float) -> None:
+    def _tombstone(
+        self, room: RoomId, now: float, reason: str, cause: FailureCause, *, keep_reason: bool = False
+    ) -> None:
+        """Refuse ``room`` until ``tombstone`` seconds from now (``keep_reason``: an earlier reason stays)."""
         expiry = now + self.timeouts.tombstone
-        self._tombstones[room] = expiry
+        known = self._tombstones.get(room)
+        if keep_reason and known is not None:
+            reason, cause = known.reason, known.cause
+        self._tombstones[room] = _Tombstone(expiry=expiry, reason=reason, cause=cause)
         self._tombstone_expiry.push(room, expiry)
+
+    def _tombstone_deadline(self, room: RoomId) -> float | None:
+        tomb = self._tombstones.get(room)
+        return None if tomb is None else tomb.expiry
+
+    def _free_unopened(self, now: float) -> None:
+        """Rooms a decode rank asked for, failed before this rank's scheduler opened them: nothing
+        of theirs can be in flight (a chunk needs an open room), so they are freed now and their ids
+        kept as tombstones; a late ``sender.init`` then opens them Failed with the reason."""
+        while self._unopened_failed:
+            room = self._unopened_failed.pop()
+            r = self._rooms.get(room)
+            if r is None or r.opened or r.in_flight or not r.terminal:
+                continue
+            if r.abort is not None and r.abort.state is not PrefillAbortState.ACKED:
+                continue
+            del self._rooms[room]
+            self._counters.unopened_rooms_freed += 1
+            self._tombstone(room, now, r.failure or "failed", r.cause or FailureCause.INVALID)
 
     def _room(self, room: RoomId) -> _SenderRoom:
         r = self._rooms.get(room)

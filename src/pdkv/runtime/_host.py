@@ -18,6 +18,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Generic, Protocol, TypeVar
 
+from pdkv.errors import TransportClosedError
 from pdkv.metrics import TransportMetrics
 from pdkv.protocol.effects import Effect, ForgetPeer, Notice, NoticeLevel
 from pdkv.protocol.ids import RoomId
@@ -56,6 +57,8 @@ class Endpoint(Protocol):
 
     def abort_room(self, room: RoomId, reason: str, now: float) -> list[Effect]: ...
 
+    def rooms(self) -> list[RoomId]: ...
+
 
 E = TypeVar("E", bound=Endpoint)
 
@@ -80,6 +83,7 @@ class EndpointHost(Generic[E]):
         """Counters and per-peer latency (``pdkv.metrics.PrometheusExporter(transport.metrics)``)."""
         self._accounting = Accounting(self.metrics)
         self._forget: list[str] = []  # endpoints whose sockets the control thread (their owner) drops
+        self._closed = False
         self._loop = ControlLoop(
             channel, name=thread_name, on_message=self._on_message, on_tick=self._on_tick, clock=clock
         )
@@ -91,9 +95,29 @@ class EndpointHost(Generic[E]):
 
     # ------------------------------------------------------------------ any thread
 
-    def _call(self, fn: Callable[[E, float], list[Effect]]) -> None:
+    def _call(self, fn: Callable[[E, float], list[Effect]], *, what: str | None = None) -> None:
+        """Run a scheduler input under the lock; ``what`` names a call refused once the transport closed."""
         with self._lock:
+            if what is not None and self._closed:
+                raise TransportClosedError(f"{what}: the transport is closed")
             self._apply(fn(self._endpoint, self._clock()))
+
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise TransportClosedError(f"{what}: the transport is closed")
+
+    def _fail_open_rooms(self, reason: str) -> int:
+        """Close-time: fail every room that is not terminal and tell its peers (their messages are
+        queued now and flushed before the sockets close). Returns how many rooms were failed."""
+        failed = 0
+        with self._lock:
+            now = self._clock()
+            for room in self._endpoint.rooms():
+                if self._endpoint.poll(room) in (KVPoll.Success, KVPoll.Failed):
+                    continue
+                self._apply(self._endpoint.abort_room(room, reason, now))
+                failed += 1
+        return failed
 
     def _query(self, fn: Callable[[E], _T]) -> _T:
         with self._lock:

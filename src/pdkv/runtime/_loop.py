@@ -4,7 +4,8 @@ Owns: ``ControlLoop`` (receive -> endpoint, outbox -> sockets, deadlines -> ``ti
 ``MessageChannel`` protocol it drives (implemented by ``pdkv.control``). Other threads never send:
 they append to the outbox and wake the loop, so a slow or dead peer can only delay this thread,
 never the scheduler or a transfer worker. The loop never dies on an exception from a handler: it
-logs it with the traceback and goes on (a handler bug must not wedge every room of the rank).
+logs it with the traceback and goes on (a handler bug must not wedge every room of the rank), and
+one message whose handler failed never costs the other messages received with it.
 """
 
 from __future__ import annotations
@@ -64,10 +65,16 @@ class ControlLoop:
         self._clock = clock
         self._outbox: deque[tuple[str, Message]] = deque()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._name = name
+        self._thread: threading.Thread | None = None
         self.handler_errors = 0
 
     def start(self) -> None:
+        """Start the thread (again, after ``stop(close_channel=False)``: a rolled-back start)."""
+        if self._thread is not None and self._thread.is_alive():
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
         self._thread.start()
 
     def post(self, to: str, message: Message) -> None:
@@ -75,21 +82,24 @@ class ControlLoop:
         self._outbox.append((to, message))
         self.channel.wake()
 
-    def stop(self, timeout_s: float = 5.0) -> None:
-        """Stop the thread and close the channel (idempotent). Queued messages are flushed first."""
+    def stop(self, timeout_s: float = 5.0, *, close_channel: bool = True) -> None:
+        """Stop the thread and (unless ``close_channel`` is False) close the channel; idempotent.
+        Queued messages are flushed first."""
         self._stop.set()
         self.channel.wake()
-        if self._thread.is_alive() and threading.current_thread() is not self._thread:
-            self._thread.join(timeout_s)
-            if self._thread.is_alive():
-                log.warning("control thread %s did not stop within %.1f s", self._thread.name, timeout_s)
+        thread = self._thread
+        if thread is not None and thread.is_alive() and threading.current_thread() is not thread:
+            thread.join(timeout_s)
+            if thread.is_alive():
+                log.warning("control thread %s did not stop within %.1f s", self._name, timeout_s)
                 return
-        # Give the last messages (a final status, an AbortAck) a moment to leave before the sockets go.
-        self.channel.close(flush_s=1.0)
+        if close_channel:
+            # Give the last messages (a final status, an AbortAck) a moment to leave before the sockets go.
+            self.channel.close(flush_s=1.0)
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive()
+        return self._thread is not None and self._thread.is_alive()
 
     def _run(self) -> None:
         next_deadline: float | None = None
@@ -103,19 +113,32 @@ class ControlLoop:
                     _MAX_IDLE_S if next_deadline is None else max(0.0, min(_MAX_IDLE_S, next_deadline - now))
                 )
                 for message in self.channel.wait(timeout):
-                    self._on_message(message, self._clock())
+                    self._handle(message)
                 # A message may have created an earlier deadline: recompute next round.
                 next_deadline = self._on_tick(self._clock())
                 self._flush()
             except Exception:
                 self.handler_errors += 1
-                log.exception("control loop %s: handler failed; continuing", self._thread.name)
+                log.exception("control loop %s: handler failed; continuing", self._name)
                 next_deadline = None
                 time.sleep(0.01)  # never spin hot on a persistent failure
         try:
             self._flush()
         except Exception:
-            log.exception("control loop %s: final flush failed", self._thread.name)
+            log.exception("control loop %s: final flush failed", self._name)
+
+    def _handle(self, message: Message) -> None:
+        """One received message; a failing handler costs that message only, not the batch."""
+        try:
+            self._on_message(message, self._clock())
+        except Exception:
+            self.handler_errors += 1
+            log.exception(
+                "control loop %s: handling %s from %s failed; continuing",
+                self._name,
+                type(message).__name__,
+                getattr(message, "origin", "?"),
+            )
 
     def _flush(self) -> None:
         while self._outbox:

@@ -14,7 +14,7 @@ from pdkv.control.auth import Authenticator
 from pdkv.control.bootstrap import RegistryService, request
 from pdkv.control.channel import ControlChannel
 from pdkv.control.framing import WireCodec
-from pdkv.errors import PdkvError, RemoteProtocolError
+from pdkv.errors import RegistryError, RemoteProtocolError
 from pdkv.protocol import codec
 from pdkv.protocol.ids import Epoch, InstanceId
 from pdkv.protocol.messages import (
@@ -36,10 +36,6 @@ log = logging.getLogger(__name__)
 CODEC: WireCodec[Message] = WireCodec(
     encode=codec.encode, decode=codec.decode, decode_error=RemoteProtocolError
 )
-
-
-class RegistryError(PdkvError):
-    """The bootstrap registry refused an announcement or a query."""
 
 
 def zmq_channel_factory(auth: Authenticator | None = None) -> ChannelFactory:

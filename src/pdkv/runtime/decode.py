@@ -16,13 +16,14 @@ from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 import attrs
-import numpy as np
 
 from pdkv.control.channel import ChannelStatistics
+from pdkv.control.errors import ControlError
 from pdkv.engine.backend import Registration, TransferBackend
-from pdkv.errors import ConfigError, PdkvError
+from pdkv.errors import ConfigError, LayoutMismatchError, RouteUnavailableError
 from pdkv.mapping import BufferLayout, Topology, decode_fanout
 from pdkv.metrics import TransportMetricsSnapshot
+from pdkv.protocol import arguments
 from pdkv.protocol.config import Timeouts
 from pdkv.protocol.decode import DecodeEndpoint, DecodeStatistics
 from pdkv.protocol.effects import (
@@ -50,10 +51,6 @@ from pdkv.runtime.prefill import ChannelFactory, _default_channel_factory, _peer
 log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
-
-
-class RouteUnavailableError(PdkvError):
-    """The bootstrap registry did not answer, or its route table is incomplete or incompatible."""
 
 
 @attrs.frozen(kw_only=True)
@@ -123,66 +120,134 @@ class DecodeTransport(EndpointHost[DecodeEndpoint]):
         self._released = 0
         self._unsafe = 0
         self._started = False
-        self._closed = False
+        self.stuck_writes = False
+        """True when ``close()`` gave up waiting for prefill ranks to stop writing (memory kept)."""
 
     def start(self) -> None:
+        """Register buffers and start the control thread. Idempotent once it succeeded; a failed start
+        (memory that cannot be registered) rolls back what it registered and may be retried."""
+        self._check_open("start()")
         if self._started:
             return
+        try:
+            if self.config.register_memory:
+                for spec in self.config.layout.buffers:
+                    self._registrations.append(self.backend.register_range(spec.base_ptr, spec.length))
+            self._loop.start()
+        except BaseException:
+            self._loop.stop(close_channel=False)
+            for registration in self._registrations:
+                registration.close()
+            self._registrations.clear()
+            raise
         self._started = True
-        if self.config.register_memory:
-            for spec in self.config.layout.buffers:
-                self._registrations.append(self.backend.register_range(spec.base_ptr, spec.length))
-        self._loop.start()
 
     def connect(self, registry: str, *, timeout_s: float = 60.0) -> InstanceId:
         """Fetch the route table of the prefill instance behind ``registry`` and register with its ranks.
 
-        Blocks until the table is complete (every prefill rank announced) or ``timeout_s`` passed:
-        call it at start-up, not on the scheduler's hot path. Returns the prefill instance id that
-        ``KVReceiver.init`` names.
+        Blocks until the table is complete (every prefill rank announced) or ``timeout_s`` passed,
+        retrying a registry that does not answer until then: call it at start-up, not on the
+        scheduler's hot path. Returns the prefill instance id that ``KVReceiver.init`` names.
+
+        Raises ``RouteUnavailableError`` (with the last cause) when no complete table came in time,
+        and ``LayoutMismatchError`` with the difference when the prefill ranks' layout differs from
+        ours (they say how when they refuse the registration; that answer is waited for here).
         """
+        self._check_open("connect()")
         deadline = self._clock() + timeout_s
         query = RouteQuery(origin=self.config.origin)
+        cause = "no rank of the instance announced yet"
         while True:
             remaining = deadline - self._clock()
             if remaining <= 0:
-                raise RouteUnavailableError(f"no complete route table from {registry} within {timeout_s:g} s")
-            table = self._query_route(registry, query, min(remaining, 5.0))
+                raise RouteUnavailableError(
+                    f"no complete route table from {registry} within {timeout_s:g} s: {cause}"
+                )
+            try:
+                table = self._query_route(registry, query, max(0.05, min(remaining, 5.0)))
+            except ControlError as exc:
+                table, cause = None, str(exc)
             if table is not None and table.complete:
                 break
-            time.sleep(min(0.05, max(0.0, remaining)))
+            if table is not None:
+                cause = f"{len(table.ranks)} of {table.tp_size * table.cp_size} prefill ranks announced"
+            time.sleep(min(0.05, max(0.0, deadline - self._clock())))
         if table.page_size != self.config.layout.page_size:
-            raise RouteUnavailableError(
+            raise LayoutMismatchError(
                 f"page size differs: prefill {table.page_size}, decode {self.config.layout.page_size}"
             )
-        if table.layout_digest != self.config.layout.digest():
-            log.warning("layout digest of %s differs from ours; prefill ranks will say how", registry)
         instance = table.origin.instance
         with self._lock:
+            self._check_open("connect()")
             self._routes[instance] = table
             self._apply(self._endpoint.connect(table, self._clock()))
+        if table.layout_digest != self.config.layout.digest():
+            # The digest says only "different"; the prefill ranks' refusal says how.
+            self.wait_registered(instance, timeout_s=max(0.0, deadline - self._clock()))
+            log.warning("layout digest of %s differs from ours, yet its ranks accepted the layout", registry)
         return instance
 
     def wait_registered(self, instance: InstanceId, *, timeout_s: float = 30.0) -> bool:
-        """True once every prefill rank of ``instance`` acknowledged registration (False on timeout)."""
+        """True once every prefill rank of ``instance`` acknowledged registration (False on timeout).
+
+        Raises ``LayoutMismatchError`` with the prefill rank's reason as soon as one refused.
+        """
         deadline = self._clock() + timeout_s
-        while self._clock() < deadline:
+        while True:
             with self._lock:
-                table = self._routes[instance]
-                ready = all(
-                    self._endpoint.peer_ready(Target(instance=instance, rank=route.rank))
-                    for route in table.ranks
+                table = self._routes.get(instance)
+                if table is None:
+                    raise ConfigError(f"prefill instance {instance!r} is not connected (connect() first)")
+                targets = [Target(instance=instance, rank=route.rank) for route in table.ranks]
+                refused = [
+                    (t, reason) for t in targets if (reason := self._endpoint.peer_refusal(t)) is not None
+                ]
+                ready = all(self._endpoint.peer_ready(t) for t in targets)
+            if refused:
+                target, reason = refused[0]
+                raise LayoutMismatchError(
+                    f"prefill rank {instance}:{target.rank} refused decode {self.config.rank}: {reason}"
                 )
             if ready:
                 return True
-            time.sleep(0.01)
-        return False
+            if self._clock() >= deadline:
+                return False
+            time.sleep(0.005)
 
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
+    def close(self, *, timeout_s: float | None = None) -> None:
+        """Fail the open rooms (their prefill ranks are told), wait up to ``timeout_s`` (default: the
+        abort-ack timeout) for every room's pages to be safe, then close sockets and unregister memory.
+        Idempotent.
+
+        A room whose prefill ranks did not acknowledge in time may still receive writes: then the
+        memory stays registered (``stuck_writes``, an ERROR log) instead of being released under them.
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._fail_open_rooms("decode transport closed")
+        wait = self.config.timeouts.abort_ack if timeout_s is None else timeout_s
+        deadline = self._clock() + wait
+        unsafe: list[RoomId] = []
+        while self._loop.alive:
+            with self._lock:
+                unsafe = [r for r in self._endpoint.rooms() if not self._endpoint.release_ready(r)]
+            if not unsafe or self._clock() >= deadline:
+                break
+            time.sleep(0.005)
         self._loop.stop()
+        if unsafe:
+            self.stuck_writes = True
+            log.error(
+                "decode %s closed with %d room(s) whose prefill ranks did not acknowledge within %.1f s "
+                "(e.g. %s): memory stays registered so no late write lands in reused memory",
+                self.config.rank,
+                len(unsafe),
+                wait,
+                unsafe[:5],
+            )
+            return
         for registration in self._registrations:
             registration.close()
         self._registrations.clear()
@@ -194,8 +259,11 @@ class DecodeTransport(EndpointHost[DecodeEndpoint]):
     def __exit__(self, *_: object) -> None:
         self.close()
 
-    def receiver(self, room: RoomId, prefill: InstanceId) -> KVReceiver:
-        return KVReceiver(self, room, prefill)
+    def receiver(self, room: RoomId | int, prefill: InstanceId) -> KVReceiver:
+        """The scheduler's handle on ``room`` (an int in 1..2**63-1; checked here) from ``prefill``."""
+        checked = arguments.checked_room(room)
+        self._check_open("receiver()")
+        return KVReceiver(self, checked, prefill)
 
     def statistics(self) -> DecodeTransportStatistics:
         with self._lock:
@@ -261,20 +329,33 @@ class KVReceiver(RoomHandle[DecodeEndpoint]):
         aux_row: int | None,
         state_indices: Sequence[StateIndices] = (),
     ) -> None:
-        """Where the room's bytes go: one destination page per position, an aux row, state slots."""
+        """Where the room's bytes go: one destination page per position, an aux row, state slots.
+
+        Every argument is checked against this rank's buffers first (``InvalidArgumentError``,
+        ``MappingError`` for repeated pages) and a bad call creates nothing.
+        """
+        self.transport._check_open(f"receiver.init of room {self.room}")
         targets, required = self.transport.fanout_targets(self.prefill)
-        pages = np.asarray(dst_pages)
         self.transport._call(
             lambda e, now: e.open_room(
                 self.room,
                 targets=targets,
-                dst_pages=pages,
+                dst_pages=dst_pages,
                 dst_aux_row=aux_row,
                 dst_state=state_indices,
                 required_dst_info_num=required,
                 now=now,
-            )
+            ),
+            what=f"receiver.init of room {self.room}",
         )
+
+    def abort(self, reason: str) -> None:
+        """Fail the room and tell its prefill ranks (also before ``init()``: they refuse it then)."""
+        try:
+            targets, _ = self.transport.fanout_targets(self.prefill)
+        except ConfigError:
+            targets = []  # not connected: no prefill rank can know the room
+        self.transport._call(lambda e, now: e.abort_room(self.room, reason, now, targets=targets))
 
     def release_ready(self) -> bool:
         """True when no prefill rank can still write into this room's pages (or the ack wait timed out)."""

@@ -57,7 +57,7 @@ from typing import Final, Protocol, TypeAlias
 import attrs
 import numpy as np
 
-from pdkv.errors import ConfigError, LocalProtocolError, MappingError, PdkvError
+from pdkv.errors import ConfigError, LocalProtocolError, MappingError, PdkvError, TransportClosedError
 from pdkv.mapping import (
     AttentionKind,
     BufferKind,
@@ -67,6 +67,7 @@ from pdkv.mapping import (
     OwnershipPolicy,
     TransferBlocks,
 )
+from pdkv.protocol import arguments
 from pdkv.protocol.effects import ChunkSpec, Destination, SubmitChunk
 from pdkv.protocol.ids import RoomId
 from pdkv.protocol.machines import PerLayerMachine, PerLayerState, PerLayerTrigger
@@ -326,11 +327,12 @@ class PerLayerTransferManager:
             self._started = True
         self._thread.start()
 
-    def close(self, timeout_s: float = 30.0) -> None:
-        """Drop every context (waiting for its writes) and stop the submission thread (idempotent)."""
+    def close(self, timeout_s: float = 30.0) -> bool:
+        """Drop every context (waiting for its writes) and stop the submission thread (idempotent).
+        False when the thread is still running after ``timeout_s`` (a write may still be in flight)."""
         with self._lock:
             if self._closed:
-                return
+                return not self._thread.is_alive()
             self._closed = True
             rooms = list(self._rooms)
         for room in rooms:
@@ -344,6 +346,8 @@ class PerLayerTransferManager:
                 log.warning(
                     "per-layer submission thread %s did not stop within %.1f s", self._name, timeout_s
                 )
+                return False
+        return True
 
     def is_closed(self) -> bool:
         return self._closed
@@ -376,7 +380,12 @@ class PerLayerTransferManager:
         its first ``resident_pages`` pages already hold their KV (the forward does not write them)
         and are submitted now. Never waits on the network.
         """
-        pages = np.array(chunk_pages, dtype=np.int64).reshape(-1)  # a copy: the caller may reuse its array
+        if self._closed:
+            raise TransportClosedError(f"per_layer.register of room {room}: the transport is closed")
+        # A copy (the caller may reuse its array), checked: no duplicate may reach the engine.
+        pages = arguments.page_list(chunk_pages, room=room, argument="chunk_pages")
+        start_token = arguments.count(start_token, room=room, argument="start_token")
+        resident_pages = arguments.count(resident_pages, room=room, argument="resident_pages")
         if not 0 <= resident_pages <= pages.size:
             raise MappingError(f"room {room}: resident_pages {resident_pages} outside 0..{pages.size}")
         with self._lock:

@@ -33,10 +33,18 @@ import attrs
 import numpy as np
 
 from pdkv.control.channel import ChannelStatistics
+from pdkv.control.errors import ControlError
 from pdkv.engine.backend import Registration, TransferBackend
-from pdkv.errors import ConfigError, PdkvError
+from pdkv.errors import (
+    ConfigError,
+    InvalidArgumentError,
+    PdkvError,
+    RegistryError,
+    RouteUnavailableError,
+)
 from pdkv.mapping import BufferLayout, OwnershipPolicy, PageInterleaved
 from pdkv.metrics import KVTransferMetric, TransportCounter, TransportMetricsSnapshot
+from pdkv.protocol import arguments
 from pdkv.protocol.config import Timeouts
 from pdkv.protocol.effects import (
     ChunkSpec,
@@ -142,7 +150,7 @@ class PrefillTransport(EndpointHost[PrefillEndpoint]):
         backend: TransferBackend,
         *,
         channel_factory: ChannelFactory | None = None,
-        announce: Callable[[str, RankAnnounce], object] | None = None,
+        announce: Callable[[str, RankAnnounce, float], object] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
@@ -159,10 +167,7 @@ class PrefillTransport(EndpointHost[PrefillEndpoint]):
         self._work: queue.Queue[SubmitChunk | None] = queue.Queue(maxsize=config.queue_size)
         self._registrations: list[Registration] = []
         self._announce = announce if announce is not None else _default_announce()
-        self._workers = [
-            threading.Thread(target=self._work_loop, name=f"pdkv-transfer-{config.rank}-{i}", daemon=True)
-            for i in range(config.workers)
-        ]
+        self._workers: list[threading.Thread] = []  # started by start(), new ones on a retried start
         self.per_layer = PerLayerTransferManager(
             self._executor,
             layout=config.layout,
@@ -179,22 +184,42 @@ class PrefillTransport(EndpointHost[PrefillEndpoint]):
         self._worker_errors = 0
         self._partition_dump = os.environ.get("PDKV_DEBUG_PARTITION_DUMP") == "1"
         self._started = False
-        self._closed = False
+        self.stuck_writes = False
+        """True when ``close()`` gave up waiting for transfers: memory was left registered (reported)."""
 
     # ------------------------------------------------------------------ lifecycle
 
     def start(self, *, announce_timeout_s: float = 30.0) -> None:
-        """Register buffers, start threads, announce this rank to the registry."""
+        """Register buffers, start threads, announce this rank to the registry.
+
+        Idempotent once it succeeded. A failed start (memory that cannot be registered, a registry
+        that does not answer within ``announce_timeout_s``, a refused announcement) rolls back
+        completely: threads stopped, memory unregistered; it raises and may be retried.
+        """
+        self._check_open("start()")
         if self._started:
             return
-        self._started = True
-        if self.config.register_memory:
-            for spec in self.config.layout.buffers:
-                self._registrations.append(self.backend.register_range(spec.base_ptr, spec.length))
+        try:
+            if self.config.register_memory:
+                for spec in self.config.layout.buffers:
+                    self._registrations.append(self.backend.register_range(spec.base_ptr, spec.length))
+            self._loop.start()
+            self._workers = [
+                threading.Thread(
+                    target=self._work_loop, name=f"pdkv-transfer-{self.config.rank}-{i}", daemon=True
+                )
+                for i in range(self.config.workers)
+            ]
+            for worker in self._workers:
+                worker.start()
+            self._announce_now(announce_timeout_s)
+        except BaseException:
+            self._roll_back_start()
+            raise
         self.per_layer.start()
-        self._loop.start()
-        for worker in self._workers:
-            worker.start()
+        self._started = True
+
+    def _announce_now(self, timeout_s: float) -> None:
         layout = self.config.layout
         message = RankAnnounce(
             origin=self.config.origin,
@@ -205,22 +230,69 @@ class PrefillTransport(EndpointHost[PrefillEndpoint]):
             page_size=layout.page_size,
             layout_digest=layout.digest(),
         )
-        self._announce(self.config.registry, message)
+        deadline = self._clock() + timeout_s
+        while True:
+            remaining = deadline - self._clock()
+            try:
+                self._announce(self.config.registry, message, max(0.05, min(remaining, 5.0)))
+                return
+            except RegistryError:
+                raise  # a refusal, not silence: retrying cannot help
+            except ControlError as exc:
+                if deadline - self._clock() <= 0.05:
+                    raise RouteUnavailableError(
+                        f"prefill {self.config.rank}: registry {self.config.registry} did not take the "
+                        f"announcement within {timeout_s:g} s: {exc}"
+                    ) from exc
+                time.sleep(min(0.1, max(0.0, deadline - self._clock())))
 
-    def close(self) -> None:
-        """Stop threads (in-flight chunks finish first), close sockets, unregister memory (idempotent)."""
-        if self._closed:
-            return
-        self._closed = True
-        # First: contexts waiting for layers that will never come release their workers, and every
-        # per-layer write ends before memory is unregistered below.
-        self.per_layer.close()
+    def _roll_back_start(self) -> None:
         for _ in self._workers:
             self._work.put(None)
         for worker in self._workers:
-            if worker.is_alive():
-                worker.join(30)
+            worker.join(30)
+        self._workers = []
+        self._loop.stop(close_channel=False)
+        for registration in self._registrations:
+            registration.close()
+        self._registrations.clear()
+
+    def close(self, *, timeout_s: float = 30.0) -> None:
+        """Fail the open rooms (their decode ranks are told), stop threads once in-flight writes
+        ended, close sockets, unregister memory. Idempotent.
+
+        Memory is unregistered only when no write can still touch it: if a transfer is still running
+        after ``timeout_s`` (a stuck engine), it is reported (ERROR log, ``stuck_writes``) and the
+        memory stays registered rather than raced.
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        failed = self._fail_open_rooms("prefill transport closed")
+        if failed:
+            log.info("prefill %s closing: failed %d open room(s)", self.config.rank, failed)
+        # Contexts waiting for layers that will never come release their workers, and every
+        # per-layer write ends before memory is unregistered below.
+        per_layer_stopped = self.per_layer.close(timeout_s)
+        for _ in self._workers:
+            self._work.put(None)
+        deadline = time.monotonic() + timeout_s
+        for worker in self._workers:
+            worker.join(max(0.0, deadline - time.monotonic()))
+        running = [w.name for w in self._workers if w.is_alive()]
         self._loop.stop()
+        if running or not per_layer_stopped:
+            self.stuck_writes = True
+            log.error(
+                "prefill %s closed with transfers still running after %.1f s (workers %s%s): memory "
+                "stays registered so no write lands in unregistered memory",
+                self.config.rank,
+                timeout_s,
+                running,
+                "" if per_layer_stopped else ", per-layer submission",
+            )
+            return
         for registration in self._registrations:
             registration.close()
         self._registrations.clear()
@@ -234,8 +306,11 @@ class PrefillTransport(EndpointHost[PrefillEndpoint]):
 
     # ------------------------------------------------------------------ scheduler surface
 
-    def sender(self, room: RoomId) -> KVSender:
-        return KVSender(self, room)
+    def sender(self, room: RoomId | int) -> KVSender:
+        """The scheduler's handle on ``room`` (an int in 1..2**63-1; checked here)."""
+        checked = arguments.checked_room(room)
+        self._check_open("sender()")
+        return KVSender(self, checked)
 
     def statistics(self) -> PrefillTransportStatistics:
         with self._lock:
@@ -441,9 +516,13 @@ class KVSender(RoomHandle[PrefillEndpoint]):
         super().__init__(transport, room)
 
     def init(self, num_pages: int, aux_row: int | None) -> None:
-        """The request has ``num_pages`` pages in all; its aux row here is ``aux_row``."""
+        """The request has ``num_pages`` pages in all; its aux row here is ``aux_row``.
+
+        Raises ``InvalidArgumentError`` (argument, room, value) and changes nothing on a bad value.
+        """
         self.transport._call(
-            lambda e, now: e.open_room(self.room, num_pages=num_pages, aux_row=aux_row, now=now)
+            lambda e, now: e.open_room(self.room, num_pages=num_pages, aux_row=aux_row, now=now),
+            what=f"sender.init of room {self.room}",
         )
 
     def send(
@@ -454,11 +533,16 @@ class KVSender(RoomHandle[PrefillEndpoint]):
         last: bool,
         state_indices: Sequence[StateIndices] | None = None,
     ) -> None:
-        """Queue one chunk: its logical page ids (as every CP rank sees them) and its token offset."""
-        spec = ChunkSpec(
-            pages=np.asarray(chunk_pages), start_token=start_token, last=last, state=state_indices or ()
+        """Queue one chunk: its logical page ids (as every CP rank sees them) and its token offset.
+
+        The chunk must continue the room where the previous one ended (the first may start past 0:
+        a cached prefix), the last must end at ``num_pages``, and no page may repeat; otherwise
+        ``MappingError`` (or ``InvalidArgumentError`` for a bad type) is raised and nothing changes.
+        """
+        spec = chunk_spec(self.room, chunk_pages, start_token=start_token, last=last, state=state_indices)
+        self.transport._call(
+            lambda e, now: e.queue_chunk(self.room, spec, now), what=f"sender.send of room {self.room}"
         )
-        self.transport._call(lambda e, now: e.queue_chunk(self.room, spec, now))
 
     def metric(self) -> TransferMetricData:
         return self.transport._query(lambda e: e.metric(self.room))
@@ -467,6 +551,30 @@ class KVSender(RoomHandle[PrefillEndpoint]):
         """Forget a terminal room (its id is remembered as a tombstone for late messages)."""
         self.transport._call(lambda e, now: _close(e, self.room, now))
         self.transport.per_layer.forget(self.room)
+
+
+def chunk_spec(
+    room: RoomId,
+    chunk_pages: object,
+    *,
+    start_token: object,
+    last: object,
+    state: object = None,
+) -> ChunkSpec:
+    """A scheduler's chunk as a ``ChunkSpec``, every argument checked (``InvalidArgumentError`` /
+    ``MappingError`` naming the room, the argument and the value)."""
+    pages = arguments.page_list(chunk_pages, room=room, argument="chunk_pages")
+    token = arguments.count(start_token, room=room, argument="start_token")
+    is_last = arguments.flag(last, room=room, argument="last")
+    states = arguments.state_list(state, room=room, argument="state_indices")
+    if states and not is_last:
+        raise InvalidArgumentError(
+            f"room {room}: state_indices ride only on the last chunk (last=False)",
+            room=room,
+            argument="state_indices",
+            value=state,
+        )
+    return ChunkSpec(pages=pages, start_token=token, last=is_last, state=states)
 
 
 def _peer_name(instance: str, rank: RankCoord) -> str:
@@ -504,7 +612,7 @@ def _default_channel_factory() -> ChannelFactory:
     return zmq_channel_factory()
 
 
-def _default_announce() -> Callable[[str, RankAnnounce], object]:
+def _default_announce() -> Callable[[str, RankAnnounce, float], object]:
     from pdkv.runtime.channels import announce_to_registry
 
     return announce_to_registry
