@@ -42,6 +42,7 @@ from pdkv.mapping import (
     head_range,
     kv_blocks,
     layer_blocks,
+    layout_kv_heads,
     map_chunk,
     prefill_fanout,
     rank_heads,
@@ -475,37 +476,37 @@ def test_blocks_are_buffer_major_and_select_layers() -> None:
     assert layer_one == everything.take(np.flatnonzero(keep))
 
 
-def test_a_draft_with_one_replicated_head_moves_whole_pages_beside_sliced_target_pages() -> None:
+def test_a_draft_with_another_kv_head_count_is_refused() -> None:
+    # Target 8 KV heads, draft 1 over TP 4 -> 2: prefill ranks 0 and 1 are both real for the target
+    # (heads 0..1 and 2..3) but both hold the draft's one head: it would land twice.
     page_size, head_bytes = 2, 4
 
     def layout(tp: int, rank: int, base: int) -> BufferLayout:
-        target = rank_heads(kv_heads=8, tp_size=tp, tp_rank=rank, head_bytes=head_bytes)
-        draft = rank_heads(kv_heads=1, tp_size=tp, tp_rank=rank, head_bytes=head_bytes)
-        buffers = [
-            BufferSpec(
-                kind=kind,
-                model=model,
-                layer_id=0,
-                base_ptr=base + 10_000 * i,
-                length=8 * g.item_bytes(page_size),
-                item_bytes=g.item_bytes(page_size),
-                heads=g,
-            )
-            for i, (model, kind, g) in enumerate(
-                (m, k, target if m is ModelRole.TARGET else draft)
-                for m in ModelRole
-                for k in (BufferKind.K, BufferKind.V)
-            )
-        ]
+        buffers = []
+        for i, model in enumerate(ModelRole):
+            kv_heads = 8 if model is ModelRole.TARGET else 1
+            geometry = rank_heads(kv_heads=kv_heads, tp_size=tp, tp_rank=rank, head_bytes=head_bytes)
+            item = geometry.item_bytes(page_size)
+            buffers += [
+                BufferSpec(
+                    kind=kind,
+                    model=model,
+                    layer_id=0,
+                    base_ptr=base + 10_000 * (2 * i + j),
+                    length=8 * item,
+                    item_bytes=item,
+                    heads=geometry,
+                )
+                for j, kind in enumerate((BufferKind.K, BufferKind.V))
+            ]
         return BufferLayout.build(attention=AttentionKind.MHA, page_size=page_size, buffers=buffers)
 
     runs = PageRuns(src_start=[1], dst_start=[3], length=[2])
-    blocks = head_blocks(runs, layout(2, 1, 0), layout(4, 3, 100_000))
-    # target K and V: 2 pages x 2 tokens each; draft K and V: one whole run each (1 head everywhere)
-    assert blocks.buffer.tolist() == [0] * 4 + [1] * 4 + [2, 3]
-    assert blocks.length.tolist() == [2 * head_bytes] * 8 + [2 * page_size * head_bytes] * 2
-    assert blocks.src.tolist()[-2:] == [20_000 + 1 * 8, 30_000 + 1 * 8]
-    assert blocks.dst.tolist()[-2:] == [120_000 + 3 * 8, 130_000 + 3 * 8]
+    with pytest.raises(
+        LayoutMismatchError, match=r"different KV head counts \[\('draft', 1\), \('target', 8\)\]"
+    ):
+        head_blocks(runs, layout(4, 1, 0), layout(2, 0, 100_000))
+    assert layout_kv_heads(layout(4, 1, 0)) == 8
 
 
 def test_kv_blocks_uses_layer_blocks_when_no_heads_are_described() -> None:

@@ -74,6 +74,7 @@ HOT: dict[ModuleType, dict[str, int]] = {
         "head_pairs_to_blocks": 0,
         "head_blocks": 0,
         "describes_heads": 0,
+        "layout_kv_heads": 0,
         "kv_blocks": 0,
     },
     state: {

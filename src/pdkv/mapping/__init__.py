@@ -47,6 +47,7 @@ from pdkv.mapping.heads import (
     head_plan,
     head_range,
     kv_blocks,
+    layout_kv_heads,
     pair_head_buffers,
     rank_heads,
 )
@@ -125,6 +126,7 @@ __all__ = [
     "head_range",
     "kv_blocks",
     "layer_blocks",
+    "layout_kv_heads",
     "map_chunk",
     "pair_buffers",
     "pair_head_buffers",

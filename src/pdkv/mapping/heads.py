@@ -310,6 +310,13 @@ def pair_head_buffers(local: BufferLayout, peer: BufferLayout) -> HeadPairs:
                 "of that peer)"
             )
         rows.append((i, j, mine, other, _template(src, dst, local.page_size)))
+    split = sorted({(a.model.value, a.heads.kv_heads) for _, _, a, _, _ in rows if a.heads is not None})
+    if len({h for _, h in split}) > 1:
+        raise LayoutMismatchError(
+            f"K/V buffers split different KV head counts {split}: the TP fan-out (who is a dummy, how "
+            "many statuses) follows one head count, so a replica could send its heads twice; every "
+            "model of an MHA layout must have the same kv_heads"
+        )
 
     def column(values: list[int]) -> IntArray:
         return np.asarray(values, dtype=np.int64).reshape(-1)
@@ -434,6 +441,16 @@ def head_blocks(
     if runs.num_pages and len(pairs) == 0:
         raise MappingError(f"{runs.num_pages} KV page(s) to send but the layouts have no K/V buffer")
     return head_pairs_to_blocks(runs, pairs.select(layers=layers, model=model))
+
+
+def layout_kv_heads(layout: BufferLayout) -> int | None:
+    """The model KV head count a layout describes (``Topology.kv_heads``), or None when it has none.
+
+    Reads the first buffer (see ``describes_heads``); ``head_blocks`` refuses layouts whose K/V
+    buffers split different head counts, so that one number is the whole layout's.
+    """
+    first = layout.buffers[0] if layout.buffers else None
+    return first.heads.kv_heads if first is not None and first.heads is not None else None
 
 
 def describes_heads(layout: BufferLayout) -> bool:
