@@ -251,3 +251,81 @@ def test_without_mooncake_the_package_imports_and_the_backend_says_why(
 
     with pytest.raises(EngineUnavailableError, match=r"pip install 'pdkv\[mooncake-cpu\]'"):
         pdkv.engine.MooncakeBackend()
+
+
+@attrs.define
+class FakeTime:
+    """A clock the fake engine advances (a status call "takes" ``transfer_s``) and a recorded sleep."""
+
+    now: float = 100.0
+    transfer_s: float = 0.0
+    slept: list[float] = attrs.Factory(list)
+
+    def clock(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += seconds
+
+
+@attrs.define
+class TimedEngine(FakeEngine):
+    """A fake engine on fake time: a transfer ends ``transfer_s`` after its launch, and the status
+    call returns then (or at once, if called later)."""
+
+    times: FakeTime = attrs.Factory(FakeTime)
+    launched: list[float] = attrs.Factory(list)
+    status_at: list[float] = attrs.Factory(list)
+
+    def batch_transfer_async_write(
+        self, peer: str, src: list[int], dst: list[int], lengths: list[int], /
+    ) -> int:
+        self.launched.append(self.times.now)
+        return super().batch_transfer_async_write(peer, src, dst, lengths)
+
+    def get_batch_transfer_status(self, ids: list[int], /) -> int:
+        self.times.now = max(self.times.now, self.launched[-1] + self.times.transfer_s)
+        self.status_at.append(self.times.now)
+        return super().get_batch_transfer_status(ids)
+
+
+@pytest.mark.parametrize("paced", [True, False])
+def test_status_waits_are_paced_after_the_first_piece(paced: bool) -> None:
+    engine = TimedEngine()
+    times = engine.times
+    config = MooncakeConfig(pace_status_waits=paced)
+    source = HostBuffer(1 << 20)
+    with MooncakeBackend(
+        config, engine_class=lambda: engine, clock=times.clock, sleep=times.sleep
+    ) as backend:
+        backend.register(source)
+        blocks = _blocks(4, source, length=256 << 10)  # 1 MiB per batch
+        times.transfer_s = 0.010
+        for _ in range(3):
+            backend.write("peer:1", blocks)
+            times.now += 1.0  # idle between batches: each starts at its own launch
+        rate = backend.pacer("peer:1").rate
+    assert len(engine.status_at) == 3
+    if paced:
+        # The first piece taught 1 MiB / 10 ms; the next ones sleep 75% of that before waiting.
+        assert times.slept == [pytest.approx(0.0075), pytest.approx(0.0075)]
+        assert rate == pytest.approx((1 << 20) / 0.010)
+    else:
+        assert times.slept == []
+    # Pacing never delays the reported completion past the transfer's end in this model.
+    ends = [s - t for s, t in zip(engine.status_at, engine.launched, strict=True)]
+    assert ends == [pytest.approx(0.010)] * 3
+
+
+def test_a_paced_wait_still_reports_a_failed_piece(engine: FakeEngine) -> None:
+    times = FakeTime()
+    source = HostBuffer(1 << 20)
+    engine.statuses = [0, -1]
+    with MooncakeBackend(engine_class=lambda: engine, clock=times.clock, sleep=times.sleep) as backend:
+        backend.register(source)
+        blocks = _blocks(4, source, length=256 << 10)
+        backend.write("peer:1", blocks)  # instantaneous in fake time: teaches no rate
+        result = backend.wait([backend.submit_write("peer:1", blocks)])
+    assert result.outcomes[0].status is BatchStatus.FAILED
+    assert "status -1" in result.outcomes[0].reason

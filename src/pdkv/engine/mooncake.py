@@ -12,7 +12,10 @@ How the engine is driven (Mooncake 0.3.13; facts in FACTS.md and notes/peer-syst
   batch id <= 0 means the engine refused it, e.g. the peer's handshake failed) and completed with
   ``get_batch_transfer_status`` on the lane's completer thread: it blocks, spinning, until the batch
   ends (0 ok, negative failed or timed out), so there is exactly one such waiter per peer however
-  many batches are in flight (``pdkv.engine._threaded``).
+  many batches are in flight (``pdkv.engine._threaded``). The spin takes a core from the engine's
+  own transfer threads, so the completer first sleeps through most of the piece's expected transfer
+  time (bytes over the fastest recent rate towards that peer, ``pdkv.engine._pacing``) and spins only
+  for the rest (``MooncakeConfig.pace_status_waits``).
   ``transfer_check_status`` is not used: it inspects only the first task of a batch.
 - Over TCP every entry in flight towards one peer takes a slot in that peer's lane queue
   (``MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER``, about 2,048 by default). A batch that overflows it is
@@ -39,12 +42,15 @@ from __future__ import annotations
 import enum
 import importlib
 import os
+import threading
+import time
 from collections.abc import Callable, Mapping
 from types import ModuleType
 from typing import TYPE_CHECKING, Protocol
 
 import attrs
 
+from pdkv.engine._pacing import CompletionPacer, PacingConfig
 from pdkv.engine._threaded import PieceFailed, PieceJob, WorkerThreadBackend
 from pdkv.engine.backend import MemoryRegion, RegistrationError
 from pdkv.errors import ConfigError, EngineUnavailableError, TransferError
@@ -152,6 +158,8 @@ class MooncakeConfig:
     extra_environment: Mapping[str, str] = attrs.field(factory=dict, validator=_mc_names)
     # Most entries in flight towards one peer; None: the TCP lane queue size, or 2,048 for RDMA.
     max_entries_in_flight: int | None = attrs.field(default=None, validator=_optional_int_in(1, 1 << 20))
+    # Sleep through most of a piece's expected transfer time before the (spinning) status wait.
+    pace_status_waits: bool = True
 
     def environment(self) -> dict[str, str]:
         """The ``MC_*`` variables this config sets before the engine initializes."""
@@ -245,7 +253,15 @@ def _session_host(local_hostname: str) -> str:
     return local_hostname
 
 
-class MooncakeBackend(WorkerThreadBackend[int]):
+@attrs.frozen
+class LaunchedPiece:
+    """A piece the engine accepted: its batch id and when it was launched (the backend's clock)."""
+
+    batch_id: int
+    launched_at: float
+
+
+class MooncakeBackend(WorkerThreadBackend[LaunchedPiece]):
     """A ``TransferBackend`` over one Mooncake ``TransferEngine`` (one per rank).
 
     ``engine_class`` replaces the real engine (tests pass a fake with the same positional API).
@@ -256,7 +272,10 @@ class MooncakeBackend(WorkerThreadBackend[int]):
         config: MooncakeConfig | None = None,
         *,
         engine_class: Callable[[], MooncakeEngineApi] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
     ) -> None:
+        """``clock`` and ``sleep`` pace the status waits (tests pass fakes)."""
         self.config = config or MooncakeConfig()
         cfg = self.config
         # Before the import and the engine's start: some settings (MC_LOG_LEVEL) are read when the
@@ -276,7 +295,10 @@ class MooncakeBackend(WorkerThreadBackend[int]):
             self._session_id = f"{_session_host(cfg.local_hostname)}:{engine.get_rpc_port()}"
         else:
             self._session_id = cfg.local_hostname
-        super().__init__(max_entries_in_flight=cfg.entry_budget, thread_name="pdkv-mooncake")
+        self._sleep = sleep
+        self._pacers: dict[str, CompletionPacer] = {}
+        self._pacers_lock = threading.Lock()
+        super().__init__(max_entries_in_flight=cfg.entry_budget, thread_name="pdkv-mooncake", clock=clock)
 
     @property
     def session_id(self) -> str:
@@ -300,20 +322,36 @@ class MooncakeBackend(WorkerThreadBackend[int]):
         if rc != 0:
             raise RegistrationError(f"Mooncake unregister_memory({region.address:#x}) returned {rc}")
 
-    def _launch(self, job: PieceJob) -> int:
+    def _launch(self, job: PieceJob) -> LaunchedPiece:
         peer, piece = job.handle.peer, job.piece
-        batch_id = self._live_engine().batch_transfer_async_write(
-            peer, piece.src.tolist(), piece.dst.tolist(), piece.length.tolist()
-        )
+        src, dst, length = piece.src.tolist(), piece.dst.tolist(), piece.length.tolist()
+        launched_at = self._clock()
+        batch_id = self._live_engine().batch_transfer_async_write(peer, src, dst, length)
         if batch_id <= 0:
             raise PieceFailed(
                 f"engine refused the submission of {len(piece)} blocks (batch id {batch_id}): "
                 f"peer {peer!r} unreachable (handshake failed) or the arguments are invalid"
             )
-        return batch_id
+        return LaunchedPiece(batch_id, launched_at)
 
-    def _complete(self, job: PieceJob, token: int) -> None:
-        status = self._live_engine().get_batch_transfer_status([token])
+    def pacer(self, peer: str) -> CompletionPacer:
+        """The status-wait pacing of ``peer``'s lane (its learnt rate is in ``rate``)."""
+        with self._pacers_lock:
+            pacer = self._pacers.get(peer)
+            if pacer is None:
+                pacer = self._pacers[peer] = CompletionPacer(PacingConfig())
+            return pacer
+
+    def _complete(self, job: PieceJob, token: LaunchedPiece) -> None:
+        nbytes = job.piece.total_bytes
+        pacer = self.pacer(job.handle.peer) if self.config.pace_status_waits else None
+        if pacer is not None:
+            delay = pacer.sleep_before_wait(nbytes, token.launched_at, self._clock())
+            if delay > 0:
+                self._sleep(delay)
+        status = self._live_engine().get_batch_transfer_status([token.batch_id])
+        if pacer is not None:
+            pacer.completed(nbytes, token.launched_at, self._clock())
         if status != 0:
             raise PieceFailed(
                 f"engine reported status {status} for {len(job.piece)} blocks to {job.handle.peer!r}: "

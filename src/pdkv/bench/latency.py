@@ -1,0 +1,884 @@
+"""One room at a time through the full transports across processes, against the raw engine on the same blocks.
+
+The workload of issue 15: a 61-layer MLA model (72 KiB pages: 64 tokens x 1,152 B), requests of
+``--sizes`` pages whose positions lie 70% in runs of 2-16 pages contiguous on both sides and the
+rest in single pages scattered on both sides (decode pages drawn the same way, independently). A
+prefill rank (this process) and a decode rank (a spawned process) run real ``PrefillTransport`` /
+``DecodeTransport`` over Mooncake TCP on 127.0.0.1 with the bootstrap registry; one room at a time:
+the decode side's ``receiver.init`` first (the request is in before the forward ends, as in
+serving), then ``sender.send()`` of the whole request as one last chunk, timed to the prefill's
+Success and to the decode's Success, each seen by a scheduler loop polling every ``--poll-us``.
+
+In the same run, on the same block list (one block per run contiguous on both sides, per layer)
+and the same registered memory of the same two processes, the raw engine (the prefill rank's own
+``TransferEngine``, no pdkv code in the path):
+
+- one batch: every block in one ``batch_transfer_sync_write`` (SGLang's approach; the engine's TCP
+  queue is raised so that it stays one batch);
+- best shape: the blocks cut into batches of E entries with K batches in flight
+  (``batch_transfer_async_write`` + ``get_batch_transfer_status``), the fastest (E, K) of a small
+  sweep per size.
+
+The three methods run interleaved for ``--repeats`` rounds; figures are the best and the median of
+the rounds. A per-phase breakdown of the pdkv rooms (medians) says where the time goes: the
+scheduler's ``send()`` call, the chunk's wait in the work queue, planning (``plan_chunk``), executor
+and backend set-up until the engine is first called, the engine (first launch to the last status
+returned), the executor noticing completion, the prefill control thread sending TransferStatus,
+the status crossing to the decode rank's control thread, and the decode scheduler's poll seeing
+Success. The timestamps come from a subclass of the Mooncake backend, a wrapper of its engine and
+of both control channels, and a wrapper of ``plan_chunk`` in this process (instrumentation only:
+a few microseconds each). ``time.monotonic`` is one clock for every process of the host.
+
+The first room of each size is verified byte for byte on the decode side. Memory: the largest
+size's pages, per side (2.3 GB each at 512 pages).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import multiprocessing as mp
+import statistics
+import sys
+import threading
+import time
+import traceback
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from multiprocessing.connection import Connection
+from typing import Any, Protocol, cast
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+
+from pdkv.bench._report import emit, table
+from pdkv.control.channel import ChannelStatistics
+from pdkv.engine.backend import BatchHandle, WaitResult
+from pdkv.engine.mooncake import (
+    MooncakeBackend,
+    MooncakeConfig,
+    MooncakeEngineApi,
+    MooncakeLogLevel,
+    load_transfer_engine,
+)
+from pdkv.mapping import TransferBlocks
+from pdkv.protocol.ids import InstanceId, RoomId
+from pdkv.protocol.messages import Message, RankCoord, TransferStatus
+from pdkv.protocol.poll import KVPoll
+from pdkv.testing.synthetic import Capacity, ModelSpec, RankMemory, verify_room
+
+IntArray = npt.NDArray[np.int64]
+
+# The one-batch method sends every block of a 512-page request (about 12,000 entries) as one engine
+# batch; the engine's TCP lane queue (2,048 by default) would reject it whole, so both engines get
+# the largest verified queue. pdkv's own entry budget stays at the default (see _prefill_config).
+RAW_TCP_QUEUE = 16384
+PDKV_ENTRY_BUDGET = 2048
+SHAPE_ENTRIES = (16, 64, 256, 1024, 4096)
+SHAPE_IN_FLIGHT = (1, 2, 4)
+
+PHASES = (
+    "scheduler_call",
+    "queue",
+    "plan",
+    "submit",
+    "engine",
+    "completion_seen",
+    "status_posted",
+    "status_sent",
+    "status_received",
+    "decode_poll",
+)
+
+
+# ----------------------------------------------------------------------------- the workload
+
+
+def place_pages(
+    pages: int, run_fraction: float, max_run: int, rng: np.random.Generator
+) -> tuple[IntArray, IntArray]:
+    """Pool pages per position on each side: ``run_fraction`` of positions in runs of 2..``max_run``
+    (contiguous on both sides), the rest single pages; segments in independent random orders."""
+    in_runs = round(pages * run_fraction)
+    lengths: list[int] = []
+    while sum(lengths) < in_runs:
+        lengths.append(min(int(rng.integers(2, max_run + 1)), in_runs - sum(lengths)))
+    lengths += [1] * (pages - sum(lengths))
+    segment_lengths = np.asarray(lengths, dtype=np.int64)
+    starts = np.concatenate([[0], np.cumsum(segment_lengths)[:-1]]).astype(np.int64)
+    segment_of = np.repeat(np.arange(len(lengths)), segment_lengths)
+
+    def layout(order: IntArray) -> IntArray:
+        pool_start = np.empty(len(lengths), dtype=np.int64)
+        pool_start[order] = np.concatenate([[0], np.cumsum(segment_lengths[order])[:-1]])
+        result: IntArray = pool_start[segment_of] + (np.arange(pages) - starts[segment_of])
+        return result
+
+    return layout(rng.permutation(len(lengths))), layout(rng.permutation(len(lengths)))
+
+
+def run_blocks(
+    src_pages: IntArray,
+    dst_pages: IntArray,
+    src_bases: Sequence[int],
+    dst_bases: Sequence[int],
+    page_bytes: int,
+) -> TransferBlocks:
+    """One block per maximal run contiguous on both sides, layer after layer (what ``plan_chunk``
+    produces for the KV of a whole request)."""
+    breaks = np.flatnonzero((np.diff(src_pages) != 1) | (np.diff(dst_pages) != 1)) + 1
+    starts = np.concatenate([[0], breaks]).astype(np.int64)
+    lengths = np.diff(np.concatenate([starts, [src_pages.size]])) * page_bytes
+    layers = len(src_bases)
+    src0 = np.asarray(src_bases, dtype=np.int64)[:, None]
+    dst0 = np.asarray(dst_bases, dtype=np.int64)[:, None]
+    return TransferBlocks(
+        src=(src0 + src_pages[starts] * page_bytes).ravel(),
+        dst=(dst0 + dst_pages[starts] * page_bytes).ravel(),
+        length=np.tile(lengths, layers),
+        buffer=np.repeat(np.arange(layers), starts.size),
+    )
+
+
+# ----------------------------------------------------------------------------- instrumentation
+
+
+class Timeline:
+    """Named timestamps (``time.monotonic``) of the room in progress; any thread may mark."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._marks: dict[str, list[float]] = {}
+
+    def reset(self) -> None:
+        with self._lock:
+            self._marks = {}
+
+    def mark(self, name: str, at: float | None = None) -> None:
+        when = time.monotonic() if at is None else at
+        with self._lock:
+            self._marks.setdefault(name, []).append(when)
+
+    def first(self, name: str) -> float | None:
+        with self._lock:
+            marks = self._marks.get(name)
+            return marks[0] if marks else None
+
+    def last(self, name: str, before: float | None = None) -> float | None:
+        """The latest mark ``name`` (at or before ``before`` if given)."""
+        with self._lock:
+            marks = [m for m in self._marks.get(name, ()) if before is None or m <= before]
+            return marks[-1] if marks else None
+
+
+class TimedEngine:
+    """A Mooncake engine that marks each batch launch and each status call's return."""
+
+    def __init__(self, inner: MooncakeEngineApi, timeline: Timeline) -> None:
+        self.inner = inner
+        self._timeline = timeline
+
+    def initialize(
+        self, local_hostname: str, metadata_server: str, protocol: str, device_name: str, /
+    ) -> int:
+        return self.inner.initialize(local_hostname, metadata_server, protocol, device_name)
+
+    def get_rpc_port(self) -> int:
+        return self.inner.get_rpc_port()
+
+    def register_memory(self, buffer_addr: int, capacity: int, /) -> int:
+        return self.inner.register_memory(buffer_addr, capacity)
+
+    def unregister_memory(self, buffer_addr: int, /) -> int:
+        return self.inner.unregister_memory(buffer_addr)
+
+    def batch_transfer_async_write(
+        self,
+        target_hostname: str,
+        buffers: list[int],
+        peer_buffer_addresses: list[int],
+        lengths: list[int],
+        /,
+    ) -> int:
+        self._timeline.mark("launch")
+        return self.inner.batch_transfer_async_write(target_hostname, buffers, peer_buffer_addresses, lengths)
+
+    def get_batch_transfer_status(self, batch_ids: list[int], /) -> int:
+        status = self.inner.get_batch_transfer_status(batch_ids)
+        self._timeline.mark("engine_done")
+        return status
+
+    def __getattr__(self, name: str) -> Any:
+        # Whatever else the backend may call (e.g. a non-blocking status check) goes to the engine;
+        # a status check that says "done" is the engine's end for the breakdown too.
+        attribute = getattr(self.inner, name)
+        if name != "transfer_check_status":
+            return attribute
+
+        def check(batch_id: int, /) -> int:
+            status = int(attribute(batch_id))
+            if status != 0:
+                self._timeline.mark("engine_done")
+            return status
+
+        return check
+
+
+class TimedBackend(MooncakeBackend):
+    """The Mooncake backend, marking when the executor submits and when its waits return."""
+
+    def __init__(self, config: MooncakeConfig, timeline: Timeline) -> None:
+        self.timeline = timeline
+        engine_class = load_transfer_engine()
+        self.raw_engine: RawEngine | None = None
+
+        def make() -> MooncakeEngineApi:
+            inner = cast(RawEngine, engine_class())
+            self.raw_engine = inner
+            return TimedEngine(inner, timeline)
+
+        super().__init__(config, engine_class=make)
+
+    def submit_write(self, peer: str, batch: TransferBlocks) -> BatchHandle:
+        self.timeline.mark("submit")
+        return super().submit_write(peer, batch)
+
+    def wait(self, handles: Sequence[BatchHandle], timeout: float | None = None) -> WaitResult:
+        result = super().wait(handles, timeout)
+        self.timeline.mark("wait_returned")
+        return result
+
+
+class TimedChannel:
+    """A control channel that marks TransferStatus going out and coming in (``pdkv.control`` inside)."""
+
+    def __init__(self, inner: Any, timeline: Timeline) -> None:
+        self._inner = inner
+        self._timeline = timeline
+        self.received_status: dict[int, float] = {}
+
+    @property
+    def address(self) -> str:
+        return str(self._inner.address)
+
+    def send(self, to: str, message: Message) -> object:
+        if isinstance(message, TransferStatus):
+            self._timeline.mark("status_sent")  # before: the peer may have it before send() returns
+        return self._inner.send(to, message)
+
+    def wait(self, timeout_s: float | None) -> list[Message]:
+        messages: list[Message] = self._inner.wait(timeout_s)
+        now = time.monotonic()
+        for message in messages:
+            if isinstance(message, TransferStatus):
+                self.received_status[int(message.room)] = now
+        return messages
+
+    def wake(self) -> None:
+        self._timeline.mark("wake")
+        self._inner.wake()
+
+    def forget(self, endpoint: str) -> object:
+        return self._inner.forget(endpoint)
+
+    def close(self, *, flush_s: float = 0.0) -> None:
+        self._inner.close(flush_s=flush_s)
+
+    def statistics(self) -> ChannelStatistics:
+        stats: ChannelStatistics = self._inner.statistics()
+        return stats
+
+
+def timed_channel_factory(timeline: Timeline, made: list[TimedChannel]) -> Callable[[str], TimedChannel]:
+    from pdkv.runtime.channels import zmq_channel_factory
+
+    base = zmq_channel_factory()
+
+    def make(host: str) -> TimedChannel:
+        channel = TimedChannel(base(host), timeline)
+        made.append(channel)
+        return channel
+
+    return make
+
+
+@contextlib.contextmanager
+def timed_planning(timeline: Timeline) -> Iterator[None]:
+    """Mark the start and end of every ``plan_chunk`` the prefill transport's workers call."""
+    import pdkv.runtime.prefill as prefill_module
+
+    original = prefill_module.__dict__["plan_chunk"]
+
+    def plan_chunk(*args: Any, **kwargs: Any) -> Any:
+        timeline.mark("plan_start")
+        try:
+            return original(*args, **kwargs)
+        finally:
+            timeline.mark("plan_end")
+
+    setattr(prefill_module, "plan_chunk", plan_chunk)  # noqa: B010 (mypy: a module function)
+    try:
+        yield
+    finally:
+        setattr(prefill_module, "plan_chunk", original)  # noqa: B010
+
+
+def wait_poll(
+    poll: Callable[[], KVPoll], wanted: tuple[KVPoll, ...], interval_s: float, timeout_s: float
+) -> KVPoll:
+    """Poll like a scheduler loop until the poll is one of ``wanted`` (or Failed); raise on timeout."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = poll()
+        if value in wanted or value is KVPoll.Failed:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"poll stayed {value.name} for {timeout_s:g} s")
+        time.sleep(interval_s)
+
+
+# ----------------------------------------------------------------------------- the decode rank
+
+
+@attrs.frozen(kw_only=True)
+class _DecodeArgs:
+    model: ModelSpec
+    capacity: Capacity
+    registry: str
+    poll_s: float
+
+
+@attrs.frozen(kw_only=True)
+class DecodeRoomReport:
+    room: int
+    poll: int
+    failure: str
+    init_at: float
+    status_received_at: float
+    success_at: float
+    verified: bool | None
+
+
+def _decode_main(args: _DecodeArgs, conn: Connection) -> None:
+    try:
+        _decode_rank(args, conn)
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+        raise
+
+
+def _decode_rank(args: _DecodeArgs, conn: Connection) -> None:
+    from pdkv.runtime.decode import DecodeConfig, DecodeTransport
+
+    memory = RankMemory(args.model, args.capacity)
+    backend = MooncakeBackend(_engine_config())
+    timeline = Timeline()
+    channels: list[TimedChannel] = []
+    transport = DecodeTransport(
+        DecodeConfig(instance=InstanceId("decode-0"), rank=RankCoord(tp=0), tp_size=1, layout=memory.layout),
+        backend,
+        channel_factory=timed_channel_factory(timeline, channels),
+    )
+    try:
+        transport.start()
+        prefill = transport.connect(args.registry, timeout_s=60)
+        if not transport.wait_registered(prefill, timeout_s=60):
+            raise RuntimeError("the prefill rank did not acknowledge registration")
+        bases = [memory.tensors[key].data_ptr() for key in args.model.kv_keys()]
+        conn.send(("ready", backend.session_id, bases))
+        while True:
+            command = conn.recv()
+            if command[0] == "stop":
+                break
+            _, room, dst_pages, aux_row, verify_src = command
+            if verify_src is not None:
+                memory.clear_pages(dst_pages)
+            receiver = transport.receiver(RoomId(room), prefill)
+            init_at = time.monotonic()
+            receiver.init(dst_pages, aux_row)
+            poll = wait_poll(receiver.poll, (KVPoll.Success,), args.poll_s, 120)
+            success_at = time.monotonic()
+            verified: bool | None = None
+            if verify_src is not None and poll is KVPoll.Success:
+                _, mismatches = verify_room(
+                    memory,
+                    logical_ids=verify_src,
+                    dst_pages=dst_pages,
+                    prefix_pages=0,
+                    state_src={},
+                    state_dst={},
+                    aux_src=aux_row,
+                    aux_dst=aux_row,
+                )
+                verified = not mismatches
+            failure = receiver.failure() or ""
+            deadline = time.monotonic() + 60
+            while poll is KVPoll.Failed and not receiver.release_ready() and time.monotonic() < deadline:
+                time.sleep(args.poll_s)
+            receiver.clear()
+            received = channels[0].received_status.pop(room, success_at) if channels else success_at
+            conn.send(
+                (
+                    "done",
+                    DecodeRoomReport(
+                        room=room,
+                        poll=int(poll),
+                        failure=failure,
+                        init_at=init_at,
+                        status_received_at=received,
+                        success_at=success_at,
+                        verified=verified,
+                    ),
+                )
+            )
+    finally:
+        transport.close()
+        backend.close()
+
+
+def _engine_config() -> MooncakeConfig:
+    return MooncakeConfig(
+        log_level=MooncakeLogLevel.ERROR,
+        tcp_max_queued_transfers_per_peer=RAW_TCP_QUEUE,
+        max_entries_in_flight=PDKV_ENTRY_BUDGET,
+    )
+
+
+# ----------------------------------------------------------------------------- the raw engine
+
+
+class RawEngine(MooncakeEngineApi, Protocol):
+    """The engine calls the raw methods make (``mooncake.engine.TransferEngine``)."""
+
+    def batch_transfer_sync_write(
+        self,
+        target_hostname: str,
+        buffers: list[int],
+        peer_buffer_addresses: list[int],
+        lengths: list[int],
+        /,
+    ) -> int: ...
+
+
+@attrs.frozen
+class RawShape:
+    entries: int
+    in_flight: int
+
+
+@attrs.frozen
+class RawBlocks:
+    """The block list as the engine binding takes it (Python lists, converted once, outside timing)."""
+
+    src: list[int]
+    dst: list[int]
+    length: list[int]
+
+    @classmethod
+    def of(cls, blocks: TransferBlocks) -> RawBlocks:
+        return cls(blocks.src.tolist(), blocks.dst.tolist(), blocks.length.tolist())
+
+    def __len__(self) -> int:
+        return len(self.src)
+
+
+def raw_one_batch(engine: RawEngine, peer: str, blocks: RawBlocks) -> None:
+    """Every block in one engine batch, waited for by the engine (SGLang's ``batch_transfer_sync``)."""
+    status = engine.batch_transfer_sync_write(peer, blocks.src, blocks.dst, blocks.length)
+    if status != 0:
+        raise RuntimeError(f"raw one-batch transfer failed: status {status}")
+
+
+def raw_shaped(engine: MooncakeEngineApi, peer: str, blocks: RawBlocks, shape: RawShape) -> None:
+    """Batches of ``shape.entries`` blocks, ``shape.in_flight`` at a time, oldest waited first."""
+    pending: deque[int] = deque()
+    for start in range(0, len(blocks), shape.entries):
+        if len(pending) == shape.in_flight:
+            _raw_wait(engine, [pending.popleft()])
+        end = start + shape.entries
+        batch = engine.batch_transfer_async_write(
+            peer, blocks.src[start:end], blocks.dst[start:end], blocks.length[start:end]
+        )
+        if batch <= 0:
+            raise RuntimeError(f"raw shaped transfer refused: batch id {batch}")
+        pending.append(batch)
+    if pending:
+        _raw_wait(engine, list(pending))
+
+
+def _raw_wait(engine: MooncakeEngineApi, batches: list[int]) -> None:
+    status = engine.get_batch_transfer_status(batches)
+    if status != 0:
+        raise RuntimeError(f"raw shaped transfer failed: status {status}")
+
+
+def shapes_for(entries: int) -> list[RawShape]:
+    """The sweep: entries per batch (those below the block count, then all) x batches in flight."""
+    sizes = [e for e in SHAPE_ENTRIES if e < entries] + [entries]
+    return [RawShape(e, k) for e in sizes for k in SHAPE_IN_FLIGHT if k == 1 or e < entries]
+
+
+def pick_shape(engine: MooncakeEngineApi, peer: str, blocks: RawBlocks, tries: int) -> tuple[RawShape, float]:
+    """The fastest shape of the sweep (best of ``tries`` runs each) and its time."""
+    best: tuple[RawShape, float] | None = None
+    for shape in shapes_for(len(blocks)):
+        run = functools.partial(raw_shaped, engine, peer, blocks, shape)
+        seconds = min(_timed(run) for _ in range(tries))
+        if best is None or seconds < best[1]:
+            best = (shape, seconds)
+    assert best is not None
+    return best
+
+
+def _timed(run: Callable[[], None]) -> float:
+    started = time.perf_counter()
+    run()
+    return time.perf_counter() - started
+
+
+# ----------------------------------------------------------------------------- the bench
+
+
+@attrs.frozen(kw_only=True)
+class RoomTiming:
+    """One pdkv room: the totals and the phases (seconds)."""
+
+    to_prefill_success: float
+    to_decode_success: float
+    phases: dict[str, float]
+    verified: bool | None
+
+
+@attrs.define
+class SizeRuns:
+    pages: int
+    blocks: TransferBlocks
+    raw: RawBlocks
+    src_pages: IntArray
+    dst_pages: IntArray
+    shape: RawShape = RawShape(1, 1)
+    rooms: dict[str, list[RoomTiming]] = attrs.Factory(dict)
+    one_batch: list[float] = attrs.Factory(list)
+    best_shape: list[float] = attrs.Factory(list)
+
+
+class Progress:
+    """One status line on stderr, rewritten in place on a terminal, a line per step otherwise."""
+
+    def __init__(self) -> None:
+        self.tty = sys.stderr.isatty()
+
+    def show(self, text: str) -> None:
+        if self.tty:
+            print(f"\r  {text:<78}", end="", file=sys.stderr, flush=True)
+        else:
+            print(f"  {text}", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.tty:
+            print(file=sys.stderr, flush=True)
+
+
+def _phases(
+    timeline: Timeline, sent_at: float, returned_at: float, decode: DecodeRoomReport
+) -> dict[str, float]:
+    def gap(start: float | None, end: float | None) -> float:
+        return max(0.0, end - start) if start is not None and end is not None else float("nan")
+
+    sent = timeline.last("status_sent")
+    wake = timeline.last("wake", before=sent) if sent is not None else None
+    return {
+        "scheduler_call": returned_at - sent_at,
+        "queue": gap(returned_at, timeline.first("plan_start")),
+        "plan": gap(timeline.first("plan_start"), timeline.last("plan_end")),
+        "submit": gap(timeline.last("plan_end"), timeline.first("launch")),
+        "engine": gap(timeline.first("launch"), timeline.last("engine_done")),
+        "completion_seen": gap(timeline.last("engine_done"), timeline.last("wait_returned")),
+        "status_posted": gap(timeline.last("wait_returned"), wake),
+        "status_sent": gap(wake, sent),
+        "status_received": gap(timeline.last("status_sent"), decode.status_received_at),
+        "decode_poll": gap(decode.status_received_at, decode.success_at),
+    }
+
+
+def _stats(values: Sequence[float]) -> dict[str, float]:
+    finite = [v for v in values if v == v]
+    if not finite:
+        return {"min": float("nan"), "median": float("nan")}
+    return {"min": min(finite), "median": statistics.median(finite)}
+
+
+def main(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(prog="pdkv bench latency", description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--sizes", default="1,16,128,512", help="request sizes in pages (comma-separated)")
+    parser.add_argument("--repeats", type=int, default=5, help="interleaved rounds of the three methods")
+    parser.add_argument("--layers", type=int, default=61)
+    parser.add_argument("--page-size", type=int, default=64)
+    parser.add_argument("--bytes-per-token", type=int, default=1152)
+    parser.add_argument("--run-fraction", type=float, default=0.7)
+    parser.add_argument("--max-run", type=int, default=16)
+    parser.add_argument(
+        "--sweep-tries", type=int, default=2, help="runs per shape in the raw sweep (best kept)"
+    )
+    parser.add_argument("--poll-us", type=float, default=100.0, help="the schedulers' poll interval")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--no-verify", action="store_true", help="skip the byte check of each size's first room"
+    )
+    parser.add_argument(
+        "--ab-pacing",
+        action="store_true",
+        help="also run each pdkv room with the backend's status waits unpaced (spinning from launch)",
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="tiny run for tests: 4 layers, sizes 1 and 4, 2 rounds"
+    )
+    args = parser.parse_args(list(argv))
+    if args.quick:
+        args.layers, args.sizes, args.repeats, args.sweep_tries = 4, "1,4", 2, 1
+    sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
+    if not sizes or min(sizes) < 1 or args.repeats < 1:
+        parser.error("--sizes must list positive page counts and --repeats must be >= 1")
+    poll_s = args.poll_us / 1e6
+    model = ModelSpec(
+        layers=args.layers,
+        page_size=args.page_size,
+        kv_bytes_per_token=args.bytes_per_token,
+        state_layers=(),
+        state_kinds=(),
+        draft_layers=0,
+    )
+    capacity = Capacity(kv_pages=max(sizes), state_slots=1, aux_rows=4)
+    page_bytes = model.kv_item_bytes
+    variants = [("pdkv", True)] + ([("pdkv-spin", False)] if args.ab_pacing else [])
+    progress = Progress()
+    rng = np.random.default_rng(args.seed)
+    runs: list[SizeRuns] = []
+    verified = True
+    failures: list[str] = []
+
+    from pdkv.runtime.channels import start_registry
+    from pdkv.runtime.prefill import PrefillConfig, PrefillTransport
+
+    progress.show(f"filling {max(sizes)} pages x {args.layers} layers of prefill memory ...")
+    memory = RankMemory(model, capacity)
+    memory.fill_prefill(cp_rank=0, policy=_policy())
+    timeline = Timeline()
+    registry = start_registry(instance=InstanceId("prefill-0"), tp_size=1, cp_size=1)
+    ctx = mp.get_context("spawn")
+    parent_conn, child_conn = ctx.Pipe()
+    child: Any = None
+    try:
+        backend = TimedBackend(_engine_config(), timeline)
+        prefill_channels: list[TimedChannel] = []
+        transport = PrefillTransport(
+            PrefillConfig(
+                instance=InstanceId("prefill-0"),
+                rank=RankCoord(tp=0),
+                tp_size=1,
+                layout=memory.layout,
+                registry=registry.address,
+            ),
+            backend,
+            channel_factory=timed_channel_factory(timeline, prefill_channels),
+        )
+        with backend, transport, timed_planning(timeline):
+            progress.show("starting the decode rank process ...")
+            child = ctx.Process(
+                target=_decode_main,
+                args=(
+                    _DecodeArgs(model=model, capacity=capacity, registry=registry.address, poll_s=poll_s),
+                    child_conn,
+                ),
+                name="pdkv-bench-decode",
+                daemon=True,
+            )
+            child.start()
+            child_conn.close()
+            ready = _receive(parent_conn, child, 180)
+            _, peer, dst_bases = ready
+            src_bases = [memory.tensors[key].data_ptr() for key in model.kv_keys()]
+            raw_engine = backend.raw_engine
+            assert raw_engine is not None
+            for pages in sizes:
+                src_pages, dst_pages = place_pages(pages, args.run_fraction, args.max_run, rng)
+                blocks = run_blocks(src_pages, dst_pages, src_bases, dst_bases, page_bytes)
+                runs.append(SizeRuns(pages, blocks, RawBlocks.of(blocks), src_pages, dst_pages))
+            for size in runs:
+                progress.show(f"{size.pages} pages: sweeping raw shapes of {len(size.raw)} blocks ...")
+                raw_one_batch(raw_engine, peer, size.raw)  # warm-up
+                size.shape, _ = pick_shape(raw_engine, peer, size.raw, args.sweep_tries)
+            room = 1
+            for round_index in range(args.repeats):
+                for size in runs:
+                    progress.show(f"round {round_index + 1}/{args.repeats}: {size.pages} pages")
+                    for n, (variant, paced) in enumerate(variants):
+                        backend.config = attrs.evolve(backend.config, pace_status_waits=paced)
+                        verify = round_index == 0 and n == 0 and not args.no_verify
+                        timing = _pdkv_room(
+                            transport, parent_conn, child, timeline, size, room, poll_s, verify=verify
+                        )
+                        room += 1
+                        if timing is None:
+                            failures.append(f"{variant} room of {size.pages} pages failed")
+                            continue
+                        if timing.verified is False:
+                            verified = False
+                        size.rooms.setdefault(variant, []).append(timing)
+                    size.one_batch.append(
+                        _timed(functools.partial(raw_one_batch, raw_engine, peer, size.raw))
+                    )
+                    size.best_shape.append(
+                        _timed(functools.partial(raw_shaped, raw_engine, peer, size.raw, size.shape))
+                    )
+            progress.close()
+            parent_conn.send(("stop",))
+            child.join(30)
+    finally:
+        if child is not None and child.is_alive():
+            child.kill()
+            child.join(5)
+        parent_conn.close()
+        registry.stop()
+    return _report(args, runs, page_bytes, verified, failures)
+
+
+def _policy() -> Any:
+    from pdkv.mapping import PageInterleaved
+
+    return PageInterleaved(cp_size=1)
+
+
+def _receive(conn: Connection, child: Any, timeout_s: float) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while not conn.poll(0.2):
+        if not child.is_alive():
+            raise RuntimeError(f"the decode rank process died (exit code {child.exitcode})")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the decode rank did not answer within {timeout_s:g} s")
+    message = conn.recv()
+    if message[0] == "error":
+        raise RuntimeError(f"the decode rank failed:\n{message[1]}")
+    return message
+
+
+def _pdkv_room(
+    transport: Any,
+    conn: Connection,
+    child: Any,
+    timeline: Timeline,
+    size: SizeRuns,
+    room: int,
+    poll_s: float,
+    *,
+    verify: bool,
+) -> RoomTiming | None:
+    """One room through both transports; None if it failed."""
+    aux_row = room % 4
+    conn.send(("room", room, size.dst_pages, aux_row, size.src_pages if verify else None))
+    sender = transport.sender(RoomId(room))
+    sender.init(size.pages, aux_row)
+    wait_poll(sender.poll, (KVPoll.WaitingForInput, KVPoll.Transferring), poll_s, 60)
+    timeline.reset()
+    sent_at = time.monotonic()
+    sender.send(size.src_pages, start_token=0, last=True)
+    returned_at = time.monotonic()
+    poll = wait_poll(sender.poll, (KVPoll.Success,), poll_s, 120)
+    prefill_success_at = time.monotonic()
+    decode: DecodeRoomReport = _receive(conn, child, 120)[1]
+    sender.clear()
+    if poll is not KVPoll.Success or decode.poll != int(KVPoll.Success):
+        print(
+            f"  room {room}: prefill {poll.name}, decode {KVPoll(decode.poll).name}: "
+            f"{sender.failure() or decode.failure}",
+            file=sys.stderr,
+        )
+        return None
+    return RoomTiming(
+        to_prefill_success=prefill_success_at - sent_at,
+        to_decode_success=decode.success_at - sent_at,
+        phases=_phases(timeline, sent_at, returned_at, decode),
+        verified=decode.verified,
+    )
+
+
+def _report(
+    args: argparse.Namespace, runs: list[SizeRuns], page_bytes: int, verified: bool, failures: list[str]
+) -> int:
+    rows: list[list[object]] = []
+    phase_rows: list[list[object]] = []
+    for size in runs:
+        one = _stats(size.one_batch)
+        best = _stats(size.best_shape)
+        nbytes = size.pages * args.layers * page_bytes
+        for variant, rooms in size.rooms.items():
+            prefill = _stats([r.to_prefill_success for r in rooms])
+            decode = _stats([r.to_decode_success for r in rooms])
+            phases = {name: _stats([r.phases[name] for r in rooms])["median"] for name in PHASES}
+            record = {
+                "bench": "latency",
+                "kind": "size",
+                "variant": variant,
+                "pages": size.pages,
+                "layers": args.layers,
+                "bytes": nbytes,
+                "blocks": len(size.raw),
+                "rounds": len(rooms),
+                "seconds": {
+                    "pdkv_prefill_success": prefill,
+                    "pdkv_decode_success": decode,
+                    "raw_one_batch": one,
+                    "raw_best_shape": best,
+                },
+                "raw_best_shape": {"entries": size.shape.entries, "in_flight": size.shape.in_flight},
+                "pdkv_vs_one_batch": one["median"] / prefill["median"],
+                "pdkv_vs_best_shape": best["median"] / prefill["median"],
+                "fixed_cost_over_best_ms": (prefill["median"] - best["median"]) * 1e3,
+                "phases_ms": {name: value * 1e3 for name, value in phases.items()},
+            }
+            emit(record)
+            rows.append(
+                [
+                    size.pages,
+                    variant,
+                    f"{nbytes / 1e6:.1f} MB",
+                    len(size.raw),
+                    prefill["median"] * 1e3,
+                    prefill["min"] * 1e3,
+                    decode["median"] * 1e3,
+                    one["median"] * 1e3,
+                    best["median"] * 1e3,
+                    f"{size.shape.entries}x{size.shape.in_flight}",
+                    record["pdkv_vs_one_batch"],
+                    record["pdkv_vs_best_shape"],
+                ]
+            )
+            phase_rows.append([size.pages, variant] + [phases[name] * 1e3 for name in PHASES])
+    table(
+        f"pdkv bench latency: one room at a time, {args.layers} MLA layers, pages of {page_bytes} B, "
+        f"{args.repeats} rounds (ms; ratios = raw median / pdkv prefill median)",
+        [
+            "pages",
+            "method",
+            "bytes",
+            "blocks",
+            "->P p50",
+            "->P min",
+            "->D p50",
+            "1 batch p50",
+            "best p50",
+            "best ExK",
+            "vs 1 batch",
+            "vs best",
+        ],
+        rows,
+    )
+    table(
+        "per-phase medians of the pdkv rooms (ms): send() -> ... -> decode poll sees Success",
+        ["pages", "method", *PHASES],
+        phase_rows,
+    )
+    emit({"bench": "latency", "kind": "summary", "verified": verified, "failures": failures})
+    return 0 if verified and not failures else 1

@@ -1,0 +1,73 @@
+"""When to start a blocking status wait that spins: after most of a piece's expected transfer time.
+
+Owns: ``CompletionPacer``, one per peer lane: from the bytes of a launched piece and the fastest
+recent rate towards that peer, how long the lane's completer may sleep before it calls the engine's
+status wait. Must not sleep, read a clock or call an engine: times are parameters (the backend sleeps).
+
+Why: Mooncake's ``get_batch_transfer_status`` spins on a core until the batch ends, and the only
+non-spinning check (``transfer_check_status``) looks at the first task of a batch alone. On a host
+whose cores also run the engine's own transfer threads (and, over TCP on one machine, the peer),
+the spin slows the transfer it waits for (measured with 2 cores: 976 x 72 KiB blocks 69 ms spinning,
+57 ms when the wait started near the end). Sleeping through most of the expected time and spinning
+for the rest keeps the completion as prompt as a pure spin when the estimate holds.
+
+The estimate errs towards waking early: the rate is the fastest seen recently (a decaying maximum),
+a piece's transfer is taken to start no earlier than the previous piece of the lane ended, the sleep
+covers only ``sleep_fraction`` of the expected time, and pieces expected to take less than
+``min_sleep_s`` are not slept for at all. A sample whose wait started after the transfer ended
+would understate the rate; the decaying maximum ignores it until the real rate has fallen.
+"""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+
+
+@attrs.frozen(kw_only=True)
+class PacingConfig:
+    sleep_fraction: float = 0.75
+    """Share of the expected transfer time slept before the spinning wait."""
+    min_sleep_s: float = 0.0005
+    """Shorter sleeps are not worth a wake-up: spin instead."""
+    decay: float = 0.9
+    """Per sample, the remembered fastest rate decays by this factor (so a slower link is learnt)."""
+    min_bytes: int = 64 << 10
+    """Pieces smaller than this neither sleep nor teach the rate (fixed costs dominate them)."""
+
+
+class CompletionPacer:
+    """Per-peer rate memory and the sleep it suggests before waiting for a launched piece."""
+
+    def __init__(self, config: PacingConfig | None = None) -> None:
+        self.config = config or PacingConfig()
+        self._rate = 0.0  # bytes per second; 0: nothing learnt yet (no sleeping)
+        self._previous_end = -math.inf
+
+    @property
+    def rate(self) -> float:
+        """The remembered fastest rate (bytes/s), 0 before the first sample."""
+        return self._rate
+
+    def sleep_before_wait(self, nbytes: int, launched_at: float, now: float) -> float:
+        """Seconds the completer may sleep at ``now`` before the status wait of a piece of ``nbytes``
+        launched at ``launched_at`` (0: wait at once)."""
+        if self._rate <= 0 or nbytes < self.config.min_bytes:
+            return 0.0
+        started = max(launched_at, self._previous_end)
+        expected = nbytes / self._rate
+        wake_at = started + self.config.sleep_fraction * expected
+        delay = wake_at - now
+        return delay if delay >= self.config.min_sleep_s else 0.0
+
+    def completed(self, nbytes: int, launched_at: float, ended_at: float) -> None:
+        """The status wait of the piece returned at ``ended_at`` (success or not)."""
+        started = max(launched_at, self._previous_end)
+        self._previous_end = ended_at
+        if nbytes < self.config.min_bytes:
+            return
+        seconds = ended_at - started
+        if seconds <= 0:
+            return
+        self._rate = max(nbytes / seconds, self._rate * self.config.decay)

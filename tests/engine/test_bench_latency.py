@@ -1,0 +1,58 @@
+"""`pdkv bench latency --quick`: both transports and the raw engine across processes, well-formed JSON.
+
+A prefill transport in this process and a decode transport in a spawned one move real bytes over
+Mooncake TCP on 127.0.0.1. Figures are only checked for shape and consistency, never for speed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import numpy as np
+import pytest
+
+from pdkv.bench import latency
+
+pytestmark = pytest.mark.slow
+
+
+def test_latency_bench_quick(capsys: pytest.CaptureFixture[str]) -> None:
+    assert latency.main(["--quick", "--ab-pacing"]) == 0
+    records: list[dict[str, Any]] = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    sizes = [r for r in records if r["kind"] == "size"]
+    (summary,) = [r for r in records if r["kind"] == "summary"]
+    assert summary == {"bench": "latency", "kind": "summary", "verified": True, "failures": []}
+    assert sorted((r["pages"], r["variant"]) for r in sizes) == [
+        (1, "pdkv"),
+        (1, "pdkv-spin"),
+        (4, "pdkv"),
+        (4, "pdkv-spin"),
+    ]
+    for r in sizes:
+        assert r["rounds"] == 2 and r["layers"] == 4
+        assert r["bytes"] == r["pages"] * 4 * 64 * 1152
+        seconds = r["seconds"]
+        for method in ("pdkv_prefill_success", "pdkv_decode_success", "raw_one_batch", "raw_best_shape"):
+            assert 0 < seconds[method]["min"] <= seconds[method]["median"]
+        assert r["pdkv_vs_one_batch"] == pytest.approx(
+            seconds["raw_one_batch"]["median"] / seconds["pdkv_prefill_success"]["median"]
+        )
+        assert set(r["phases_ms"]) == set(latency.PHASES)
+        # Every phase was observed (none missing), and none is negative.
+        assert all(math.isfinite(v) and v >= 0 for v in r["phases_ms"].values())
+
+
+def test_pages_are_placed_in_runs_on_both_sides() -> None:
+    rng = np.random.default_rng(3)
+    src, dst = latency.place_pages(512, 0.7, 16, rng)
+    for side in (src, dst):
+        assert sorted(side.tolist()) == list(range(512))  # a permutation of the pool
+    blocks = latency.run_blocks(src, dst, [0, 1 << 40], [0, 1 << 40], 100)
+    assert blocks.total_bytes == 2 * 512 * 100
+    per_layer = len(blocks) // 2
+    # 30% single pages plus runs of 2-16: far fewer blocks than pages, far more than one.
+    assert 512 * 0.3 < per_layer < 512 * 0.3 + 0.7 * 512 / 2 + 2
+    assert latency.shapes_for(61)[-1] == latency.RawShape(61, 1)
+    assert all(s.entries <= 61 for s in latency.shapes_for(61))
