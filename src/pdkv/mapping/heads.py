@@ -19,6 +19,8 @@ bytes, token-major (``[token][head][b]``) or head-major (``[head][token][b]``) a
 rank's range. Each page becomes a per-buffer template of segments (one per token for token-major
 slices, one per page for head-major ones), worked out once per pair of layouts and cached; where
 the slice is the whole item on both sides, pages coalesce into runs exactly as ``layer_blocks`` does.
+Every model of a layout (target, draft) must split the same ``kv_heads``: the fan-out picks the
+dummies from that one count, and a model with fewer heads would be sent twice by two real ranks.
 """
 
 from __future__ import annotations
