@@ -120,10 +120,12 @@ class Rig:
         return sum(b.statistics().batches_submitted for b in self.prefill_backends)
 
     def close(self) -> None:
-        for p in self.prefills:
-            p.close()
+        # Decode ranks first: their open rooms are aborted and acknowledged by live prefill ranks
+        # (the other order would leave each waiting out the abort-ack timeout).
         for d in self.decodes:
             d.close()
+        for p in self.prefills:
+            p.close()
         for b in [*self.prefill_backends, *self.decode_backends]:
             b.close()
         self.registry.stop()

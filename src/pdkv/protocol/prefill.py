@@ -618,6 +618,14 @@ class PrefillEndpoint:
                 f"room {room}: the last chunk ends at position {end}, short of num_pages {num_pages}: "
                 f"positions {end}..{num_pages - 1} would never be written; {where}"
             )
+        if spec.pages.size > 1:
+            ordered = np.sort(spec.pages)
+            repeated = np.unique(ordered[1:][ordered[1:] == ordered[:-1]])
+            if repeated.size:
+                raise MappingError(
+                    f"room {room}: chunk_pages repeat page ids {repeated[:6].tolist()}: two positions "
+                    f"would read one page; {summarize(spec.pages, 'chunk_pages')}"
+                )
         if r.src_pages and spec.pages.size:
             earlier = np.concatenate(r.src_pages)
             repeated = spec.pages[np.isin(spec.pages, earlier)]

@@ -1,0 +1,281 @@
+"""The scheduler contract at the sans-IO endpoints: never Success with positions unwritten, typed
+errors at the call with nothing changed, remote inputs that never raise, honest room lifecycles."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pdkv.errors import InvalidArgumentError, LocalProtocolError, MappingError
+from pdkv.protocol.config import Timeouts
+from pdkv.protocol.effects import ChunkSpec, FailureCause, SubmitChunk, Target
+from pdkv.protocol.ids import RoomId
+from pdkv.protocol.messages import (
+    Abort,
+    AbortAck,
+    Origin,
+    Outcome,
+    RankCoord,
+    RegisterAck,
+    TransferMetricData,
+    TransferStatus,
+)
+from pdkv.protocol.poll import KVPoll
+from pdkv.protocol.prefill import PrefillEndpoint
+from tests.protocol.helpers import (
+    DECODE,
+    PREFILL,
+    ROOM,
+    decode,
+    prefill,
+    register,
+    request,
+    route,
+    sent,
+)
+
+PAGE = 16  # the helpers' page size
+SECOND = Origin(instance=DECODE.instance, epoch=DECODE.epoch, rank=RankCoord(tp=1))
+
+
+def _transferring(num_pages: int = 8) -> PrefillEndpoint:
+    """A prefill endpoint with ROOM open over ``num_pages`` pages and its request in."""
+    p = prefill()
+    p.receive(register(), 0.0)
+    p.open_room(ROOM, num_pages=num_pages, aux_row=None, now=0.0)
+    p.receive(request(list(range(100, 100 + num_pages))), 0.0)
+    assert p.poll(ROOM) is KVPoll.WaitingForInput
+    return p
+
+
+def _chunk(first: int, count: int, *, last: bool, page_base: int = 0) -> ChunkSpec:
+    return ChunkSpec(
+        pages=np.arange(page_base + first, page_base + first + count), start_token=first * PAGE, last=last
+    )
+
+
+def _finish_all(p: PrefillEndpoint, effects: list[SubmitChunk]) -> None:
+    for submit in effects:
+        assert p.start_chunk(ROOM, submit.chunk, 1.0)
+        p.chunk_done(ROOM, submit.chunk, TransferMetricData(pages=submit.spec.pages.size), 1.0)
+
+
+def _submits(effects: object) -> list[SubmitChunk]:
+    assert isinstance(effects, list)
+    return [e for e in effects if isinstance(e, SubmitChunk)]
+
+
+# ---------------------------------------------------------------- silent corruption, now refused
+
+
+def test_a_gap_between_chunks_is_refused_at_the_call_and_changes_nothing() -> None:
+    p = _transferring()
+    first = _submits(p.queue_chunk(ROOM, _chunk(0, 3, last=False), 0.1))
+    with pytest.raises(MappingError, match=r"room 42: chunk_pages leaves positions 3\.\.3 unwritten"):
+        p.queue_chunk(ROOM, _chunk(4, 4, last=True), 0.2)
+    assert len(p.chunk_states(ROOM)) == 1  # nothing queued by the refused call
+    rest = _submits(p.queue_chunk(ROOM, _chunk(3, 5, last=True), 0.3))  # the right chunk still goes
+    _finish_all(p, first + rest)
+    assert p.poll(ROOM) is KVPoll.Success
+
+
+@pytest.mark.parametrize(
+    "chunks",
+    [
+        [(0, 6, True)],  # 6 of 8
+        [(0, 2, True)],  # 2 of 8 in one chunk
+        [(0, 0, True)],  # an empty last chunk alone
+        [(0, 4, False), (4, 2, True)],  # the last of several ends short
+    ],
+)
+def test_a_last_chunk_that_ends_short_of_num_pages_is_refused(chunks: list[tuple[int, int, bool]]) -> None:
+    p = _transferring(8)
+    *earlier, (first, count, last) = chunks
+    for f, c, lst in earlier:
+        p.queue_chunk(ROOM, _chunk(f, c, last=lst), 0.1)
+    with pytest.raises(
+        MappingError, match=r"short of num_pages 8: positions \d+\.\.7 would never be written"
+    ):
+        p.queue_chunk(ROOM, _chunk(first, count, last=last), 0.2)
+    assert p.poll(ROOM) is not KVPoll.Success
+
+
+def test_the_same_chunk_twice_and_overlapping_chunks_are_refused() -> None:
+    p = _transferring(8)
+    p.queue_chunk(ROOM, _chunk(0, 4, last=False), 0.1)
+    with pytest.raises(MappingError, match="overlaps 4 position"):
+        p.queue_chunk(ROOM, _chunk(0, 4, last=False), 0.2)
+    with pytest.raises(MappingError, match="overlaps 2 position"):
+        p.queue_chunk(ROOM, _chunk(2, 6, last=True), 0.2)
+    with pytest.raises(MappingError, match="run past the request's last page"):
+        p.queue_chunk(ROOM, _chunk(4, 6, last=True), 0.2)
+
+
+def test_repeated_source_pages_are_refused_within_and_across_chunks() -> None:
+    p = _transferring(8)
+    with pytest.raises(MappingError, match=r"chunk_pages repeat page ids \[7\]"):
+        p.queue_chunk(ROOM, ChunkSpec(pages=[7, 7, 1, 2], start_token=0, last=False), 0.1)
+    p.queue_chunk(ROOM, ChunkSpec(pages=[7, 3, 1, 2], start_token=0, last=False), 0.1)
+    with pytest.raises(MappingError, match=r"repeat page ids \[3\] of an earlier chunk"):
+        p.queue_chunk(ROOM, ChunkSpec(pages=[3, 4, 5, 6], start_token=4 * PAGE, last=True), 0.2)
+
+
+def test_a_cached_prefix_starts_past_zero_and_succeeds() -> None:
+    p = _transferring(8)
+    submits = _submits(p.queue_chunk(ROOM, _chunk(3, 2, last=False), 0.1))
+    submits += _submits(p.queue_chunk(ROOM, _chunk(5, 3, last=True), 0.2))
+    _finish_all(p, submits)
+    assert p.poll(ROOM) is KVPoll.Success
+
+
+def test_repeated_destination_pages_are_refused_at_receiver_init_and_create_nothing() -> None:
+    d = decode()
+    d.connect(route(), 0.0)
+    target = Target(instance=PREFILL.instance, rank=PREFILL.rank)
+    with pytest.raises(MappingError, match=r"room 42: dst_pages repeats ids \[9\]"):
+        d.open_room(ROOM, targets=[target], dst_pages=[9, 9, 9, 9], dst_aux_row=None, now=0.0)
+    assert not d.has_room(ROOM)
+    assert d.poll(ROOM) is KVPoll.Bootstrapping
+
+
+def test_a_request_with_repeated_destination_pages_fails_the_room() -> None:
+    p = prefill()
+    p.receive(register(), 0.0)
+    p.open_room(ROOM, num_pages=4, aux_row=None, now=0.0)
+    effects = p.receive(request([5, 6, 5, 6]), 0.1)
+    [status] = sent(effects, TransferStatus)
+    assert isinstance(status, TransferStatus) and status.outcome is Outcome.FAILED
+    assert "repeat page ids [5, 6]" in status.reason
+    assert p.poll(ROOM) is KVPoll.Failed and p.failure_cause(ROOM) is FailureCause.INVALID
+
+
+# ---------------------------------------------------------------- arguments, checked first
+
+
+@pytest.mark.parametrize(
+    ("num_pages", "aux_row", "argument"),
+    [
+        ("4", None, "num_pages"),
+        (4.5, None, "num_pages"),
+        (True, None, "num_pages"),
+        (2**70, None, "num_pages"),
+        (-1, None, "num_pages"),
+        (4, -1, "aux_row"),
+        (4, 64, "aux_row"),  # the helpers' aux buffer has 64 rows
+        (4, "0", "aux_row"),
+    ],
+)
+def test_bad_open_room_arguments_name_argument_and_room_and_change_nothing(
+    num_pages: object, aux_row: object, argument: str
+) -> None:
+    p = prefill()
+    with pytest.raises(InvalidArgumentError, match=f"room 42: {argument}") as info:
+        p.open_room(ROOM, num_pages=num_pages, aux_row=aux_row, now=0.0)  # type: ignore[arg-type]  # on purpose
+    assert info.value.room == ROOM and info.value.argument == argument
+    assert not p.has_room(ROOM)
+    p.open_room(ROOM, num_pages=4, aux_row=1, now=0.0)  # the same room opens once corrected
+
+
+# ---------------------------------------------------------------- lifecycle and remote inputs
+
+
+def test_poll_before_init_answers_bootstrapping_on_both_sides() -> None:
+    assert prefill().poll(ROOM) is KVPoll.Bootstrapping
+    assert prefill().failure(ROOM) is None
+    assert decode().poll(ROOM) is KVPoll.Bootstrapping
+    assert decode().release_ready(ROOM)
+
+
+def test_a_request_for_a_finished_room_is_answered_failed_and_the_room_stays_success() -> None:
+    p = _transferring(2)
+    _finish_all(p, _submits(p.queue_chunk(ROOM, _chunk(0, 2, last=True), 0.1)))
+    assert p.poll(ROOM) is KVPoll.Success
+    p.receive(register(origin=SECOND), 0.2)
+    effects = p.receive(request([1, 2], origin=SECOND), 0.3)  # never raises
+    [status] = sent(effects, TransferStatus)
+    assert isinstance(status, TransferStatus) and status.outcome is Outcome.FAILED
+    assert "already finished" in status.reason
+    assert p.poll(ROOM) is KVPoll.Success
+    assert p.statistics().requests_refused == 1
+
+
+def test_open_of_a_room_the_decode_already_aborted_opens_failed_whatever_its_size() -> None:
+    p = prefill()
+    p.receive(register(), 0.0)
+    p.receive(request([1, 2, 3]), 0.0)
+    p.receive(Abort(origin=DECODE, room=ROOM, reason="client left"), 0.1)
+    p.open_room(ROOM, num_pages=5, aux_row=None, now=0.2)  # another page count: no raise
+    assert p.poll(ROOM) is KVPoll.Failed
+    assert "client left" in (p.failure(ROOM) or "")
+
+
+def test_requests_for_rooms_never_opened_are_freed_once_failed() -> None:
+    p = prefill(Timeouts(bootstrap=10.0, inflight=10.0))
+    p.receive(register(), 0.0)
+    for k in range(1, 1001):
+        p.receive(request([1], room=RoomId(k)), 0.0)
+    assert len(p.rooms()) == 1000
+    p.tick(11.0)
+    assert p.rooms() == []
+    assert p.statistics().unopened_rooms_freed == 1000
+    # A late init sees the reason, not a fresh room.
+    p.open_room(RoomId(7), num_pages=1, aux_row=None, now=12.0)
+    assert p.poll(RoomId(7)) is KVPoll.Failed and "inflight timeout" in (p.failure(RoomId(7)) or "")
+
+
+def test_a_room_id_reused_within_the_tombstone_window_is_said_on_both_sides_at_once() -> None:
+    p = _transferring(2)
+    _finish_all(p, _submits(p.queue_chunk(ROOM, _chunk(0, 2, last=True), 0.1)))
+    p.close_room(ROOM, 1.0)
+    # The decode asks for the id again: answered Failed at once with the reason.
+    effects = p.receive(request([3, 4]), 2.0)
+    [status] = sent(effects, TransferStatus)
+    assert isinstance(status, TransferStatus) and status.outcome is Outcome.FAILED
+    assert "room id reused" in status.reason
+    d = decode()
+    d.connect(route(), 0.0)
+    d.receive(RegisterAck(origin=PREFILL), 0.0)
+    target = Target(instance=PREFILL.instance, rank=PREFILL.rank)
+    d.open_room(ROOM, targets=[target], dst_pages=[3, 4], dst_aux_row=None, now=2.0)
+    d.receive(status, 2.1)
+    assert d.poll(ROOM) is KVPoll.Failed and "room id reused" in (d.failure(ROOM) or "")
+    # The prefill scheduler reusing it is told the same.
+    p.open_room(ROOM, num_pages=2, aux_row=None, now=2.0)
+    assert p.poll(ROOM) is KVPoll.Failed and "room id reused" in (p.failure(ROOM) or "")
+
+
+def test_a_prefill_abort_before_the_request_answers_the_late_request_failed() -> None:
+    p = prefill()
+    p.receive(register(), 0.0)
+    p.abort_room(ROOM, "scheduler gave up", 0.0)
+    assert p.poll(ROOM) is KVPoll.Failed
+    effects = p.receive(request([1, 2]), 1.0)
+    [status] = sent(effects, TransferStatus)
+    assert isinstance(status, TransferStatus) and "scheduler gave up" in status.reason
+    assert not p.has_room(ROOM)
+
+
+def test_a_decode_abort_before_init_tells_the_prefill_ranks() -> None:
+    d = decode()
+    d.connect(route(), 0.0)
+    d.receive(RegisterAck(origin=PREFILL), 0.0)
+    target = Target(instance=PREFILL.instance, rank=PREFILL.rank)
+    effects = d.abort_room(ROOM, "client left", 0.1, targets=[target])
+    [abort] = sent(effects, Abort)
+    assert isinstance(abort, Abort) and abort.room == ROOM
+    assert d.poll(ROOM) is KVPoll.Failed and d.release_ready(ROOM)
+    # The prefill side refuses the room from then on.
+    p = prefill()
+    p.receive(register(), 0.0)
+    assert sent(p.receive(abort, 0.2), AbortAck)
+    p.open_room(ROOM, num_pages=2, aux_row=None, now=0.3)
+    assert p.poll(ROOM) is KVPoll.Failed and "client left" in (p.failure(ROOM) or "")
+
+
+def test_send_after_the_last_chunk_and_before_init_stay_local_errors() -> None:
+    p = _transferring(2)
+    p.queue_chunk(ROOM, _chunk(0, 2, last=True), 0.1)
+    with pytest.raises(LocalProtocolError, match="after the last chunk"):
+        p.queue_chunk(ROOM, _chunk(2, 0, last=True), 0.2)
+    with pytest.raises(LocalProtocolError, match="before init"):
+        p.queue_chunk(RoomId(9), _chunk(0, 1, last=True), 0.2)

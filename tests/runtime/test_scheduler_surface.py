@@ -1,0 +1,280 @@
+"""The scheduler surface of the real transports (zmq control, loopback bytes): typed errors at every
+call with nothing half-created, poll before init, close and start lifecycles, registry timeouts,
+and one failing message that never costs the others."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+from pdkv.engine.loopback import LoopbackBackend, LoopbackFabric
+from pdkv.errors import (
+    InvalidArgumentError,
+    MappingError,
+    PdkvError,
+    RouteUnavailableError,
+    TransportClosedError,
+)
+from pdkv.mapping import BufferKind
+from pdkv.protocol.ids import Epoch, InstanceId, RoomId
+from pdkv.protocol.messages import Heartbeat, Message, Origin, RankCoord, StateIndices
+from pdkv.protocol.poll import KVPoll
+from pdkv.runtime._loop import ControlLoop
+from pdkv.runtime.decode import DecodeConfig, DecodeTransport
+from pdkv.runtime.prefill import PrefillConfig, PrefillTransport
+from pdkv.testing.cluster import free_port
+from pdkv.testing.synthetic import Capacity, RankMemory
+from tests.runtime.rig import SPEC, TIMEOUTS, Rig, wait_for
+
+ROOM = RoomId(77)
+
+
+def _ready_room(s: Rig, prefill: InstanceId, room: RoomId, pages: int) -> Any:
+    receiver = s.decode.receiver(room, prefill)
+    receiver.init(np.arange(10, 10 + pages), 1)
+    sender = s.prefills[0].sender(room)
+    sender.init(pages, 2)
+    wait_for(lambda: sender.poll() is KVPoll.WaitingForInput)
+    return sender, receiver
+
+
+def test_poll_before_init_is_bootstrapping_on_both_transports(rig_factory: Callable[..., Rig]) -> None:
+    s = rig_factory()
+    prefill = s.start_registered()
+    assert s.prefills[0].sender(ROOM).poll() is KVPoll.Bootstrapping
+    receiver = s.decode.receiver(ROOM, prefill)
+    assert receiver.poll() is KVPoll.Bootstrapping
+    assert receiver.failure() is None
+
+
+@pytest.mark.parametrize(
+    ("call", "argument"),
+    [
+        (lambda x: x.send([-1, 2], start_token=0, last=True), "chunk_pages"),
+        (lambda x: x.send([1.0, 2.0], start_token=0, last=True), "chunk_pages"),
+        (lambda x: x.send([[1], [2]], start_token=0, last=True), "chunk_pages"),
+        (lambda x: x.send("12", start_token=0, last=True), "chunk_pages"),
+        (lambda x: x.send(None, start_token=0, last=True), "chunk_pages"),
+        (lambda x: x.send([1, 2], start_token=0, last="yes"), "last"),
+        (lambda x: x.send([1, 2], start_token="0", last=True), "start_token"),
+        (
+            lambda x: x.send([1, 2], start_token=0, last=True, state_indices=[(BufferKind.INDEX_K, [1])]),
+            "state_indices",
+        ),
+        (
+            lambda x: x.send(
+                [1, 2],
+                start_token=0,
+                last=True,
+                state_indices=[
+                    StateIndices(kind=k, indices=[1]) for k in (*SPEC.state_kinds, *SPEC.state_kinds)
+                ],
+            ),
+            "state_indices",
+        ),
+        (
+            lambda x: x.send(
+                [1, 2],
+                start_token=0,
+                last=False,
+                state_indices=[StateIndices(kind=SPEC.state_kinds[0], indices=[1])],
+            ),
+            "state_indices",
+        ),
+    ],
+)
+def test_bad_send_arguments_name_room_argument_and_value(
+    rig_factory: Callable[..., Rig], call: Callable[[Any], None], argument: str
+) -> None:
+    s = rig_factory()
+    prefill = s.start_registered()
+    sender, receiver = _ready_room(s, prefill, ROOM, 2)
+    with pytest.raises(InvalidArgumentError, match=f"room {ROOM}: {argument}") as info:
+        call(sender)
+    assert info.value.argument == argument and info.value.room == ROOM
+    # Nothing was queued: the correct chunk then completes the room.
+    sender.send([1, 2], start_token=0, last=True)
+    wait_for(lambda: receiver.poll() is KVPoll.Success)
+
+
+def test_bad_receiver_init_creates_nothing_and_can_be_retried(rig_factory: Callable[..., Rig]) -> None:
+    s = rig_factory()
+    prefill = s.start_registered()
+    receiver = s.decode.receiver(ROOM, prefill)
+    with pytest.raises(InvalidArgumentError, match=f"room {ROOM}: aux_row"):
+        receiver.init(np.arange(2), -1)
+    with pytest.raises(MappingError, match="dst_pages repeats ids"):
+        receiver.init([5, 5, 5, 5], 1)
+    with pytest.raises(InvalidArgumentError, match="state_indices"):
+        receiver.init([5, 6], 1, [StateIndices(kind=k, indices=[99]) for k in SPEC.state_kinds])
+    assert receiver.poll() is KVPoll.Bootstrapping
+    receiver.init([5, 6], 1)  # the same room, corrected
+    sender = s.prefills[0].sender(ROOM)
+    sender.init(2, 0)
+    wait_for(lambda: sender.poll() is KVPoll.WaitingForInput)
+    sender.send([3, 4], start_token=0, last=True)
+    wait_for(lambda: receiver.poll() is KVPoll.Success)
+
+
+@pytest.mark.parametrize("room", [0, -1, 2**63, None, "5", True, 1.0])
+def test_room_ids_are_checked_where_they_enter(rig_factory: Callable[..., Rig], room: object) -> None:
+    s = rig_factory()
+    prefill = s.start()
+    with pytest.raises(InvalidArgumentError, match="room id"):
+        s.prefills[0].sender(room)  # type: ignore[arg-type]  # on purpose
+    with pytest.raises(InvalidArgumentError, match="room id"):
+        s.decode.receiver(room, prefill)  # type: ignore[arg-type]  # on purpose
+
+
+def test_a_gapped_chunk_sequence_never_reports_success(rig_factory: Callable[..., Rig]) -> None:
+    s = rig_factory()
+    prefill = s.start_registered()
+    sender, receiver = _ready_room(s, prefill, ROOM, 8)
+    sender.send([0, 1, 2], start_token=0, last=False)
+    with pytest.raises(MappingError, match=r"leaves positions 3\.\.3 unwritten"):
+        sender.send([4, 5, 6, 7], start_token=4 * SPEC.page_size, last=True)
+    with pytest.raises(MappingError, match="short of num_pages 8"):
+        sender.send([3, 4], start_token=3 * SPEC.page_size, last=True)
+    sender.abort("scheduler noticed")
+    wait_for(lambda: receiver.poll() is KVPoll.Failed)
+    wait_for(receiver.release_ready)
+
+
+def test_close_fails_open_rooms_tells_peers_and_refuses_later_calls(rig_factory: Callable[..., Rig]) -> None:
+    s = rig_factory()
+    prefill = s.start_registered()
+    sender, receiver = _ready_room(s, prefill, ROOM, 2)
+    s.prefills[0].close()
+    wait_for(lambda: receiver.poll() is KVPoll.Failed)
+    assert "prefill transport closed" in (receiver.failure() or "")
+    assert sender.poll() is KVPoll.Failed
+    calls: list[Callable[[], object]] = [
+        lambda: sender.send([1, 2], start_token=0, last=True),
+        lambda: s.prefills[0].sender(RoomId(5)).init(1, None),
+        lambda: s.prefills[0].sender(RoomId(6)),
+        lambda: s.prefills[0].per_layer.register(RoomId(5), [1], start_token=0),
+        lambda: s.prefills[0].start(),
+    ]
+    for call in calls:
+        with pytest.raises(TransportClosedError, match="closed"):
+            call()
+    s.decode.close()
+    with pytest.raises(TransportClosedError):
+        s.decode.receiver(RoomId(8), prefill)
+    with pytest.raises(TransportClosedError):
+        s.decode.connect(s.registry.address, timeout_s=1)
+    with pytest.raises(TransportClosedError):
+        s.decode.start()
+
+
+def test_decode_close_fails_its_rooms_and_the_prefill_hears_of_it(rig_factory: Callable[..., Rig]) -> None:
+    s = rig_factory()
+    prefill = s.start_registered()
+    sender, receiver = _ready_room(s, prefill, ROOM, 2)
+    s.decode.close()
+    assert receiver.poll() is KVPoll.Failed
+    assert not s.decode.stuck_writes  # the prefill acknowledged: memory could go
+    wait_for(lambda: sender.poll() is KVPoll.Failed)
+    assert "decode transport closed" in (sender.failure() or "")
+
+
+def _prefill_alone(registry: str) -> tuple[PrefillTransport, LoopbackBackend]:
+    memory = RankMemory(SPEC, Capacity(kv_pages=8, state_slots=2, aux_rows=2))
+    backend = LoopbackBackend(fabric=LoopbackFabric("alone"))
+    config = PrefillConfig(
+        instance=InstanceId("p"),
+        rank=RankCoord(tp=0),
+        tp_size=1,
+        layout=memory.layout,
+        registry=registry,
+        timeouts=TIMEOUTS,
+    )
+    return PrefillTransport(config, backend), backend
+
+
+def test_a_failed_start_rolls_back_and_can_be_retried() -> None:
+    port = free_port()
+    transport, backend = _prefill_alone(f"tcp://127.0.0.1:{port}")
+    before = threading.active_count()
+    try:
+        with pytest.raises(RouteUnavailableError, match=r"within 0\.5 s"):
+            transport.start(announce_timeout_s=0.5)
+        assert backend.statistics().registrations == 0  # rolled back
+        wait_for(lambda: threading.active_count() <= before, timeout=5)  # no thread left behind
+        from pdkv.runtime.channels import start_registry
+
+        registry = start_registry(instance=InstanceId("p"), tp_size=1, cp_size=1, port=port)
+        try:
+            transport.start(announce_timeout_s=10)
+            assert backend.statistics().registrations > 0
+        finally:
+            transport.close()
+            registry.stop()
+    finally:
+        transport.close()
+        backend.close()
+
+
+def test_connect_to_a_dead_registry_raises_route_unavailable_with_the_cause() -> None:
+    memory = RankMemory(SPEC, Capacity(kv_pages=8, state_slots=2, aux_rows=2))
+    backend = LoopbackBackend(fabric=LoopbackFabric("dead"))
+    config = DecodeConfig(instance=InstanceId("d"), rank=RankCoord(tp=0), tp_size=1, layout=memory.layout)
+    with (
+        DecodeTransport(config, backend) as decode,
+        pytest.raises(RouteUnavailableError, match=r"within 0\.5 s: no reply from"),
+    ):
+        decode.connect(f"tcp://127.0.0.1:{free_port()}", timeout_s=0.5)
+    backend.close()
+
+
+class _ListChannel:
+    """A channel that delivers one batch of messages once (what ``ControlLoop`` needs, nothing more)."""
+
+    def __init__(self, batch: list[Message]) -> None:
+        self._batch = batch
+        self.address = "inproc://list"
+
+    def send(self, to: str, message: Message) -> None:
+        pass
+
+    def wait(self, timeout_s: float | None) -> list[Message]:
+        batch, self._batch = self._batch, []
+        if not batch:
+            threading.Event().wait(min(timeout_s or 0.01, 0.01))
+        return batch
+
+    def wake(self) -> None:
+        pass
+
+    def forget(self, endpoint: str) -> None:
+        pass
+
+    def close(self, *, flush_s: float = 0.0) -> None:
+        pass
+
+    def statistics(self) -> Any:
+        return None
+
+
+def test_one_failing_message_never_costs_the_rest_of_its_batch() -> None:
+    origin = Origin(instance=InstanceId("x"), epoch=Epoch(1), rank=RankCoord(tp=0))
+    batch: list[Message] = [Heartbeat(origin=origin, seq=k) for k in range(5)]
+    handled: list[int] = []
+
+    def on_message(message: Message, now: float) -> None:
+        assert isinstance(message, Heartbeat)
+        if message.seq == 1:
+            raise PdkvError("a handler bug")
+        handled.append(message.seq)
+
+    loop = ControlLoop(_ListChannel(batch), name="t", on_message=on_message, on_tick=lambda now: None)
+    loop.start()
+    try:
+        wait_for(lambda: len(handled) == 4, timeout=5)
+    finally:
+        loop.stop()
+    assert handled == [0, 2, 3, 4] and loop.handler_errors == 1
