@@ -9,7 +9,11 @@ Threads: ``submit_write`` validates on the caller's thread, splits the batch int
 ``max_entries_in_flight`` entries and queues them on the peer's lane. Each peer has one lane with
 two threads: a launcher that starts pieces in order while the peer's entry budget allows
 (``_launch``, expected to return quickly) and a completer that waits for launched pieces in the same
-order (``_complete``, which may block). One waiting thread per peer matters: Mooncake's status call
+order (``_complete``, which may block). When the lane is idle (nothing queued, no launch under way,
+budget free) and has launched towards the peer before (so the engine's first-contact handshake is
+behind it), the submitting thread launches the batch's first piece itself: one thread hand-off less
+on the latency of a small batch. Launches stay in submission order either way: only one launch is
+under way per lane at any time. One waiting thread per peer matters: Mooncake's status call
 spins while it waits, so one waiter per batch in flight would burn a core each. Pieces of a batch
 after a failed one are not launched; pieces already launched are still waited for, so no engine
 batch is ever left unwaited. Neither thread dies on an exception: it becomes the batch's FAILED
@@ -166,6 +170,8 @@ class _PeerLane(Generic[Token]):
         self._changed = threading.Condition()
         self._stopping = False
         self._launcher_done = False
+        self._launching = False  # a piece taken off the queue (or reserved inline) is being launched
+        self._contacted = False  # a launch towards this peer succeeded: inline launches are allowed
         name = f"{backend.thread_name}-{peer}"
         self._threads = (
             threading.Thread(target=self._launch_loop, name=f"{name}-launch", daemon=True),
@@ -174,10 +180,23 @@ class _PeerLane(Generic[Token]):
         for thread in self._threads:
             thread.start()
 
-    def put(self, jobs: list[PieceJob]) -> None:
+    def put(self, jobs: list[PieceJob], *, inline: bool = False) -> PieceJob | None:
+        """Queue ``jobs``; with ``inline``, reserve the first one for the caller to launch when the
+        lane is idle (returned: the caller must pass it to ``launch_reserved`` at once)."""
         with self._changed:
+            idle = not self._queued and not self._launching and not self._stopping
+            if inline and idle and self._contacted and self._used + len(jobs[0].piece) <= self._budget:
+                self._launching = True
+                self._used += len(jobs[0].piece)
+                self._queued.extend(jobs[1:])
+                return jobs[0]
             self._queued.extend(jobs)
             self._changed.notify_all()
+            return None
+
+    def launch_reserved(self, job: PieceJob) -> None:
+        """Launch a piece ``put`` reserved, on the caller's thread."""
+        self._launch_one(job)
 
     def stop(self) -> None:
         """Launch and complete everything already queued, then end both threads."""
@@ -190,7 +209,9 @@ class _PeerLane(Generic[Token]):
     def _launch_loop(self) -> None:
         while True:
             with self._changed:
-                while not self._queued and not self._stopping:
+                # An inline launch under way ends first (order), even when stopping: the completer
+                # must not end before that piece is in ``_launched``.
+                while self._launching or (not self._queued and not self._stopping):
                     self._changed.wait()
                 if not self._queued:
                     self._launcher_done = True
@@ -203,20 +224,28 @@ class _PeerLane(Generic[Token]):
                     self._changed.wait()
                 self._queued.popleft()
                 self._used += len(job.piece)
-            if job.progress.failure is not None:
-                self._ended(job, None)  # an earlier piece failed: do not send the rest
-                continue
+                self._launching = True
+            self._launch_one(job)
+
+    def _launch_one(self, job: PieceJob) -> None:
+        """Launch a piece taken off the queue (``_launching`` set, budget taken); clears ``_launching``."""
+        token: Token | None = None
+        failure: str | None = None
+        if job.progress.failure is None:  # else an earlier piece failed: do not send the rest
             try:
                 token = self._backend._launch(job)
             except PieceFailed as exc:
-                self._ended(job, str(exc))
-                continue
+                failure = str(exc)
             except Exception as exc:  # an engine bug must fail the batch, not the lane
-                self._ended(job, f"backend error while launching: {exc!r}")
-                continue
-            with self._changed:
+                failure = f"backend error while launching: {exc!r}"
+        with self._changed:
+            self._launching = False
+            if token is not None:
+                self._contacted = True
                 self._launched.append((job, token))
-                self._changed.notify_all()
+            self._changed.notify_all()
+        if token is None:
+            self._ended(job, failure)
 
     def _complete_loop(self) -> None:
         while True:
@@ -368,6 +397,7 @@ class WorkerThreadBackend(abc.ABC, Generic[Token]):
             for start in range(0, len(moving), self._max_entries)
         ]
         verdict: Future[EngineVerdict] = Future()
+        reserved: tuple[_PeerLane[Token], PieceJob] | None = None
         with self._lock:
             if self._closed:
                 raise BackendClosedError(f"backend {self.session_id} is closed")
@@ -389,11 +419,18 @@ class WorkerThreadBackend(abc.ABC, Generic[Token]):
                 if lane is None:
                     lane = self._lanes[peer] = _PeerLane(self, peer, self._max_entries)
                 progress = _BatchProgress(handle, len(pieces))
-                lane.put(
-                    [PieceJob(handle, piece, i, len(pieces), progress) for i, piece in enumerate(pieces)]
+                first = lane.put(
+                    [PieceJob(handle, piece, i, len(pieces), progress) for i, piece in enumerate(pieces)],
+                    inline=True,
                 )
+                if first is not None:
+                    reserved = (lane, first)
         if not pieces:
             self._finish(handle, BatchStatus.COMPLETED, "")
+        elif reserved is not None:
+            # Outside the backend lock (completers take it to finish batches); close() waits for
+            # this launch because the lane's launcher does not end while one is under way.
+            reserved[0].launch_reserved(reserved[1])
         return handle
 
     def _finish(self, handle: BatchHandle, status: BatchStatus, reason: str) -> None:
