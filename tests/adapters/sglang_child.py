@@ -20,6 +20,7 @@ from typing import Any
 
 from tests.adapters import gpu_stubs
 
+T0 = time.monotonic()
 gpu_stubs.install()
 
 # SGLang's modules are imported below the stubs on purpose (they import triton & co at module level).
@@ -35,6 +36,8 @@ from sglang.srt.disaggregation.utils import (  # noqa: E402
 from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool  # noqa: E402
 from sglang.srt.plugins import load_plugins  # noqa: E402
 from sglang.srt.server_args import ServerArgs  # noqa: E402
+
+T_IMPORTED = time.monotonic() - T0
 
 PAGE = 64
 KV_LORA_RANK = 512
@@ -194,8 +197,17 @@ def scenario_prefill(plan: dict[str, Any]) -> dict[str, Any]:
     first_polls = {room: int(s.poll()) for room, s in senders.items()}
     outcome: dict[int, dict[str, Any]] = {}
     started: set[int] = set()
+    # Rooms the decode aborts may stay Bootstrapping here (pdkv answers Bootstrapping for a room this side
+    # never opened, even once the decode's Abort tombstoned it): they get a grace period once the others
+    # are done, then this side aborts them itself, as SGLang's prefill does on its bootstrap timeout.
+    unreachable = {room for room, spec in rooms.items() if spec.get("decode_abort")}
     deadline = time.monotonic() + float(plan.get("timeout_s", 60))
+    grace_end: float | None = None
     while len(outcome) < len(rooms) and time.monotonic() < deadline:
+        if len(outcome) >= len(rooms) - len(unreachable):
+            grace_end = grace_end or time.monotonic() + float(plan.get("grace_s", 3))
+            if time.monotonic() > grace_end:
+                break
         for room, sender in senders.items():
             if room in outcome:
                 continue
@@ -230,10 +242,20 @@ def scenario_prefill(plan: dict[str, Any]) -> dict[str, Any]:
                 record["poll_after_clear"] = int(sender.poll())
                 outcome[room] = record
         time.sleep(0.002)
+    for room in sorted(unreachable - set(outcome)):
+        sender = senders[room]
+        before = int(sender.poll())
+        sender.abort()
+        settle = time.monotonic() + 10
+        while int(sender.poll()) not in TERMINAL and time.monotonic() < settle:
+            time.sleep(0.01)
+        outcome[room] = {"state_before_abort": before, "state": int(sender.poll())}
     for room, sender in senders.items():
         if room not in outcome:
             outcome[room] = {"state": int(sender.poll()), "unfinished": True}
+    timing: dict[str, float] = {"imported": T_IMPORTED, "rooms": time.monotonic() - T0}
     result = {
+        "timing": timing,
         "first_polls": first_polls,
         "rooms": outcome,
         "stub_calls_during_transfer": list(gpu_stubs.calls_outside_import()[calls_before:]),
@@ -244,8 +266,10 @@ def scenario_prefill(plan: dict[str, Any]) -> dict[str, Any]:
     stop_deadline = time.monotonic() + float(plan.get("timeout_s", 60))
     while not stop.exists() and time.monotonic() < stop_deadline:
         time.sleep(0.05)
+    t_close = time.monotonic()
     mgr.close()
     server.close()
+    timing["close_s"] = time.monotonic() - t_close
     return result
 
 
@@ -268,6 +292,7 @@ def scenario_decode(plan: dict[str, Any]) -> dict[str, Any]:
         if time.monotonic() > deadline:
             raise TimeoutError(f"no route from {addr}")
         time.sleep(0.05)
+    t_route = time.monotonic() - T0
     info = mgr.prefill_info_table[addr]
     receiver_cls = kv_class(KVClassType.RECEIVER)
     rooms = {int(r["room"]): r for r in plan["rooms"]}
@@ -313,8 +338,15 @@ def scenario_decode(plan: dict[str, Any]) -> dict[str, Any]:
     for room, receiver in receivers.items():
         if room not in outcome:
             outcome[room] = {"state": int(receiver.poll()), "unfinished": True}
+    t_rooms = time.monotonic() - T0
     verified = verify(plan, pool, metadata, rooms, outcome)
     result = {
+        "timing": {
+            "imported": T_IMPORTED,
+            "route": t_route,
+            "rooms": t_rooms,
+            "verified": time.monotonic() - T0,
+        },
         "prefill_info": {"dp_size": info.dp_size, "follow_bootstrap_room": info.follow_bootstrap_room},
         "first_polls": first_polls,
         "rooms": outcome,

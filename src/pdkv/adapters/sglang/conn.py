@@ -140,7 +140,8 @@ def _advertise_host(server_args: ServerArgs) -> str:
 
 
 def _mooncake_config(kv_args: KVArgs, host: str) -> MooncakeConfig:
-    """``PDKV_MOONCAKE_*`` settings, with SGLang's IB device and this rank's address as defaults."""
+    """``PDKV_MOONCAKE_*`` settings first; otherwise this rank's address, and RDMA on SGLang's IB device when
+    ``--disaggregation-ib-device`` names one (TCP, Mooncake's default here, when it does not)."""
     config = MooncakeConfig.from_env()
     changes: dict[str, Any] = {}
     if "PDKV_MOONCAKE_HOSTNAME" not in os.environ:
@@ -148,6 +149,8 @@ def _mooncake_config(kv_args: KVArgs, host: str) -> MooncakeConfig:
     device = getattr(kv_args, "ib_device", None)
     if "PDKV_MOONCAKE_DEVICE" not in os.environ and isinstance(device, str) and device:
         changes["device_name"] = device
+        if "PDKV_MOONCAKE_PROTOCOL" not in os.environ:
+            changes["protocol"] = "rdma"  # SGLang named an IB device: it means RDMA
     return attrs.evolve(config, **changes)
 
 
@@ -439,7 +442,11 @@ class PdkvKVSender(BaseKVSender):
         return self._metric
 
     def _read_metric(self) -> KVTransferMetric:
-        metric = self._sender.metric()
+        try:
+            metric = self._sender.metric()
+        except PdkvError:
+            # A room this side never opened (the decode aborted it first) has moved nothing.
+            return KVTransferMetric(transfer_latency_s=None, transfer_total_bytes=0)
         return KVTransferMetric(
             transfer_latency_s=float(metric.seconds) if metric.pages else None,
             transfer_total_bytes=int(metric.bytes),
