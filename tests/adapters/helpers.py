@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -29,7 +30,9 @@ requires_sglang = pytest.mark.skipif(
 class Child:
     """One scenario process; ``result()`` reads what it wrote."""
 
-    def __init__(self, scenario: str, plan: dict[str, Any], workdir: Path) -> None:
+    def __init__(
+        self, scenario: str, plan: dict[str, Any], workdir: Path, env: dict[str, str] | None = None
+    ) -> None:
         self.plan_path = workdir / f"{scenario}-plan.json"
         self.result_path = Path(plan["result"])
         self.log_path = workdir / f"{scenario}.log"
@@ -40,6 +43,7 @@ class Child:
             cwd=REPO,
             stdout=self._log,
             stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
         )
 
     def wait(self, timeout_s: float) -> int:

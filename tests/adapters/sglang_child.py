@@ -138,27 +138,44 @@ def scenario_plugin(plan: dict[str, Any]) -> dict[str, Any]:
             found[name][kind.value] = None if cls is None else f"{cls.__module__}.{cls.__qualname__}"
     mooncake = get_kv_class(TransferBackend.MOONCAKE, KVClassType.SENDER)
     parsed = prepare_server_args(["--model-path", "dummy", "--disaggregation-transfer-backend", "pdkv"])
+    # Refusals go through the manager class SGLang gets, before any transport or engine exists.
+    manager_cls = kv_class(KVClassType.MANAGER)
+    pool = make_pool({**plan, "layers": 2}, 4)
+    metadata = MetadataBuffers(
+        size=2, hidden_size=16, hidden_states_dtype=torch.bfloat16, max_sampling_mask_tokens=0
+    )
     refusals: dict[str, str] = {}
-    for label, extra in (
-        ("pp", {"pp_size": 2}),
-        ("dp_attention", {"dp_size": 2, "enable_dp_attention": True}),
-        ("role_switch", {"enable_pd_role_switch": True}),
-    ):
-        args = server_args(plan, "prefill")
-        for key, value in extra.items():
+    cases: tuple[tuple[str, str, dict[str, object], dict[str, object]], ...] = (
+        ("pp", "prefill", {"pp_size": 2}, {}),
+        ("dp_attention", "prefill", {"dp_size": 2, "enable_dp_attention": True}, {}),
+        ("role_switch", "prefill", {"enable_pd_role_switch": True}, {}),
+        ("attn_cp", "prefill", {"attn_cp_size": 2}, {}),
+        ("decode_radix", "decode", {"disaggregation_decode_enable_radix_cache": True}, {}),
+        (
+            "mamba_state",
+            "prefill",
+            {},
+            {
+                "state_types": ["mamba"],
+                "state_data_ptrs": [[4096]],
+                "state_data_lens": [[64]],
+                "state_item_lens": [[64]],
+            },
+        ),
+    )
+    for label, mode, changes, kv_changes in cases:
+        args = server_args(plan, mode)
+        for key, value in changes.items():
             setattr(args, key, value)
+        kv_args = make_kv_args(pool, metadata, engine_rank=0)
+        for key, value in kv_changes.items():
+            setattr(kv_args, key, value)
         try:
-            conn.refuse_unsupported(args, DisaggregationMode.PREFILL)
+            manager_cls(kv_args, DisaggregationMode(mode), args, True)
             refusals[label] = "accepted"
         except Exception as exc:
             refusals[label] = f"{type(exc).__name__}: {exc}"
-    decode_args = server_args(plan, "decode")
-    decode_args.disaggregation_decode_enable_radix_cache = True
-    try:
-        conn.refuse_unsupported(decode_args, DisaggregationMode.DECODE)
-        refusals["decode_radix"] = "accepted"
-    except Exception as exc:
-        refusals["decode_radix"] = f"{type(exc).__name__}: {exc}"
+    timeouts = conn.timeouts_from_sglang_env()
     return {
         "member": f"{backend!r}",
         "members": [m.value for m in TransferBackend],
@@ -169,6 +186,13 @@ def scenario_plugin(plan: dict[str, Any]) -> dict[str, Any]:
         "mooncake_sender": f"{mooncake.__module__}.{mooncake.__qualname__}" if mooncake else None,
         "hooked": hasattr(prefill_mod.get_kv_class, "__wrapped__"),
         "refusals": refusals,
+        "timeouts": {
+            "bootstrap": timeouts.bootstrap,
+            "waiting": timeouts.waiting,
+            "heartbeat_interval": timeouts.heartbeat_interval,
+            "heartbeat_timeout": timeouts.heartbeat_timeout,
+            "abort_ack": timeouts.abort_ack,
+        },
     }
 
 

@@ -3,7 +3,8 @@
 Proves: SGLang's own ``load_plugins()`` finds pdkv's entry point; ``TransferBackend("pdkv")`` exists; the CLI
 accepts ``--disaggregation-transfer-backend pdkv``; ``get_kv_class`` as imported by prefill.py, decode.py and
 disagg_service.py answers pdkv's classes while other backends keep theirs; unsupported features are refused
-by name; and no GPU stub was called outside module import.
+by name at manager init; pdkv's deadlines follow SGLang's variables; and no GPU stub was called outside
+module import.
 """
 
 from __future__ import annotations
@@ -18,6 +19,15 @@ from tests.adapters.helpers import Child, children, requires_sglang
 pytestmark = [requires_sglang, pytest.mark.slow]
 
 
+SGLANG_TIMEOUTS = {
+    "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "123",
+    "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "77",
+    "SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": "2.5",
+    "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE": "3",
+    "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT": "11",
+}
+
+
 def test_entry_point_is_declared() -> None:
     eps = [ep for ep in entry_points(group="sglang.srt.plugins") if ep.name == "pdkv"]
     assert [ep.value for ep in eps] == ["pdkv.adapters.sglang.plugin:register"]
@@ -26,7 +36,7 @@ def test_entry_point_is_declared() -> None:
 def test_plugin_registers_pdkv_with_sglang(tmp_path: Path) -> None:
     plan = {"bootstrap_port": 18998, "result": str(tmp_path / "plugin.json")}
     with children() as started:
-        child = Child("plugin", plan, tmp_path)
+        child = Child("plugin", plan, tmp_path, env=SGLANG_TIMEOUTS)
         started.append(child)
         assert child.wait(240) == 0, child.log_tail()
         result = child.result()
@@ -46,8 +56,18 @@ def test_plugin_registers_pdkv_with_sglang(tmp_path: Path) -> None:
     assert result["classes"] == {"prefill": ours, "decode": ours, "disagg_service": ours}
     assert result["mooncake_sender"] == "sglang.srt.disaggregation.mooncake.conn.MooncakeKVSender"
     refusals = result["refusals"]
-    assert refusals["pp"].startswith("ConfigError") and "pipeline parallelism" in refusals["pp"]
+    assert all(text.startswith("ConfigError: ") for text in refusals.values()), refusals
+    assert "pipeline parallelism" in refusals["pp"]
     assert "DP attention" in refusals["dp_attention"]
     assert "role switch" in refusals["role_switch"]
+    assert "attention context parallelism" in refusals["attn_cp"]
     assert "decode radix cache" in refusals["decode_radix"]
+    assert "state type 'mamba' is not supported by pdkv" in refusals["mamba_state"]
+    assert result["timeouts"] == {
+        "bootstrap": 123.0,
+        "waiting": 77.0,
+        "heartbeat_interval": 2.5,
+        "heartbeat_timeout": 10.0,
+        "abort_ack": 11.0,
+    }
     assert result["stub_calls_outside_import"] == []
