@@ -150,6 +150,7 @@ def scenario_plugin(plan: dict[str, Any]) -> dict[str, Any]:
         ("dp_attention", "prefill", {"dp_size": 2, "enable_dp_attention": True}, {}),
         ("role_switch", "prefill", {"enable_pd_role_switch": True}, {}),
         ("attn_cp", "prefill", {"attn_cp_size": 2}, {}),
+        ("nnodes", "decode", {"nnodes": 2}, {}),
         ("decode_radix", "decode", {"disaggregation_decode_enable_radix_cache": True}, {}),
         (
             "mamba_state",

@@ -61,6 +61,7 @@ def test_plugin_registers_pdkv_with_sglang(tmp_path: Path) -> None:
     assert "DP attention" in refusals["dp_attention"]
     assert "role switch" in refusals["role_switch"]
     assert "attention context parallelism" in refusals["attn_cp"]
+    assert "several nodes" in refusals["nnodes"]
     assert "decode radix cache" in refusals["decode_radix"]
     assert "state type 'mamba' is not supported by pdkv" in refusals["mamba_state"]
     assert result["timeouts"] == {

@@ -6,6 +6,7 @@ class ServerArgs:
     pp_size: int
     dp_size: int
     attn_cp_size: int
+    nnodes: int
     enable_dp_attention: bool
     enable_pd_role_switch: bool
     disaggregation_mode: str

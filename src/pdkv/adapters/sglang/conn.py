@@ -15,9 +15,10 @@ bootstrap registry on SGLang's bootstrap port), and the translation of SGLang's 
 
 Refused at manager init with a ``ConfigError`` naming the feature (pdkv cannot do it, or this adapter does
 not wire it yet): pipeline parallelism, DP attention / prefill DP-rank routing, attention context
-parallelism, PD role switch, the decode radix cache (decode-side prefix), state types other than SWA and
-DSA/NSA, compressed-MLA pools. Host destinations are declined through ``supports_host_destination``;
-MHA with a prefill TP different from the decode TP is refused when the decode first meets that prefill.
+parallelism, multi-node instances, PD role switch, the decode radix cache (decode-side prefix), state
+types other than SWA and DSA/NSA, compressed-MLA pools. Host destinations are declined through
+``supports_host_destination``; MHA with a prefill TP different from the decode TP is refused when the
+decode first meets that prefill.
 
 Must not block the scheduler thread on the network beyond what SGLang's own backends do (only
 ``try_ensure_parallel_info`` waits, briefly, as Mooncake's HTTP query does), must not import pdkv
@@ -102,6 +103,11 @@ def refuse_unsupported(server_args: ServerArgs, mode: DisaggregationMode) -> Non
         (
             int(getattr(server_args, "attn_cp_size", 1)) > 1,
             "attention context parallelism (--attn-cp-size > 1)",
+        ),
+        (
+            int(getattr(server_args, "nnodes", 1)) > 1,
+            "instances spanning several nodes (--nnodes > 1): the adapter derives the bootstrap registry's "
+            "address and the instance id from --host",
         ),
         (
             bool(getattr(server_args, "enable_pd_role_switch", False)),
