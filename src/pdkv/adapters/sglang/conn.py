@@ -466,9 +466,8 @@ class PdkvKVSender(BaseKVSender):
             self._metric = self._read_metric()
         try:
             self._sender.clear()
-        except PdkvError as exc:
-            log.warning("room %d: pdkv refused clear() in state %d: %s", self.bootstrap_room, state, exc)
-            return
+        except PdkvError as exc:  # e.g. a room this side never opened: nothing to forget
+            log.debug("room %d: pdkv clear() in state %d: %s", self.bootstrap_room, state, exc)
         self._concluded = state
 
     def abort(self) -> None:
@@ -560,7 +559,7 @@ class PdkvKVReceiver(BaseKVReceiver):
             return self.conclude_state
         if self._local_failure is not None:
             return KVPoll.Failed
-        if self._receiver is None or not self._metadata_sent:
+        if self._receiver is None or not (self._metadata_sent or self.abort_notified):
             return KVPoll.Bootstrapping
         return int(self._receiver.poll())
 
@@ -574,16 +573,18 @@ class PdkvKVReceiver(BaseKVReceiver):
         raise KVTransferError(self.bootstrap_room, f"pdkv: {reason}")
 
     def abort(self) -> None:
-        if self._receiver is not None and self._metadata_sent:
-            self._notify_abort(ABORT_BY_DECODE)
+        """Fail the room and tell its prefill ranks, also before ``send_metadata`` (pdkv then tells them the
+        room is refused, so the prefill scheduler polls Failed instead of waiting for its deadline)."""
+        if self._receiver is not None:
+            if not self.abort_notified:
+                self._notify_abort(ABORT_BY_DECODE)
         elif self._local_failure is None:
-            # Before send_metadata pdkv has no room with the prefill yet: nothing can be written into
-            # pages we hold, and the prefill's own bootstrap deadline ends its side of the room.
-            self._fail_locally(ABORT_BY_DECODE + " before its metadata was sent")
+            # init() did not resolve the prefill: no prefill rank can know of the room or our pages.
+            self._fail_locally(ABORT_BY_DECODE + " before the prefill was resolved")
 
     def ensure_abort_notified(self, force_arm: bool = False) -> None:
         """Make sure every prefill rank is told to stop (SGLang's deferred release then waits for acks)."""
-        if self._receiver is not None and self._metadata_sent and not self.abort_notified:
+        if self._receiver is not None and not self.abort_notified:
             self._notify_abort(ABORT_BY_DECODE)
 
     def _notify_abort(self, reason: str) -> None:
@@ -596,13 +597,13 @@ class PdkvKVReceiver(BaseKVReceiver):
         self.kv_mgr.track_abort(self.bootstrap_room, self._receiver)
 
     def is_abort_release_safe(self) -> bool:
-        return self._receiver is None or not self._metadata_sent or _release_ready(self._receiver)
+        return self._receiver is None or _release_ready(self._receiver)
 
     def clear(self) -> None:
         if self.conclude_state is not None:
             return
         self.conclude_state = self.poll()
-        if self._receiver is not None and self._metadata_sent:
+        if self._receiver is not None and (self._metadata_sent or self.abort_notified):
             self.kv_mgr.retire(self._receiver)
 
     def _fail_locally(self, reason: str) -> None:
