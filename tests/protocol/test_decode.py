@@ -121,7 +121,7 @@ def test_failed_status_aborts_and_pages_wait_for_ack() -> None:
     released = d.receive(AbortAck(origin=PREFILL, room=ROOM), 2.0)
     assert released == [ReleasePages(room=ROOM, safe=True, reason="all prefill ranks acknowledged the abort")]
     assert d.abort_state(ROOM) is DecodeAbortState.ACKED
-    d.close_room(ROOM)
+    d.close_room(ROOM, 1.0)
     assert ROOM not in d.rooms()
 
 
@@ -174,7 +174,7 @@ def test_unknown_target_and_duplicate_room_and_early_close() -> None:
     with pytest.raises(LocalProtocolError, match="already opened"):
         d.open_room(ROOM, targets=[TARGET], dst_pages=[1], dst_aux_row=None, now=0.0)
     with pytest.raises(LocalProtocolError, match="before its pages were safe"):
-        d.close_room(ROOM)
+        d.close_room(ROOM, 1.0)
 
 
 def test_rejection_fails_rooms_with_the_reason() -> None:

@@ -13,10 +13,16 @@ The link drops, duplicates, delays and reorders messages. Checked at every step:
   loss and restarts only fail rooms earlier;
 - recovery: on a loss-free link, ``RECOVERY`` seconds after the last partition healed or the last
   restart, every prefill rank is registered with the decode rank again, both ways;
-- a message of a retired incarnation, once the decode side knows the newer epoch, changes nothing.
+- a message of a retired incarnation, once the decode side knows the newer epoch, changes nothing;
+- the decode's TransferRequests replayed late (duplicates, or for rooms already closed) never raise,
+  never revive a closed room, and never cost another room anything;
+- a room id reused within the tombstone window (after both sides cleared it) never reaches Success:
+  both sides say "room id reused" (or the first side's failure) instead of waiting for a deadline.
 """
 
 from __future__ import annotations
+
+import os
 
 from hypothesis import event, settings
 from hypothesis import strategies as st
@@ -63,6 +69,10 @@ class PairFaults(RuleBasedStateMachine):
         self.next_room = 1
         self.lossless = False
         self.calm_after = 0.0  # clock time when the last partition heals / the last restart happened
+        self.closed: dict[RoomId, float] = {}  # room -> clock time both sides cleared it
+        self.reused: dict[RoomId, float] = {}  # room -> clock time it was opened again
+        self.last_restart = -1.0  # tombstones live in a process: a restarted rank has none
+        self.unsafe_cleared = 0  # unsafe releases of rooms cleared (no longer in pair.releases)
 
     @initialize(
         cp=st.integers(1, 3),
@@ -113,6 +123,42 @@ class PairFaults(RuleBasedStateMachine):
         self.pair.add_room(plan, decode_first=decode_first)
         self.opened[room] = now
 
+    @rule()
+    def clear_settled_rooms(self) -> None:
+        for closed in self.pair.close_settled():
+            self.closed[closed.room] = self.pair.clock.now
+            self.unsafe_cleared += closed.release_safe is False
+            self.opened.pop(closed.room, None)
+            self.reused.pop(closed.room, None)
+
+    @rule(pick=st.integers(0, 255), decode_first=st.booleans())
+    def reuse_room_id(self, pick: int, decode_first: bool) -> None:
+        # Only ids cleared within the tombstone window: the prefill side must still remember them.
+        now = self.pair.clock.now
+        fresh = sorted(
+            r for r, at in self.closed.items() if now - at < TIMEOUTS.tombstone / 2 and at > self.last_restart
+        )
+        if not fresh:
+            return
+        room = fresh[pick % len(fresh)]
+        del self.closed[room]
+        self.pair.add_room(RoomPlan(room=room, num_pages=2, chunk_pages=(2,)), decode_first=decode_first)
+        self.opened[room] = now
+        self.reused[room] = now
+        event("room id reused")
+
+    @rule(picks=st.lists(st.integers(0, 255), min_size=1, max_size=6))
+    def replay_requests(self, picks: list[int]) -> None:
+        requests = self.pair.requests_sent()
+        for pick in picks if requests else []:
+            to, message = requests[pick % len(requests)]
+            cleared = self.closed.get(message.room, -1.0) > self.last_restart
+            self.pair.deliver(to, message)  # a late or duplicated request never raises
+            if cleared:
+                # A cleared room is never revived by a late request (its id is a tombstone).
+                for p in self.pair.prefills:
+                    assert not p.has_room(message.room), message.room
+
     @rule(dt=st.floats(0.0005, 3.0))
     def advance(self, dt: float) -> None:
         self.pair.run(until=self.pair.clock.now + dt)
@@ -127,6 +173,7 @@ class PairFaults(RuleBasedStateMachine):
     def restart_prefill(self, rank: int, announce: bool) -> None:
         self.pair.restart_prefill(rank % len(self.pair.prefills), announce=announce)
         self.calm_after = max(self.calm_after, self.pair.clock.now)
+        self.last_restart = self.pair.clock.now
 
     @rule(picks=st.lists(st.integers(0, 255), min_size=1, max_size=8))
     def replay_old_epochs(self, picks: list[int]) -> None:
@@ -150,7 +197,7 @@ class PairFaults(RuleBasedStateMachine):
         if not hasattr(self, "pair"):
             return
         unsafe = [e for e in self.pair.releases.values() if isinstance(e, ReleasePages) and not e.safe]
-        assert len(unsafe) == self.pair.decode.statistics().unsafe_releases
+        assert len(unsafe) + self.unsafe_cleared == self.pair.decode.statistics().unsafe_releases
         for e in unsafe:
             assert self.pair.decode.abort_state(e.room) is DecodeAbortState.TIMED_OUT
 
@@ -163,6 +210,17 @@ class PairFaults(RuleBasedStateMachine):
                 assert all(p.poll(room) is KVPoll.Success for p in self.pair.openers(room))
 
     @invariant()
+    def reused_room_ids_never_succeed(self) -> None:
+        if not hasattr(self, "pair"):
+            return
+        for room in self.reused:
+            if self.pair.decode.has_room(room):
+                assert self.pair.decode.poll(room) is not KVPoll.Success, room
+            for p in self.pair.prefills:
+                if p.has_room(room):
+                    assert p.poll(room) is not KVPoll.Success, room
+
+    @invariant()
     def rooms_terminal_by_their_deadline(self) -> None:
         if not hasattr(self, "pair"):
             return
@@ -170,7 +228,10 @@ class PairFaults(RuleBasedStateMachine):
         for room, opened in self.opened.items():
             if now >= opened + BOUND:
                 assert self.pair.decode.release_ready(room), (room, self.pair.decode.room_history(room))
-                for p in self.pair.prefills:
+                # The incarnations that opened it (a restarted rank may hold a room that a replayed
+                # request recreated: that one is unopened and has its own deadline).
+                live = [p for i, p in enumerate(self.pair.openers(room)) if self.pair.prefills[i] is p]
+                for p in live:
                     if p.has_room(room):
                         assert p.poll(room) in (KVPoll.Success, KVPoll.Failed), (room, p.room_history(room))
                         assert p.in_flight(room) == 0
@@ -200,5 +261,7 @@ class PairFaults(RuleBasedStateMachine):
             event(f"unsafe releases: {stats.unsafe_releases > 0}")
 
 
-PairFaults.TestCase.settings = settings(max_examples=300, stateful_step_count=30, deadline=None)
+PairFaults.TestCase.settings = settings(
+    max_examples=int(os.environ.get("PDKV_STATEFUL_EXAMPLES", "300")), stateful_step_count=30, deadline=None
+)
 test_endpoint_pair_under_faults = PairFaults.TestCase

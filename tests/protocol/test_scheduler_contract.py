@@ -279,3 +279,29 @@ def test_send_after_the_last_chunk_and_before_init_stay_local_errors() -> None:
         p.queue_chunk(ROOM, _chunk(2, 0, last=True), 0.2)
     with pytest.raises(LocalProtocolError, match="before init"):
         p.queue_chunk(RoomId(9), _chunk(0, 1, last=True), 0.2)
+
+
+def test_a_late_success_of_a_cleared_room_never_completes_a_room_reusing_its_id() -> None:
+    d = decode()
+    d.connect(route(), 0.0)
+    d.receive(RegisterAck(origin=PREFILL), 0.0)
+    target = Target(instance=PREFILL.instance, rank=PREFILL.rank)
+    d.open_room(ROOM, targets=[target], dst_pages=[3, 4], dst_aux_row=None, now=0.0)
+    success = TransferStatus(origin=PREFILL, room=ROOM, outcome=Outcome.SUCCESS)
+    d.receive(success, 0.5)
+    assert d.poll(ROOM) is KVPoll.Success
+    d.close_room(ROOM, 1.0)
+    effects = d.open_room(ROOM, targets=[target], dst_pages=[5, 6], dst_aux_row=None, now=2.0)
+    assert sent(effects, TransferStatus) == [] and not any(
+        type(m).__name__ == "TransferRequest" for m in sent(effects)
+    )  # no prefill rank is told a destination of the reused id
+    d.receive(success, 2.1)  # the old room's status, late (a duplicate on the wire)
+    assert d.poll(ROOM) is KVPoll.Failed and "room id reused" in (d.failure(ROOM) or "")
+    assert d.release_ready(ROOM)
+    # Past the tombstone window the id is free again.
+    d.close_room(ROOM, 3.0)
+    d.tick(3.0 + d.timeouts.tombstone + 1)
+    d.open_room(
+        ROOM, targets=[target], dst_pages=[5, 6], dst_aux_row=None, now=3.0 + d.timeouts.tombstone + 2
+    )
+    assert d.poll(ROOM) is KVPoll.Bootstrapping  # a room again (the idle peer is being re-registered)

@@ -147,7 +147,7 @@ def main(argv: Sequence[str]) -> int:
         effects = decode.open_room(room, targets=[target], dst_pages=dst, dst_aux_row=1, now=0.0)
         assert isinstance(effects[0], Send)
         decode.receive(TransferStatus(origin=prefill_origin, room=room, outcome=Outcome.SUCCESS), 0.0)
-        decode.close_room(room)
+        decode.close_room(room, 0.0)
 
     lifecycle_number = max(10, number // 10)
     prefill_us = best_us(prefill_room, number=lifecycle_number, repeat=repeat)

@@ -197,6 +197,10 @@ class DecodeEndpoint:
         self._peers: dict[PeerKey, _PrefillPeer] = {}
         self._rooms: dict[RoomId, _ReceiverRoom] = {}
         self._deadlines: DeadlineQueue[RoomId] = DeadlineQueue()
+        # Cleared room ids, refused until they expire: a late status of the room that had the id
+        # must never complete a new room that reuses it.
+        self._tombstones: dict[RoomId, float] = {}
+        self._tombstone_expiry: DeadlineQueue[RoomId] = DeadlineQueue()
         self._heartbeat_due: float | None = None  # None while no prefill rank is READY
         self._heartbeat_seq = 0
         self._counters = _Counters()
@@ -439,6 +443,17 @@ class DecodeEndpoint:
         required = arguments.count(
             required_dst_info_num, room=room, argument="required_dst_info_num", minimum=1, maximum=1 << 16
         )
+        if room in self._tombstones:
+            # Reused too soon: no request goes out, so no prefill rank writes; the room fails at
+            # once instead of waiting for a deadline (or taking a late status of the old room).
+            r = self._failed_room(room, targets)
+            return self._fail(
+                r,
+                f"room id reused: room {room} was cleared on decode {self.origin} less than "
+                f"{self.timeouts.tombstone:g} s ago",
+                FailureCause.INVALID,
+                now,
+            )
         r = _ReceiverRoom(
             room=room,
             machine=ReceiverRoomMachine(f"room {room}"),
@@ -485,23 +500,14 @@ class DecodeEndpoint:
         """
         r = self._rooms.get(room)
         if r is None:
-            r = _ReceiverRoom(
-                room=room,
-                machine=ReceiverRoomMachine(f"room {room}"),
-                targets=tuple(targets),
-                dst_pages=index_array(()),
-                dst_aux_row=None,
-                dst_state=(),
-                required_dst_info_num=1,
-                deadline=None,
-            )
-            self._rooms[room] = r
+            r = self._failed_room(room, targets)
         if r.terminal:
             return []
         return self._fail(r, _clip(f"aborted by decode: {reason}"), FailureCause.ABORTED_HERE, now)
 
-    def close_room(self, room: RoomId) -> None:
-        """``receiver.clear``: forget a room whose pages are no longer at risk."""
+    def close_room(self, room: RoomId, now: float) -> None:
+        """``receiver.clear``: forget a room whose pages are no longer at risk; its id is refused for
+        ``tombstone`` seconds so a late status of this room cannot complete a room that reuses it."""
         r = self._rooms.get(room)
         if r is None:
             return
@@ -510,6 +516,9 @@ class DecodeEndpoint:
                 f"room {room} closed before its pages were safe to reuse ({r.state.name})"
             )
         del self._rooms[room]
+        expiry = now + self.timeouts.tombstone
+        self._tombstones[room] = expiry
+        self._tombstone_expiry.push(room, expiry)
 
     def poll(self, room: RoomId) -> KVPoll:
         """The room's state; a room not opened yet (``receiver.init`` not called) is Bootstrapping."""
@@ -554,11 +563,12 @@ class DecodeEndpoint:
 
     def next_deadline(self) -> float | None:
         room_deadline = self._deadlines.next_deadline(self._room_deadline)
+        tombstone = self._tombstone_expiry.next_deadline(self._tombstones.get)
         register = min(
             (p.register_due for p in self._peers.values() if p.state is PeerState.REGISTERING),
             default=None,
         )
-        candidates = [d for d in (room_deadline, register, self._heartbeat_due) if d is not None]
+        candidates = [d for d in (room_deadline, tombstone, register, self._heartbeat_due) if d is not None]
         return min(candidates, default=None)
 
     def tick(self, now: float) -> list[Effect]:
@@ -570,6 +580,8 @@ class DecodeEndpoint:
         for peer in self._peers.values():
             if peer.state is PeerState.REGISTERING and peer.register_due <= now:
                 effects += self._send_register(peer, now)
+        for room in self._tombstone_expiry.pop_due(now, self._tombstones.get):
+            del self._tombstones[room]
         for room in self._deadlines.pop_due(now, self._room_deadline):
             r = self._rooms[room]
             if r.abort is not None and r.abort.state is DecodeAbortState.REQUESTED:
@@ -683,6 +695,21 @@ class DecodeEndpoint:
             return effects + self._release(r, safe=True, reason="no prefill rank had the destinations")
         self._set_deadline(r, now + self.timeouts.abort_ack)
         return effects
+
+    def _failed_room(self, room: RoomId, targets: Sequence[Target]) -> _ReceiverRoom:
+        """A room record for a room that fails before any request went out (nothing to wait for)."""
+        r = _ReceiverRoom(
+            room=room,
+            machine=ReceiverRoomMachine(f"room {room}"),
+            targets=tuple(targets),
+            dst_pages=index_array(()),
+            dst_aux_row=None,
+            dst_state=(),
+            required_dst_info_num=1,
+            deadline=None,
+        )
+        self._rooms[room] = r
+        return r
 
     def _release(self, r: _ReceiverRoom, *, safe: bool, reason: str) -> list[Effect]:
         r.released = True

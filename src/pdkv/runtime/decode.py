@@ -376,11 +376,11 @@ class KVReceiver(RoomHandle[DecodeEndpoint]):
 
     def clear(self) -> None:
         """Forget the room once ``release_ready()``; clearing earlier is a LocalProtocolError."""
-        self.transport._call(lambda e, now: _close(e, self.room))
+        self.transport._call(lambda e, now: _close(e, self.room, now))
 
 
-def _close(endpoint: DecodeEndpoint, room: RoomId) -> list[Effect]:
-    endpoint.close_room(room)
+def _close(endpoint: DecodeEndpoint, room: RoomId, now: float) -> list[Effect]:
+    endpoint.close_room(room, now)
     return []
 
 

@@ -45,7 +45,15 @@ from pdkv.protocol.effects import (
     Target,
 )
 from pdkv.protocol.ids import Endpoint, Epoch, InstanceId, RoomId, SessionId
-from pdkv.protocol.messages import Message, Origin, RankCoord, RankRoute, RouteTable, TransferMetricData
+from pdkv.protocol.messages import (
+    Message,
+    Origin,
+    RankCoord,
+    RankRoute,
+    RouteTable,
+    TransferMetricData,
+    TransferRequest,
+)
 from pdkv.protocol.poll import KVPoll
 from pdkv.protocol.prefill import PrefillEndpoint
 
@@ -266,6 +274,7 @@ class EndpointPair:
         """Prefill incarnations replaced by ``restart_prefill``, oldest first (a long run may clear it)."""
         self._sent: list[deque[tuple[Endpoint, Message]]] = [deque(maxlen=64) for _ in range(cp_size)]
         self._stale: deque[tuple[Endpoint, Message]] = deque(maxlen=256)
+        self._requests: deque[tuple[Endpoint, TransferRequest]] = deque(maxlen=256)
         self._partition_until: dict[int, float | None] = {}
 
     # ------------------------------------------------------------------ set-up
@@ -418,7 +427,7 @@ class EndpointPair:
                 if p.has_room(room):
                     p.close_room(room, now)
             if self.decode.has_room(room):
-                self.decode.close_room(room)
+                self.decode.close_room(room, now)
             decode_finished = self.finished.pop(("decode", room), None)
             self._released_safe.pop(room, None)
             closed.append(
@@ -467,6 +476,10 @@ class EndpointPair:
             self._apply("decode", self.decode.connect(self.route_table(), now))
         return new
 
+    def requests_sent(self) -> list[tuple[Endpoint, TransferRequest]]:
+        """The decode rank's latest TransferRequests, with their destination (to replay late)."""
+        return list(self._requests)
+
     def stale_messages(self) -> list[tuple[Endpoint, Message]]:
         """Messages that retired incarnations sent (the latest few of each), with their destination."""
         return list(self._stale)
@@ -495,6 +508,8 @@ class EndpointPair:
             if isinstance(e, Send):
                 if who == "decode":
                     sender = self.decode_endpoint
+                    if isinstance(e.message, TransferRequest):
+                        self._requests.append((e.to, e.message))
                 else:
                     cp = int(who.removeprefix("prefill"))
                     sender = self.prefill_endpoints[cp]
