@@ -1,7 +1,9 @@
 """Counting what the endpoints did into a transport's ``TransportMetrics`` (one place for both sides).
 
 Owns: the mapping from protocol effects and inputs to metric counters, and the per-(room, peer)
-accumulation of what was actually written. Called with the transport's lock held.
+accumulation of what was actually written. Called with the transport's lock held. What it holds is
+bounded by the rooms in flight: a room's entries go when it finishes (a lookup by room, never a
+scan), and a write that lands after its room finished is recorded at once, never left behind.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ class Accounting:
 
     def __init__(self, metrics: TransportMetrics) -> None:
         self.metrics = metrics
-        self._rooms: dict[tuple[RoomId, str], KVTransferMetric] = {}
+        self._rooms: dict[RoomId, dict[str, KVTransferMetric]] = {}
         self._channel_seen: dict[TransportCounter, int] = {}
 
     def effects(self, effects: Sequence[Effect]) -> None:
@@ -52,12 +54,22 @@ class Accounting:
         elif isinstance(message, AbortAck):
             self.metrics.increment(TransportCounter.ABORT_ACKS)
 
-    def wrote(self, room: RoomId, peer: str, metric: KVTransferMetric) -> None:
-        """One chunk's bytes to ``peer`` landed; folded into the room's total for that peer."""
+    def wrote(
+        self, room: RoomId, peer: str, metric: KVTransferMetric, *, room_finished: bool = False
+    ) -> None:
+        """One chunk's bytes to ``peer`` landed; folded into the room's total for that peer, or
+        recorded at once (as not completed) when the room already finished without it."""
         self.metrics.increment(TransportCounter.CHUNKS_SENT)
-        key = (room, peer)
-        previous = self._rooms.get(key)
-        self._rooms[key] = metric if previous is None else previous.combined_with(metric)
+        if room_finished:
+            self.metrics.record_room(metric, peer, completed=False)
+            return
+        peers = self._rooms.setdefault(room, {})
+        previous = peers.get(peer)
+        peers[peer] = metric if previous is None else previous.combined_with(metric)
+
+    def pending_rooms(self) -> int:
+        """Rooms with writes counted and not yet settled (bounded by the rooms in flight)."""
+        return len(self._rooms)
 
     def reported(self, room: RoomId, peer: str, data: TransferMetricData) -> None:
         """Decode side: a prefill rank's Success status says what it wrote for the room."""
@@ -65,8 +77,8 @@ class Accounting:
         self.metrics.record_room(metric, peer)
 
     def _settle(self, room: RoomId, *, completed: bool) -> None:
-        for key in [k for k in self._rooms if k[0] == room]:
-            self.metrics.record_room(self._rooms.pop(key), key[1], completed=completed)
+        for peer, metric in self._rooms.pop(room, {}).items():
+            self.metrics.record_room(metric, peer, completed=completed)
 
     def channel(self, *, malformed: int, unauthenticated: int) -> None:
         """Bring the channel's cumulative counts into the metrics (adds only the new part)."""

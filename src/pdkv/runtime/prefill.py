@@ -437,7 +437,10 @@ class PrefillTransport(EndpointHost[PrefillEndpoint]):
             )
             with self._lock:
                 self._accounting.wrote(
-                    submit.room, _peer_name(destination.peer.instance, destination.peer.rank), landed
+                    submit.room,
+                    _peer_name(destination.peer.instance, destination.peer.rank),
+                    landed,
+                    room_finished=self._room_finished(submit.room),
                 )
         metric = TransferMetricData(pages=pages, bytes=written, seconds=max(0.0, self._clock() - started))
         with self._lock:
@@ -498,9 +501,16 @@ class PrefillTransport(EndpointHost[PrefillEndpoint]):
         )
         with self._lock:
             self._accounting.wrote(
-                submit.room, _peer_name(destination.peer.instance, destination.peer.rank), landed
+                submit.room,
+                _peer_name(destination.peer.instance, destination.peer.rank),
+                landed,
+                room_finished=self._room_finished(submit.room),
             )
             self._apply(self._endpoint.chunk_done(submit.room, submit.chunk, metric, now))
+
+    def _room_finished(self, room: RoomId) -> bool:
+        """Did ``room`` finish (lock held)? A write that lands after that is settled at once."""
+        return self._endpoint.poll(room) in (KVPoll.Success, KVPoll.Failed)
 
     def _finish_failed(self, submit: SubmitChunk, reason: str) -> None:
         with self._lock:
