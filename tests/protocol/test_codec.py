@@ -6,7 +6,8 @@ Generated decode inputs in the default run (the issue asks for at least 10,000 a
   test_random_msgpack_bodies_raise_only_remote_error      600
   test_any_other_version_is_named_with_ours               200
   test_any_other_magic_is_rejected                        100
-  total                                                13,500
+  test_mutated_head_layouts_decode_or_raise_remote_error  60 x 40 = 2,400 (version 2 heads)
+  total                                                15,900
 plus 780 round-trip examples (60 per class, 60 for the buffer types) and every prefix and extension of
 every frame of one message. Every fuzz input must decode to a message that survives re-encoding, or
 raise RemoteProtocolError whose reason is not the decoder's catch-all (UNEXPECTED_FAILURE).
@@ -27,7 +28,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdkv.errors import LocalProtocolError, RemoteProtocolError
-from pdkv.mapping.layout import AttentionKind, BufferKind, BufferLayout, BufferSpec, ModelRole
+from pdkv.mapping.layout import (
+    AttentionKind,
+    BufferKind,
+    BufferLayout,
+    BufferSpec,
+    HeadGeometry,
+    ItemLayout,
+    ModelRole,
+)
 from pdkv.protocol.codec import (
     HEADER,
     MAGIC,
@@ -148,7 +157,7 @@ def test_type_codes_are_the_documented_stable_numbers() -> None:
 
 def test_golden_transfer_request_bytes() -> None:
     """Written by hand from the codec docstring; a change here is a change of the wire format."""
-    header = b"PDKV" + b"\x01\x00" + b"\x07\x00" + b"\x02\x00"  # version 1, type 7, two array frames
+    header = b"PDKV" + b"\x02\x00" + b"\x07\x00" + b"\x02\x00"  # version 2, type 7, two array frames
     body = (
         b"\x87"  # map of 7, keys in the documented order
         + b"\xa6origin"
@@ -176,8 +185,8 @@ def test_golden_transfer_request_bytes() -> None:
 def test_header_layout() -> None:
     frames = encode(Heartbeat(origin=ORIGIN, seq=1))
     assert len(frames) == 2
-    assert frames[0] == b"PDKV\x01\x00\x0b\x00\x00\x00"
-    assert HEADER.size == 10 and MAGIC == b"PDKV" and PROTOCOL_VERSION == 1
+    assert frames[0] == b"PDKV\x02\x00\x0b\x00\x00\x00"
+    assert HEADER.size == 10 and MAGIC == b"PDKV" and PROTOCOL_VERSION == 2
 
 
 @pytest.mark.parametrize(
@@ -248,9 +257,9 @@ def test_header_errors() -> None:
 
 def test_other_version_is_reported_before_the_header_size() -> None:
     """A later version may lengthen the header: the peer still learns it is a version mismatch."""
-    v2_header = MAGIC + struct.pack("<H", 2) + bytes(30)
-    reason = rejection([v2_header, b"whatever v2 sends"])
-    assert reason == "peer speaks protocol version 2, this side speaks version 1"
+    v3_header = MAGIC + struct.pack("<H", 3) + bytes(30)
+    reason = rejection([v3_header, b"whatever v3 sends"])
+    assert reason == "peer speaks protocol version 3, this side speaks version 2"
 
 
 def test_body_msgpack_errors() -> None:
@@ -559,7 +568,7 @@ def _mutate_body(body_frame: bytes, rng: random.Random) -> bytes:
 
 
 def _mutate_header(header: bytes, rng: random.Random) -> bytes:
-    magic, version, code, arrays = header[:4], 1, 7, 0
+    magic, version, code, arrays = header[:4], 2, 7, 0
     if len(header) == HEADER.size:
         magic, version, code, arrays = HEADER.unpack(header)
     field = rng.randrange(3)
@@ -568,7 +577,7 @@ def _mutate_header(header: bytes, rng: random.Random) -> bytes:
     elif field == 1:
         arrays = rng.randint(0, 5)
     else:
-        version = rng.choice([0, 2, 65535])
+        version = rng.choice([0, 1, 3, 65535])
     return HEADER.pack(magic, version, code, arrays)
 
 
@@ -692,6 +701,7 @@ _FIELD_NAMES = sorted(
         "indices",
     }
     | {"required_dst_info_num", "dummy", "outcome", "metric", "pages", "bytes", "seconds", "seq"}
+    | {"heads", "kv_heads", "head_start", "head_count", "head_bytes", "item_layout"}
 )
 _msgpack_values = st.recursive(
     st.none()
@@ -728,7 +738,7 @@ def test_random_msgpack_bodies_raise_only_remote_error(
 def test_any_other_version_is_named_with_ours(message: Message, version: int) -> None:
     frames = encode(message)
     frames[0] = MAGIC + struct.pack("<H", version) + frames[0][6:]
-    assert rejection(frames) == f"peer speaks protocol version {version}, this side speaks version 1"
+    assert rejection(frames) == f"peer speaks protocol version {version}, this side speaks version 2"
 
 
 @settings(max_examples=100)
@@ -737,3 +747,149 @@ def test_any_other_magic_is_rejected(message: Message, magic: bytes) -> None:
     frames = encode(message)
     frames[0] = magic + frames[0][4:]
     assert rejection(frames).startswith("bad magic")
+
+
+# ================================================================ version 2: heads in the Register layout
+
+
+@st.composite
+def head_layouts(draw: st.DrawFn) -> BufferLayout:
+    """MHA layouts whose K and V buffers describe the heads of one TP rank (any split that is valid)."""
+    tp = draw(st.sampled_from([1, 2, 4, 8]))
+    kv_heads = draw(st.sampled_from([h for h in (1, 2, 4, 8, 16) if h % tp == 0 or tp % h == 0]))
+    rank = draw(st.integers(0, tp - 1))
+    count = max(1, kv_heads // tp)
+    heads = HeadGeometry(
+        kv_heads=kv_heads,
+        head_start=rank * kv_heads // tp,
+        head_count=count,
+        head_bytes=draw(st.integers(1, 1024)),
+        item_layout=draw(st.sampled_from(ItemLayout)),
+    )
+    page_size = draw(st.integers(1, 256))
+    item = page_size * count * heads.head_bytes
+    layers = draw(st.integers(1, 4))
+    specs = [
+        BufferSpec(
+            kind=kind,
+            model=ModelRole.TARGET,
+            layer_id=layer,
+            base_ptr=draw(st.integers(0, 2**48)),
+            length=item * draw(st.integers(0, 64)),
+            item_bytes=item,
+            heads=heads,
+        )
+        for kind in (BufferKind.K, BufferKind.V)
+        for layer in range(layers)
+    ]
+    specs.append(
+        BufferSpec(
+            kind=BufferKind.AUX, model=ModelRole.TARGET, layer_id=0, base_ptr=0, length=64, item_bytes=64
+        )
+    )
+    return BufferLayout.build(attention=AttentionKind.MHA, page_size=page_size, buffers=specs)
+
+
+def _register(layout: BufferLayout) -> Register:
+    return Register(
+        origin=ORIGIN, tp_size=2, endpoint=Endpoint("tcp://h:1"), session=SessionId("h:2"), layout=layout
+    )
+
+
+@settings(max_examples=60)
+@given(layout=head_layouts())
+def test_register_carries_the_head_geometry(layout: BufferLayout) -> None:
+    frames = encode(_register(layout))
+    assert decode(frames) == _register(layout)
+    assert encode(decode(frames)) == frames
+    buffers = body_of(frames)["layout"]["buffers"]  # type: ignore[index]  # plain msgpack data
+    first, aux = buffers[0], buffers[-1]
+    heads = layout.buffers[0].heads
+    assert heads is not None
+    assert list(first) == ["kind", "model", "layer_id", "base_ptr", "length", "item_bytes", "heads"]
+    assert first["heads"] == {
+        "kv_heads": heads.kv_heads,
+        "head_start": heads.head_start,
+        "head_count": heads.head_count,
+        "head_bytes": heads.head_bytes,
+        "item_layout": heads.item_layout.value,
+    }
+    assert list(first["heads"]) == ["kv_heads", "head_start", "head_count", "head_bytes", "item_layout"]
+    assert aux["heads"] is None
+
+
+def test_golden_heads_map_bytes() -> None:
+    """The Heads map as written by hand from the codec docstring (key order, shortest ints, str enum)."""
+    heads = HeadGeometry(
+        kv_heads=8, head_start=2, head_count=2, head_bytes=256, item_layout=ItemLayout.HEAD_TOKEN
+    )
+    spec = BufferSpec(
+        kind=BufferKind.K,
+        model=ModelRole.TARGET,
+        layer_id=0,
+        base_ptr=0,
+        length=1024,
+        item_bytes=1024,
+        heads=heads,
+    )
+    frames = encode(_register(BufferLayout.build(attention=AttentionKind.MHA, page_size=2, buffers=[spec])))
+    golden = (
+        b"\xa5heads"
+        + b"\x85"
+        + (b"\xa8kv_heads" + b"\x08")
+        + (b"\xaahead_start" + b"\x02")
+        + (b"\xaahead_count" + b"\x02")
+        + (b"\xaahead_bytes" + b"\xcd\x01\x00")
+        + (b"\xabitem_layout" + b"\xaahead_token")
+    )
+    assert frames[1].endswith(golden)  # the last buffer's last key, at the end of the body
+    assert frames[1].count(b"\xa5heads") == 1
+
+
+def test_heads_are_validated_on_decode() -> None:
+    heads = HeadGeometry(kv_heads=8, head_start=2, head_count=2, head_bytes=4)
+    spec = BufferSpec(
+        kind=BufferKind.K,
+        model=ModelRole.TARGET,
+        layer_id=0,
+        base_ptr=0,
+        length=64,
+        item_bytes=16,
+        heads=heads,
+    )
+    frames = encode(_register(BufferLayout.build(attention=AttentionKind.MHA, page_size=2, buffers=[spec])))
+
+    def reason(**changes: object) -> str:
+        body = body_of(frames)
+        buffer = body["layout"]["buffers"][0]  # type: ignore[index]  # plain msgpack data
+        for key, value in changes.items():
+            if key in buffer:
+                buffer[key] = value
+            else:
+                buffer["heads"][key] = value
+        return rejection(with_body(frames, body))
+
+    assert "invalid Heads: heads 7..8 are outside the model's 8 KV heads" in reason(head_start=7)
+    assert "item_layout must be one of ['token_head', 'head_token'], got 'nhd'" in reason(item_layout="nhd")
+    assert "invalid BufferSpec: kv layer 0: only K and V buffers describe heads" in reason(kind="kv")
+    assert "item_bytes 16 != page_size 2 x 2 heads x 8 bytes per head" in reason(head_bytes=8)
+    assert "heads must be a map, got int" in reason(heads=3)
+    assert "has missing keys ['item_layout']" in reason(
+        heads={"kv_heads": 8, "head_start": 2, "head_count": 2, "head_bytes": 4}
+    )
+    body = body_of(frames)
+    del body["layout"]["buffers"][0]["heads"]  # type: ignore[index]  # a version 1 BufferSpec
+    assert "has missing keys ['heads']" in rejection(with_body(frames, body))
+
+
+@settings(max_examples=60)
+@given(layout=head_layouts(), seed=st.integers(0, 2**32 - 1))
+def test_mutated_head_layouts_decode_or_raise_remote_error(layout: BufferLayout, seed: int) -> None:
+    """60 x 40 more mutation chains, on Registers whose layouts carry heads (the version 2 schema)."""
+    rng = random.Random(seed)
+    original: list[object] = list(encode(_register(layout)))
+    for _ in range(MUTATIONS_PER_MESSAGE):
+        frames = original
+        for _ in range(rng.choice([1, 1, 2, 3])):
+            frames = _mutate(frames, rng)
+        decode_or_reject(frames)

@@ -1,4 +1,4 @@
-"""The pdkv wire format (protocol version 1): messages <-> ZMQ multipart frames.
+"""The pdkv wire format (protocol version 2): messages <-> ZMQ multipart frames.
 
 Owns: every byte of the control protocol: the header, the type-code table, the msgpack body schema of
 each message, and the raw array frames. Must not import zmq, do I/O, or know any message's meaning
@@ -6,14 +6,17 @@ beyond its fields: ``encode`` takes a validated message, ``decode`` returns one 
 ``messages`` validate themselves). ``decode`` is the trust boundary: for ANY input it returns a
 message or raises ``RemoteProtocolError``, never anything else.
 
-Wire format, version 1 (normative; another implementation can be written from this text)
+Wire format, version 2 (normative; another implementation can be written from this text)
 =========================================================================================
+
+Changes from version 1: ``BufferSpec`` gains the key ``heads`` (``Heads | nil``), the KV heads an
+MHA/GQA K or V buffer holds, so prefill and decode instances of different TP sizes can register.
 
 A message is a sequence of ``2 + n`` byte frames (one ZMQ multipart message)::
 
     frame 0        header, exactly 10 bytes, little-endian, struct "<4sHHH":
                      magic    4 bytes   b"PDKV"
-                     version  u16       1
+                     version  u16       2
                      type     u16       message type code (table below)
                      arrays   u16       n, the number of array frames after the body
     frame 1        body: exactly one msgpack map (at most 1 MiB)
@@ -41,7 +44,12 @@ any value outside them. Nested records::
     Origin      {"instance": str, "epoch": int, "rank": RankCoord}
     RankRoute   {"rank": RankCoord, "epoch": int, "endpoint": str, "session": str}
     BufferSpec  {"kind": str, "model": str, "layer_id": int, "base_ptr": int, "length": int,
-                 "item_bytes": int}      kind: kv k v index_k index_scale swa aux; model: target draft
+                 "item_bytes": int, "heads": Heads | nil}
+                                        kind: kv k v index_k index_scale swa aux; model: target draft
+    Heads       {"kv_heads": int, "head_start": int, "head_count": int, "head_bytes": int,
+                 "item_layout": str}    item_layout: token_head head_token; only on k and v buffers
+                                        of an mha layout, whose item_bytes is then
+                                        page_size x head_count x head_bytes
     Layout      {"attention": str, "page_size": int, "buffers": [BufferSpec, ...]}
                                                     attention: mla mha; buffers in canonical order
     StateSlot   {"kind": str, "indices": ARRAY}     kind: index_k index_scale swa
@@ -97,7 +105,15 @@ import numpy as np
 import numpy.typing as npt
 
 from pdkv.errors import LocalProtocolError, RemoteProtocolError
-from pdkv.mapping.layout import AttentionKind, BufferKind, BufferLayout, BufferSpec, ModelRole
+from pdkv.mapping.layout import (
+    AttentionKind,
+    BufferKind,
+    BufferLayout,
+    BufferSpec,
+    HeadGeometry,
+    ItemLayout,
+    ModelRole,
+)
 from pdkv.protocol.ids import Endpoint, Epoch, InstanceId, RoomId, SessionId
 from pdkv.protocol.messages import (
     Abort,
@@ -122,7 +138,7 @@ from pdkv.protocol.messages import (
     TransferStatus,
 )
 
-PROTOCOL_VERSION: Final = 1
+PROTOCOL_VERSION: Final = 2
 MAGIC: Final = b"PDKV"
 HEADER: Final = struct.Struct("<4sHHH")  # magic, version, type code, number of array frames
 _MAGIC_AND_VERSION_BYTES: Final = 6  # the only header bytes whose position no future version may move
@@ -192,6 +208,16 @@ def _origin_body(origin: Origin) -> dict[str, object]:
     return {"instance": origin.instance, "epoch": origin.epoch, "rank": _rank_body(origin.rank)}
 
 
+def _heads_body(heads: HeadGeometry) -> dict[str, object]:
+    return {
+        "kv_heads": heads.kv_heads,
+        "head_start": heads.head_start,
+        "head_count": heads.head_count,
+        "head_bytes": heads.head_bytes,
+        "item_layout": heads.item_layout.value,
+    }
+
+
 def _layout_body(layout: BufferLayout) -> dict[str, object]:
     return {
         "attention": layout.attention.value,
@@ -204,6 +230,7 @@ def _layout_body(layout: BufferLayout) -> dict[str, object]:
                 "base_ptr": b.base_ptr,
                 "length": b.length,
                 "item_bytes": b.item_bytes,
+                "heads": None if b.heads is None else _heads_body(b.heads),
             }
             for b in layout.buffers
         ],
@@ -375,6 +402,9 @@ class _Fields:
     def read_map(self, key: str, keys: frozenset[str]) -> _Fields:
         return _Fields(self._values[key], self.path(key), keys)
 
+    def read_optional_map(self, key: str, keys: frozenset[str]) -> _Fields | None:
+        return None if self._values[key] is None else self.read_map(key, keys)
+
     def read_list(self, key: str) -> list[object]:
         value = self._values[key]
         if not isinstance(value, list):
@@ -447,7 +477,8 @@ def _strict_map(pairs: list[tuple[object, object]]) -> dict[object, object]:
 _RANK_KEYS: Final = frozenset({"tp", "cp"})
 _ORIGIN_KEYS: Final = frozenset({"instance", "epoch", "rank"})
 _ROUTE_KEYS: Final = frozenset({"rank", "epoch", "endpoint", "session"})
-_SPEC_KEYS: Final = frozenset({"kind", "model", "layer_id", "base_ptr", "length", "item_bytes"})
+_SPEC_KEYS: Final = frozenset({"kind", "model", "layer_id", "base_ptr", "length", "item_bytes", "heads"})
+_HEADS_KEYS: Final = frozenset({"kv_heads", "head_start", "head_count", "head_bytes", "item_layout"})
 _LAYOUT_KEYS: Final = frozenset({"attention", "page_size", "buffers"})
 _STATE_KEYS: Final = frozenset({"kind", "indices"})
 _METRIC_KEYS: Final = frozenset({"pages", "bytes", "seconds"})
@@ -495,6 +526,22 @@ def _spec(fields: _Fields) -> BufferSpec:
             base_ptr=fields.read_int("base_ptr"),
             length=fields.read_int("length"),
             item_bytes=fields.read_int("item_bytes"),
+            heads=_optional_heads(fields.read_optional_map("heads", _HEADS_KEYS)),
+        ),
+    )
+
+
+def _optional_heads(fields: _Fields | None) -> HeadGeometry | None:
+    if fields is None:
+        return None
+    return _validated(
+        "Heads",
+        lambda: HeadGeometry(
+            kv_heads=fields.read_int("kv_heads"),
+            head_start=fields.read_int("head_start"),
+            head_count=fields.read_int("head_count"),
+            head_bytes=fields.read_int("head_bytes"),
+            item_layout=fields.read_enum("item_layout", ItemLayout),
         ),
     )
 

@@ -222,6 +222,7 @@ class PdkvKVManager(BaseKVManager):
         self.host = _advertise_host(server_args)
         self.bootstrap_port = int(server_args.disaggregation_bootstrap_port)
         self.prefill_info_table: dict[str, PrefillInfo] = {}
+        self._connecting: dict[str, tuple[PrefillInfo]] = {}
         self._lock = threading.Lock()
         self._deferred: dict[int, KVReceiver] = {}
         self._to_clear: list[KVReceiver] = []
@@ -294,6 +295,9 @@ class PdkvKVManager(BaseKVManager):
         if bootstrap_addr in self.prefill_info_table:
             return True
         decode = self.decode_transport
+        pending = self._connecting.get(bootstrap_addr)
+        if pending is not None:
+            return self._registered(bootstrap_addr, *pending)
         registry = f"tcp://{bootstrap_addr}"
         table = _query_route(
             registry, Origin(instance=self.instance, epoch=decode.config.epoch, rank=self.rank)
@@ -310,9 +314,17 @@ class PdkvKVManager(BaseKVManager):
                 f"prefill {bootstrap_addr} runs attention CP {table.cp_size}: not wired in this adapter"
             )
         instance = decode.connect(registry, timeout_s=max(_QUERY_TIMEOUT_S, 5.0))
-        self.prefill_info_table[bootstrap_addr] = PrefillInfo(
-            instance=instance, tp_size=table.tp_size, cp_size=table.cp_size
-        )
+        info = PrefillInfo(instance=instance, tp_size=table.tp_size, cp_size=table.cp_size)
+        self._connecting[bootstrap_addr] = (info,)
+        return self._registered(bootstrap_addr, info)
+
+    def _registered(self, bootstrap_addr: str, info: PrefillInfo) -> bool:
+        """Publish the prefill only once every rank of it accepted our registration: an abort sent to a
+        rank still registering would not reach it (pdkv sends aborts to ready peers only)."""
+        if not self.decode_transport.wait_registered(info.instance, timeout_s=_QUERY_TIMEOUT_S):
+            return False
+        self._connecting.pop(bootstrap_addr, None)
+        self.prefill_info_table[bootstrap_addr] = info
         return True
 
     def track_abort(self, room: int, receiver: KVReceiver) -> None:
