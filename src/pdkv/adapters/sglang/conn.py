@@ -32,7 +32,6 @@ import logging
 import os
 import socket
 import threading
-from collections.abc import Sequence
 from typing import Any, Final
 
 import attrs
@@ -53,12 +52,13 @@ from sglang.srt.environ import envs
 from sglang.srt.server_args import ServerArgs
 
 from pdkv.adapters.sglang.layout import layout_from_kv_args, state_kind_for
+from pdkv.adapters.sglang.translate import ChunkCursor, describe_failure, state_indices_for
 from pdkv.engine import MooncakeBackend, MooncakeConfig
-from pdkv.errors import ConfigError, LocalProtocolError, MappingError, PdkvError
+from pdkv.errors import ConfigError, LocalProtocolError, PdkvError
 from pdkv.mapping import AttentionKind, BufferLayout
 from pdkv.protocol import RoomId, Timeouts, room_id
 from pdkv.protocol.ids import Epoch, InstanceId
-from pdkv.protocol.messages import Message, Origin, RankCoord, RouteQuery, StateIndices
+from pdkv.protocol.messages import Message, Origin, RankCoord, RouteQuery
 from pdkv.runtime import DecodeConfig, DecodeTransport, KVReceiver, KVSender, PrefillConfig, PrefillTransport
 
 log = logging.getLogger(__name__)
@@ -158,20 +158,6 @@ def _mooncake_config(kv_args: KVArgs, host: str) -> MooncakeConfig:
         if "PDKV_MOONCAKE_PROTOCOL" not in os.environ:
             changes["protocol"] = "rdma"  # SGLang named an IB device: it means RDMA
     return attrs.evolve(config, **changes)
-
-
-def _describe_failure(failure: object) -> str:
-    """pdkv's failure as one line: ``cause: reason (peer)`` for a typed failure, the text otherwise."""
-    if failure is None:
-        return "failed (pdkv gave no reason)"
-    if isinstance(failure, str):
-        return failure
-    cause = getattr(failure, "cause", None)
-    reason = getattr(failure, "reason", None)
-    peer = getattr(failure, "peer", None)
-    cause_text = str(getattr(cause, "value", cause)) if cause is not None else "failed"
-    text = f"{cause_text}: {reason}" if reason else cause_text
-    return f"{text} (peer {peer})" if peer else text
 
 
 @attrs.frozen(kw_only=True)
@@ -402,19 +388,17 @@ class PdkvKVSender(BaseKVSender):
         self.bootstrap_addr = bootstrap_addr
         self.bootstrap_room = int(bootstrap_room)
         self._sender: KVSender = mgr.prefill_transport.sender(room_id(self.bootstrap_room))
-        self._num_pages: int | None = None
-        self._pages_sent = 0
-        self._last_sent = False
+        self._cursor: ChunkCursor | None = None
         self._concluded: int | None = None
         self._metric: KVTransferMetric | None = None
 
     def init(self, num_kv_indices: int, aux_index: int | None = None) -> None:
         """The request has ``num_kv_indices`` pages to send in all; its metadata row is ``aux_index``."""
-        self._num_pages = int(num_kv_indices)
-        self._sender.init(self._num_pages, None if aux_index is None else int(aux_index))
+        self._cursor = ChunkCursor(self.bootstrap_room, int(num_kv_indices))
+        self._sender.init(self._cursor.num_pages, None if aux_index is None else int(aux_index))
 
     def should_send_kv_chunk(self, num_pages: int, last_chunk: bool) -> bool:
-        return num_pages > 0 and not self._last_sent
+        return num_pages > 0 and not (self._cursor is not None and self._cursor.finished)
 
     def send(
         self,
@@ -423,27 +407,15 @@ class PdkvKVSender(BaseKVSender):
         num_kv_tokens: int | None = None,
     ) -> None:
         """Queue one chunk's pages; the chunk that completes ``num_kv_indices`` pages is the last one."""
-        if self._num_pages is None:
+        if self._cursor is None:
             raise LocalProtocolError(
                 f"room {self.bootstrap_room}: send() before init()", machine="sglang-sender", trigger="send"
             )
         pages = np.asarray(kv_indices, dtype=np.int64).reshape(-1)
-        if self._last_sent:
-            if pages.size:
-                raise MappingError(
-                    f"room {self.bootstrap_room}: {pages.size} pages sent after the last chunk "
-                    f"({self._num_pages} pages were announced)"
-                )
+        if self._cursor.finished and pages.size == 0:
             return
-        start = self._pages_sent
-        self._pages_sent += int(pages.size)
-        if self._pages_sent > self._num_pages:
-            raise MappingError(
-                f"room {self.bootstrap_room}: {self._pages_sent} pages sent, {self._num_pages} announced"
-            )
-        last = self._pages_sent == self._num_pages
-        state = _state_indices(self.kv_mgr.state_kinds, state_indices) if last else None
-        self._last_sent = last
+        start, last = self._cursor.advance(int(pages.size))
+        state = state_indices_for(self.kv_mgr.state_kinds, state_indices) if last else None
         self._sender.send(pages, start_token=start * self.kv_mgr.page_size, last=last, state_indices=state)
 
     def poll(self) -> int:
@@ -452,7 +424,7 @@ class PdkvKVSender(BaseKVSender):
         return int(self._sender.poll())
 
     def failure_exception(self) -> None:
-        raise KVTransferError(self.bootstrap_room, f"pdkv: {_describe_failure(self._sender.failure())}")
+        raise KVTransferError(self.bootstrap_room, f"pdkv: {describe_failure(self._sender.failure())}")
 
     def get_transfer_metric(self) -> KVTransferMetric:
         if self._metric is None:
@@ -484,19 +456,6 @@ class PdkvKVSender(BaseKVSender):
 
     def abort(self) -> None:
         self._sender.abort(ABORT_BY_PREFILL)
-
-
-def _state_indices(kinds: Sequence[Any], state_indices: list[Any] | None) -> list[StateIndices] | None:
-    """SGLang's per-state-type index lists (one per ``state_types`` entry) as pdkv ``StateIndices``."""
-    if not state_indices:
-        return None
-    if len(state_indices) != len(kinds):
-        raise MappingError(f"{len(state_indices)} state index lists for {len(kinds)} state types")
-    return [
-        StateIndices(kind=kind, indices=np.asarray(indices, dtype=np.int64).reshape(-1))
-        for kind, indices in zip(kinds, state_indices, strict=True)
-        if indices is not None
-    ]
 
 
 # --------------------------------------------------------------------------- receiver (decode)
@@ -558,7 +517,7 @@ class PdkvKVReceiver(BaseKVReceiver):
                 "already holds"
             )
             return
-        state = _state_indices(self.kv_mgr.state_kinds, state_indices) or ()
+        state = state_indices_for(self.kv_mgr.state_kinds, state_indices) or ()
         self._receiver.init(
             np.asarray(kv_indices, dtype=np.int64).reshape(-1),
             None if aux_index is None else int(aux_index),
@@ -579,7 +538,7 @@ class PdkvKVReceiver(BaseKVReceiver):
         if self._local_failure is not None:
             reason = self._local_failure
         elif self._receiver is not None:
-            reason = _describe_failure(self._receiver.failure())
+            reason = describe_failure(self._receiver.failure())
         else:
             reason = "failed before the room was opened"
         raise KVTransferError(self.bootstrap_room, f"pdkv: {reason}")
