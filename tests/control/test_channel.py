@@ -121,7 +121,7 @@ def test_message_queued_for_a_peer_not_yet_listening_is_delivered_when_it_binds(
 def _garbage_frame_sets() -> list[list[bytes]]:
     good = codec.encode(heartbeat(1))
     wrong_version = bytearray(good[0])
-    struct.pack_into("<H", wrong_version, 4, 2)
+    struct.pack_into("<H", wrong_version, 4, 3)  # this side speaks version 2
     rng = random.Random(5)
     random_sets = [
         [rng.randbytes(rng.randrange(0, 64)) for _ in range(rng.randrange(1, 5))] for _ in range(20)
@@ -134,7 +134,7 @@ def _garbage_frame_sets() -> list[list[bytes]]:
         [good[0][:7], good[1]],  # header truncated
         [bytes(wrong_version), good[1]],  # a later protocol version
         [*good, b"\x00\x00\x00\x00"],  # an array frame the header did not announce
-        [b"PDKV" + b"\x01\x00" + b"\xff\xff" + b"\x00\x00", good[1]],  # unknown message type
+        [struct.pack("<4sHHH", b"PDKV", codec.PROTOCOL_VERSION, 0xFFFF, 0), good[1]],  # unknown message type
         *random_sets,
     ]
 
@@ -154,7 +154,7 @@ def test_garbage_is_counted_logged_and_skipped_and_the_channel_keeps_serving(
     assert (stats.malformed, stats.received) == (len(garbage), 1)
     text = caplog.text
     assert "malformed" in text
-    assert "peer speaks protocol version 2, this side speaks version 1" in text
+    assert "peer speaks protocol version 3, this side speaks version 2" in text
 
 
 def test_garbage_does_not_end_wait_early(make_channel: MakeChannel, raw_socket: RawSocket) -> None:

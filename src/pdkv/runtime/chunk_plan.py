@@ -5,10 +5,16 @@ Owns: ``plan_chunk`` (pure: mapping calls only, no I/O), the glue between a prot
 
 - KV: the pages this CP rank owns, at their absolute positions (``map_chunk``: ``chunk_page_start``
   + ``cp_owned`` + the exact position -> destination contract), coalesced into runs, then blocks in
-  every KV buffer (target and draft models) of the two layouts, paired by (model, kind, layer);
-- on the last chunk, and only on the rank that writes the room's extras (CP rank 0: state and aux
-  rows are replicated across CP ranks, so one writer is enough), the state slots of each state kind
-  (clipped to the common length when the two sides disagree, and reported) and the aux row.
+  every KV buffer (target and draft models) of the two layouts, paired by (model, kind, layer)
+  (``kv_blocks``: whole page items, or, for MHA/GQA layouts that describe heads, the heads this
+  rank shares with the destination rank, which may run another TP size);
+- on the last chunk, and only on the rank that writes the room's extras, the state slots of each
+  state kind (clipped to the common length when the two sides disagree, and reported) and the aux
+  row. State and aux rows are replicated across CP ranks and not split by heads, so one writer per
+  destination is enough and two would race: the caller says whether this rank is the room's CP
+  rank 0 (``writes_extras``), and ``writes_extras_to`` narrows that to the one real TP source of the
+  destination whose head range holds the destination's first head (specs/protocol.md, "Who writes
+  what"). Under MLA and equal-TP MHA each destination has one real TP source, which always qualifies.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from pdkv.mapping import (
     aux_blocks,
     clip_state,
     coalesce,
-    layer_blocks,
+    kv_blocks,
     map_chunk,
     state_blocks,
 )
@@ -41,6 +47,33 @@ class ChunkPlan:
     notes: tuple[str, ...]  # e.g. state clipping, for the log
 
 
+def _first_head_range(layout: BufferLayout) -> tuple[int, int] | None:
+    """(head_start, head_stop) of a layout's first K/V buffer, or None when it describes no heads.
+
+    ``kv_blocks`` refuses layouts whose K/V buffers disagree on the head split, and in canonical
+    order the first buffer of an MHA layout is the target model's first K buffer.
+    """
+    first = layout.buffers[0] if layout.buffers else None
+    if first is None or first.heads is None:
+        return None
+    return first.heads.head_start, first.heads.head_stop
+
+
+def writes_extras_to(src_layout: BufferLayout, dst_layout: BufferLayout) -> bool:
+    """Whether a real TP source with ``src_layout`` writes the extras of a destination with ``dst_layout``.
+
+    True when either layout describes no heads (one real TP source per destination), else when this
+    rank's head range holds the destination's first head: exactly one of a decode rank's real
+    sources (their ranges tile the decode rank's range; dummies never plan). Decided from the two
+    registered layouts alone, so both sides agree without a message field.
+    """
+    mine, theirs = _first_head_range(src_layout), _first_head_range(dst_layout)
+    if mine is None or theirs is None:
+        return True
+    start, stop = mine
+    return start <= theirs[0] < stop
+
+
 def plan_chunk(
     submit: SubmitChunk,
     destination: Destination,
@@ -50,7 +83,11 @@ def plan_chunk(
     policy: OwnershipPolicy | None,
     writes_extras: bool,
 ) -> ChunkPlan:
-    """Map ``submit``'s chunk for ``destination``; MappingError/LayoutMismatchError on a broken contract."""
+    """Map ``submit``'s chunk for ``destination``; MappingError/LayoutMismatchError on a broken contract.
+
+    ``writes_extras``: this rank may write the room's extras (its CP rank 0); on the last chunk they
+    are written when, in addition, ``writes_extras_to`` names this rank for the destination.
+    """
     spec = submit.spec
     request = destination.request
     dst_layout = destination.peer.layout
@@ -62,10 +99,10 @@ def plan_chunk(
         cp_rank=cp_rank,
         policy=policy,
     )
-    parts = [layer_blocks(coalesce(mapped.src, mapped.dst), src_layout, dst_layout)]
+    parts = [kv_blocks(coalesce(mapped.src, mapped.dst), src_layout, dst_layout)]
     notes: list[str] = []
     state_slots = aux_rows = 0
-    if spec.last and writes_extras:
+    if spec.last and writes_extras and writes_extras_to(src_layout, dst_layout):
         wanted = {s.kind: s.indices for s in request.dst_state}
         for src_state in spec.state:
             if src_state.kind not in wanted:

@@ -21,7 +21,7 @@ from pdkv.control.channel import ChannelStatistics
 from pdkv.control.errors import ControlError
 from pdkv.engine.backend import Registration, TransferBackend
 from pdkv.errors import ConfigError, LayoutMismatchError, RouteUnavailableError
-from pdkv.mapping import BufferLayout, Topology, decode_fanout
+from pdkv.mapping import BufferLayout, Topology, decode_fanout, layout_kv_heads
 from pdkv.metrics import TransportMetricsSnapshot
 from pdkv.protocol import arguments
 from pdkv.protocol.config import Timeouts
@@ -286,6 +286,9 @@ class DecodeTransport(EndpointHost[DecodeEndpoint]):
             decode_tp=self.config.tp_size,
             prefill_cp=table.cp_size,
             attention=self.config.layout.attention,
+            # MHA/GQA layouts that describe heads carry the model's KV head count, which decides the
+            # dummies when the TP sizes differ (both instances run the same model).
+            kv_heads=layout_kv_heads(self.config.layout),
         )
         fan = decode_fanout(topology, self.config.rank.tp)
         targets = [
