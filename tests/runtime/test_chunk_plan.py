@@ -1,5 +1,6 @@
 """plan_chunk end to end in one process: every CP rank's blocks, applied as memcpy into decode
-memory, reproduce the prefill full layout (chunked, cached prefix, state on some layers, draft, aux)."""
+memory, reproduce the prefill full layout (chunked, cached prefix, state on some layers, draft, aux);
+MHA/GQA across unequal TP sizes in both directions, with exactly one extras writer per decode rank."""
 
 from __future__ import annotations
 
@@ -12,11 +13,20 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdkv.errors import MappingError
-from pdkv.mapping import AttentionKind, BufferKind, PageInterleaved, TransferBlocks
+from pdkv.mapping import (
+    AttentionKind,
+    BufferKind,
+    ItemLayout,
+    ModelRole,
+    PageInterleaved,
+    Topology,
+    TransferBlocks,
+    decode_fanout,
+)
 from pdkv.protocol.effects import ChunkSpec, DecodePeer, Destination, SubmitChunk
 from pdkv.protocol.ids import Endpoint, Epoch, InstanceId, RoomId, SessionId
 from pdkv.protocol.messages import Origin, RankCoord, StateIndices, TransferRequest
-from pdkv.runtime.chunk_plan import plan_chunk
+from pdkv.runtime.chunk_plan import plan_chunk, writes_extras_to
 from pdkv.testing.synthetic import Capacity, ModelSpec, RankMemory, verify_room
 
 DECODE = Origin(instance=InstanceId("d"), epoch=Epoch(1), rank=RankCoord(tp=0))
@@ -178,3 +188,213 @@ def test_state_kind_without_destination_is_a_mapping_error() -> None:
             policy=PageInterleaved(cp_size=1),
             writes_extras=True,
         )
+
+
+# ---------------------------------------------------------------- MHA/GQA across unequal TP
+
+
+def run_tp_request(
+    spec: ModelSpec,
+    *,
+    prefill_tp: int,
+    decode_tp: int,
+    cp: int,
+    chunk_pages: list[int],
+    prefix_pages: int,
+    seed: int,
+    decode_layout: ItemLayout | None = None,
+) -> tuple[list[RankMemory], list[int], list[str]]:
+    """Every real (tp, cp) source of every decode rank plans every chunk; blocks applied as memcpy.
+
+    Returns the decode memories, the aux rows written per decode rank (extras writers) and the
+    mismatches of each decode rank against the prefill full layout.
+    """
+    assert spec.kv_heads is not None
+    policy = PageInterleaved(cp_size=cp)
+    capacity = Capacity(kv_pages=64, state_slots=8, aux_rows=4)
+    prefill = {
+        (tp, rank): RankMemory(spec, capacity, tp_size=prefill_tp, tp_rank=tp)
+        for tp in range(prefill_tp)
+        for rank in range(cp)
+    }
+    for (_, rank), memory in prefill.items():
+        memory.fill_prefill(cp_rank=rank, policy=policy)
+    decode = [
+        RankMemory(
+            spec,
+            Capacity(kv_pages=256, state_slots=8, aux_rows=4),
+            tp_size=decode_tp,
+            tp_rank=d,
+            item_layout=decode_layout,
+        )
+        for d in range(decode_tp)
+    ]
+    rng = np.random.default_rng(seed)
+    num_pages = prefix_pages + sum(chunk_pages)
+    logical = rng.choice(64 * cp, size=num_pages, replace=False).astype(np.int64)
+    dst = rng.choice(256, size=num_pages, replace=False).astype(np.int64)
+    src_slots, dst_slots = np.array([1, 5]), np.array([7, 2])
+    topology = Topology(
+        prefill_tp=prefill_tp,
+        decode_tp=decode_tp,
+        prefill_cp=cp,
+        attention=AttentionKind.MHA,
+        kv_heads=spec.kv_heads,
+    )
+    aux_writes: list[int] = []
+    problems: list[str] = []
+    for d, memory in enumerate(decode):
+        origin = Origin(instance=InstanceId("d"), epoch=Epoch(1), rank=RankCoord(tp=d))
+        request = TransferRequest(
+            origin=origin,
+            room=RoomId(9),
+            dst_pages=dst,
+            dst_aux_row=3,
+            dst_state=[StateIndices(kind=k, indices=dst_slots) for k in spec.state_kinds],
+        )
+        peer = DecodePeer(
+            instance=origin.instance,
+            epoch=origin.epoch,
+            rank=origin.rank,
+            tp_size=decode_tp,
+            endpoint=Endpoint("e"),
+            session=SessionId("s"),
+            layout=memory.layout,
+        )
+        written = 0
+        page = prefix_pages
+        for n, size in enumerate(chunk_pages):
+            last = n == len(chunk_pages) - 1
+            chunk = ChunkSpec(
+                pages=logical[page : page + size],
+                start_token=page * spec.page_size,
+                last=last,
+                state=[StateIndices(kind=k, indices=src_slots) for k in spec.state_kinds] if last else (),
+            )
+            for target in decode_fanout(topology, d).real_targets:
+                submit = SubmitChunk(
+                    room=RoomId(9),
+                    chunk=n,
+                    spec=chunk,
+                    num_pages=num_pages,
+                    src_aux_row=2,
+                    destinations=(Destination(peer=peer, request=request),),
+                )
+                plan = plan_chunk(
+                    submit,
+                    submit.destinations[0],
+                    src_layout=prefill[(target.tp, target.cp)].layout,
+                    cp_rank=target.cp,
+                    policy=policy,
+                    writes_extras=target.cp == 0,
+                )
+                apply(plan.blocks)
+                written += plan.aux_rows
+            page += size
+        aux_writes.append(written)
+        _, mismatches = verify_room(
+            memory,
+            logical_ids=logical,
+            dst_pages=dst,
+            prefix_pages=prefix_pages,
+            state_src={k: src_slots for k in spec.state_kinds},
+            state_dst={k: dst_slots for k in spec.state_kinds},
+            aux_src=2,
+            aux_dst=3,
+        )
+        problems += [f"decode {d}: {m.what} {m.index}" for m in mismatches]
+    return decode, aux_writes, problems
+
+
+TP_CASES = [
+    # (prefill tp, decode tp, kv heads): both directions, heads that divide and that replicate
+    (2, 4, 8),
+    (4, 2, 8),
+    (1, 4, 2),
+    (4, 2, 2),
+    (4, 1, 2),
+    (2, 1, 8),
+    (2, 2, 8),
+]
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    case=st.sampled_from(TP_CASES),
+    cp=st.sampled_from([1, 2]),
+    chunk_pages=st.lists(st.integers(1, 6), min_size=1, max_size=3),
+    prefix_pages=st.integers(0, 3),
+    head_major=st.booleans(),
+    seed=st.integers(0, 1000),
+)
+def test_unequal_tp_reproduces_every_decode_head_and_writes_extras_once(
+    case: tuple[int, int, int],
+    cp: int,
+    chunk_pages: list[int],
+    prefix_pages: int,
+    head_major: bool,
+    seed: int,
+) -> None:
+    prefill_tp, decode_tp, heads = case
+    spec = ModelSpec(
+        attention=AttentionKind.MHA,
+        layers=2,
+        page_size=4,
+        kv_bytes_per_token=heads * 8,
+        kv_heads=heads,
+        state_layers=(1,),
+    )
+    _, aux_writes, problems = run_tp_request(
+        spec,
+        prefill_tp=prefill_tp,
+        decode_tp=decode_tp,
+        cp=cp,
+        chunk_pages=chunk_pages,
+        prefix_pages=prefix_pages,
+        seed=seed,
+        decode_layout=ItemLayout.HEAD_TOKEN if head_major else None,
+    )
+    assert problems == []
+    assert aux_writes == [1] * decode_tp  # one extras writer per decode rank, never two
+
+
+def test_decode_head_bytes_come_from_the_right_prefill_head() -> None:
+    """Hand-built oracle: 2 KV heads of 3 bytes, page of 2 tokens, prefill TP 1 -> decode TP 2.
+
+    The prefill item is [token][head][byte]; decode rank 1 holds head 1, so its item must be the
+    bytes 3..5 (token 0) and 9..11 (token 1) of the prefill item, nothing else.
+    """
+    spec = ModelSpec(
+        attention=AttentionKind.MHA,
+        layers=1,
+        page_size=2,
+        kv_bytes_per_token=6,
+        kv_heads=2,
+        state_layers=(),
+        state_kinds=(),
+        draft_layers=0,
+    )
+    source = RankMemory(spec, Capacity(kv_pages=64, state_slots=1, aux_rows=1))  # as run_tp_request
+    source.fill_prefill(cp_rank=0, policy=PageInterleaved(cp_size=1))
+    decode, _, problems = run_tp_request(
+        spec, prefill_tp=1, decode_tp=2, cp=1, chunk_pages=[1], prefix_pages=0, seed=3
+    )
+    assert problems == []
+    full = source.view((ModelRole.TARGET, BufferKind.K, 0))
+    landed = decode[1].view((ModelRole.TARGET, BufferKind.K, 0))
+    rows = [i for i in range(landed.shape[0]) if landed[i].any()]
+    assert len(rows) == 1 and landed.shape[1] == 6
+    matches = [
+        p for p in range(full.shape[0]) if np.array_equal(landed[rows[0]], full[p][[3, 4, 5, 9, 10, 11]])
+    ]
+    assert len(matches) == 1
+
+
+def test_extras_writer_is_the_source_holding_the_first_decode_head() -> None:
+    spec = ModelSpec(attention=AttentionKind.MHA, kv_bytes_per_token=64, kv_heads=8)
+    cap = Capacity(kv_pages=2, state_slots=1, aux_rows=1)
+    decode = RankMemory(spec, cap, tp_size=2, tp_rank=1)  # heads 4..7
+    sources = [RankMemory(spec, cap, tp_size=4, tp_rank=p).layout for p in range(4)]  # 2 heads each
+    assert [writes_extras_to(s, decode.layout) for s in sources] == [False, False, True, False]
+    mla = RankMemory(ModelSpec(), cap).layout
+    assert writes_extras_to(mla, mla)
