@@ -54,14 +54,20 @@ def kv_class(kind: KVClassType) -> Any:
     return cls
 
 
-def page_bytes(layer: int, page: int, item: int) -> torch.Tensor:
-    """The bytes the prefill writes into one page of one layer (the decode recomputes them to compare)."""
-    gen = torch.Generator().manual_seed(layer * 1_000_003 + page)
-    return torch.randint(0, 256, (item,), dtype=torch.uint8, generator=gen)
+def layer_bytes(layer: int, pages: int) -> torch.Tensor:
+    """What the prefill writes into one layer: ``pages + 1`` pages (SGLang's pool has one padding page) of
+    seeded random bytes, shape (pages + 1, bytes per page). The decode regenerates it to compare."""
+    item = PAGE * (KV_LORA_RANK + ROPE_DIM) * 2  # bf16
+    gen = torch.Generator().manual_seed(1_000_003 * (layer + 1))
+    words = torch.randint(-(2**63), 2**63 - 1, ((pages + 1) * item // 8,), dtype=torch.int64, generator=gen)
+    return words.view(torch.uint8).view(pages + 1, item)
 
 
-def page_view(pool: MLATokenToKVPool, layer: int, page: int) -> torch.Tensor:
-    return pool.kv_buffer[layer][page * PAGE : (page + 1) * PAGE].view(torch.uint8).reshape(-1)
+def layer_pages(pool: MLATokenToKVPool, layer: int) -> torch.Tensor:
+    """One layer of the pool as (pages, bytes per page), sharing its memory."""
+    raw = pool.kv_buffer[layer].view(torch.uint8).reshape(-1)
+    item = PAGE * (KV_LORA_RANK + ROPE_DIM) * 2
+    return raw.view(-1, item)
 
 
 def make_pool(plan: dict[str, Any], pages: int) -> MLATokenToKVPool:
@@ -204,9 +210,7 @@ def scenario_prefill(plan: dict[str, Any]) -> dict[str, Any]:
     pool = make_pool(plan, int(plan["prefill_pages"]))
     layers = int(plan["layers"])
     for layer in range(layers):
-        for page in range(int(plan["prefill_pages"]) + 1):
-            view = page_view(pool, layer, page)
-            view.copy_(page_bytes(layer, page, view.numel()))
+        layer_pages(pool, layer).copy_(layer_bytes(layer, int(plan["prefill_pages"])))
     metadata = MetadataBuffers(
         size=8, hidden_size=16, hidden_states_dtype=torch.bfloat16, max_sampling_mask_tokens=0
     )
@@ -392,39 +396,37 @@ def verify(
 ) -> dict[str, Any]:
     """Digest of source pages == digest of destination pages per successful room; every other page intact."""
     layers = int(plan["layers"])
+    successful = {room: spec for room, spec in rooms.items() if outcome[room]["state"] == KVPoll.Success}
+    digests = {room: (hashlib.sha256(), hashlib.sha256()) for room in successful}
+    mismatched = dict.fromkeys(successful, 0)
+    written = torch.zeros(int(plan["decode_pages"]) + 1, dtype=torch.bool)
+    for spec in successful.values():
+        written[torch.tensor(spec["dst_pages"])] = True
+    written[0] = True  # SGLang's padding page is never a destination
+    dirty = torch.zeros_like(written)
+    others = torch.nonzero(~written).reshape(-1)
+    for layer in range(layers):
+        want_all = layer_bytes(layer, int(plan["prefill_pages"]))
+        got_all = layer_pages(pool, layer)
+        for room, spec in successful.items():
+            want = want_all[torch.tensor(spec["src_pages"])]
+            got = got_all[torch.tensor(spec["dst_pages"])]
+            digests[room][0].update(want.numpy().data)
+            digests[room][1].update(got.numpy().data)
+            if not torch.equal(want, got):
+                mismatched[room] += int((want != got).any(dim=1).sum())
+        dirty[others] |= (got_all[others] != SENTINEL).any(dim=1)
     report: dict[str, Any] = {}
-    written: set[int] = set()
-    for room, spec in rooms.items():
-        if outcome[room]["state"] != KVPoll.Success:
-            continue
-        src_digest, dst_digest = hashlib.sha256(), hashlib.sha256()
-        mismatched = 0
-        for layer in range(layers):
-            for src, dst in zip(spec["src_pages"], spec["dst_pages"], strict=True):
-                got = page_view(pool, layer, int(dst))
-                want = page_bytes(layer, int(src), got.numel())
-                src_digest.update(want.numpy().tobytes())
-                dst_digest.update(got.numpy().tobytes())
-                mismatched += int(not torch.equal(got, want))
-        written.update(int(p) for p in spec["dst_pages"])
+    for room, spec in successful.items():
         row = int(spec["decode_row"])
         report[str(room)] = {
-            "digests_equal": src_digest.hexdigest() == dst_digest.hexdigest(),
-            "mismatched_pages": mismatched,
+            "digests_equal": digests[room][0].hexdigest() == digests[room][1].hexdigest(),
+            "mismatched_pages": mismatched[room],
             "aux_room": int(metadata.bootstrap_room[row, 0].item()),
             "aux_token": int(metadata.output_ids[row, 0].item()),
         }
-    untouched = 0
-    dirty: list[int] = []
-    for page in range(1, int(plan["decode_pages"]) + 1):
-        if page in written:
-            continue
-        clean = all(bool((page_view(pool, layer, page) == SENTINEL).all()) for layer in range(layers))
-        untouched += int(clean)
-        if not clean:
-            dirty.append(page)
-    report["untouched_pages"] = untouched
-    report["dirty_pages"] = dirty
+    report["dirty_pages"] = [int(p) for p in torch.nonzero(dirty).reshape(-1)]
+    report["untouched_pages"] = int((~written).sum()) - len(report["dirty_pages"])
     return report
 
 

@@ -1,10 +1,12 @@
 """Two SGLang processes move KV through pdkv over real Mooncake TCP on 127.0.0.1, byte for byte.
 
-Each side uses SGLang's real CPU KV pool (``MLATokenToKVPool(device="cpu")``), ``MetadataBuffers`` and
-KVArgs filled as SGLang's bootstrap queues fill them; every transfer class comes from SGLang's
-``get_kv_class`` after SGLang's ``load_plugins()``. The decode compares the digest of the source pages
-with the digest of its destination pages, checks every other page still holds its sentinel and that the
-aux ``bootstrap_room`` row landed; neither side called a GPU stub outside module import.
+Each side uses SGLang's real CPU KV pool (``MLATokenToKVPool(device="cpu")``, 61 MLA layers),
+``MetadataBuffers`` and KVArgs filled as SGLang's bootstrap queues fill them; every transfer class
+comes from SGLang's ``get_kv_class`` after SGLang's ``load_plugins()``. Rooms of 1, 16 and 128 pages
+(the last one 576 MB, with Mooncake's default TCP queue), chunked; aborts by the decode before and
+after its metadata and by the prefill. The decode compares the digest of the source pages with the
+digest of its destination pages, checks every other page still holds its sentinel and that the aux
+``bootstrap_room`` row landed; neither side called a GPU stub outside module import.
 """
 
 from __future__ import annotations
@@ -35,6 +37,24 @@ ROOMS: list[dict[str, Any]] = [
     },
 ]
 
+
+LAYERS = 61  # DeepSeek-V3's layer count: one MLA buffer of 73,728 B per page per layer
+PREFILL_PAGES = 160
+DECODE_PAGES = 170
+PAGE_BYTES = 64 * 576 * 2
+_BLOCKS = [list(range(30 + 8 * i, 38 + 8 * i)) for i in range(16)]
+ROOMS.append(
+    # 128 pages x 61 layers (576 MB) in two chunks, runs of 8 in swapped order: one request of 8K tokens
+    # moved with Mooncake's default TCP queue (SGLang's own backend needs it raised for this shape)
+    {
+        "room": 106,
+        "src_pages": [p for i in range(0, 16, 2) for p in _BLOCKS[i + 1] + _BLOCKS[i]],
+        "dst_pages": [*range(104, 168), *range(40, 104)],
+        "chunks": [64, 64],
+        "prefill_row": 6,
+        "decode_row": 7,
+    }
+)
 
 ABORTS: list[dict[str, Any]] = [
     # the decode aborts right after send_metadata: both sides fail, pages reusable only after the acks
@@ -75,11 +95,11 @@ def test_two_processes_move_bytes_exactly(tmp_path: Path) -> None:
     base: dict[str, Any] = {
         "bootstrap_port": free_port(),
         "http_port": free_port(),
-        "layers": 8,
-        "prefill_pages": 40,
-        "decode_pages": 40,
+        "layers": LAYERS,
+        "prefill_pages": PREFILL_PAGES,
+        "decode_pages": DECODE_PAGES,
         "rooms": ROOMS + ABORTS,
-        "timeout_s": 40,
+        "timeout_s": 90,
         "grace_s": 2,
         "stop_file": str(stop_file),
     }
@@ -103,9 +123,9 @@ def test_two_processes_move_bytes_exactly(tmp_path: Path) -> None:
         assert check["digests_equal"] and check["mismatched_pages"] == 0, check
         assert check["aux_room"] == room["room"]
         assert check["aux_token"] == room["room"] % 50_000
-        # metric valid after clear(): 8 layers x 73,728 B per page (+ aux rows), and clear() keeps Success
+        # metric valid after clear(): every layer's pages (+ aux rows), and clear() keeps Success
         record = got_prefill["rooms"][key]
-        assert record["bytes"] >= len(room["src_pages"]) * 8 * 64 * 576 * 2
+        assert record["bytes"] >= len(room["src_pages"]) * LAYERS * PAGE_BYTES
         assert record["poll_after_clear"] == SUCCESS
     decode_abort = got_decode["rooms"]["103"]
     assert decode_abort["state"] == FAILED
@@ -137,7 +157,7 @@ def test_two_processes_move_bytes_exactly(tmp_path: Path) -> None:
     maybe_written = {p for room in (ABORTS[0], ABORTS[2]) for p in room["dst_pages"]}
     verified = got_decode["verified"]
     assert set(verified["dirty_pages"]) <= maybe_written, verified["dirty_pages"]
-    assert verified["untouched_pages"] + len(verified["dirty_pages"]) == 40 - len(succeeded)
+    assert verified["untouched_pages"] + len(verified["dirty_pages"]) == DECODE_PAGES - len(succeeded)
     assert got_decode["prefill_info"] == {"dp_size": 1, "follow_bootstrap_room": True}
     for side in (got_prefill, got_decode):
         assert side["stub_calls_outside_import"] == []
