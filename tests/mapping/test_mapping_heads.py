@@ -533,6 +533,9 @@ def test_layouts_of_different_tp_sizes_are_compatible_when_they_describe_heads()
     other = Rank(_world(kv_heads=4), 2, 0, 8, ItemLayout.TOKEN_HEAD).layout
     assert "(KV heads, bytes per head) differ: [(8, 2)] vs [(4, 2)]" in str(two.difference(other))
     assert two.digest() != _strip_heads(two).digest()
+    # Every rank of an instance announces one digest, whatever heads it holds; so does the peer.
+    assert two.digest() == four.digest() == Rank(world, 2, 1, 8, ItemLayout.TOKEN_HEAD).layout.digest()
+    assert two.digest() != other.digest()
 
 
 def test_head_blocks_refuse_what_cannot_be_sliced() -> None:

@@ -10,6 +10,10 @@ default every chunk is sent layer by layer while its forward runs (``--no-per-la
 the forward), which ``pdkv bench per_layer`` shows ends the transfer far sooner after the forward.
 Every successful room's decode memory is compared byte for byte with the prefill full layout; the
 pages of aborted rooms get a canary after their safe release, checked at the end (no late write).
+``--mha``: K and V buffers split by KV heads over TP (``--kv-heads``, GQA: fewer heads than ranks
+replicate), heads described in the layout, so ``--tp`` and ``--decode-tp`` may differ in either
+direction; each decode rank checks its heads against the model's full layout, whichever prefill
+ranks wrote them.
 Shows progress, prints a summary table (``--json``: one JSON object per room plus a summary line),
 exits non-zero on any mismatch. The prefill ranks (CP x TP) run rank consensus over a gloo group
 (``--no-consensus`` turns it off): one rank's failure fails the room on every rank together.
@@ -31,7 +35,7 @@ from collections.abc import Sequence
 
 import attrs
 
-from pdkv.mapping import AttentionKind
+from pdkv.mapping import AttentionKind, Topology, TopologyError
 from pdkv.protocol.ids import RoomId
 from pdkv.protocol.poll import KVPoll
 from pdkv.testing.cluster import AbortPlan, Cluster, ClusterSpec, RankReport, RequestPlan, RoomOutcome
@@ -160,18 +164,27 @@ def summarize(
 
 
 class _Progress:
-    def __init__(self, total: int) -> None:
+    """Rooms done: a room is done once every decode rank reported it, failed if any rank failed it."""
+
+    def __init__(self, total: int, decode_ranks: int = 1) -> None:
         self.total = total
+        self.decode_ranks = decode_ranks
         self.done = 0
         self.failed = 0
         self.tty = sys.stderr.isatty()
         self._last = 0.0
+        self._seen: dict[int, list[bool]] = {}
 
     def __call__(self, outcome: RoomOutcome) -> None:
         if outcome.side != "decode":
             return
+        seen = self._seen.setdefault(outcome.room, [])
+        seen.append(outcome.poll == KVPoll.Success)
+        if len(seen) < self.decode_ranks:
+            return
+        del self._seen[outcome.room]
         self.done += 1
-        self.failed += outcome.poll != KVPoll.Success
+        self.failed += not all(seen)
         now = time.monotonic()
         if self.tty:
             bar = "#" * (30 * self.done // self.total)
@@ -190,6 +203,16 @@ class _Progress:
             print(file=sys.stderr)
 
 
+def _kv_description(model: ModelSpec, prefill_tp: int, decode_tp: int) -> str:
+    if model.kv_heads is None:
+        return f"{model.kv_item_bytes} B per page per layer ({model.attention.value})"
+    return (
+        f"mha {model.kv_heads} KV heads x {model.head_bytes} B, K and V pages of "
+        f"{model.rank_kv_item_bytes(prefill_tp)} B per prefill rank, "
+        f"{model.rank_kv_item_bytes(decode_tp)} B per decode rank"
+    )
+
+
 def main(argv: Sequence[str] = ()) -> int:
     parser = argparse.ArgumentParser(prog="pdkv demo", description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--cp", type=int, default=2, help="prefill context-parallel ranks (default 2)")
@@ -200,6 +223,15 @@ def main(argv: Sequence[str] = ()) -> int:
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument(
         "--bytes-per-token", type=int, default=576, help="KV bytes per token per layer (MLA latent)"
+    )
+    parser.add_argument(
+        "--kv-heads", type=int, default=8, help="--mha: the model's KV heads (default 8; e.g. 2 over tp 4)"
+    )
+    parser.add_argument(
+        "--head-bytes",
+        type=int,
+        default=128,
+        help="--mha: bytes of one KV head of one token (head_dim x dtype size; default 128)",
     )
     parser.add_argument("--max-tokens", type=int, default=2048)
     parser.add_argument("--aborts", type=float, default=0.15, help="fraction of rooms aborted (default 0.15)")
@@ -231,10 +263,22 @@ def main(argv: Sequence[str] = ()) -> int:
         attention=AttentionKind.MHA if args.mha else AttentionKind.MLA,
         layers=args.layers,
         page_size=args.page_size,
-        kv_bytes_per_token=args.bytes_per_token,
+        kv_bytes_per_token=args.kv_heads * args.head_bytes if args.mha else args.bytes_per_token,
+        kv_heads=args.kv_heads if args.mha else None,
         state_layers=tuple(range(0, args.layers, 2)),
         draft_layers=1,
     )
+    if args.mha:
+        try:
+            Topology(
+                prefill_tp=args.tp,
+                decode_tp=args.decode_tp,
+                prefill_cp=args.cp,
+                attention=AttentionKind.MHA,
+                kv_heads=args.kv_heads,
+            )
+        except TopologyError as exc:
+            parser.error(str(exc))
     plans = build_workload(
         args.rooms,
         page_size=args.page_size,
@@ -266,12 +310,12 @@ def main(argv: Sequence[str] = ()) -> int:
         f"pdkv demo: prefill tp{args.tp} x cp{args.cp}, decode tp{args.decode_tp}, "
         "Mooncake TCP on 127.0.0.1; "
         f"{args.rooms} rooms, {model.layers} layers + {model.draft_layers} draft, page {model.page_size}, "
-        f"{model.kv_item_bytes} B per page per layer ({model.attention.value}); "
+        f"{_kv_description(model, args.tp, args.decode_tp)}; "
         f"{'per-layer' if args.per_layer else 'monolithic'} transfer, {args.layer_ms:g} ms compute per layer",
         file=sys.stderr,
     )
     started = time.monotonic()
-    progress = _Progress(len(plans))
+    progress = _Progress(len(plans), decode_ranks=args.decode_tp)
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="pdkv-demo-")
     os.makedirs(log_dir, exist_ok=True)
     print(f"  starting registry and rank processes (rank logs: {log_dir}) ...", file=sys.stderr, flush=True)

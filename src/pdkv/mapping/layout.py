@@ -257,13 +257,22 @@ class BufferLayout:
         return tuple(b.signature for b in self.buffers)
 
     def digest(self) -> str:
-        """Short stable hash of the signature: cheap equality check carried in announcements."""
-        text = f"{self.attention.value}/{self.page_size}/" + ";".join(
-            ",".join(map(str, s)) for s in self.signature
-        )
-        described = [b.heads for b in self.buffers if b.heads is not None]
-        if described:  # layouts without heads keep the digest they always had
-            text += "/heads:" + ";".join(h.describe() for h in described)
+        """Short stable hash of the signature: cheap equality check carried in announcements.
+
+        Equal for layouts that ``difference`` finds compatible where it can: a K/V buffer that
+        describes heads enters by the model's heads (KV head count, bytes per head), not by its
+        rank's head range, item bytes or item layout, so every rank of an instance announces the
+        same digest (the registry requires it) and a decode instance of another TP size matches.
+        Layouts without heads keep the digest they always had.
+        """
+        parts = []
+        for b in self.buffers:
+            if b.heads is None:
+                parts.append(",".join(map(str, b.signature)))
+            else:
+                kv_heads, head_bytes = b.heads.model_signature
+                parts.append(f"{b.kind.value},{b.model.value},{b.layer_id},heads {kv_heads}x{head_bytes}")
+        text = f"{self.attention.value}/{self.page_size}/" + ";".join(parts)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def difference(self, other: BufferLayout) -> str | None:

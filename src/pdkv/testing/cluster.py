@@ -409,8 +409,8 @@ def _prefill_rank(args: _RankArgs, conn: Connection) -> None:
     from pdkv.runtime.prefill import PrefillConfig, PrefillTransport
 
     spec = args.spec
-    memory = RankMemory(spec.model, spec.prefill_capacity)
-    memory.fill_prefill(cp_rank=args.cp, policy=spec.policy, tp_rank=args.tp)
+    memory = RankMemory(spec.model, spec.prefill_capacity, tp_size=spec.prefill_tp, tp_rank=args.tp)
+    memory.fill_prefill(cp_rank=args.cp, policy=spec.policy)
     channel_faults, backend_faults = wrap_for_rank(spec.faults, "prefill", args.tp, args.cp)
     backend = _make_backend(backend_faults, spec.host("prefill"), spec.engine_transfer_timeout_s)
     channels: list[FaultyChannel] = []
@@ -605,7 +605,7 @@ def _prefill_chunk(
 
     def layer_end(model: ModelRole, layer: int) -> None:
         if spec.forward_writes_kv:
-            memory.write_layer(model, layer, computed, cp_rank=args.cp, policy=spec.policy, tp_rank=args.tp)
+            memory.write_layer(model, layer, computed, cp_rank=args.cp, policy=spec.policy)
         if room.per_layer:
             manager.on_layer_end(layer, model=model)
         ended[0] += 1
@@ -628,7 +628,7 @@ def _decode_rank(args: _RankArgs, conn: Connection) -> None:
 
     spec = args.spec
     cap = spec.decode_capacity
-    memory = RankMemory(spec.model, cap)
+    memory = RankMemory(spec.model, cap, tp_size=spec.decode_tp, tp_rank=args.tp)
     channel_faults, backend_faults = wrap_for_rank(spec.faults, "decode", args.tp, args.cp)
     backend = _make_backend(backend_faults, spec.host("decode"), spec.engine_transfer_timeout_s)
     channels: list[FaultyChannel] = []
@@ -700,7 +700,6 @@ def _decode_rank(args: _RankArgs, conn: Connection) -> None:
                         state_dst={kind: slots for kind in spec.model.state_kinds},
                         aux_src=room.aux_src,
                         aux_dst=int(aux[0]),
-                        tp_rank=args.tp,
                     )
                     bad = [
                         f"{m.what} {m.index}" + (" (expected untouched)" if m.expected_zero else "")
