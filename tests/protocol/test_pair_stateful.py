@@ -126,7 +126,9 @@ class PairFaults(RuleBasedStateMachine):
     @rule()
     def clear_settled_rooms(self) -> None:
         for closed in self.pair.close_settled():
-            self.closed[closed.room] = self.pair.clock.now
+            if all(poll is not None for poll in closed.prefill):
+                # Cleared on the incarnations that held it (a restarted rank never had the id).
+                self.closed[closed.room] = self.pair.clock.now
             self.unsafe_cleared += closed.release_safe is False
             self.opened.pop(closed.room, None)
             self.reused.pop(closed.room, None)

@@ -179,6 +179,18 @@ def test_partition_dump_logs_every_chunk_and_changes_nothing_else(
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("partition room=21 ")]
     assert len(lines) == len(chunks) * 2  # every chunk on both CP ranks, no cap
     assert sum("kv_pages_sent=1" in line for line in lines) == len(chunks)  # each position owned once
+    # Each CP rank names the physical pages it owns and their positions: page-interleaved over 2 ranks,
+    # logical page 3 + k sits at position k on rank (3 + k) % 2 as physical page (3 + k) // 2.
+    for k in range(40):
+        owner = (3 + k) % 2
+        wanted = f"cp_rank={owner} "
+        assert any(
+            wanted in line and f"kv_physical=[{(3 + k) // 2}] kv_positions=[{k}]" in line for line in lines
+        ), k
+    # The state partition rides on CP rank 0's last chunk: source slots -> destination slots, per kind.
+    [last] = [line for line in lines if "last=True" in line and "cp_rank=0 " in line]
+    for kind in SPEC.state_kinds:
+        assert f"{kind.value}:[1, 6]->[3, 4]" in last
     assert all(x.poll() is KVPoll.Success for x in senders)
     _, mismatches = verify_room(
         s.decode_memory[0],

@@ -177,4 +177,15 @@ class ForgetPeer:
     reason: str
 
 
-Effect: TypeAlias = Send | SubmitChunk | RoomFinished | ReleasePages | Notice | ForgetPeer
+@attrs.frozen(kw_only=True)
+class DropLayers:
+    """Prefill: stop the room's per-layer contexts (none may start writing again) and report
+    ``layer_writes_ended`` for each one that wrote, once its writes ended. Emitted when every chunk
+    of a room is Done while a context that no sent chunk finished (an orphan) may still write:
+    the room's Success waits for those writes."""
+
+    room: RoomId
+    reason: str
+
+
+Effect: TypeAlias = Send | SubmitChunk | RoomFinished | ReleasePages | Notice | ForgetPeer | DropLayers

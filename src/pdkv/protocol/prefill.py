@@ -9,7 +9,11 @@ Inputs come from three places:
   current epoch, is a sign of life);
 - the scheduler: ``open_room`` (``sender.init``), ``queue_chunk`` (``sender.send``), ``abort_room``,
   ``close_room``, and the queries ``poll`` / ``failure`` / ``metric``;
-- transfer workers: ``start_chunk`` (may answer "skip"), ``chunk_done``, ``chunk_failed``.
+- transfer workers: ``start_chunk`` (may answer "skip"), ``chunk_done``, ``chunk_failed``;
+- per-layer transfer: ``layer_writes_started`` (may answer "skip") before a per-layer context's
+  first write, ``layer_writes_ended`` once every write it submitted ended. A context writing counts
+  as a chunk in flight: AbortAck, the RegisterAck of a restarted decode rank, Success and
+  ``may_write`` all wait for it.
 
 Safety rules this module enforces (DESIGN section 8):
 - Success only when the room's positions were all submitted and written: after the first chunk's
@@ -36,6 +40,8 @@ Safety rules this module enforces (DESIGN section 8):
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import attrs
 import numpy as np
 
@@ -50,6 +56,7 @@ from pdkv.protocol.effects import (
     ChunkSpec,
     DecodePeer,
     Destination,
+    DropLayers,
     Effect,
     FailureCause,
     ForgetPeer,
@@ -175,6 +182,9 @@ class _SenderRoom:
     abort: PrefillAbortMachine | None = None
     ack_to: set[PeerKey] = attrs.Factory(set)
     closed: bool = False
+    layer_writes: set[int] = attrs.Factory(set)  # per-layer contexts (by start token) writing now
+    success_held: bool = False  # every chunk Done, but per-layer writes still in flight
+    peer_metric: dict[PeerKey, TransferMetricData] = attrs.Factory(dict)  # what each decode rank got
 
     @property
     def state(self) -> SenderRoomState:
@@ -186,7 +196,9 @@ class _SenderRoom:
 
     @property
     def in_flight(self) -> int:
-        return sum(1 for c in self.chunks if c.machine.state is ChunkState.TRANSFERRING)
+        """Chunks and per-layer contexts whose writes may still land."""
+        chunks = sum(1 for c in self.chunks if c.machine.state is ChunkState.TRANSFERRING)
+        return chunks + len(self.layer_writes)
 
     @property
     def real_requests(self) -> list[TransferRequest]:
@@ -787,34 +799,87 @@ class PrefillEndpoint:
         c.machine.fire(ChunkTrigger.START)
         return True
 
-    def chunk_done(self, room: RoomId, chunk: int, metric: TransferMetricData, now: float) -> list[Effect]:
-        """Every write of ``chunk`` completed; ``metric`` counts what was actually written."""
+    def chunk_done(
+        self,
+        room: RoomId,
+        chunk: int,
+        metric: TransferMetricData,
+        now: float,
+        *,
+        per_peer: Mapping[PeerKey, TransferMetricData] | None = None,
+    ) -> list[Effect]:
+        """Every write of ``chunk`` completed; ``metric`` counts what was actually written, and
+        ``per_peer`` what went to each decode rank (each is told only its own share). Without
+        ``per_peer`` the whole metric is the share of each real destination (exact for the usual
+        single destination)."""
         r, c = self._chunk(room, chunk)
         c.machine.fire(ChunkTrigger.COMPLETE)
         r.pages += metric.pages
         r.bytes += metric.bytes
         r.seconds += metric.seconds
-        effects: list[Effect] = []
-        if (
+        if per_peer is None:
+            per_peer = {key: metric for key, q in r.requests.items() if not q.dummy}
+        for key, share in per_peer.items():
+            r.peer_metric[key] = _combined(r.peer_metric.get(key), share)
+        effects = self._maybe_succeed(r)
+        effects += self._maybe_drained(r)
+        effects += self._writes_ended(room)
+        self._forget_if_idle(r)
+        return effects
+
+    def layer_writes_started(self, room: RoomId, start_token: int, now: float) -> bool:
+        """A per-layer context of ``room`` is about to submit its first write: True to go ahead,
+        False when the room can no longer be written (failed, aborted, or complete without it)."""
+        r = self._rooms.get(room)
+        if r is None or not r.opened or r.terminal or r.success_held:
+            return False
+        r.layer_writes.add(start_token)
+        return True
+
+    def layer_writes_ended(self, room: RoomId, start_token: int, now: float) -> list[Effect]:
+        """Every write the per-layer context ``start_token`` of ``room`` submitted has ended."""
+        r = self._rooms.get(room)
+        if r is None or start_token not in r.layer_writes:
+            return []
+        r.layer_writes.discard(start_token)
+        effects = self._maybe_succeed(r)
+        effects += self._maybe_drained(r)
+        effects += self._writes_ended(room)
+        self._forget_if_idle(r)
+        return effects
+
+    def _maybe_succeed(self, r: _SenderRoom) -> list[Effect]:
+        """Success once every chunk is Done and no per-layer write of the room can still land."""
+        if not (
             r.state is SenderRoomState.TRANSFERRING
             and r.last_queued
             and all(x.machine.state is ChunkState.DONE for x in r.chunks)
         ):
-            r.machine.fire(SenderRoomTrigger.LAST_CHUNK_DONE)
-            r.deadline = None
-            self._counters.rooms_succeeded += 1
-            status_metric = TransferMetricData(pages=r.pages, bytes=r.bytes, seconds=r.seconds)
-            for key, q in r.requests.items():
-                peer = self._peers.get(key)
-                if not q.dummy and peer is not None:
-                    status = TransferStatus(
-                        origin=self.origin, room=room, outcome=Outcome.SUCCESS, metric=status_metric
-                    )
-                    effects.append(Send(to=peer.endpoint, message=status))
-            effects.append(RoomFinished(room=room, poll=KVPoll.Success))
-        effects += self._maybe_drained(r)
-        effects += self._writes_ended(room)
-        self._forget_if_idle(r)
+            return []
+        if r.layer_writes:
+            if r.success_held:
+                return []
+            r.success_held = True
+            held = sorted(r.layer_writes)
+            return [
+                DropLayers(room=r.room, reason=f"room complete; per-layer chunk(s) @{held} were never sent"),
+                _notice(
+                    NoticeLevel.WARNING,
+                    f"room {r.room}: every chunk is done but per-layer context(s) @{held} (never sent) "
+                    "still write; Success waits for them",
+                    r.room,
+                ),
+            ]
+        r.machine.fire(SenderRoomTrigger.LAST_CHUNK_DONE)
+        r.deadline = None
+        r.success_held = False
+        self._counters.rooms_succeeded += 1
+        effects: list[Effect] = []
+        for key, q in r.requests.items():
+            peer = self._peers.get(key)
+            if not q.dummy and peer is not None:
+                effects += self._status_to(r, peer)
+        effects.append(RoomFinished(room=r.room, poll=KVPoll.Success))
         return effects
 
     def chunk_failed(self, room: RoomId, chunk: int, reason: str, now: float) -> list[Effect]:
@@ -949,7 +1014,7 @@ class PrefillEndpoint:
         if r.state is SenderRoomState.SUCCESS:
             if q is None or q.dummy:
                 return []
-            metric = TransferMetricData(pages=r.pages, bytes=r.bytes, seconds=r.seconds)
+            metric = r.peer_metric.get(peer.key, TransferMetricData())
             status = TransferStatus(origin=self.origin, room=r.room, outcome=Outcome.SUCCESS, metric=metric)
         elif r.state is SenderRoomState.FAILED:
             status = TransferStatus(
@@ -1024,6 +1089,12 @@ class PrefillEndpoint:
         if r is None or not 0 <= chunk < len(r.chunks):
             raise LocalProtocolError(f"unknown chunk {chunk} of room {room}")
         return r, r.chunks[chunk]
+
+
+def _combined(a: TransferMetricData | None, b: TransferMetricData) -> TransferMetricData:
+    if a is None:
+        return b
+    return TransferMetricData(pages=a.pages + b.pages, bytes=a.bytes + b.bytes, seconds=a.seconds + b.seconds)
 
 
 def _notice(level: NoticeLevel, text: str, room: RoomId | None = None) -> Notice:

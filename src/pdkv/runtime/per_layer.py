@@ -21,10 +21,13 @@ How a scheduler uses it, per chunk of a room whose sender polls WaitingForInput 
   DEBUG, return ``MONOLITHIC`` and leave the chunk to the monolithic path: the room has no
   destinations yet (not WaitingForInput), this rank is a dummy for it, it has more than one
   non-dummy destination, the layout is not one the manager supports, or mapping refused the chunk.
-- ``on_layer_end`` (the forward's thread) only records the event and queues it; a submission thread
-  waits for ``ready`` (a GPU caller's event: the write must be complete before the engine reads the
-  pages) and submits that layer's blocks of every context waiting for it. Per room, an event goes to
-  the oldest context that still lacks that layer (chunk N+1 may register while chunk N finishes).
+- ``on_layer_end`` (the forward's thread) only records the event and queues it on the submission
+  lane of each destination peer (one thread per peer, started on demand and retired when idle, so
+  a slow peer delays only its own rooms); the lane waits for ``ready`` (a GPU caller's event: the
+  write must be complete before the engine reads the pages; an event with ``query()`` is waited for
+  at most ``finish_timeout_s``) and submits that layer's blocks of every context waiting for it. Per
+  room, an event goes to the oldest context that still lacks that layer (chunk N+1 may register
+  while chunk N finishes).
 - ``finish`` (a transfer worker, from ``send()``) takes the chunk's context, waits until every layer
   was submitted and every write completed, bounded by ``finish_timeout_s``; on timeout (a layer that
   never ended) or failure, it stops submitting, waits for the writes already submitted, and reports
@@ -35,10 +38,18 @@ How a scheduler uses it, per chunk of a room whose sender polls WaitingForInput 
   blocks, until ``forget`` (``sender.clear()``), so a ``send()`` racing the drop is refused instead
   of being sent whole.
 
+What decides messages is the endpoint's: before a context's first write the manager asks
+``writes_started(room, start_token)`` (the endpoint's ``layer_writes_started``: False when the room
+can no longer be written, and the context is then cancelled), and once every write a context
+submitted has ended it reports ``writes_ended(room, start_token)``. So the endpoint counts a
+per-layer context in flight from its first write: AbortAck, the RegisterAck of a restarted decode
+rank, Success and ``may_write`` wait for it; nothing is held back here.
+
 Locks: the manager's lock guards every context's state; a context's job lock serialises the calls
 on its ``TransferJob`` (one thread at a time, as the executor requires), taken before the manager's
 lock and never held while waiting on the manager's conditions. The ``guard`` (the transport's lock)
-is taken before the manager's lock, and the manager never calls the transport while holding its own.
+is taken before the manager's lock, and the manager never calls the transport (``writes_started``,
+``writes_ended``) while holding its own.
 """
 
 from __future__ import annotations
@@ -144,6 +155,14 @@ device event. CPU callers pass nothing: the write is complete when ``on_layer_en
 DestinationsOf: TypeAlias = Callable[[RoomId], tuple[Destination, ...] | None]
 """The room's non-dummy destinations, or None while it has none yet (called with ``guard`` held)."""
 
+WritesStarted: TypeAlias = Callable[[RoomId, int], bool]
+"""Before a context's first write: may the room still be written? (takes ``guard``)"""
+
+WritesEnded: TypeAlias = Callable[[RoomId, int], None]
+"""Every write a context submitted has ended (takes ``guard``)."""
+
+LANE_IDLE_S: Final = 30.0  # a peer's submission lane stops after this long without work
+
 
 @attrs.frozen(kw_only=True)
 class LayerTransferResult:
@@ -175,6 +194,8 @@ class PerLayerStatistics:
     failed: int
     dropped: int
     open_contexts: int
+    lanes: int
+    """Submission lanes (one per destination peer with recent work)."""
 
 
 class _Owner(enum.Enum):
@@ -204,6 +225,8 @@ class _Context:
     owner: _Owner | None = None
     first_submit_at: float | None = None
     result: TransferResult | None = None
+    started: bool = False  # the endpoint counts this context's writes in flight
+    end_reported: bool = False
 
     @property
     def terminal(self) -> bool:
@@ -233,7 +256,18 @@ class _DrainRoom:
     room: RoomId
 
 
-_Task: TypeAlias = _SubmitLayer | _DrainRoom | None  # None stops the submission thread
+_Task: TypeAlias = _SubmitLayer | _DrainRoom | None  # None stops a lane
+
+
+@attrs.define(eq=False)
+class _Lane:
+    """One destination peer's submission thread and its queue (guarded by the manager's lock)."""
+
+    peer: str
+    work: threading.Condition
+    tasks: deque[_Task] = attrs.Factory(deque)
+    thread: threading.Thread | None = None
+
 
 _COLLECTING = (PerLayerState.COLLECTING, PerLayerState.AWAITING_LAYERS)
 
@@ -261,11 +295,24 @@ def layer_keys(layout: BufferLayout) -> tuple[LayerKey, ...]:
     return tuple(sorted(keys, key=lambda k: k.sort_key))
 
 
-def _wait_ready(ready: ReadyWait) -> None:
+def _wait_ready(ready: ReadyWait, timeout_s: float) -> bool:
+    """Wait for a layer's write to be complete; False when an event with ``query()`` (a CUDA event)
+    is still pending after ``timeout_s``. A plain callable or ``synchronize()`` is waited for as is."""
+    query = getattr(ready, "query", None)
+    if callable(query):
+        deadline = time.monotonic() + timeout_s
+        pause = 5e-5
+        while not query():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
+        return True
     if callable(ready):
         ready()
     else:
         ready.synchronize()
+    return True
 
 
 class PerLayerTransferManager:
@@ -277,6 +324,8 @@ class PerLayerTransferManager:
         *,
         layout: BufferLayout,
         destinations: DestinationsOf,
+        writes_started: WritesStarted | None = None,
+        writes_ended: WritesEnded | None = None,
         cp_rank: int = 0,
         policy: OwnershipPolicy | None = None,
         guard: AbstractContextManager[object] | None = None,
@@ -287,6 +336,8 @@ class PerLayerTransferManager:
         self._executor = executor
         self._layout = layout
         self._destinations = destinations
+        self._writes_started: WritesStarted = writes_started or (lambda room, start_token: True)
+        self._writes_ended: WritesEnded = writes_ended or (lambda room, start_token: None)
         self._cp_rank = cp_rank
         self._policy = policy
         self._guard: AbstractContextManager[object] = guard if guard is not None else threading.Lock()
@@ -307,11 +358,9 @@ class PerLayerTransferManager:
         )
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)  # context states (finish, drop wait on it)
-        self._work = threading.Condition(self._lock)  # the submission thread waits on it
-        self._tasks: deque[_Task] = deque()
+        self._lanes: dict[str, _Lane] = {}  # destination peer session -> its submission lane
         self._pending_events = 0
         self._rooms: dict[RoomId, _Room] = {}
-        self._thread = threading.Thread(target=self._run, name=f"pdkv-per-layer-{name}", daemon=True)
         self._started = False
         self._closed = False
         self._registered = self._duplicates = self._fallbacks = 0
@@ -321,32 +370,35 @@ class PerLayerTransferManager:
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> None:
+        """Lanes start on demand (one per destination peer); this only opens the manager."""
         with self._lock:
-            if self._started:
-                return
             self._started = True
-        self._thread.start()
 
     def close(self, timeout_s: float = 30.0) -> bool:
         """Drop every context (waiting for its writes) and stop the submission thread (idempotent).
         False when the thread is still running after ``timeout_s`` (a write may still be in flight)."""
         with self._lock:
-            if self._closed:
-                return not self._thread.is_alive()
+            already = self._closed
             self._closed = True
             rooms = list(self._rooms)
-        for room in rooms:
-            self.drop(room, "transport closing")
+        if not already:
+            for room in rooms:
+                self.drop(room, "transport closing")
         with self._lock:
-            self._tasks.append(None)
-            self._work.notify()
-        if self._thread.is_alive():
-            self._thread.join(timeout_s)
-            if self._thread.is_alive():
-                log.warning(
-                    "per-layer submission thread %s did not stop within %.1f s", self._name, timeout_s
-                )
-                return False
+            lanes = list(self._lanes.values())
+            for lane in lanes:
+                lane.tasks.append(None)
+                lane.work.notify()
+        deadline = time.monotonic() + timeout_s
+        stuck = []
+        for lane in lanes:
+            if lane.thread is not None and lane.thread is not threading.current_thread():
+                lane.thread.join(max(0.0, deadline - time.monotonic()))
+                if lane.thread.is_alive():
+                    stuck.append(lane.peer)
+        if stuck:
+            log.warning("per-layer lanes %s of %s did not stop within %.1f s", stuck, self._name, timeout_s)
+            return False
         return True
 
     def is_closed(self) -> bool:
@@ -435,7 +487,7 @@ class PerLayerTransferManager:
                 self._rooms.setdefault(room, _Room()).contexts[start_token] = context
                 self._registered += 1
                 if len(resident):
-                    self._enqueue(_SubmitLayer((context,), None, None), event=True)
+                    self._enqueue(_SubmitLayer((context,), None, None))
         log.debug(
             "room %s chunk@%d: per-layer (%d KV pages, %d resident)",
             room,
@@ -471,7 +523,7 @@ class PerLayerTransferManager:
                         targets.append(context)
                         break  # per room, the oldest context still lacking the layer
             if targets:
-                self._enqueue(_SubmitLayer(tuple(targets), key, ready), event=True)
+                self._enqueue(_SubmitLayer(tuple(targets), key, ready))
 
     # ------------------------------------------------------------------ transport surface
 
@@ -565,10 +617,12 @@ class PerLayerTransferManager:
             self._changed.notify_all()
             if not self._outstanding(r):
                 return False
-            r.pending_drains += 1
+            peers = {c.destination.peer.session for c in r.contexts.values()}
+            r.pending_drains += len(peers)
             if on_drained is not None:
                 r.on_drained.append(on_drained)
-            self._enqueue(_DrainRoom(room), event=False)
+            for peer in sorted(peers):
+                self._lane_enqueue(peer, _DrainRoom(room))
             return True
 
     def drop(self, room: RoomId, reason: str = "dropped") -> int:
@@ -629,6 +683,7 @@ class PerLayerTransferManager:
                 open_contexts=sum(
                     1 for r in self._rooms.values() for c in r.contexts.values() if not c.terminal
                 ),
+                lanes=len(self._lanes),
             )
 
     # ------------------------------------------------------------------ planning
@@ -674,14 +729,18 @@ class PerLayerTransferManager:
         )
         return _Planned(blocks=plan.blocks, kv_pages=plan.kv_pages)
 
-    # ------------------------------------------------------------------ submission thread
+    # ------------------------------------------------------------------ submission lanes
 
-    def _run(self) -> None:
+    def _run_lane(self, lane: _Lane) -> None:
         while True:
             with self._lock:
-                while not self._tasks:
-                    self._work.wait()
-                task = self._tasks.popleft()
+                while not lane.tasks:
+                    if not lane.work.wait(LANE_IDLE_S) and not lane.tasks:
+                        # Idle: retire (a later task for this peer starts a new lane).
+                        if self._lanes.get(lane.peer) is lane:
+                            del self._lanes[lane.peer]
+                        return
+                task = lane.tasks.popleft()
                 if isinstance(task, _SubmitLayer):
                     self._pending_events -= 1
             if task is None:
@@ -691,8 +750,8 @@ class PerLayerTransferManager:
                     self._drain_task(task.room)
                 else:
                     self._submit(task)
-            except Exception as exc:  # the contexts fail; the thread goes on
-                log.exception("per-layer submission thread %s: %s failed", self._name, type(task).__name__)
+            except Exception as exc:  # the contexts fail; the lane goes on
+                log.exception("per-layer lane %s/%s: %s failed", self._name, lane.peer, type(task).__name__)
                 if isinstance(task, _SubmitLayer):
                     with self._lock:
                         for context in task.contexts:
@@ -702,12 +761,15 @@ class PerLayerTransferManager:
     def _submit(self, task: _SubmitLayer) -> None:
         if task.ready is not None:
             try:
-                _wait_ready(task.ready)
+                complete = _wait_ready(task.ready, self.config.finish_timeout_s)
+                problem = None if complete else f"not complete within {self.config.finish_timeout_s:g} s"
             except Exception as exc:
+                problem = f"failed: {exc}"
+            if problem is not None:
                 with self._lock:
                     for context in task.contexts:
                         context.error = (
-                            context.error or f"waiting for layer {task.layer} to be written failed: {exc}"
+                            context.error or f"waiting for layer {task.layer} to be written {problem}"
                         )
                     self._changed.notify_all()
                 return
@@ -715,16 +777,32 @@ class PerLayerTransferManager:
             with context.job_lock:
                 with self._lock:
                     live = not context.cancelled and context.error is None and not context.terminal
-                    if live and context.first_submit_at is None:
-                        context.first_submit_at = self._clock()
+                    first = live and not context.started
+                if first:
+                    # The endpoint counts the context in flight before any byte of it can land.
+                    allowed = self._writes_started(context.room, context.start_token)
+                    with self._lock:
+                        if allowed:
+                            context.started = True
+                            context.first_submit_at = self._clock()
+                        else:
+                            context.cancelled = True
+                            context.cancel_reason = (
+                                context.cancel_reason or "the room can no longer be written"
+                            )
+                            live = False
                 if live:
                     blocks = context.resident if task.layer is None else context.layers[task.layer]
-                    context.job.submit(blocks)  # may wait while the job is full: this thread only
+                    context.job.submit(blocks)  # may wait while the job is full: this peer's lane only
             with self._lock:
                 if live and task.layer is not None:
                     context.submitted.add(task.layer)
                     self._layers_submitted += 1
-                    if context.submitted >= context.expected and context.machine.state in _COLLECTING:
+                    if (
+                        context.submitted >= context.expected
+                        and context.machine.state in _COLLECTING
+                        and not context.cancelled  # a finisher that saw the cancel drops it
+                    ):
                         context.machine.fire(PerLayerTrigger.ALL_LAYERS_SUBMITTED)
                 self._changed.notify_all()
 
@@ -769,6 +847,9 @@ class PerLayerTransferManager:
                 if r is not None and r.forgotten:
                     self._remove(context)
                 self._changed.notify_all()
+                report = self._take_end_report(context)
+            if report:
+                self._writes_ended(context.room, context.start_token)
             log.debug(
                 "room %s chunk@%d: per-layer context dropped (%s)",
                 room,
@@ -779,18 +860,35 @@ class PerLayerTransferManager:
 
     # ------------------------------------------------------------------ internals (lock held unless noted)
 
-    def _enqueue(self, task: _Task, *, event: bool) -> None:
-        if event and isinstance(task, _SubmitLayer):
-            if self._pending_events >= self.config.max_pending_events:
-                for context in task.contexts:
-                    context.error = context.error or (
-                        f"layer event queue full ({self.config.max_pending_events} events pending)"
-                    )
-                self._changed.notify_all()
-                return
+    def _enqueue(self, task: _SubmitLayer) -> None:
+        """Queue a layer (or resident pages) on the lane of each context's destination peer."""
+        if self._pending_events >= self.config.max_pending_events:
+            for context in task.contexts:
+                context.error = context.error or (
+                    f"layer event queue full ({self.config.max_pending_events} events pending)"
+                )
+            self._changed.notify_all()
+            return
+        by_peer: dict[str, list[_Context]] = {}
+        for context in task.contexts:
+            by_peer.setdefault(context.destination.peer.session, []).append(context)
+        for peer, contexts in by_peer.items():
             self._pending_events += 1
-        self._tasks.append(task)
-        self._work.notify()
+            self._lane_enqueue(peer, _SubmitLayer(tuple(contexts), task.layer, task.ready))
+
+    def _lane_enqueue(self, peer: str, task: _Task) -> None:
+        lane = self._lanes.get(peer)
+        if lane is None or lane.thread is None or not lane.thread.is_alive():
+            lane = _Lane(peer=peer, work=threading.Condition(self._lock))
+            lane.thread = threading.Thread(
+                target=self._run_lane, args=(lane,), name=f"pdkv-per-layer-{self._name}-{peer}", daemon=True
+            )
+            self._lanes[peer] = lane
+            lane.tasks.append(task)
+            lane.thread.start()
+            return
+        lane.tasks.append(task)
+        lane.work.notify()
 
     def _is_registered(self, room: RoomId, start_token: int) -> bool:
         r = self._rooms.get(room)
@@ -821,7 +919,18 @@ class PerLayerTransferManager:
                 self._dropped += 1
             self._remove(context)
             self._changed.notify_all()
-            return self._result(context, reason)
+            result = self._result(context, reason)
+            report = self._take_end_report(context)
+        if report:
+            self._writes_ended(context.room, context.start_token)
+        return result
+
+    def _take_end_report(self, context: _Context) -> bool:
+        """Lock held, ``context`` terminal and drained: report its end to the endpoint once."""
+        if not context.started or context.end_reported:
+            return False
+        context.end_reported = True
+        return True
 
     def _result(self, context: _Context, reason: str) -> LayerTransferResult:
         outcome = context.result

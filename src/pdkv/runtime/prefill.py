@@ -10,8 +10,10 @@ Owns: the threads and queues of one prefill rank around its sans-IO ``PrefillEnd
   never wait on the network;
 - the per-layer path (``transport.per_layer``, a ``PerLayerTransferManager``): a chunk registered
   before its forward is sent layer by layer while the forward runs; the worker that picks the chunk
-  up after ``send()`` finishes that context instead of sending the chunk again. When a room fails,
-  its contexts are cancelled, and the room's AbortAck is held until their writes have ended.
+  up after ``send()`` finishes that context instead of sending the chunk again. A context's writes
+  are in flight for the endpoint from its first write (``layer_writes_started`` /
+  ``layer_writes_ended``), so AbortAck, RegisterAck and Success wait for them there. When a room
+  fails (or completes without a registered chunk: ``DropLayers``), its contexts are cancelled.
 
 All room state lives in the endpoint, behind one lock. Effects are carried out in the order the
 endpoint produced them. A worker never dies on an exception: the chunk (and so the room) fails with
@@ -20,7 +22,6 @@ the reason, and the worker takes the next chunk.
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import queue
@@ -42,13 +43,16 @@ from pdkv.errors import (
     RegistryError,
     RouteUnavailableError,
 )
-from pdkv.mapping import BufferLayout, OwnershipPolicy, PageInterleaved
+from pdkv.mapping import BufferLayout, OwnershipPolicy, PageInterleaved, chunk_page_start, cp_owned
 from pdkv.metrics import KVTransferMetric, TransportCounter, TransportMetricsSnapshot
 from pdkv.protocol import arguments
 from pdkv.protocol.config import Timeouts
 from pdkv.protocol.effects import (
     ChunkSpec,
+    Destination,
+    DropLayers,
     Effect,
+    PeerKey,
     ReleasePages,
     RoomFinished,
     Send,
@@ -56,7 +60,6 @@ from pdkv.protocol.effects import (
 )
 from pdkv.protocol.ids import Endpoint, Epoch, InstanceId, RoomId, SessionId
 from pdkv.protocol.messages import (
-    AbortAck,
     IntArray,
     Origin,
     RankAnnounce,
@@ -172,6 +175,8 @@ class PrefillTransport(EndpointHost[PrefillEndpoint]):
             self._executor,
             layout=config.layout,
             destinations=self._endpoint.destinations,  # called with the lock held
+            writes_started=self._layer_writes_started,
+            writes_ended=self._layer_writes_ended,
             cp_rank=config.rank.cp,
             policy=config.policy,
             guard=self._lock,
@@ -180,7 +185,6 @@ class PrefillTransport(EndpointHost[PrefillEndpoint]):
             name=str(config.rank),
         )
         """Per-layer transfer (DESIGN section 7): ``register``, ``on_layer_end`` per layer, ``send()``."""
-        self._held_acks: dict[RoomId, list[Send]] = {}
         self._worker_errors = 0
         self._partition_dump = os.environ.get("PDKV_DEBUG_PARTITION_DUMP") == "1"
         self._started = False
@@ -328,12 +332,7 @@ class PrefillTransport(EndpointHost[PrefillEndpoint]):
 
     def _apply_effect(self, effect: Effect) -> None:
         if isinstance(effect, Send):
-            message = effect.message
-            if isinstance(message, AbortAck) and self.per_layer.outstanding(message.room):
-                # Per-layer writes the endpoint does not see may still land: acknowledge later.
-                self._held_acks.setdefault(message.room, []).append(effect)
-                return
-            self._loop.post(effect.to, message)
+            self._loop.post(effect.to, effect.message)
         elif isinstance(effect, SubmitChunk):
             try:
                 self._work.put_nowait(effect)
@@ -346,17 +345,12 @@ class PrefillTransport(EndpointHost[PrefillEndpoint]):
         elif isinstance(effect, RoomFinished):
             if effect.poll is KVPoll.Success:
                 log.debug("room %s succeeded on prefill %s", effect.room, self.config.rank)
-                if self.per_layer.outstanding(effect.room):
-                    log.warning(
-                        "room %s succeeded with per-layer contexts never sent; dropping them", effect.room
-                    )
-                    self.per_layer.cancel(effect.room, "room succeeded without this chunk")
+                # Contexts that never wrote (none that wrote can be left: Success waited for them).
+                self.per_layer.cancel(effect.room, "room succeeded without this chunk")
             else:
-                self.per_layer.cancel(
-                    effect.room,
-                    effect.reason or "room failed",
-                    on_drained=functools.partial(self._release_held_acks, effect.room),
-                )
+                self.per_layer.cancel(effect.room, effect.reason or "room failed")
+        elif isinstance(effect, DropLayers):
+            self.per_layer.cancel(effect.room, effect.reason)
         elif isinstance(effect, ReleasePages):  # decode-side effect; a prefill endpoint never emits it
             raise AssertionError(f"prefill endpoint emitted {effect}")
 
@@ -381,11 +375,16 @@ class PrefillTransport(EndpointHost[PrefillEndpoint]):
                         "transfer worker: could not fail chunk %s of room %s", item.chunk, item.room
                     )
 
-    def _release_held_acks(self, room: RoomId) -> None:
-        """The per-layer writes of ``room`` ended: the AbortAcks held for it may go (any thread)."""
+    def _layer_writes_started(self, room: RoomId, start_token: int) -> bool:
+        """Per-layer manager, before a context's first write: may the room still be written?"""
         with self._lock:
-            for effect in self._held_acks.pop(room, []):
-                self._loop.post(effect.to, effect.message)
+            return self._endpoint.layer_writes_started(room, start_token, self._clock())
+
+    def _layer_writes_ended(self, room: RoomId, start_token: int) -> None:
+        """Per-layer manager: every write of a context ended (it may release an AbortAck, a
+        RegisterAck or the room's Success)."""
+        with self._lock:
+            self._apply(self._endpoint.layer_writes_ended(room, start_token, self._clock()))
 
     def _run_chunk(self, submit: SubmitChunk) -> None:
         with self._lock:
@@ -398,6 +397,7 @@ class PrefillTransport(EndpointHost[PrefillEndpoint]):
             return
         started = self._clock()
         pages = written = 0
+        per_peer: dict[PeerKey, TransferMetricData] = {}  # each decode rank is told its own share
         for destination in submit.destinations:
             try:
                 plan = plan_chunk(
@@ -417,7 +417,7 @@ class PrefillTransport(EndpointHost[PrefillEndpoint]):
                 log.warning("room %s chunk %s: %s", submit.room, submit.chunk, note)
             if self._partition_dump:
                 _dump_partition(
-                    submit, plan.kv_pages, plan.state_slots, self.config.rank, destination.peer.rank
+                    submit, destination, config=self.config, writes_extras=self.config.rank.cp == 0
                 )
             submitted = self._clock()
             result = self._executor.transfer(destination.peer.session, plan.blocks)
@@ -427,6 +427,9 @@ class PrefillTransport(EndpointHost[PrefillEndpoint]):
                 return
             pages += plan.kv_pages
             written += result.bytes_written
+            per_peer[destination.peer.key] = TransferMetricData(
+                pages=plan.kv_pages, bytes=result.bytes_written, seconds=result.seconds
+            )
             landed = KVTransferMetric(
                 room=submit.room,
                 pages=plan.kv_pages,
@@ -444,7 +447,9 @@ class PrefillTransport(EndpointHost[PrefillEndpoint]):
                 )
         metric = TransferMetricData(pages=pages, bytes=written, seconds=max(0.0, self._clock() - started))
         with self._lock:
-            self._apply(self._endpoint.chunk_done(submit.room, submit.chunk, metric, self._clock()))
+            self._apply(
+                self._endpoint.chunk_done(submit.room, submit.chunk, metric, self._clock(), per_peer=per_peer)
+            )
 
     def _complete_per_layer(self, submit: SubmitChunk, layered: LayerTransferResult) -> None:
         """A chunk whose KV went layer by layer: its extras (last chunk), then chunk_done or chunk_failed."""
@@ -456,7 +461,6 @@ class PrefillTransport(EndpointHost[PrefillEndpoint]):
             self._finish_failed(submit, f"per-layer transfer to {peer}: {layered.reason}")
             return
         written = layered.bytes_written
-        state_slots = 0
         if submit.spec.last and self.config.rank.cp == 0:
             # State and aux rows ride on the last chunk, after its KV (as on the monolithic path);
             # planned for no pages, plan_chunk yields exactly those blocks.
@@ -477,7 +481,6 @@ class PrefillTransport(EndpointHost[PrefillEndpoint]):
                 return
             for note in plan.notes:
                 log.warning("room %s chunk %s: %s", submit.room, submit.chunk, note)
-            state_slots = plan.state_slots
             if len(plan.blocks):
                 result = self._executor.transfer(destination.peer.session, plan.blocks)
                 if not result.ok:
@@ -486,7 +489,7 @@ class PrefillTransport(EndpointHost[PrefillEndpoint]):
                     return
                 written += result.bytes_written
         if self._partition_dump:
-            _dump_partition(submit, layered.kv_pages, state_slots, self.config.rank, destination.peer.rank)
+            _dump_partition(submit, destination, config=self.config, writes_extras=self.config.rank.cp == 0)
         now = self._clock()
         landed = KVTransferMetric(
             room=submit.room,
@@ -506,7 +509,11 @@ class PrefillTransport(EndpointHost[PrefillEndpoint]):
                 landed,
                 room_finished=self._room_finished(submit.room),
             )
-            self._apply(self._endpoint.chunk_done(submit.room, submit.chunk, metric, now))
+            self._apply(
+                self._endpoint.chunk_done(
+                    submit.room, submit.chunk, metric, now, per_peer={destination.peer.key: metric}
+                )
+            )
 
     def _room_finished(self, room: RoomId) -> bool:
         """Did ``room`` finish (lock held)? A write that lands after that is settled at once."""
@@ -598,21 +605,39 @@ def _close(endpoint: PrefillEndpoint, room: RoomId, now: float) -> list[Effect]:
 
 
 def _dump_partition(
-    submit: SubmitChunk, kv_pages: int, state_slots: int, rank: RankCoord, peer: RankCoord
+    submit: SubmitChunk, destination: Destination, *, config: PrefillConfig, writes_extras: bool
 ) -> None:
-    """PDKV_DEBUG_PARTITION_DUMP=1: one line per chunk and destination, no cap, no other effect."""
+    """PDKV_DEBUG_PARTITION_DUMP=1: one line per chunk, CP rank and destination, no cap, no other
+    effect: the physical pages this CP rank owns and their positions in the request (KV), and the
+    state slots it writes (source -> destination, per kind), so the KV and state partitions of a
+    cache hit and a miss can be diffed rank by rank."""
+    spec = submit.spec
+    try:
+        start = chunk_page_start(spec.start_token, config.layout.page_size)
+        owned = cp_owned(spec.pages, start, config.rank.cp, config.policy)
+        physical, positions = owned.physical.tolist(), owned.positions.tolist()
+    except PdkvError as exc:  # the dump never changes what happens: the planner reports the error
+        physical, positions = [], [f"unmappable: {exc}"]
+    states: list[str] = []
+    if writes_extras and spec.last:
+        wanted = {s.kind: s.indices for s in destination.request.dst_state}
+        for s in spec.state:
+            dst = wanted.get(s.kind)
+            states.append(f"{s.kind.value}:{s.indices.tolist()}->{[] if dst is None else dst.tolist()}")
     log.warning(
-        "partition room=%s chunk=%s rank=%s peer=%s start_token=%s pages=%s kv_pages_sent=%s "
-        "state_slots=%s last=%s",
+        "partition room=%s chunk=%s cp_rank=%s rank=%s peer=%s start_token=%s last=%s "
+        "kv_physical=%s kv_positions=%s kv_pages_sent=%s state=%s",
         submit.room,
         submit.chunk,
-        rank,
-        peer,
-        submit.spec.start_token,
-        submit.spec.pages.tolist(),
-        kv_pages,
-        state_slots,
-        submit.spec.last,
+        config.rank.cp,
+        config.rank,
+        destination.peer.rank,
+        spec.start_token,
+        spec.last,
+        physical,
+        positions,
+        len(physical),
+        "[" + "; ".join(states) + "]",
     )
 
 

@@ -34,6 +34,7 @@ from pdkv.protocol.config import Timeouts
 from pdkv.protocol.decode import DecodeEndpoint
 from pdkv.protocol.effects import (
     ChunkSpec,
+    DropLayers,
     Effect,
     FailureCause,
     ForgetPeer,
@@ -524,6 +525,8 @@ class EndpointPair:
                 self._on_release(e, now)
             elif isinstance(e, ForgetPeer):
                 self.forgotten.append((who, e))
+            elif isinstance(e, DropLayers):
+                pass  # the pair runs no per-layer contexts: nothing to stop
             else:
                 self.notices_seen += 1
                 if self._notice_limit is None or len(self.notices) < self._notice_limit:
