@@ -239,7 +239,7 @@ def run_once(*, cp: int, rooms: int, gap: float, chunk_pages: int, abort_rate: f
 def main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog="pdkv bench scale", description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--cp", default="1,8,32", help="prefill CP ranks per run (comma-separated)")
-    parser.add_argument("--rooms", default="1000,4000", help="rooms per run (comma-separated)")
+    parser.add_argument("--rooms", default="500,2000", help="rooms per run (comma-separated)")
     parser.add_argument("--gap", type=float, default=0.002, help="fake seconds between room arrivals")
     parser.add_argument("--chunk-pages", type=int, default=128, help="pages per prefill chunk")
     parser.add_argument("--abort-rate", type=float, default=0.01)
