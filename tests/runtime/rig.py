@@ -14,7 +14,7 @@ from pdkv.mapping import PageInterleaved
 from pdkv.protocol.config import Timeouts
 from pdkv.protocol.ids import InstanceId
 from pdkv.protocol.messages import RankCoord
-from pdkv.runtime import PerLayerConfig
+from pdkv.runtime import ExecutorConfig, PerLayerConfig
 from pdkv.runtime.channels import start_registry
 from pdkv.runtime.decode import DecodeConfig, DecodeTransport
 from pdkv.runtime.prefill import PrefillConfig, PrefillTransport
@@ -46,6 +46,8 @@ class Rig:
         decode_tp: int = 1,
         finish_timeout_s: float = 20.0,
         faults: LoopbackFaults | None = None,
+        executor: ExecutorConfig | None = None,
+        loopback_workers: int = 4,
     ) -> None:
         self.spec = spec
         self.fabric = LoopbackFabric("rig")
@@ -55,7 +57,7 @@ class Rig:
         self.prefill_memory: list[RankMemory] = []
         self.prefill_backends: list[LoopbackBackend] = []
         self.prefills: list[PrefillTransport] = []
-        loopback = LoopbackConfig(faults=faults or LoopbackFaults())
+        loopback = LoopbackConfig(faults=faults or LoopbackFaults(), worker_threads=loopback_workers)
         for rank in range(cp):
             memory = RankMemory(spec, Capacity(kv_pages=PREFILL_PAGES, state_slots=8, aux_rows=8))
             memory.fill_prefill(cp_rank=rank, policy=self.policy)
@@ -69,6 +71,7 @@ class Rig:
                 registry=self.registry.address,
                 timeouts=TIMEOUTS,
                 per_layer=PerLayerConfig(finish_timeout_s=finish_timeout_s),
+                executor=executor if executor is not None else ExecutorConfig.from_env(),
             )
             self.prefill_memory.append(memory)
             self.prefill_backends.append(backend)

@@ -60,6 +60,9 @@ class LoopbackFaults:
     delay_batches: frozenset[int] | None = attrs.field(
         default=None, converter=attrs.converters.optional(_serials)
     )
+    # A straggling link: every piece towards these peers waits ``slow_peer_seconds`` first.
+    slow_peers: frozenset[str] = attrs.field(default=frozenset(), converter=_peers)
+    slow_peer_seconds: float = attrs.field(default=0.0, validator=_non_negative_float)
     # A real engine that fails a batch may already have landed some of it: a failing batch first
     # writes the first half of its blocks, so callers are tested against partial writes.
     partial_write: bool = True
@@ -187,6 +190,8 @@ def _execute(job: PieceJob, faults: LoopbackFaults, target: LoopbackBackend) -> 
     serial, piece = job.handle.serial, job.piece
     if job.index == 0 and faults.delays(serial):
         time.sleep(faults.delay_seconds)
+    if job.handle.peer in faults.slow_peers:
+        time.sleep(faults.slow_peer_seconds)
     outside = target.destination_outside(piece)
     if outside >= 0:
         raise PieceFailed(

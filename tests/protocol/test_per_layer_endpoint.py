@@ -1,0 +1,95 @@
+"""Per-layer writes inside the prefill endpoint: a context counts as in flight from its first write,
+so AbortAck, the RegisterAck of a restarted decode rank, Success and ``may_write`` all wait for it;
+each decode rank is told the bytes written to it, not the room's total."""
+
+from __future__ import annotations
+
+from pdkv.protocol.effects import ChunkSpec, DropLayers, SubmitChunk
+from pdkv.protocol.ids import Epoch
+from pdkv.protocol.messages import (
+    Abort,
+    AbortAck,
+    Origin,
+    Outcome,
+    RankCoord,
+    RegisterAck,
+    TransferMetricData,
+    TransferStatus,
+)
+from pdkv.protocol.poll import KVPoll
+from pdkv.protocol.prefill import PrefillEndpoint
+from tests.protocol.helpers import DECODE, ROOM, prefill, register, request, sent
+
+PAGE = 16
+
+
+def _writing(pages: int = 2) -> PrefillEndpoint:
+    """ROOM open and requested, with the per-layer context of its first chunk writing."""
+    p = prefill()
+    p.receive(register(), 0.0)
+    p.open_room(ROOM, num_pages=pages, aux_row=None, now=0.0)
+    p.receive(request(list(range(5, 5 + pages))), 0.0)
+    assert p.layer_writes_started(ROOM, 0, 0.1)
+    return p
+
+
+def test_a_restarted_decode_rank_gets_its_register_ack_only_after_layer_writes_ended() -> None:
+    p = _writing()
+    assert p.in_flight(ROOM) == 1 and p.may_write(ROOM)
+    reborn = Origin(instance=DECODE.instance, epoch=Epoch(2), rank=DECODE.rank)
+    effects = p.receive(register(origin=reborn), 1.0)
+    assert sent(effects, RegisterAck) == []  # its old incarnation's memory may still be written
+    assert p.poll(ROOM) is KVPoll.Failed
+    effects = p.layer_writes_ended(ROOM, 0, 2.0)
+    assert sent(effects, RegisterAck) == [RegisterAck(origin=p.origin)]
+
+
+def test_abort_ack_waits_for_the_layer_writes_of_the_room() -> None:
+    p = _writing()
+    effects = p.receive(Abort(origin=DECODE, room=ROOM, reason="client left"), 1.0)
+    assert sent(effects, AbortAck) == [] and p.may_write(ROOM)
+    assert not p.layer_writes_started(ROOM, 32, 1.1)  # a failed room starts no new context
+    effects = p.layer_writes_ended(ROOM, 0, 2.0)
+    assert sent(effects, AbortAck) == [AbortAck(origin=p.origin, room=ROOM)]
+    assert not p.may_write(ROOM)
+
+
+def test_success_waits_for_a_context_whose_chunk_was_never_sent() -> None:
+    p = _writing(2)
+    assert p.layer_writes_started(ROOM, PAGE, 0.2)  # an orphan: chunk@16 is never sent
+    [submit] = p.queue_chunk(ROOM, ChunkSpec(pages=[0, 1], start_token=0, last=True), 0.3)
+    assert isinstance(submit, SubmitChunk)
+    assert p.start_chunk(ROOM, 0, 0.4)
+    assert p.layer_writes_ended(ROOM, 0, 0.45) == []  # the sent chunk's own context
+    effects = p.chunk_done(ROOM, 0, TransferMetricData(pages=2, bytes=200), 0.5)
+    assert sent(effects, TransferStatus) == []
+    assert [e for e in effects if isinstance(e, DropLayers)] == [
+        DropLayers(room=ROOM, reason="room complete; per-layer chunk(s) @[16] were never sent")
+    ]
+    assert p.poll(ROOM) is KVPoll.Transferring and p.may_write(ROOM)
+    effects = p.layer_writes_ended(ROOM, PAGE, 0.6)
+    [status] = sent(effects, TransferStatus)
+    assert isinstance(status, TransferStatus) and status.outcome is Outcome.SUCCESS
+    assert p.poll(ROOM) is KVPoll.Success and not p.may_write(ROOM)
+
+
+def test_each_decode_rank_is_told_only_what_was_written_to_it() -> None:
+    p = prefill()
+    second = Origin(instance=DECODE.instance, epoch=DECODE.epoch, rank=RankCoord(tp=1))
+    p.receive(register(), 0.0)
+    p.receive(register(origin=second), 0.0)
+    p.open_room(ROOM, num_pages=4, aux_row=None, now=0.0)
+    p.receive(request([1, 2, 3, 4], required=2), 0.0)
+    p.receive(request([1, 2, 3, 4], required=2, origin=second), 0.0)
+    [submit] = p.queue_chunk(ROOM, ChunkSpec(pages=[0, 1, 2, 3], start_token=0, last=True), 0.1)
+    assert isinstance(submit, SubmitChunk) and len(submit.destinations) == 2
+    p.start_chunk(ROOM, 0, 0.2)
+    shares = {
+        (DECODE.instance, DECODE.rank): TransferMetricData(pages=4, bytes=400, seconds=0.1),
+        (second.instance, second.rank): TransferMetricData(pages=4, bytes=440, seconds=0.2),
+    }
+    total = TransferMetricData(pages=8, bytes=840, seconds=0.2)
+    effects = p.chunk_done(ROOM, 0, total, 0.3, per_peer=shares)
+    statuses = [m for m in sent(effects, TransferStatus) if isinstance(m, TransferStatus)]
+    assert sorted(m.metric.bytes for m in statuses) == [400, 440]  # not 840 each
+    assert [m.metric.pages for m in statuses] == [4, 4]
