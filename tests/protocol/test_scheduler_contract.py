@@ -305,3 +305,20 @@ def test_a_late_success_of_a_cleared_room_never_completes_a_room_reusing_its_id(
         ROOM, targets=[target], dst_pages=[5, 6], dst_aux_row=None, now=3.0 + d.timeouts.tombstone + 2
     )
     assert d.poll(ROOM) is KVPoll.Bootstrapping  # a room again (the idle peer is being re-registered)
+
+
+def test_an_abort_before_registration_completed_reaches_the_prefill_once_it_does() -> None:
+    d = decode()
+    d.connect(route(), 0.0)  # Register sent, not yet acknowledged
+    target = Target(instance=PREFILL.instance, rank=PREFILL.rank)
+    d.open_room(ROOM, targets=[target], dst_pages=[3, 4], dst_aux_row=None, now=0.1)
+    assert sent(d.abort_room(ROOM, "client left", 0.2), Abort) == []  # it would be dropped now
+    effects = d.receive(RegisterAck(origin=PREFILL), 0.3)
+    [abort] = sent(effects, Abort)
+    assert isinstance(abort, Abort) and abort.room == ROOM and "client left" in abort.reason
+    assert sent(d.receive(RegisterAck(origin=PREFILL), 0.4), Abort) == []  # told once
+
+
+def test_metrics_of_rooms_without_a_record_are_zero_not_errors() -> None:
+    assert prefill().metric(ROOM) == TransferMetricData()
+    assert decode().metric(ROOM) == {}

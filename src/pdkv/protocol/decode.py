@@ -162,6 +162,7 @@ class _ReceiverRoom:
     acked: set[PeerKey] = attrs.Factory(set)
     released: bool = False
     release_safe: bool = True
+    tell_later: set[PeerKey] = attrs.Factory(set)  # failed before these ranks were registered
 
     @property
     def state(self) -> ReceiverRoomState:
@@ -322,6 +323,11 @@ class DecodeEndpoint:
         for r in list(self._rooms.values()):
             if r.state is ReceiverRoomState.BOOTSTRAPPING and all(self.peer_ready(t) for t in r.targets):
                 effects += self._send_requests(r, now)
+            elif peer.key in r.tell_later:
+                r.tell_later.discard(peer.key)
+                self._counters.aborts_sent += 1
+                abort = Abort(origin=self.origin, room=r.room, reason=r.failure or "failed")
+                effects.append(Send(to=peer.endpoint, message=abort))
             elif (
                 r.abort is not None
                 and r.abort.state is DecodeAbortState.REQUESTED
@@ -543,7 +549,9 @@ class DecodeEndpoint:
         return self._room(room).release_safe
 
     def metric(self, room: RoomId) -> dict[PeerKey, TransferMetricData]:
-        return dict(self._room(room).metric)
+        """What each prefill rank reported writing (empty for a room not opened: nothing moved)."""
+        r = self._rooms.get(room)
+        return {} if r is None else dict(r.metric)
 
     def room_history(self, room: RoomId) -> list[ReceiverRoomState]:
         return list(self._room(room).machine.history)
@@ -689,6 +697,10 @@ class DecodeEndpoint:
                 effects.append(
                     Send(to=peer.endpoint, message=Abort(origin=self.origin, room=r.room, reason=reason))
                 )
+            elif not t.dummy and peer is not None and peer.state is PeerState.REGISTERING:
+                # Not registered yet (it would drop our message): told once it acknowledges, so a
+                # prefill scheduler that opened the room learns of the abort instead of a deadline.
+                r.tell_later.add(t.key)
         if not r.must_ack:
             r.abort.fire(DecodeAbortTrigger.ALL_ACKED)
             r.deadline = None

@@ -750,7 +750,10 @@ class PrefillEndpoint:
         return None if tomb is None else tomb.cause
 
     def metric(self, room: RoomId) -> TransferMetricData:
-        r = self._room(room)
+        """What this rank wrote for ``room`` (zeros for a room it holds no record of: nothing moved)."""
+        r = self._rooms.get(room)
+        if r is None:
+            return TransferMetricData()
         return TransferMetricData(pages=r.pages, bytes=r.bytes, seconds=r.seconds)
 
     def destinations(self, room: RoomId) -> tuple[Destination, ...] | None:
