@@ -15,6 +15,20 @@ scattered. Three ways to move it, round-robin for ``--repeats`` rounds (best rou
 The destination is zeroed before and checked (SHA-1 against an image built here) after every
 timed run. Memory: the request is tokens x layers x bytes-per-token per side (2.3 GB at the
 defaults), freed when the benchmark ends.
+
+``--mha --tp P --decode-tp D``: an MHA/GQA request (``--kv-heads`` KV heads of ``--head-bytes``
+bytes per token, K and V per layer, token-major page items as SGLang's pool) between prefill TP
+rank 0 and decode TP rank 0 of a prefill TP P / decode TP D pair of instances: the blocks are
+``kv_blocks``' head slices (one per token when the ranks hold different heads, so the entry count
+grows by the page size). Methods on those same blocks:
+
+- executor: ``TransferExecutor`` with its defaults (what pdkv's prefill transport does);
+- raw: the same blocks straight to the engine, pre-shaped by the best of a few shapes;
+- contiguous: the same number of bytes as one contiguous range per buffer, best shape (what the
+  bytes cost without head slicing).
+
+The decode image to check is built here from the head ranges alone (numpy slicing of
+``[page][token][head][byte]`` views), independently of ``kv_blocks``.
 """
 
 from __future__ import annotations
@@ -31,7 +45,21 @@ import numpy.typing as npt
 from pdkv.bench._report import emit, table
 from pdkv.bench.engine import Shape, add_engine_options, engine_config, human_size, mooncake_endpoints
 from pdkv.engine import BatchHandle, MooncakeBackend
-from pdkv.mapping import TransferBlocks, shape_batches
+from pdkv.mapping import (
+    AttentionKind,
+    BufferKind,
+    BufferLayout,
+    BufferSpec,
+    HeadGeometry,
+    ModelRole,
+    Topology,
+    TopologyError,
+    TransferBlocks,
+    coalesce,
+    kv_blocks,
+    rank_heads,
+    shape_batches,
+)
 from pdkv.runtime.executor import ExecutorConfig, TransferExecutor
 from pdkv.testing.backend_conformance import HostBuffer, SpawnedPeer
 
@@ -129,19 +157,41 @@ class Method:
 def main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog="pdkv bench transfer", description=__doc__.splitlines()[0])
     add_engine_options(parser)
-    parser.add_argument("--tokens", type=int, default=32768)
-    parser.add_argument("--layers", type=int, default=61)
+    parser.add_argument("--tokens", type=int, default=None, help="default 32,768 (--mha: 8,192)")
+    parser.add_argument("--layers", type=int, default=None, help="default 61 (--mha: 16)")
     parser.add_argument("--page-size", type=int, default=64)
-    parser.add_argument("--bytes-per-token", type=int, default=1152)
+    parser.add_argument("--bytes-per-token", type=int, default=1152, help="MLA latent bytes per token")
     parser.add_argument("--run-fraction", type=float, default=0.7)
     parser.add_argument("--repeats", type=int, default=3, help="timed rounds (best is reported)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="tiny run: 4,096 tokens, 4 layers, 1 round")
+    parser.add_argument("--mha", action="store_true", help="MHA/GQA K and V split by heads over TP")
+    parser.add_argument("--tp", type=int, default=1, help="--mha: prefill TP size (default 1)")
+    parser.add_argument("--decode-tp", type=int, default=1, help="--mha: decode TP size (default 1)")
+    parser.add_argument("--kv-heads", type=int, default=8, help="--mha: the model's KV heads (default 8)")
+    parser.add_argument(
+        "--head-bytes", type=int, default=256, help="--mha: bytes per KV head per token (default 256)"
+    )
     args = parser.parse_args(list(argv))
+    if args.tokens is None:
+        args.tokens = 8192 if args.mha else 32768
+    if args.layers is None:
+        args.layers = 16 if args.mha else 61
     if args.quick:
         args.tokens, args.layers, args.repeats = 4096, 4, 1
     if args.tokens % args.page_size:
         parser.error("--tokens must be a multiple of --page-size")
+    if args.mha:
+        try:
+            topology = Topology(
+                prefill_tp=args.tp,
+                decode_tp=args.decode_tp,
+                attention=AttentionKind.MHA,
+                kv_heads=args.kv_heads,
+            )
+        except TopologyError as exc:
+            parser.error(str(exc))
+        return mha_main(args, topology)
     rng = np.random.default_rng(args.seed)
     pages = args.tokens // args.page_size
     src_pages, dst_pages = place_pages(pages, args.run_fraction, rng)
@@ -278,3 +328,222 @@ def pick_raw_shape(
         write_shaped(sender, peer.session_id, shaped(blocks, shape), shape.max_in_flight)
         timings.append((time.perf_counter() - started, shape))
     return min(timings, key=lambda pair: pair[0])[1]
+
+
+# ---------------------------------------------------------------- MHA/GQA across unequal TP
+
+
+@attrs.frozen
+class HeadRequest:
+    """One MHA request between prefill TP rank 0 and decode TP rank 0: K then V buffers per layer."""
+
+    page_size: int
+    layers: int
+    pages: int
+    src: HeadGeometry
+    dst: HeadGeometry
+    src_pages: IntArray
+    dst_pages: IntArray
+
+    @property
+    def buffers(self) -> list[tuple[BufferKind, int]]:
+        """Canonical layout order (and memory order here): every K layer, then every V layer."""
+        return [(kind, layer) for kind in (BufferKind.K, BufferKind.V) for layer in range(self.layers)]
+
+    def item_bytes(self, heads: HeadGeometry) -> int:
+        return heads.item_bytes(self.page_size)
+
+    def region_bytes(self, heads: HeadGeometry) -> int:
+        return len(self.buffers) * self.pages * self.item_bytes(heads)
+
+    def layout(self, heads: HeadGeometry, base: int) -> BufferLayout:
+        item = self.item_bytes(heads)
+        return BufferLayout.build(
+            attention=AttentionKind.MHA,
+            page_size=self.page_size,
+            buffers=[
+                BufferSpec(
+                    kind=kind,
+                    model=ModelRole.TARGET,
+                    layer_id=layer,
+                    base_ptr=base + i * self.pages * item,
+                    length=self.pages * item,
+                    item_bytes=item,
+                    heads=heads,
+                )
+                for i, (kind, layer) in enumerate(self.buffers)
+            ],
+        )
+
+
+def expected_head_digest(request: HeadRequest, source: HostBuffer) -> str:
+    """SHA-1 of the decode region after the request landed, from the two head ranges alone.
+
+    Every buffer is viewed as ``[page][token][head][byte]`` on both sides; the heads both ranks hold
+    go from the prefill page at each position to the decode page at that position.
+    """
+    src, dst = request.src, request.dst
+    lo, hi = max(src.head_start, dst.head_start), min(src.head_stop, dst.head_stop)
+    shape_src = (request.pages, request.page_size, src.head_count, src.head_bytes)
+    shape_dst = (request.pages, request.page_size, dst.head_count, dst.head_bytes)
+    src_bytes = request.pages * request.item_bytes(src)
+    digest = hashlib.sha1()
+    for i in range(len(request.buffers)):
+        pages = source.array[i * src_bytes : (i + 1) * src_bytes].reshape(shape_src)
+        image = np.zeros(shape_dst, dtype=np.uint8)
+        image[request.dst_pages, :, lo - dst.head_start : hi - dst.head_start, :] = pages[
+            request.src_pages, :, lo - src.head_start : hi - src.head_start, :
+        ]
+        digest.update(image.data)
+    return digest.hexdigest()
+
+
+def mha_main(args: argparse.Namespace, topology: Topology) -> int:
+    """``--mha``: executor vs raw engine on the head-sliced blocks of one real (prefill, decode) pair."""
+    if topology.kv_heads is None:  # Topology(attention=MHA, kv_heads=...) was built by main
+        raise AssertionError("an MHA bench topology needs kv_heads")
+    rng = np.random.default_rng(args.seed)
+    pages = args.tokens // args.page_size
+    src_pages, dst_pages = place_pages(pages, args.run_fraction, rng)
+    src_heads = rank_heads(
+        kv_heads=topology.kv_heads, tp_size=topology.prefill_tp, tp_rank=0, head_bytes=args.head_bytes
+    )
+    dst_heads = rank_heads(
+        kv_heads=topology.kv_heads, tp_size=topology.decode_tp, tp_rank=0, head_bytes=args.head_bytes
+    )
+    request = HeadRequest(
+        page_size=args.page_size,
+        layers=args.layers,
+        pages=pages,
+        src=src_heads,
+        dst=dst_heads,
+        src_pages=src_pages,
+        dst_pages=dst_pages,
+    )
+    shared_heads = min(src_heads.head_stop, dst_heads.head_stop) - max(
+        src_heads.head_start, dst_heads.head_start
+    )
+    moved = len(request.buffers) * pages * args.page_size * shared_heads * args.head_bytes
+    source = HostBuffer(request.region_bytes(src_heads))
+    words = source.array.view(np.uint64)  # every 8-byte word holds its own index: misplacement shows
+    words[:] = np.arange(words.size, dtype=np.uint64)
+    expected = expected_head_digest(request, source)
+    dst_total = request.region_bytes(dst_heads)
+
+    config = engine_config(args, tcp_queue=PLAIN_TCP_QUEUE)
+    best: dict[str, float] = {}
+    verified = True
+    with mooncake_endpoints(config) as (sender, peer), sender.register(source):
+        region = peer.allocate(dst_total)
+        src_layout = request.layout(src_heads, source.data_ptr())
+        dst_layout = request.layout(dst_heads, region.address)
+        blocks = kv_blocks(coalesce(src_pages, dst_pages), src_layout, dst_layout)
+        if int(blocks.length.sum()) != moved:
+            raise AssertionError(f"kv_blocks move {int(blocks.length.sum())} bytes, the heads say {moved}")
+        contiguous = TransferBlocks(
+            src=source.data_ptr() + np.arange(len(request.buffers)) * (moved // len(request.buffers)),
+            dst=region.address + np.arange(len(request.buffers)) * (moved // len(request.buffers)),
+            length=np.full(len(request.buffers), moved // len(request.buffers)),
+            buffer=np.arange(len(request.buffers)),
+        )
+        executor = TransferExecutor(sender, ExecutorConfig())
+        raw_shape = pick_raw_shape(sender, peer, blocks, quick=args.quick)
+        contiguous_shape = pick_raw_shape(sender, peer, contiguous, quick=args.quick)
+
+        def run_executor() -> None:
+            result = executor.transfer(peer.session_id, blocks)
+            if not result.ok:
+                raise RuntimeError(f"executor transfer failed: {result.reason}")
+
+        def run_raw() -> None:
+            write_shaped(sender, peer.session_id, shaped(blocks, raw_shape), raw_shape.max_in_flight)
+
+        def run_contiguous() -> None:
+            write_shaped(
+                sender,
+                peer.session_id,
+                shaped(contiguous, contiguous_shape),
+                contiguous_shape.max_in_flight,
+            )
+
+        methods = [
+            Method("executor", run_executor, expected),
+            Method("raw", run_raw, expected),
+            Method("contiguous", run_contiguous, ""),  # other bytes: timed, not checked
+        ]
+        for _ in range(args.repeats):
+            for method in methods:
+                peer.fill(region.address, region.length, 0)
+                started = time.perf_counter()
+                method.run()
+                seconds = time.perf_counter() - started
+                landed = not method.expected or peer.digest(region.address, region.length) == method.expected
+                verified &= landed
+                best[method.name] = min(best.get(method.name, seconds), seconds)
+                emit(
+                    {
+                        "bench": "transfer",
+                        "kind": "run",
+                        "mha": True,
+                        "method": method.name,
+                        "bytes": moved,
+                        "seconds": seconds,
+                        "gb_per_s": moved / seconds / 1e9,
+                        "verified": landed if method.expected else None,
+                    }
+                )
+    del source
+    gbps = {name: moved / seconds / 1e9 for name, seconds in best.items()}
+    defaults = ExecutorConfig()
+    sizes = np.unique(blocks.length)
+    table(
+        f"pdkv bench transfer --mha: prefill tp{topology.prefill_tp} rank 0 -> decode tp{topology.decode_tp} "
+        f"rank 0, {topology.kv_heads} KV heads x {args.head_bytes} B, {args.tokens} tokens x {args.layers} "
+        f"layers x K,V = {moved / 1e6:.1f} MB in {len(blocks):,} blocks "
+        f"({human_size(int(sizes.min()))}..{human_size(int(sizes.max()))}), best of {args.repeats}",
+        ["method", "shape", "seconds", "GB/s"],
+        [
+            [
+                "executor",
+                f"slice {human_size(defaults.slice_bytes)}, {defaults.max_entries}/batch, "
+                f"{defaults.max_in_flight} in flight",
+                best["executor"],
+                gbps["executor"],
+            ],
+            [
+                "raw (same blocks)",
+                f"slice {human_size(raw_shape.slice_bytes)}, {raw_shape.max_entries}/batch, "
+                f"{raw_shape.max_in_flight} in flight",
+                best["raw"],
+                gbps["raw"],
+            ],
+            [
+                "contiguous (same bytes)",
+                f"slice {human_size(contiguous_shape.slice_bytes)}, {contiguous_shape.max_entries}/batch, "
+                f"{contiguous_shape.max_in_flight} in flight",
+                best["contiguous"],
+                gbps["contiguous"],
+            ],
+        ],
+    )
+    emit(
+        {
+            "bench": "transfer",
+            "kind": "summary",
+            "mha": True,
+            "prefill_tp": topology.prefill_tp,
+            "decode_tp": topology.decode_tp,
+            "kv_heads": topology.kv_heads,
+            "tokens": args.tokens,
+            "layers": args.layers,
+            "bytes": moved,
+            "blocks": len(blocks),
+            "seconds": best,
+            "gb_per_s": gbps,
+            "raw_shape": raw_shape.describe(),
+            "executor_vs_raw": best["raw"] / best["executor"],
+            "executor_vs_contiguous": best["contiguous"] / best["executor"],
+            "verified": verified,
+        }
+    )
+    return 0 if verified else 1

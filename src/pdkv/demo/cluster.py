@@ -252,6 +252,14 @@ def main(argv: Sequence[str] = ()) -> int:
         default=True,
         help="prefill ranks MIN-reduce room polls over a gloo group (default on; --no-consensus: off)",
     )
+    parser.add_argument(
+        "--engine-timeout-s",
+        type=int,
+        default=None,
+        help="Mooncake MC_TRANSFER_TIMEOUT of every rank (default: the engine's 30 s; --mha: 120 s, as "
+        "head slices of token-major pages cost one engine entry per token, and TCP here moves tens of "
+        "thousands of entries per second)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="JSON lines on stdout instead of the table")
     parser.add_argument(
@@ -305,6 +313,7 @@ def main(argv: Sequence[str] = ()) -> int:
         per_layer=args.per_layer,
         forward_writes_kv=True,
         consensus=args.consensus,
+        engine_transfer_timeout_s=args.engine_timeout_s or (120 if args.mha else None),
     )
     print(
         f"pdkv demo: prefill tp{args.tp} x cp{args.cp}, decode tp{args.decode_tp}, "
