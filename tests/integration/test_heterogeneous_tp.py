@@ -76,6 +76,7 @@ def test_prefill_tp2_merges_eight_heads_into_decode_tp1_and_one_rank_writes_extr
         outcomes = cluster.run(plans(aborts=False))
         first, second = prefill_bytes(outcomes, "prefill tp0/cp0"), prefill_bytes(outcomes, "prefill tp1/cp0")
         assert all(o.poll == KVPoll.Success for o in outcomes if o.side == "prefill")
+        assert {o.mode for o in outcomes if o.side == "prefill"} == {"per_layer"}  # one destination each
         extras = len(model.state_kinds) * len(STATE_LAYERS) * STATE_SLOTS_PER_ROOM * STATE_ITEM_BYTES
         extras += AUX_ITEM_BYTES
         assert first.keys() == second.keys() and first

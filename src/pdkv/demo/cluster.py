@@ -260,6 +260,13 @@ def main(argv: Sequence[str] = ()) -> int:
         "head slices of token-major pages cost one engine entry per token, and TCP here moves tens of "
         "thousands of entries per second)",
     )
+    parser.add_argument(
+        "--engine-tcp-queue",
+        type=int,
+        default=None,
+        help="Mooncake MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER, pdkv's entry budget per peer staying 2,048 "
+        "(default: the engine's; --mha: 16,384, headroom for a stream of per-token head slices)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="JSON lines on stdout instead of the table")
     parser.add_argument(
@@ -314,6 +321,7 @@ def main(argv: Sequence[str] = ()) -> int:
         forward_writes_kv=True,
         consensus=args.consensus,
         engine_transfer_timeout_s=args.engine_timeout_s or (120 if args.mha else None),
+        engine_tcp_queue=args.engine_tcp_queue or (16384 if args.mha else None),
     )
     print(
         f"pdkv demo: prefill tp{args.tp} x cp{args.cp}, decode tp{args.decode_tp}, "

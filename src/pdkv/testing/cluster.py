@@ -107,6 +107,11 @@ class ClusterSpec:
     rank back behind the same address."""
     engine_transfer_timeout_s: int | None = None
     """``MC_TRANSFER_TIMEOUT`` of every rank's engine (None: the engine's default, 30 s)."""
+    engine_tcp_queue: int | None = None
+    """``MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER`` of every rank's engine, with pdkv's entry budget per
+    peer kept at the engine's default queue (2,048): headroom for the engine. Under load (many ranks
+    on few cores) a stream of small entries (MHA head slices, one per token) met "TCP lane
+    queue-full" rejections with the budget equal to the queue. None: the engine's defaults."""
     netns: NetnsLayout | None = None
     """Run prefill ranks (and the registry) in one network namespace and decode ranks in another,
     joined by a veth pair, so a test can partition them (``NetnsLayout.partition``)."""
@@ -339,10 +344,20 @@ def _rank_main(args: _RankArgs, conn: Connection) -> None:
         raise
 
 
-def _make_backend(faults: BackendFaults | None, host: str, transfer_timeout_s: int | None) -> Any:
-    from pdkv.engine.mooncake import MooncakeBackend, MooncakeConfig
+def _make_backend(faults: BackendFaults | None, host: str, spec: ClusterSpec) -> Any:
+    from pdkv.engine.mooncake import TCP_DEFAULT_QUEUED_TRANSFERS_PER_PEER, MooncakeBackend, MooncakeConfig
 
-    backend = MooncakeBackend(MooncakeConfig(local_hostname=host, transfer_timeout_s=transfer_timeout_s))
+    queue = spec.engine_tcp_queue
+    backend = MooncakeBackend(
+        MooncakeConfig(
+            local_hostname=host,
+            transfer_timeout_s=spec.engine_transfer_timeout_s,
+            tcp_max_queued_transfers_per_peer=queue,
+            max_entries_in_flight=None
+            if queue is None
+            else min(queue, TCP_DEFAULT_QUEUED_TRANSFERS_PER_PEER),
+        )
+    )
     return backend if faults is None else FaultyBackend(backend, faults)
 
 
@@ -412,7 +427,7 @@ def _prefill_rank(args: _RankArgs, conn: Connection) -> None:
     memory = RankMemory(spec.model, spec.prefill_capacity, tp_size=spec.prefill_tp, tp_rank=args.tp)
     memory.fill_prefill(cp_rank=args.cp, policy=spec.policy)
     channel_faults, backend_faults = wrap_for_rank(spec.faults, "prefill", args.tp, args.cp)
-    backend = _make_backend(backend_faults, spec.host("prefill"), spec.engine_transfer_timeout_s)
+    backend = _make_backend(backend_faults, spec.host("prefill"), spec)
     channels: list[FaultyChannel] = []
     config = PrefillConfig(
         instance=InstanceId("prefill-0"),
@@ -630,7 +645,7 @@ def _decode_rank(args: _RankArgs, conn: Connection) -> None:
     cap = spec.decode_capacity
     memory = RankMemory(spec.model, cap, tp_size=spec.decode_tp, tp_rank=args.tp)
     channel_faults, backend_faults = wrap_for_rank(spec.faults, "decode", args.tp, args.cp)
-    backend = _make_backend(backend_faults, spec.host("decode"), spec.engine_transfer_timeout_s)
+    backend = _make_backend(backend_faults, spec.host("decode"), spec)
     channels: list[FaultyChannel] = []
     config = DecodeConfig(
         instance=InstanceId("decode-0"),
