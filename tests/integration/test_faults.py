@@ -9,7 +9,6 @@ wedged room shows up as a failure here rather than as a hang.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 import attrs
@@ -52,12 +51,15 @@ FAST = Timeouts(
     inflight=5,
     transfer=5,
     abort_ack=2,
+    quarantine=3,
+    quarantine_settle=1,
+    abort_resend=0.3,
     register_retry=0.3,
     heartbeat_interval=0.3,
     heartbeat_timeout=1.0,
 )
 PARTITION_S = 7.0  # past the engine's transfer timeout (5 s) and every protocol deadline
-BOUND_S = 12.0  # the longest any room may take here: a deadline (5 s) plus an abort-ack wait and slack
+BOUND_S = 14.0  # the longest any room may take here: a deadline (5 s), the ack wait and quarantine, slack
 
 
 def spec(
@@ -92,12 +94,16 @@ def room(n: int, *, chunks: int = 1, forward_s: float = 0.0, abort: AbortPlan | 
 
 
 def check_promises(
-    outcomes: list[RoomOutcome], reports: list[RankReport], *, decode_alive: bool = True
+    outcomes: list[RoomOutcome],
+    reports: list[RankReport],
+    *,
+    decode_alive: bool = True,
+    bound_s: float = BOUND_S,
 ) -> None:
     """Terminal within the bound, correct bytes where Success, pages back, no write after release."""
     for o in outcomes:
         assert o.poll in (KVPoll.Success, KVPoll.Failed), o
-        assert o.seconds <= BOUND_S, (o.room, o.rank, o.seconds)
+        assert o.seconds <= bound_s, (o.room, o.rank, o.seconds)
         assert o.mismatches == (), (o.room, o.mismatches)
         if o.side == "decode" and o.poll == KVPoll.Success:
             assert o.bytes_checked > 0
@@ -152,9 +158,10 @@ def test_prefill_cp_rank_killed_in_the_middle_of_a_transfer() -> None:
     check_promises(outcomes, reports)
 
 
-def test_lost_abort_and_lost_abort_ack_release_after_the_counted_timeout() -> None:
-    """Cases 3 and 4: room 1's Abort is dropped, room 2's AbortAck is dropped; both rooms' pages are
-    released by the abort-ack timeout (counted unsafe), no late byte lands, later rooms succeed."""
+def test_lost_abort_and_lost_abort_ack_are_recovered_by_the_resent_abort() -> None:
+    """Cases 3 and 4: room 1's Abort is dropped, room 2's AbortAck is dropped; the decode resends the
+    Abort (backoff from ``abort_resend``), the prefill acknowledges it, and both rooms' pages come back
+    safely, before the ack wait ends; no late byte lands, later rooms succeed."""
     faults = (
         RankFaults(side="decode", channel=ChannelFaults(drop=(MessageRule(message="Abort", times=1),))),
         RankFaults(side="prefill", channel=ChannelFaults(drop=(MessageRule(message="AbortAck", times=1),))),
@@ -171,10 +178,9 @@ def test_lost_abort_and_lost_abort_ack_release_after_the_counted_timeout() -> No
     decode = {o.room: o for o in outcomes if o.side == "decode"}
     assert decode[1].poll == KVPoll.Failed and decode[2].poll == KVPoll.Failed
     assert decode[3].poll == KVPoll.Success and decode[4].poll == KVPoll.Success
-    assert decode[1].seconds >= FAST.abort_ack * 0.9 and decode[2].seconds >= FAST.abort_ack * 0.9
     (d,) = [r for r in reports if r.side == "decode"]
     (p,) = [r for r in reports if r.side == "prefill"]
-    assert d.unsafe_releases == 2
+    assert d.unsafe_releases == 0  # before the resend, both were released unsafely after abort_ack
     assert d.faults.dropped == 1 and p.faults.dropped == 1
     check_promises(outcomes, reports)
 
@@ -273,22 +279,30 @@ def test_prefill_restarted_behind_the_same_address() -> None:
 def test_network_partition_between_namespaces() -> None:
     """Case 10: prefill and decode in two network namespaces joined by veth; the link goes down in
     the middle of a transfer. Both sides fail the rooms that span the partition (heartbeat silence,
-    deadlines), decode releases after the counted abort-ack timeout, and once the link is back the
-    ranks register again and new rooms succeed."""
+    deadlines); the decode quarantines their pages (no AbortAck can cross the cut), and once the link
+    is back the ranks register again, the resent Abort is acknowledged, the pages settle (writes stuck
+    in the cut TCP link land meanwhile) and come back safely; new rooms succeed. Zero unsafe
+    releases, zero canary violations."""
     reason = netns_unavailable()
     if reason is not None:
         pytest.skip(f"network partition via netns/veth: {reason}")
+    # The quarantine outlasts the partition; the settle time outlasts what was measured for bytes stuck
+    # in the cut link to land after the heal (19-30 s: specs/mooncake-tcp-late-writes.md).
+    timeouts = attrs.evolve(FAST, quarantine=90, quarantine_settle=35)
     with veth_namespaces("t10") as layout:
-        partitioned = attrs.evolve(spec(), netns=layout, engine_transfer_timeout_s=5)
+        partitioned = attrs.evolve(spec(timeouts=timeouts), netns=layout, engine_transfer_timeout_s=5)
         with Cluster(partitioned) as cluster:
             before = cluster.run([room(n, chunks=2) for n in (1, 2)], max_active=2)
+            # Cut 0.6 s in, healed PARTITION_S later (long enough for the engine to give up on
+            # anything stuck); the run ends once the rooms' pages came back out of quarantine.
             during = cluster.run(
                 [room(n, chunks=3, forward_s=0.4) for n in (3, 4, 5)],
                 max_active=3,
-                actions=[TimedAction(after_s=0.6, action=lambda _: layout.partition())],
+                actions=[
+                    TimedAction(after_s=0.6, action=lambda _: layout.partition()),
+                    TimedAction(after_s=0.6 + PARTITION_S, action=lambda _: layout.heal()),
+                ],
             )
-            time.sleep(PARTITION_S)  # long enough for the engine to give up on anything stuck
-            layout.heal()
             after = cluster.run([room(n, chunks=2) for n in (10, 11)], max_active=2)
             reports = cluster.close()
     assert all(o.poll == KVPoll.Success for o in before)
@@ -297,11 +311,10 @@ def test_network_partition_between_namespaces() -> None:
     assert all(o.poll == KVPoll.Success for o in after), after
     (d,) = [r for r in reports if r.side == "decode"]
     assert d.peers_lost >= 1
-    # A write stuck in the cut link may land when it heals: that is why the release after the
-    # abort-ack timeout is counted as unsafe. Such late writes may only hit unsafely released rooms.
-    assert d.unsafe_releases == 3
-    assert d.unsafe_canary_violations <= d.unsafe_releases
-    check_promises(before + during + after, reports)
+    # A write stuck in the cut link may land when it heals: the pages were quarantined meanwhile, so
+    # no page the decode handed back was written after its release.
+    assert d.unsafe_releases == 0 and d.unsafe_canary_violations == 0
+    check_promises(before + during + after, reports, bound_s=PARTITION_S + timeouts.quarantine_settle + 15)
 
 
 def _kill(side: str, tp: int = 0, cp: int = 0) -> Callable[[Cluster], None]:

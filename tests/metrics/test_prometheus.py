@@ -17,6 +17,7 @@ from pdkv.metrics import (
     PrometheusExporter,
     PrometheusUnavailableError,
     TransportCounter,
+    TransportGauge,
     TransportMetrics,
 )
 
@@ -155,3 +156,23 @@ def test_pdkv_metrics_imports_without_prometheus_client() -> None:
     assert done.returncode == 0, done.stderr
     assert "refused:" in done.stdout
     assert "pip install 'pdkv[prometheus]'" in done.stdout
+
+
+def test_quarantine_gauges_and_counters_are_exposed() -> None:
+    metrics = TransportMetrics()
+    metrics.set_gauge(TransportGauge.ROOMS_QUARANTINED, 2)
+    metrics.set_gauge(TransportGauge.PAGES_QUARANTINED, 48)
+    metrics.increment(TransportCounter.QUARANTINES, 3)
+    registry = CollectorRegistry()
+    PrometheusExporter(metrics, registry=registry)
+    samples = {
+        s.name: s.value
+        for family in text_string_to_metric_families(generate_latest(registry).decode())
+        for s in family.samples
+    }
+    assert samples["pdkv_rooms_quarantined"] == 2.0
+    assert samples["pdkv_pages_quarantined"] == 48.0
+    assert samples["pdkv_quarantines_total"] == 3.0
+    metrics.set_gauge(TransportGauge.PAGES_QUARANTINED, 0)  # a level, not a count: it goes down
+    again = generate_latest(registry).decode()
+    assert "pdkv_pages_quarantined 0.0" in again

@@ -125,22 +125,57 @@ def test_failed_status_aborts_and_pages_wait_for_ack() -> None:
     assert ROOM not in d.rooms()
 
 
-def test_abort_ack_timeout_releases_unsafely_and_counts() -> None:
-    d = connected(Timeouts(abort_ack=5, heartbeat_interval=100, heartbeat_timeout=400))
-    d.open_room(ROOM, targets=[TARGET], dst_pages=[1], dst_aux_row=None, now=0.0)
-    d.abort_room(ROOM, "client left", 1.0)
-    assert d.next_deadline() == 6.0
-    assert d.tick(5.9) == []
-    effects = d.tick(6.0)
+def test_abort_is_resent_with_backoff_then_quarantined_then_released_unsafely_at_the_bound() -> None:
+    d = connected(
+        Timeouts(abort_ack=5, quarantine=100, abort_resend=1, heartbeat_interval=1000, heartbeat_timeout=4000)
+    )
+    d.open_room(ROOM, targets=[TARGET], dst_pages=[1, 2, 3], dst_aux_row=None, now=0.0)
+    assert len(sent(d.abort_room(ROOM, "client left", 1.0), Abort)) == 1
+    # Resent at +1, +2, +4 s after the first (doubling) while no AbortAck comes.
+    assert d.next_deadline() == 2.0
+    resent = [t for t in (2.0, 4.0, 8.0) if sent(d.tick(t), Abort)]
+    assert resent == [2.0, 4.0, 8.0]
+    assert d.statistics().aborts_resent == 3
+    # The ack wait (5 s) ended at 6.0: quarantined, pages still held, figures exposed.
+    assert d.abort_state(ROOM) is DecodeAbortState.QUARANTINED
+    assert not d.release_ready(ROOM)
+    stats = d.statistics()
+    assert (stats.rooms_quarantined, stats.pages_quarantined, stats.quarantines) == (1, 3, 1)
+    assert stats.unsafe_releases == 0
+    effects = d.tick(101.0)  # the quarantine bound (6 + 100 s) has not passed
+    assert [e for e in effects if isinstance(e, ReleasePages)] == []
+    effects = d.tick(106.0)
     assert [e for e in effects if isinstance(e, ReleasePages)] == [
-        ReleasePages(room=ROOM, safe=False, reason=f"abort-ack timeout ({PREFILL.instance}:{PREFILL.rank})")
+        ReleasePages(room=ROOM, safe=False, reason=f"quarantine timeout ({PREFILL.instance}:{PREFILL.rank})")
     ]
     assert d.release_ready(ROOM) and not d.release_was_safe(ROOM)
     assert d.abort_state(ROOM) is DecodeAbortState.TIMED_OUT
-    assert d.statistics().unsafe_releases == 1
+    assert d.statistics().unsafe_releases == 1 and d.statistics().rooms_quarantined == 0
     # A late ack changes nothing and is counted as late.
-    d.receive(AbortAck(origin=PREFILL, room=ROOM), 7.0)
+    d.receive(AbortAck(origin=PREFILL, room=ROOM), 107.0)
     assert d.statistics().late_messages == 1
+
+
+def test_a_late_ack_returns_quarantined_pages_safely_after_they_settle() -> None:
+    d = connected(
+        Timeouts(
+            abort_ack=5, quarantine=100, quarantine_settle=20, heartbeat_interval=1000, heartbeat_timeout=4000
+        )
+    )
+    d.open_room(ROOM, targets=[TARGET], dst_pages=[1, 2], dst_aux_row=None, now=0.0)
+    d.abort_room(ROOM, "client left", 1.0)
+    d.tick(6.0)
+    assert d.abort_state(ROOM) is DecodeAbortState.QUARANTINED
+    effects = d.receive(AbortAck(origin=PREFILL, room=ROOM), 50.0)
+    # Acknowledged, but a rank that was cut off may have bytes stuck in its TCP send buffer: the
+    # pages settle first (quarantine_settle) and only then come back.
+    assert [e for e in effects if isinstance(e, ReleasePages)] == [] and not d.release_ready(ROOM)
+    assert d.next_deadline() == 50.0 + d.timeouts.quarantine_settle
+    effects = d.tick(50.0 + d.timeouts.quarantine_settle)
+    assert ReleasePages(room=ROOM, safe=True, reason="all prefill ranks acknowledged the abort") in effects
+    assert d.release_ready(ROOM) and d.release_was_safe(ROOM)
+    stats = d.statistics()
+    assert (stats.rooms_quarantined, stats.quarantines_released, stats.unsafe_releases) == (0, 1, 0)
 
 
 def test_abort_before_registration_releases_at_once() -> None:

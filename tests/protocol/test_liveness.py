@@ -294,7 +294,7 @@ def test_decode_silent_prefill_fails_rooms_but_pages_wait_for_its_ack() -> None:
     ]
 
 
-def test_decode_silent_prefill_that_never_returns_is_released_unsafely_by_the_counted_timeout() -> None:
+def test_decode_silent_prefill_that_never_returns_is_quarantined_then_released_at_the_bound() -> None:
     d = ready_decode()
     d.open_room(ROOM, targets=[TARGET], dst_pages=[1, 2, 3], dst_aux_row=None, now=0.0)
     for now in (1.0, 2.0, 3.0):
@@ -304,7 +304,13 @@ def test_decode_silent_prefill_that_never_returns_is_released_unsafely_by_the_co
     for now in (3.5, 4.0, 8.0, 12.9):
         d.tick(now)
     assert not d.release_ready(ROOM)
-    [release] = [e for e in d.tick(13.0) if isinstance(e, ReleasePages)]
+    # Past the ack wait the pages are quarantined, not released: the rank may still be writing.
+    assert [e for e in d.tick(13.0) if isinstance(e, ReleasePages)] == []
+    assert d.abort_state(ROOM) is DecodeAbortState.QUARANTINED and not d.release_ready(ROOM)
+    assert d.statistics().pages_quarantined == 3
+    bound = 13.0 + d.timeouts.quarantine
+    assert [e for e in d.tick(bound - 1) if isinstance(e, ReleasePages)] == []
+    [release] = [e for e in d.tick(bound) if isinstance(e, ReleasePages)]
     assert not release.safe and d.statistics().unsafe_releases == 1
     assert d.abort_state(ROOM) is DecodeAbortState.TIMED_OUT
 
@@ -408,7 +414,8 @@ def test_decode_equal_bootstrap_and_waiting_deadlines_fail_once_and_wait_for_the
     effects = d.tick(4.0)
     assert [f.cause for f in finished(effects)] == [FailureCause.TIMEOUT]
     assert [e for e in effects if isinstance(e, ReleasePages)] == []
-    assert d.statistics().unsafe_releases == 0 and d.next_deadline() == 6.0
+    assert d.statistics().unsafe_releases == 0
+    assert d.next_deadline() == 5.0  # the first Abort resend (abort_resend 1 s); the ack wait ends at 6
 
 
 def test_prefill_equal_bootstrap_and_inflight_deadlines_fail_once() -> None:

@@ -67,7 +67,9 @@ EXPECTED: dict[str, dict[tuple[Any, Any], Any]] = {
     },
     "DecodeAbort": {
         (DA.REQUESTED, DAT.ALL_ACKED): DA.ACKED,
-        (DA.REQUESTED, DAT.ACK_TIMEOUT): DA.TIMED_OUT,
+        (DA.REQUESTED, DAT.ACK_TIMEOUT): DA.QUARANTINED,
+        (DA.QUARANTINED, DAT.ALL_ACKED): DA.ACKED,
+        (DA.QUARANTINED, DAT.QUARANTINE_TIMEOUT): DA.TIMED_OUT,
     },
     "PrefillAbort": {
         (PA.RECEIVED, PAT.DRAIN): PA.DRAINING,

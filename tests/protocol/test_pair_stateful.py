@@ -41,6 +41,9 @@ TIMEOUTS = Timeouts(
     inflight=4,
     transfer=4,
     abort_ack=2,
+    quarantine=3,
+    quarantine_settle=0.5,
+    abort_resend=0.3,
     register_retry=0.5,
     tombstone=100,
     heartbeat_interval=0.5,
@@ -48,8 +51,17 @@ TIMEOUTS = Timeouts(
 )
 TRANSFER_TIME = 0.02
 MAX_DELAY = 0.6
-# Decode: bootstrap + waiting + transfer + abort_ack; prefill: bootstrap + inflight + a transfer.
-BOUND = TIMEOUTS.bootstrap + TIMEOUTS.waiting + TIMEOUTS.transfer + TIMEOUTS.abort_ack + 4 * TRANSFER_TIME
+# Decode: bootstrap + waiting + transfer + abort_ack + quarantine; prefill: bootstrap + inflight + a
+# transfer. (An ack during quarantine releases after quarantine_settle: at worst just before the bound.)
+BOUND = (
+    TIMEOUTS.bootstrap
+    + TIMEOUTS.waiting
+    + TIMEOUTS.transfer
+    + TIMEOUTS.abort_ack
+    + TIMEOUTS.quarantine
+    + TIMEOUTS.quarantine_settle
+    + 4 * TRANSFER_TIME
+)
 # Silence noticed (timeout + one round), Register retried (one retry), both ways over a slow link.
 RECOVERY = (
     TIMEOUTS.heartbeat_timeout

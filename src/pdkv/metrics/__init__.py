@@ -23,6 +23,7 @@ from pdkv.metrics.transport import (
     PeerLatency,
     SnapshotDict,
     TransportCounter,
+    TransportGauge,
     TransportMetrics,
     TransportMetricsSnapshot,
 )
@@ -40,6 +41,7 @@ __all__ = [
     "PrometheusUnavailableError",
     "SnapshotDict",
     "TransportCounter",
+    "TransportGauge",
     "TransportMetrics",
     "TransportMetricsSnapshot",
     "bytes_written",

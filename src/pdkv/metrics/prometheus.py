@@ -8,6 +8,7 @@ between scrapes, or import anything above pdkv.errors.
 Exposed (``pdkv`` is the namespace; ``constant_labels`` are added to every sample):
 
     pdkv_<counter>_total                                  counter, one per TransportCounter
+    pdkv_<gauge>                                          gauge, one per TransportGauge (quarantine)
     pdkv_transfer_latency_seconds_count / _sum {peer}     summary (rate(sum) / rate(count) = mean)
     pdkv_transfer_latency_quantile_seconds {peer,quantile} gauge: p50, p90, p99 since start
     pdkv_transfer_latency_max_seconds {peer}              gauge
@@ -24,7 +25,12 @@ from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Final
 
 from pdkv.metrics.errors import MetricValueError, PrometheusUnavailableError
-from pdkv.metrics.transport import TransportCounter, TransportMetrics, TransportMetricsSnapshot
+from pdkv.metrics.transport import (
+    TransportCounter,
+    TransportGauge,
+    TransportMetrics,
+    TransportMetricsSnapshot,
+)
 
 if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
@@ -76,6 +82,11 @@ class _SnapshotCollector:
             if snapshot is not None:
                 family.add_metric(values, snapshot.counters[counter])
             yield family
+        for gauge in TransportGauge:
+            level = GaugeMetricFamily(f"{prefix}_{gauge.value}", gauge.description, labels=labels)
+            if snapshot is not None:
+                level.add_metric(values, snapshot.gauges[gauge])
+            yield level
 
         summary = SummaryMetricFamily(
             f"{prefix}_transfer_latency_seconds",

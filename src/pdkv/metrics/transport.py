@@ -43,11 +43,32 @@ class TransportCounter(enum.Enum):
     STALE_MESSAGES = "stale_messages"
     ENGINE_FAILURES = "engine_failures"
     TIMEOUTS = "timeouts"
+    QUARANTINES = "quarantines"
+    QUARANTINES_RELEASED = "quarantines_released"
 
     @property
     def description(self) -> str:
         """One line for operators (the Prometheus HELP text)."""
         return COUNTER_DESCRIPTIONS[self]
+
+
+class TransportGauge(enum.Enum):
+    """Values that go up and down (exported as Prometheus gauges under the value's name)."""
+
+    ROOMS_QUARANTINED = "rooms_quarantined"
+    PAGES_QUARANTINED = "pages_quarantined"
+
+    @property
+    def description(self) -> str:
+        return GAUGE_DESCRIPTIONS[self]
+
+
+GAUGE_DESCRIPTIONS: Final[Mapping[TransportGauge, str]] = {
+    TransportGauge.ROOMS_QUARANTINED: (
+        "Aborted rooms whose pages are held now because a prefill rank has not acknowledged the abort."
+    ),
+    TransportGauge.PAGES_QUARANTINED: "Destination pages of the quarantined rooms (not reusable yet).",
+}
 
 
 COUNTER_DESCRIPTIONS: Final[Mapping[TransportCounter, str]] = {
@@ -61,7 +82,9 @@ COUNTER_DESCRIPTIONS: Final[Mapping[TransportCounter, str]] = {
     TransportCounter.ABORTS_SENT: "Abort messages sent to a peer.",
     TransportCounter.ABORTS_RECEIVED: "Abort messages received from a peer.",
     TransportCounter.ABORT_ACKS: "AbortAck messages (sent by prefill, received by decode).",
-    TransportCounter.UNSAFE_RELEASES: "Aborted rooms whose pages were released after the AbortAck timeout.",
+    TransportCounter.UNSAFE_RELEASES: (
+        "Aborted rooms whose pages were released after the quarantine bound, an AbortAck still missing."
+    ),
     TransportCounter.MALFORMED_MESSAGES: "Control frames that did not decode; dropped.",
     TransportCounter.UNAUTHENTICATED_MESSAGES: (
         "Control messages from an unknown or unregistered sender; dropped."
@@ -69,6 +92,10 @@ COUNTER_DESCRIPTIONS: Final[Mapping[TransportCounter, str]] = {
     TransportCounter.STALE_MESSAGES: "Control messages for an old epoch or a closed room; dropped.",
     TransportCounter.ENGINE_FAILURES: "Transfer engine batches that reported failure.",
     TransportCounter.TIMEOUTS: "Rooms or aborts that hit a deadline.",
+    TransportCounter.QUARANTINES: "Aborted rooms whose AbortAck wait timed out: pages held in quarantine.",
+    TransportCounter.QUARANTINES_RELEASED: (
+        "Quarantined rooms whose pages came back safely (every prefill rank acknowledged in the end)."
+    ),
 }
 
 
@@ -92,6 +119,8 @@ class CounterValues:
     stale_messages: int = 0
     engine_failures: int = 0
     timeouts: int = 0
+    quarantines: int = 0
+    quarantines_released: int = 0
 
     def __getitem__(self, counter: TransportCounter) -> int:
         value: int = getattr(self, counter.value)
@@ -113,6 +142,7 @@ class SnapshotDict(TypedDict):
     """``TransportMetricsSnapshot.to_dict()``: plain JSON types only."""
 
     counters: dict[str, int]
+    gauges: dict[str, int]
     transfer_latency_seconds: dict[str, dict[str, float | int]]
 
 
@@ -123,6 +153,7 @@ class TransportMetricsSnapshot:
     counters: CounterValues
     peers: tuple[PeerLatency, ...]
     """Sorted by peer name."""
+    gauges: Mapping[TransportGauge, int] = attrs.field(factory=lambda: dict.fromkeys(TransportGauge, 0))
 
     def peer_names(self) -> tuple[str, ...]:
         return tuple(p.peer for p in self.peers)
@@ -137,6 +168,7 @@ class TransportMetricsSnapshot:
     def to_dict(self) -> SnapshotDict:
         return {
             "counters": self.counters.to_dict(),
+            "gauges": {gauge.value: value for gauge, value in self.gauges.items()},
             "transfer_latency_seconds": {p.peer: p.latency.to_dict() for p in self.peers},
         }
 
@@ -157,6 +189,7 @@ class TransportMetrics:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._counts: dict[TransportCounter, int] = dict.fromkeys(TransportCounter, 0)
+        self._gauges: dict[TransportGauge, int] = dict.fromkeys(TransportGauge, 0)
         self._latency: dict[str, LatencyDistribution] = {}
 
     def increment(self, counter: TransportCounter, by: int = 1) -> None:
@@ -199,6 +232,11 @@ class TransportMetrics:
         with self._lock:
             return self._latency.pop(peer, None) is not None
 
+    def set_gauge(self, gauge: TransportGauge, value: int) -> None:
+        """Set a gauge to its current value (the transport owns what it measures)."""
+        with self._lock:
+            self._gauges[gauge] = int(value)
+
     def value(self, counter: TransportCounter) -> int:
         """One counter's current value."""
         with self._lock:
@@ -208,10 +246,11 @@ class TransportMetrics:
         """A frozen, JSON-ready copy of every counter and every peer's latency summary."""
         with self._lock:
             counts = {counter.value: value for counter, value in self._counts.items()}
+            gauges = dict(self._gauges)
             distributions = [(peer, d.copy()) for peer, d in self._latency.items()]
         # quantiles are computed outside the lock: recorders only wait for the copies above
         peers = tuple(
             PeerLatency(peer=peer, latency=d.summary())
             for peer, d in sorted(distributions, key=lambda pd: pd[0])
         )
-        return TransportMetricsSnapshot(counters=CounterValues(**counts), peers=peers)
+        return TransportMetricsSnapshot(counters=CounterValues(**counts), peers=peers, gauges=gauges)

@@ -43,7 +43,24 @@ class Timeouts:
     transfer: float = attrs.field(default=300.0, validator=_positive_seconds)
     """Receiver: from the first Success status to the last (transfer-queue liveness bound)."""
     abort_ack: float = attrs.field(default=30.0, validator=_positive_seconds)
-    """Receiver: wait for AbortAcks before releasing pages anyway (counted as unsafe)."""
+    """Receiver: wait for AbortAcks; past it a room's pages are quarantined (still held)."""
+    quarantine: float = attrs.field(default=1200.0, validator=_positive_seconds)
+    """Receiver: how long quarantined pages wait for the missing AbortAcks before they are released
+    anyway: the only unsafe release, counted and logged. Longer than a cut TCP link's stuck writes
+    can outlive the cut with Linux and Mooncake defaults (specs/mooncake-tcp-late-writes.md)."""
+    quarantine_settle: float = attrs.field(
+        default=300.0, validator=_positive_seconds, metadata={_ENV: "PDKV_QUARANTINE_SETTLE"}
+    )
+    """Receiver: once every missing AbortAck of a quarantined room came in, how long its pages still
+    wait: a rank that was cut off may have bytes of failed writes in orphaned TCP sockets (kept
+    retransmitting for about 100 s) and queued pieces that reconnect after the link is back (about
+    127 s of connect retries); measured, such bytes landed 19-30 s after a heal
+    (specs/mooncake-tcp-late-writes.md). Lower it only for transports without that hazard."""
+    abort_resend: float = attrs.field(
+        default=1.0, validator=_positive_seconds, metadata={_ENV: "PDKV_ABORT_RESEND_INTERVAL"}
+    )
+    """Both sides: first interval before an unacknowledged Abort (or a Failed status) is sent again;
+    it doubles after each resend, at most ``MAX_ABORT_RESENDS`` times."""
     register_retry: float = attrs.field(default=2.0, validator=_positive_seconds)
     """Receiver: resend Register to a prefill rank that has not answered."""
     tombstone: float = attrs.field(default=600.0, validator=_positive_seconds)
@@ -83,6 +100,10 @@ class Timeouts:
         values.update(overrides)
         return cls(**values)
 
+
+MAX_ABORT_RESENDS: Final = 8
+"""Resends of one Abort (or Failed status) to one peer; with the doubling interval from 1 s they
+span about four minutes, well inside the quarantine bound."""
 
 ENV_VARS: Final[Mapping[str, str]] = {
     f.name: str(f.metadata.get(_ENV, f"PDKV_{f.name.upper()}_TIMEOUT")) for f in attrs.fields(Timeouts)

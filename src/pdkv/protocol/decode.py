@@ -10,8 +10,11 @@ the queries ``poll`` / ``failure`` / ``release_ready``.
 
 Safety rules this module enforces (DESIGN section 8):
 - a failed room's pages are reusable only after every prefill rank that was told the destinations
-  acknowledged the abort (after its in-flight writes ended), or after ``abort_ack`` seconds, which
-  is counted and reported as unsafe;
+  acknowledged the abort (after its in-flight writes ended). The Abort is resent with backoff until
+  then (``abort_resend``, doubling, ``MAX_ABORT_RESENDS`` times) and again whenever a rank registers
+  again. Past ``abort_ack`` the room is quarantined: its pages stay held (``release_ready`` False,
+  counted in ``statistics()``) until the missing ranks acknowledge, or until the long
+  ``quarantine`` bound, the only unsafe release, counted and reported;
 - Success only when every required (non-dummy) prefill rank reported Success;
 - every non-terminal room and every pending abort has a deadline;
 - liveness of prefill ranks: a Heartbeat goes to every registered prefill rank each
@@ -35,7 +38,7 @@ from pdkv.errors import InvalidArgumentError, LocalProtocolError
 from pdkv.mapping.layout import BufferLayout
 from pdkv.protocol import arguments
 from pdkv.protocol._deadlines import DeadlineQueue
-from pdkv.protocol.config import Timeouts
+from pdkv.protocol.config import MAX_ABORT_RESENDS, Timeouts
 from pdkv.protocol.effects import (
     Effect,
     FailureCause,
@@ -116,6 +119,16 @@ class DecodeStatistics:
     aborts_sent: int
     aborts_acked: int
     unsafe_releases: int
+    """Pages released after the quarantine bound with an AbortAck still missing."""
+    rooms_quarantined: int
+    """Rooms whose pages are held now because a prefill rank has not acknowledged their abort."""
+    pages_quarantined: int
+    """Destination pages of those rooms."""
+    quarantines: int
+    """Rooms ever quarantined (the abort-ack wait timed out)."""
+    quarantines_released: int
+    """Quarantined rooms whose pages came back safely (every rank acknowledged in the end)."""
+    aborts_resent: int
     late_messages: int
     stale_messages: int
     unexpected_messages: int
@@ -134,6 +147,9 @@ class _Counters:
     aborts_sent: int = 0
     aborts_acked: int = 0
     unsafe_releases: int = 0
+    quarantines: int = 0
+    quarantines_released: int = 0
+    aborts_resent: int = 0
     late_messages: int = 0
     stale_messages: int = 0
     unexpected_messages: int = 0
@@ -163,6 +179,9 @@ class _ReceiverRoom:
     released: bool = False
     release_safe: bool = True
     tell_later: set[PeerKey] = attrs.Factory(set)  # failed before these ranks were registered
+    resend_at: float | None = None  # next Abort resend to the ranks that have not acknowledged
+    settle_until: float | None = None  # quarantined and fully acknowledged: released at this time
+    resends: int = 0
 
     @property
     def state(self) -> ReceiverRoomState:
@@ -198,6 +217,8 @@ class DecodeEndpoint:
         self._peers: dict[PeerKey, _PrefillPeer] = {}
         self._rooms: dict[RoomId, _ReceiverRoom] = {}
         self._deadlines: DeadlineQueue[RoomId] = DeadlineQueue()
+        self._resends: DeadlineQueue[RoomId] = DeadlineQueue()
+        self._quarantined: dict[RoomId, int] = {}  # room -> destination pages held
         # Cleared room ids, refused until they expire: a late status of the room that had the id
         # must never complete a new room that reuses it.
         self._tombstones: dict[RoomId, float] = {}
@@ -328,11 +349,7 @@ class DecodeEndpoint:
                 self._counters.aborts_sent += 1
                 abort = Abort(origin=self.origin, room=r.room, reason=r.failure or "failed")
                 effects.append(Send(to=peer.endpoint, message=abort))
-            elif (
-                r.abort is not None
-                and r.abort.state is DecodeAbortState.REQUESTED
-                and peer.key in r.must_ack - r.acked
-            ):
+            elif r.abort is not None and r.abort.state in _AWAITING_ACKS and peer.key in r.must_ack - r.acked:
                 # Registered again after silence: the same process may still hold the room, and its
                 # ack is the only safe way to release the pages; the first Abort may have been lost.
                 self._counters.aborts_sent += 1
@@ -390,14 +407,32 @@ class DecodeEndpoint:
 
     def _on_abort_ack(self, peer: _PrefillPeer, room: RoomId, now: float) -> list[Effect]:
         r = self._rooms.get(room)
-        if r is None or r.abort is None or r.abort.state is not DecodeAbortState.REQUESTED:
+        if r is None or r.abort is None or r.abort.state not in _AWAITING_ACKS:
             return self._late_room(room, f"AbortAck from {peer.key[0]}:{peer.key[1]}")
         r.acked.add(peer.key)
-        if r.must_ack <= r.acked:
-            r.abort.fire(DecodeAbortTrigger.ALL_ACKED)
-            self._counters.aborts_acked += 1
-            return self._release(r, safe=True, reason="all prefill ranks acknowledged the abort")
-        return []
+        if not r.must_ack <= r.acked:
+            return []
+        quarantined = r.abort.state is DecodeAbortState.QUARANTINED
+        if quarantined and r.settle_until is None:
+            # The acks prove the engines reported every write ended; a rank that was cut off may
+            # still have bytes in its kernel's send buffer: they land within the settle time.
+            r.settle_until = now + self.timeouts.quarantine_settle
+            r.resend_at = None
+            self._set_deadline(r, r.settle_until)
+            return [
+                Notice(
+                    level=NoticeLevel.INFO,
+                    text=f"quarantined room {room}: every prefill rank acknowledged; pages come back "
+                    f"after {self.timeouts.quarantine_settle:g} s of settling",
+                    room=room,
+                )
+            ]
+        if quarantined:
+            return []  # settling already (a duplicate ack)
+        r.abort.fire(DecodeAbortTrigger.ALL_ACKED)
+        r.resend_at = None
+        self._counters.aborts_acked += 1
+        return self._release(r, safe=True, reason="all prefill ranks acknowledged the abort")
 
     # ------------------------------------------------------------------ scheduler input
 
@@ -571,12 +606,15 @@ class DecodeEndpoint:
 
     def next_deadline(self) -> float | None:
         room_deadline = self._deadlines.next_deadline(self._room_deadline)
+        resend = self._resends.next_deadline(self._resend_deadline)
         tombstone = self._tombstone_expiry.next_deadline(self._tombstones.get)
         register = min(
             (p.register_due for p in self._peers.values() if p.state is PeerState.REGISTERING),
             default=None,
         )
-        candidates = [d for d in (room_deadline, tombstone, register, self._heartbeat_due) if d is not None]
+        candidates = [
+            d for d in (room_deadline, resend, tombstone, register, self._heartbeat_due) if d is not None
+        ]
         return min(candidates, default=None)
 
     def tick(self, now: float) -> list[Effect]:
@@ -590,21 +628,59 @@ class DecodeEndpoint:
                 effects += self._send_register(peer, now)
         for room in self._tombstone_expiry.pop_due(now, self._tombstones.get):
             del self._tombstones[room]
+        for room in self._resends.pop_due(now, self._resend_deadline):
+            effects += self._resend_abort(self._rooms[room], now)
         for room in self._deadlines.pop_due(now, self._room_deadline):
             r = self._rooms[room]
+            missing = sorted(f"{k[0]}:{k[1]}" for k in r.must_ack - r.acked)
             if r.abort is not None and r.abort.state is DecodeAbortState.REQUESTED:
+                # A rank is silent or cut off: its writes may still land. The pages stay held.
                 r.abort.fire(DecodeAbortTrigger.ACK_TIMEOUT)
-                self._counters.unsafe_releases += 1
-                missing = sorted(f"{k[0]}:{k[1]}" for k in r.must_ack - r.acked)
+                self._counters.quarantines += 1
+                self._quarantined[room] = int(r.dst_pages.size)
+                # Counted from when the ack wait ended, not from when this tick noticed it.
+                self._set_deadline(r, (r.deadline or now) + self.timeouts.quarantine)
                 effects.append(
                     Notice(
                         level=NoticeLevel.WARNING,
-                        text=f"UNSAFE release of room {room}: no AbortAck from {missing} "
-                        f"within {self.timeouts.abort_ack:g} s",
+                        text=f"room {room} quarantined: no AbortAck from {missing} within "
+                        f"{self.timeouts.abort_ack:g} s; its {r.dst_pages.size} pages stay held until "
+                        f"they acknowledge (at most {self.timeouts.quarantine:g} s)",
                         room=room,
                     )
                 )
-                effects += self._release(r, safe=False, reason=f"abort-ack timeout ({', '.join(missing)})")
+                continue
+            if (
+                r.abort is not None
+                and r.abort.state is DecodeAbortState.QUARANTINED
+                and r.settle_until is not None
+            ):
+                r.abort.fire(DecodeAbortTrigger.ALL_ACKED)
+                self._counters.aborts_acked += 1
+                self._counters.quarantines_released += 1
+                effects.append(
+                    Notice(
+                        level=NoticeLevel.WARNING,
+                        text=f"quarantined room {room} released: every prefill rank acknowledged its "
+                        f"abort and the settle time passed ({r.dst_pages.size} pages back)",
+                        room=room,
+                    )
+                )
+                effects += self._release(r, safe=True, reason="all prefill ranks acknowledged the abort")
+                continue
+            if r.abort is not None and r.abort.state is DecodeAbortState.QUARANTINED:
+                r.abort.fire(DecodeAbortTrigger.QUARANTINE_TIMEOUT)
+                r.resend_at = None
+                self._counters.unsafe_releases += 1
+                effects.append(
+                    Notice(
+                        level=NoticeLevel.WARNING,
+                        text=f"UNSAFE release of room {room}: no AbortAck from {missing} within the "
+                        f"{self.timeouts.quarantine:g} s quarantine",
+                        room=room,
+                    )
+                )
+                effects += self._release(r, safe=False, reason=f"quarantine timeout ({', '.join(missing)})")
                 continue
             limit = {
                 ReceiverRoomState.BOOTSTRAPPING: ("bootstrap", self.timeouts.bootstrap),
@@ -633,9 +709,20 @@ class DecodeEndpoint:
 
     # ------------------------------------------------------------------ statistics
 
+    def quarantine_figures(self) -> tuple[int, int, int, int]:
+        """(rooms quarantined now, their pages, quarantines ever, released safely): O(quarantined)."""
+        return (
+            len(self._quarantined),
+            sum(self._quarantined.values()),
+            self._counters.quarantines,
+            self._counters.quarantines_released,
+        )
+
     def statistics(self) -> DecodeStatistics:
         return DecodeStatistics(
             rooms_open=sum(1 for r in self._rooms.values() if not r.terminal),
+            rooms_quarantined=len(self._quarantined),
+            pages_quarantined=sum(self._quarantined.values()),
             **attrs.asdict(self._counters),  # every counter field, by name
         )
 
@@ -706,6 +793,33 @@ class DecodeEndpoint:
             r.deadline = None
             return effects + self._release(r, safe=True, reason="no prefill rank had the destinations")
         self._set_deadline(r, now + self.timeouts.abort_ack)
+        self._schedule_resend(r, now)
+        return effects
+
+    def _schedule_resend(self, r: _ReceiverRoom, now: float) -> None:
+        if r.resends >= MAX_ABORT_RESENDS:
+            r.resend_at = None
+            return
+        r.resend_at = now + self.timeouts.abort_resend * (2**r.resends)
+        self._resends.push(r.room, r.resend_at)
+
+    def _resend_deadline(self, room: RoomId) -> float | None:
+        r = self._rooms.get(room)
+        if r is None or r.abort is None or r.abort.state not in _AWAITING_ACKS:
+            return None
+        return r.resend_at
+
+    def _resend_abort(self, r: _ReceiverRoom, now: float) -> list[Effect]:
+        """The Abort (or its AbortAck) may have been lost: tell the ranks that have not answered again."""
+        effects: list[Effect] = []
+        for key in sorted(r.must_ack - r.acked, key=lambda k: (k[0], k[1].tp, k[1].cp)):
+            peer = self._peers.get(key)
+            if peer is not None and peer.state is PeerState.READY:
+                self._counters.aborts_resent += 1
+                abort = Abort(origin=self.origin, room=r.room, reason=r.failure or "failed")
+                effects.append(Send(to=peer.endpoint, message=abort))
+        r.resends += 1
+        self._schedule_resend(r, now)
         return effects
 
     def _failed_room(self, room: RoomId, targets: Sequence[Target]) -> _ReceiverRoom:
@@ -724,6 +838,7 @@ class DecodeEndpoint:
         return r
 
     def _release(self, r: _ReceiverRoom, *, safe: bool, reason: str) -> list[Effect]:
+        self._quarantined.pop(r.room, None)
         r.released = True
         r.release_safe = safe
         r.deadline = None
@@ -799,6 +914,9 @@ class DecodeEndpoint:
         if r is None:
             raise LocalProtocolError(f"unknown room {room} on decode {self.origin}")
         return r
+
+
+_AWAITING_ACKS = (DecodeAbortState.REQUESTED, DecodeAbortState.QUARANTINED)
 
 
 def _clip(text: str) -> str:

@@ -135,6 +135,7 @@ class EndpointHost(Generic[E]):
         with self._lock:
             self._accounting.channel(malformed=channel.malformed, unauthenticated=channel.unauthenticated)
             self._apply(self._endpoint.tick(now))
+            self._after_tick()
             # On the control thread (the sockets' owner), before the loop flushes what was posted:
             # those messages go out on fresh sockets. A ForgetPeer from another thread waits for this.
             for endpoint in self._forget:
@@ -158,6 +159,9 @@ class EndpointHost(Generic[E]):
     def _apply_effect(self, effect: Effect) -> None:
         """One side-specific effect (Send, SubmitChunk, RoomFinished, ReleasePages), lock held."""
         raise NotImplementedError
+
+    def _after_tick(self) -> None:
+        """Lock held, on the control thread after each tick: refresh what is measured as a level."""
 
 
 class RoomHandle(Generic[E]):

@@ -22,7 +22,7 @@ from pdkv.control.errors import ControlError
 from pdkv.engine.backend import Registration, TransferBackend
 from pdkv.errors import ConfigError, LayoutMismatchError, RouteUnavailableError
 from pdkv.mapping import BufferLayout, Topology, decode_fanout, layout_kv_heads
-from pdkv.metrics import TransportMetricsSnapshot
+from pdkv.metrics import TransportCounter, TransportGauge, TransportMetricsSnapshot
 from pdkv.protocol import arguments
 from pdkv.protocol.config import Timeouts
 from pdkv.protocol.decode import DecodeEndpoint, DecodeStatistics
@@ -119,6 +119,7 @@ class DecodeTransport(EndpointHost[DecodeEndpoint]):
         self._registrations: list[Registration] = []
         self._released = 0
         self._unsafe = 0
+        self._seen: dict[TransportCounter, int] = {}  # endpoint counter totals already in metrics
         self._started = False
         self.stuck_writes = False
         """True when ``close()`` gave up waiting for prefill ranks to stop writing (memory kept)."""
@@ -299,6 +300,19 @@ class DecodeTransport(EndpointHost[DecodeEndpoint]):
         return targets, ratio
 
     # ------------------------------------------------------------------ internals
+
+    def _after_tick(self) -> None:
+        rooms, pages, quarantines, released = self._endpoint.quarantine_figures()
+        self.metrics.set_gauge(TransportGauge.ROOMS_QUARANTINED, rooms)
+        self.metrics.set_gauge(TransportGauge.PAGES_QUARANTINED, pages)
+        for counter, total in (
+            (TransportCounter.QUARANTINES, quarantines),
+            (TransportCounter.QUARANTINES_RELEASED, released),
+        ):
+            new = total - self._seen.get(counter, 0)
+            if new > 0:
+                self.metrics.increment(counter, new)
+                self._seen[counter] = total
 
     def _apply_effect(self, effect: Effect) -> None:
         if isinstance(effect, Send):

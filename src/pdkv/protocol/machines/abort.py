@@ -2,9 +2,14 @@
 
 Decode side, one per aborted room:
 
-    REQUESTED  Abort sent once to every prefill rank of the room; pages NOT reusable
-    ACKED      every prefill rank that knew the room's destinations acknowledged: pages reusable
-    TIMED_OUT  abort_ack_timeout passed first: pages released anyway, counted and logged as unsafe
+    REQUESTED    Abort sent to every prefill rank of the room (resent with backoff until acked);
+                 pages NOT reusable
+    ACKED        every prefill rank that knew the room's destinations acknowledged: pages reusable
+    QUARANTINED  abort_ack passed first (a rank silent or cut off): pages still NOT reusable, the
+                 Abort still resent; left when every rank acknowledged (ACKED) or after the long
+                 ``quarantine`` bound
+    TIMED_OUT    the quarantine bound passed: pages released anyway, the only unsafe release,
+                 counted and logged
 
 Prefill side, one per aborted room:
 
@@ -23,12 +28,14 @@ from pdkv.protocol.machines._base import MachineSpec, StateMachine, edges
 class DecodeAbortState(enum.Enum):
     REQUESTED = "requested"
     ACKED = "acked"
+    QUARANTINED = "quarantined"
     TIMED_OUT = "timed_out"
 
 
 class DecodeAbortTrigger(enum.Enum):
     ALL_ACKED = "all_acked"
     ACK_TIMEOUT = "ack_timeout"
+    QUARANTINE_TIMEOUT = "quarantine_timeout"
 
 
 class PrefillAbortState(enum.Enum):
@@ -48,8 +55,15 @@ DECODE_ABORT = MachineSpec(
     triggers=DecodeAbortTrigger,
     initial=DecodeAbortState.REQUESTED,
     edges=(
-        edges(DecodeAbortTrigger.ALL_ACKED, [DecodeAbortState.REQUESTED], DecodeAbortState.ACKED),
-        edges(DecodeAbortTrigger.ACK_TIMEOUT, [DecodeAbortState.REQUESTED], DecodeAbortState.TIMED_OUT),
+        edges(
+            DecodeAbortTrigger.ALL_ACKED,
+            [DecodeAbortState.REQUESTED, DecodeAbortState.QUARANTINED],
+            DecodeAbortState.ACKED,
+        ),
+        edges(DecodeAbortTrigger.ACK_TIMEOUT, [DecodeAbortState.REQUESTED], DecodeAbortState.QUARANTINED),
+        edges(
+            DecodeAbortTrigger.QUARANTINE_TIMEOUT, [DecodeAbortState.QUARANTINED], DecodeAbortState.TIMED_OUT
+        ),
     ),
 )
 
