@@ -28,6 +28,10 @@ def test_bench_soak_quick_run_is_complete_and_consistent() -> None:
     # Outcomes add up; every decode failure has a cause.
     assert record["rooms_succeeded"] + record["rooms_failed"] == 300
     assert sum(record[f"failed_{c.value}"] for c in FailureCause) == record["rooms_failed"]
+    # Injected engine failures are accounted where they happen: the prefill side fails the room with
+    # the engine cause (the decode side only hears "aborted by peer"); a room can carry more than one
+    # injection, or be aborted before its failing write starts, so at most one per injected room.
+    assert 0 < record["prefill_failed_engine"] <= record["engine_failures_injected"]
     # Figures are sane: positive memory, and the rate is rooms over wall time.
     assert record["rss_start_mib"] > 0 and record["rss_warm_mib"] > 0 and record["rss_end_mib"] > 0
     assert record["wall_seconds"] > 0 and record["fake_seconds"] > 0

@@ -73,6 +73,7 @@ class _Tally:
         self.terminal = 0
         self.outcomes: Counter[KVPoll] = Counter()
         self.causes: Counter[FailureCause] = Counter()
+        self.prefill_causes: Counter[FailureCause] = Counter()  # per room: its first failing CP rank's
         self.prefill_failed = 0
 
     def add(self, closed: Sequence[ClosedRoom], pages_of: dict[RoomId, int]) -> None:
@@ -81,6 +82,13 @@ class _Tally:
             self.outcomes[c.decode] += 1
             if c.decode_cause is not None:
                 self.causes[c.decode_cause] += 1
+            # Where the room failed first on the prefill side: an injected engine failure shows
+            # here as `engine` (the decode side only hears "aborted by peer").
+            own = [cause for cause in c.prefill_causes if cause is not None]
+            if FailureCause.ENGINE in own:
+                self.prefill_causes[FailureCause.ENGINE] += 1
+            elif own:
+                self.prefill_causes[own[0]] += 1
             finished = (KVPoll.Success, KVPoll.Failed, None)  # None: that rank restarted (not in a soak)
             if c.decode in (KVPoll.Success, KVPoll.Failed) and all(p in finished for p in c.prefill):
                 self.terminal += 1
@@ -198,6 +206,7 @@ def main(argv: Sequence[str]) -> int:
         "peers_lost_prefill": sum(p.statistics().peers_lost for p in pair.prefills),
         "peer_restarts_seen": stats.peer_restarts,
         **{f"failed_{cause.value}": tally.causes.get(cause, 0) for cause in FailureCause},
+        **{f"prefill_failed_{cause.value}": tally.prefill_causes.get(cause, 0) for cause in FailureCause},
         "messages_posted": link.posted,
         "messages_dropped": link.dropped,
         "messages_duplicated": link.duplicated,

@@ -207,6 +207,8 @@ class ClosedRoom:
     """None when the room succeeded (its pages were never at risk)."""
     prefill: tuple[KVPoll | None, ...]
     """Per CP rank, the opener incarnation's final poll (None: that rank restarted meanwhile)."""
+    prefill_causes: tuple[FailureCause | None, ...] = ()
+    """Per CP rank, why the room failed there (None: it succeeded, or that rank restarted)."""
 
 
 class EndpointPair:
@@ -420,10 +422,12 @@ class EndpointPair:
             decode_poll = self.decode.poll(room) if self.decode.has_room(room) else KVPoll.Failed
             release = self.releases.pop(room, None)
             prefill_polls: list[KVPoll | None] = []
+            prefill_causes: list[FailureCause | None] = []
             for i, opener in enumerate(prog.openers):
                 live = self.prefills[i] is opener
                 prefill_polls.append(opener.poll(room) if live and opener.has_room(room) else None)
-                self.finished.pop((f"prefill{i}", room), None)
+                prefill_finished = self.finished.pop((f"prefill{i}", room), None)
+                prefill_causes.append(None if prefill_finished is None else prefill_finished.cause)
             for p in self.prefills:
                 if p.has_room(room):
                     p.close_room(room, now)
@@ -438,6 +442,7 @@ class EndpointPair:
                     decode_cause=None if decode_finished is None else decode_finished.cause,
                     release_safe=None if release is None else release.safe,
                     prefill=tuple(prefill_polls),
+                    prefill_causes=tuple(prefill_causes),
                 )
             )
         return closed
