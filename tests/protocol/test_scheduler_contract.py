@@ -322,3 +322,19 @@ def test_an_abort_before_registration_completed_reaches_the_prefill_once_it_does
 def test_metrics_of_rooms_without_a_record_are_zero_not_errors() -> None:
     assert prefill().metric(ROOM) == TransferMetricData()
     assert decode().metric(ROOM) == {}
+
+
+def test_a_failed_status_is_resent_until_the_decode_answers_with_its_abort() -> None:
+    p = prefill(Timeouts(abort_resend=1.0))
+    p.receive(register(), 0.0)
+    p.open_room(ROOM, num_pages=2, aux_row=None, now=0.0)
+    p.receive(request([5, 6]), 0.0)
+    [first] = sent(p.abort_room(ROOM, "scheduler gave up", 1.0), TransferStatus)
+    assert isinstance(first, TransferStatus) and first.outcome is Outcome.FAILED
+    # Lost on the way: sent again at +1 s, then +2 s (doubling), until the decode's Abort comes.
+    assert sent(p.tick(1.5), TransferStatus) == []
+    assert sent(p.tick(2.0), TransferStatus) == [first]
+    assert sent(p.tick(4.0), TransferStatus) == [first]
+    p.receive(Abort(origin=DECODE, room=ROOM, reason="prefill failed"), 4.5)
+    assert sent(p.tick(8.0), TransferStatus) == [] and p.next_deadline() != 8.0
+    assert p.statistics().statuses_resent == 2

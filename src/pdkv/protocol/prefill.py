@@ -51,7 +51,7 @@ from pdkv.mapping._arrays import summarize
 from pdkv.mapping.layout import BufferLayout
 from pdkv.protocol import arguments
 from pdkv.protocol._deadlines import DeadlineQueue
-from pdkv.protocol.config import Timeouts
+from pdkv.protocol.config import MAX_ABORT_RESENDS, Timeouts
 from pdkv.protocol.effects import (
     ChunkSpec,
     DecodePeer,
@@ -127,6 +127,8 @@ class PrefillStatistics:
     """Decode ranks seen with a newer epoch."""
     unopened_rooms_freed: int
     """Rooms requested by a decode rank that this rank's scheduler never opened, freed once failed."""
+    statuses_resent: int
+    """Failed statuses sent again because no Abort answered them (a lost status or Abort)."""
 
 
 @attrs.define(eq=False)
@@ -143,6 +145,7 @@ class _Counters:
     peers_lost: int = 0
     peer_restarts: int = 0
     unopened_rooms_freed: int = 0
+    statuses_resent: int = 0
 
 
 @attrs.frozen
@@ -185,6 +188,9 @@ class _SenderRoom:
     layer_writes: set[int] = attrs.Factory(set)  # per-layer contexts (by start token) writing now
     success_held: bool = False  # every chunk Done, but per-layer writes still in flight
     peer_metric: dict[PeerKey, TransferMetricData] = attrs.Factory(dict)  # what each decode rank got
+    unanswered: set[PeerKey] = attrs.Factory(set)  # told Failed, no Abort back yet (resent)
+    status_resend_at: float | None = None
+    status_resends: int = 0
 
     @property
     def state(self) -> SenderRoomState:
@@ -223,6 +229,7 @@ class PrefillEndpoint:
         self._unopened_failed: list[RoomId] = []  # freed at the end of the input that failed them
         self._deadlines: DeadlineQueue[RoomId] = DeadlineQueue()
         self._tombstone_expiry: DeadlineQueue[RoomId] = DeadlineQueue()
+        self._status_resends: DeadlineQueue[RoomId] = DeadlineQueue()
         self._counters = _Counters()
 
     # ------------------------------------------------------------------ network input
@@ -282,6 +289,7 @@ class PrefillEndpoint:
                     key,
                     f"decode rank {msg.origin} re-registered with a rejected layout",
                     FailureCause.INVALID,
+                    now,
                 )
                 self._drop_peer(key)
             effects.append(Send(to=msg.endpoint, message=RegisterReject(origin=self.origin, reason=reason)))
@@ -396,7 +404,9 @@ class PrefillEndpoint:
                         msg.room,
                     )
                 ]
-            return self._fail(r, f"conflicting TransferRequests from {msg.origin}", FailureCause.INVALID)
+            return self._fail(
+                r, f"conflicting TransferRequests from {msg.origin}", FailureCause.INVALID, now=now
+            )
         if r.state is SenderRoomState.SUCCESS:
             # Another decode rank (or a restarted one) asks for a finished room: the room stays
             # Success for the ranks that got it; this one is told, and nothing is written to it.
@@ -417,14 +427,18 @@ class PrefillEndpoint:
                 r,
                 f"unexpected extra TransferRequest from {msg.origin} in state {r.state.name}",
                 FailureCause.INVALID,
+                now=now,
             )
         problem = self._validate(msg, peer, r)
         if problem is not None:
-            return self._fail(r, problem, FailureCause.INVALID)
+            return self._fail(r, problem, FailureCause.INVALID, now=now)
         required = {q.required_dst_info_num for q in r.requests.values()}
         if len(required) != 1:
             return self._fail(
-                r, f"decode ranks disagree on required_dst_info_num: {sorted(required)}", FailureCause.INVALID
+                r,
+                f"decode ranks disagree on required_dst_info_num: {sorted(required)}",
+                FailureCause.INVALID,
+                now=now,
             )
         if len(r.requests) == required.pop():
             r.machine.fire(SenderRoomTrigger.ALL_REQUESTS_IN)
@@ -500,6 +514,7 @@ class PrefillEndpoint:
                 effects.append(Send(to=peer.endpoint, message=AbortAck(origin=self.origin, room=msg.room)))
             return effects
         effects = []
+        r.unanswered.discard(key)  # the decode rank heard of the failure (or failed first)
         if not r.terminal:
             effects += self._fail(
                 r,
@@ -535,16 +550,16 @@ class PrefillEndpoint:
                 NoticeLevel.WARNING, f"{reason}: failing its rooms and forgetting it until it registers again"
             ),
         ]
-        effects += self._fail_rooms_of(key, reason, FailureCause.PEER_SILENT)
+        effects += self._fail_rooms_of(key, reason, FailureCause.PEER_SILENT, now)
         self._note_draining(key)
         self._drop_peer(key)
         return effects
 
-    def _fail_rooms_of(self, key: PeerKey, reason: str, cause: FailureCause) -> list[Effect]:
+    def _fail_rooms_of(self, key: PeerKey, reason: str, cause: FailureCause, now: float) -> list[Effect]:
         effects: list[Effect] = []
         for r in list(self._rooms.values()):
             if key in r.requests and not r.terminal:
-                effects += self._fail(r, reason, cause)
+                effects += self._fail(r, reason, cause, now=now)
         return effects
 
     def _drop_peer(self, key: PeerKey) -> None:
@@ -578,7 +593,7 @@ class PrefillEndpoint:
             r = self._new_room(room, now)
             if tomb is not None:
                 r.opened, r.num_pages, r.aux_row = True, num_pages, aux_row
-                return self._fail(r, tomb.reason, tomb.cause)
+                return self._fail(r, tomb.reason, tomb.cause, now=now)
         r.opened, r.num_pages, r.aux_row = True, num_pages, aux_row
         if r.terminal:
             return []  # failed before the scheduler opened it: poll() says Failed, failure() why
@@ -588,6 +603,7 @@ class PrefillEndpoint:
                     r,
                     f"request has {num_pages} pages but {q.origin} gave {q.dst_pages.size} destination pages",
                     FailureCause.INVALID,
+                    now=now,
                 )
         return []
 
@@ -679,6 +695,7 @@ class PrefillEndpoint:
                 r,
                 f"no transfer destination: decode rank {names} is no longer registered",
                 FailureCause.NO_DESTINATION,
+                now=now,
             )
         destinations = tuple(
             Destination(peer=self._peers[key], request=q) for key, q in r.requests.items() if not q.dummy
@@ -708,7 +725,7 @@ class PrefillEndpoint:
             return [_notice(NoticeLevel.INFO, f"abort of room {room} before its request: {reason}", room)]
         if r.terminal:
             return []
-        return self._fail(r, _clip(f"aborted by prefill: {reason}"), FailureCause.ABORTED_HERE)
+        return self._fail(r, _clip(f"aborted by prefill: {reason}"), FailureCause.ABORTED_HERE, now=now)
 
     def close_room(self, room: RoomId, now: float) -> None:
         """``sender.clear``: the scheduler is done with a terminal room; its id becomes a tombstone."""
@@ -892,7 +909,7 @@ class PrefillEndpoint:
         effects: list[Effect] = []
         if not r.terminal:
             effects += self._fail(
-                r, _clip(f"transfer of chunk {chunk} failed: {reason}"), FailureCause.ENGINE
+                r, _clip(f"transfer of chunk {chunk} failed: {reason}"), FailureCause.ENGINE, now=now
             )
         effects += self._maybe_drained(r)
         effects += self._writes_ended(room)
@@ -907,6 +924,7 @@ class PrefillEndpoint:
             for d in (
                 self._deadlines.next_deadline(self._room_deadline),
                 self._tombstone_expiry.next_deadline(self._tombstone_deadline),
+                self._status_resends.next_deadline(self._status_resend_deadline),
                 self._heartbeat_due,
             )
             if d is not None
@@ -927,10 +945,15 @@ class PrefillEndpoint:
                 SenderRoomState.TRANSFERRING: ("inflight", self.timeouts.inflight),
             }[r.state]
             effects += self._fail(
-                r, f"{limit[0]} timeout: still {r.state.name} after {limit[1]:g} s", FailureCause.TIMEOUT
+                r,
+                f"{limit[0]} timeout: still {r.state.name} after {limit[1]:g} s",
+                FailureCause.TIMEOUT,
+                now=now,
             )
         for room in self._tombstone_expiry.pop_due(now, self._tombstone_deadline):
             del self._tombstones[room]
+        for room in self._status_resends.pop_due(now, self._status_resend_deadline):
+            effects += self._resend_status(self._rooms[room], now)
         self._free_unopened(now)
         return effects
 
@@ -989,7 +1012,15 @@ class PrefillEndpoint:
         r = self._rooms.get(room)
         return None if r is None or r.terminal else r.deadline
 
-    def _fail(self, r: _SenderRoom, reason: str, cause: FailureCause, *, notify: bool = True) -> list[Effect]:
+    def _fail(
+        self,
+        r: _SenderRoom,
+        reason: str,
+        cause: FailureCause,
+        *,
+        notify: bool = True,
+        now: float | None = None,
+    ) -> list[Effect]:
         r.machine.fire(SenderRoomTrigger.FAIL)
         r.failure = reason
         r.cause = cause
@@ -1009,6 +1040,36 @@ class PrefillEndpoint:
                 peer = self._peers.get(key)
                 if peer is not None:
                     effects += self._status_to(r, peer)
+                    r.unanswered.add(key)
+            if r.unanswered and now is not None:
+                self._schedule_status_resend(r, now)
+        return effects
+
+    def _schedule_status_resend(self, r: _SenderRoom, now: float) -> None:
+        """A Failed status may be lost: resend it (backoff) until the decode rank's Abort answers."""
+        if r.status_resends >= MAX_ABORT_RESENDS:
+            r.status_resend_at = None
+            return
+        r.status_resend_at = now + self.timeouts.abort_resend * (2**r.status_resends)
+        self._status_resends.push(r.room, r.status_resend_at)
+
+    def _status_resend_deadline(self, room: RoomId) -> float | None:
+        r = self._rooms.get(room)
+        if r is None or r.state is not SenderRoomState.FAILED:
+            return None
+        if not any(key in self._peers for key in r.unanswered):
+            return None  # nobody registered to tell (a forgotten rank hears of it when it registers)
+        return r.status_resend_at
+
+    def _resend_status(self, r: _SenderRoom, now: float) -> list[Effect]:
+        effects: list[Effect] = []
+        for key in sorted(r.unanswered, key=_peer_order):
+            peer = self._peers.get(key)
+            if peer is not None:
+                self._counters.statuses_resent += 1
+                effects += self._status_to(r, peer)
+        r.status_resends += 1
+        self._schedule_status_resend(r, now)
         return effects
 
     def _status_to(self, r: _SenderRoom, peer: DecodePeer) -> list[Effect]:
