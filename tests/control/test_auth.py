@@ -41,7 +41,7 @@ def test_signed_frames_verify_back_to_the_message_frames() -> None:
 def test_the_tag_is_the_documented_hmac() -> None:
     # Recomputed here from the format written in the module docstring, independently of the code.
     frames = [b"ab", b"", b"cde"]
-    tag = AUTH.sign(frames, NOW)[-1]
+    tag = Authenticator(key=KEY).sign(frames, NOW)[-1]  # a fresh one: its first stamp is NOW
     timestamp = struct.pack("<Q", NOW)
     body = b"pdkv-control-auth-v1\x00" + timestamp + struct.pack("<I", 3)
     body += b"".join(struct.pack("<Q", len(f)) + f for f in frames)
@@ -96,7 +96,7 @@ def test_a_different_key_is_rejected() -> None:
 
 @pytest.mark.parametrize("age_ms", [30_001, -30_001, 3_600_000])
 def test_a_tag_outside_the_window_is_rejected(age_ms: int) -> None:
-    signed = AUTH.sign(FRAMES, NOW - age_ms)
+    signed = Authenticator(key=KEY).sign(FRAMES, NOW - age_ms)  # a fresh signer: exactly that stamp
     with pytest.raises(AuthenticationError, match="outside the 30 s window"):
         AUTH.verify(signed, NOW)
 
@@ -174,7 +174,7 @@ def test_a_channel_with_a_key_rejects_and_counts_untagged_or_wrongly_tagged_mess
 def test_a_stale_timestamp_is_rejected_and_counted(make_channel: MakeChannel, raw_socket: RawSocket) -> None:
     receiver = make_channel(auth=AUTH)
     replayer = raw_socket(zmq.PUSH, receiver.address)
-    replayer.send_multipart(AUTH.sign(FRAMES, unix_ms() - 31_000))
+    replayer.send_multipart(Authenticator(key=KEY).sign(FRAMES, unix_ms() - 31_000))  # backdated
     replayer.send_multipart(AUTH.sign(codec.encode(heartbeat(2)), unix_ms()))
     assert receiver.recv(5.0) == heartbeat(2)
     assert receiver.statistics().unauthenticated == 1
@@ -186,3 +186,43 @@ def test_a_channel_without_a_key_treats_a_tag_frame_as_malformed(make_channel: M
     assert eventually(lambda: receiver.recv(0.05) is None and receiver.statistics().malformed == 1)
     stats = receiver.statistics()
     assert (stats.malformed, stats.unauthenticated, stats.received) == (1, 0, 0)
+
+
+# ---------------------------------------------------------------- replays
+
+
+def test_a_replayed_frame_set_is_rejected_within_the_window_and_forgotten_after() -> None:
+    guard = AUTH.replay_guard()
+    signed = Authenticator(key=KEY).sign(FRAMES, NOW)
+    assert AUTH.verify(signed, NOW + 10, guard) == FRAMES
+    with pytest.raises(AuthenticationError, match="replayed frame set"):
+        AUTH.verify(signed, NOW + 20_000, guard)
+    assert guard.replays == 1
+    # Past the window the timestamp check rejects it; the guard no longer needs to remember it.
+    with pytest.raises(AuthenticationError, match="outside the 30 s window"):
+        AUTH.verify(signed, NOW + 31_000, guard)
+    AUTH.verify(Authenticator(key=KEY).sign(FRAMES, NOW + 61_000), NOW + 61_000, guard)
+    assert len(guard) == 1  # the first tag was dropped once two windows passed
+
+
+def test_identical_frames_signed_in_the_same_millisecond_are_not_replays() -> None:
+    signer = Authenticator(key=KEY)
+    first, second = signer.sign(FRAMES, NOW), signer.sign(FRAMES, NOW)
+    assert first[-1] != second[-1]  # timestamps strictly increase per signer
+    guard = AUTH.replay_guard()
+    assert AUTH.verify(first, NOW, guard) == AUTH.verify(second, NOW, guard) == FRAMES
+
+
+def test_a_channel_rejects_and_counts_a_replayed_message(
+    make_channel: MakeChannel, raw_socket: RawSocket
+) -> None:
+    receiver = make_channel(auth=AUTH)
+    replayer = raw_socket(zmq.PUSH, receiver.address)
+    captured = AUTH.sign(FRAMES, unix_ms())
+    replayer.send_multipart(captured)
+    replayer.send_multipart(captured)  # the same bytes again, inside the window
+    replayer.send_multipart(AUTH.sign(codec.encode(heartbeat(2)), unix_ms()))
+    assert receiver.recv(5.0) == heartbeat(1)
+    assert receiver.recv(5.0) == heartbeat(2)
+    stats = receiver.statistics()
+    assert (stats.replayed, stats.unauthenticated, stats.received) == (1, 1, 2)

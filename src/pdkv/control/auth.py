@@ -17,9 +17,14 @@ does not match (constant-time compare), or whose timestamp is further than ``win
 own clock in either direction (a sender's clock may run ahead). Clocks across hosts must agree to
 well within the window.
 
-What this is not: no encryption (anyone on the path reads the frames) and no replay cache (a
-captured message can be replayed while its timestamp is inside the window; the protocol's epochs
-and room ids make most replays harmless, not all). Without a key there is no tag frame at all.
+Replays: a receiver that keeps a ``ReplayGuard`` rejects a tag it has already accepted while that
+tag is inside the window (outside it, the timestamp check rejects it). A sender never signs two
+frame sets with the same timestamp (its timestamps strictly increase), so a byte-identical frame set
+is always a replay, never a legitimate resend. The guard's memory is bounded by what one window
+can carry.
+
+What this is not: no encryption (anyone on the path reads the frames). Without a key there is no
+tag frame at all.
 """
 
 from __future__ import annotations
@@ -29,7 +34,9 @@ import hmac
 import math
 import os
 import struct
+import threading
 import time
+from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import Final
 
@@ -68,12 +75,60 @@ def _check_window(_: object, attribute: attrs.Attribute[float], value: float) ->
         raise ConfigError(f"{attribute.name} must be a finite number of seconds > 0, got {value!r}")
 
 
+class _Stamps:
+    """Strictly increasing signing timestamps (unix ms) for one authenticator, any thread."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._last = 0
+
+    def next(self, now_ms: int) -> int:
+        with self._lock:
+            self._last = max(now_ms, self._last + 1)
+            return self._last
+
+
+class ReplayGuard:
+    """The tags a receiver accepted within the window: a second copy of one is a replay.
+
+    Not thread-safe: one per receiving socket owner. Memory: one entry per accepted frame set of the
+    last ``window_s`` seconds.
+    """
+
+    def __init__(self, window_s: float) -> None:
+        self._window_ms = window_s * 1000.0
+        self._seen: set[bytes] = set()
+        self._order: deque[tuple[int, bytes]] = deque()  # (signed ms, tag) in arrival order
+        self.replays = 0
+
+    def check(self, tag: bytes, signed_ms: int, now_ms: int) -> None:
+        """Remember ``tag``; raises ``AuthenticationError`` when it was accepted before."""
+        horizon = now_ms - 2 * self._window_ms  # past it the window check rejects the tag anyway
+        while self._order and self._order[0][0] < horizon:
+            self._seen.discard(self._order.popleft()[1])
+        if tag in self._seen:
+            self.replays += 1
+            raise AuthenticationError(
+                f"replayed frame set: its tag (signed {now_ms - signed_ms} ms ago) was accepted before"
+            )
+        self._seen.add(tag)
+        self._order.append((signed_ms, tag))
+
+    def __len__(self) -> int:
+        return len(self._seen)
+
+
 @attrs.frozen(kw_only=True)
 class Authenticator:
     """Signs outbound frame lists and verifies inbound ones with a shared key (never shown in repr)."""
 
     key: bytes = attrs.field(repr=False, validator=_check_key)
     window_s: float = attrs.field(default=DEFAULT_WINDOW_S, validator=_check_window)
+    _stamps: _Stamps = attrs.field(factory=_Stamps, repr=False, eq=False, init=False)
+
+    def replay_guard(self) -> ReplayGuard:
+        """A fresh guard for one receiver (sized by this authenticator's window)."""
+        return ReplayGuard(self.window_s)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Authenticator | None:
@@ -98,12 +153,14 @@ class Authenticator:
         return cls(key=raw_key.encode("utf-8", "surrogateescape"), window_s=window)
 
     def sign(self, frames: Sequence[bytes], now_ms: int) -> list[bytes]:
-        """``frames`` with the tag frame appended (signed at ``now_ms``)."""
-        timestamp = _TIMESTAMP.pack(now_ms)
+        """``frames`` with the tag frame appended (signed at ``now_ms``, or just after the last
+        signature of this authenticator: no two frame sets share a timestamp)."""
+        timestamp = _TIMESTAMP.pack(self._stamps.next(now_ms))
         return [*frames, timestamp + self._mac(timestamp, frames)]
 
-    def verify(self, frames: Sequence[bytes], now_ms: int) -> list[bytes]:
-        """The frames without their tag; raises ``AuthenticationError`` naming what was wrong."""
+    def verify(self, frames: Sequence[bytes], now_ms: int, replay: ReplayGuard | None = None) -> list[bytes]:
+        """The frames without their tag; raises ``AuthenticationError`` naming what was wrong (with
+        ``replay``, also for a frame set it already accepted)."""
         if len(frames) < 2:
             raise AuthenticationError(f"no authentication tag: only {len(frames)} frame(s)")
         tag = frames[-1]
@@ -121,6 +178,8 @@ class Authenticator:
             raise AuthenticationError(
                 f"authentication tag is {age_ms / 1000.0:+.3f} s old, outside the {self.window_s:g} s window"
             )
+        if replay is not None:
+            replay.check(tag, signed_ms, now_ms)
         return payload
 
     def _mac(self, timestamp: bytes, frames: Sequence[bytes]) -> bytes:

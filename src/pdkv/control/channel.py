@@ -78,7 +78,9 @@ class ChannelStatistics:
     malformed: int
     """Inbound frame sets that the codec rejected."""
     unauthenticated: int
-    """Inbound frame sets without a valid, fresh tag (only with an authenticator)."""
+    """Inbound frame sets without a valid, fresh tag (only with an authenticator); replays included."""
+    replayed: int = 0
+    """Of those, copies of a frame set already accepted within the window (a captured message replayed)."""
     sent: int
     """Messages queued for sending."""
     dropped_sends: int
@@ -107,6 +109,7 @@ class ControlChannel(Generic[M]):
     ) -> None:
         self._codec = codec
         self._auth = auth
+        self._replay = None if auth is None else auth.replay_guard()
         self._options = options if options is not None else ChannelOptions()
         self._context: zmq.Context[zmq.Socket[bytes]] = (
             context if context is not None else zmq.Context.instance()
@@ -155,6 +158,7 @@ class ControlChannel(Generic[M]):
             received=self._received,
             malformed=self._malformed,
             unauthenticated=self._unauthenticated,
+            replayed=0 if self._replay is None else self._replay.replays,
             sent=self._sent,
             dropped_sends=self._dropped_sends,
             peers=len(self._outbound),
@@ -305,7 +309,7 @@ class ControlChannel(Generic[M]):
         """The message in ``frames``; None (counted, logged) when they fail authentication or decoding."""
         if self._auth is not None:
             try:
-                frames = self._auth.verify(frames, unix_ms())
+                frames = self._auth.verify(frames, unix_ms(), self._replay)
             except AuthenticationError as exc:
                 self._unauthenticated += 1
                 self._warnings.warning("control channel %s rejected a frame set: %s", self._address, exc)
