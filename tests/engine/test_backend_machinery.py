@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future
@@ -298,3 +299,27 @@ def test_default_fabric_is_shared() -> None:
     with LoopbackBackend() as first, LoopbackBackend() as second:
         assert LoopbackFabric.default().lookup(second.session_id) is second
         assert first.session_id != second.session_id
+
+
+def test_an_idle_peer_lane_retires_and_a_later_batch_starts_a_new_one(fabric: LoopbackFabric) -> None:
+    # A decode rank that restarted never sees its old session used again: the lanes of gone peers
+    # must not pile up threads for the life of the process.
+    with LoopbackBackend(fabric=fabric) as sender, LoopbackBackend(fabric=fabric) as receiver:
+        sender.lane_idle_s = 0.1
+        src, dst = HostBuffer(64), HostBuffer(64)
+        src.array[:] = 7
+        with sender.register(src), receiver.register(dst):
+
+            def lane_threads() -> list[str]:
+                prefix = f"{sender.thread_name}-{receiver.session_id}"
+                return [t.name for t in threading.enumerate() if t.name.startswith(prefix)]
+
+            sender.write(receiver.session_id, _one_block(src, dst, 64))
+            assert sender.lanes() == 1 and len(lane_threads()) == 2  # a launcher and a completer
+            deadline = time.monotonic() + 10
+            while (sender.lanes() or lane_threads()) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert sender.lanes() == 0 and lane_threads() == []  # retired: both threads ended
+            dst.array[:] = 0
+            sender.write(receiver.session_id, _one_block(src, dst, 64))  # a new lane serves it
+            assert (dst.array == 7).all() and sender.lanes() == 1

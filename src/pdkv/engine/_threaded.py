@@ -17,7 +17,9 @@ under way per lane at any time. One waiting thread per peer matters: Mooncake's 
 spins while it waits, so one waiter per batch in flight would burn a core each. Pieces of a batch
 after a failed one are not launched; pieces already launched are still waited for, so no engine
 batch is ever left unwaited. Neither thread dies on an exception: it becomes the batch's FAILED
-reason. Lanes are created on first use of a peer and live until ``close()``.
+reason. Lanes are created on first use of a peer and retire after ``lane_idle_s`` without work
+(a peer that went away, a decode rank that restarted under a new session: their threads do not
+pile up); a later batch to the same peer starts a new lane.
 """
 
 from __future__ import annotations
@@ -163,6 +165,7 @@ class _PeerLane(Generic[Token]):
 
     def __init__(self, backend: WorkerThreadBackend[Token], peer: str, budget: int) -> None:
         self._backend = backend
+        self.peer = peer
         self._budget = budget
         self._used = 0
         self._queued: deque[PieceJob] = deque()
@@ -198,6 +201,15 @@ class _PeerLane(Generic[Token]):
         """Launch a piece ``put`` reserved, on the caller's thread."""
         self._launch_one(job)
 
+    def idle(self) -> bool:
+        """Nothing queued, launching, launched or holding budget (``_changed`` held)."""
+        return not self._queued and not self._launching and not self._launched and self._used == 0
+
+    def retire(self) -> None:
+        """End both threads of an idle lane (``_changed`` held; the backend removed it from its table)."""
+        self._stopping = True
+        self._changed.notify_all()
+
     def stop(self) -> None:
         """Launch and complete everything already queued, then end both threads."""
         with self._changed:
@@ -211,20 +223,31 @@ class _PeerLane(Generic[Token]):
             with self._changed:
                 # An inline launch under way ends first (order), even when stopping: the completer
                 # must not end before that piece is in ``_launched``.
+                timed_out = False
                 while self._launching or (not self._queued and not self._stopping):
-                    self._changed.wait()
-                if not self._queued:
+                    if not self._changed.wait(self._backend.lane_idle_s) and self.idle():
+                        timed_out = True
+                        break
+                if timed_out:
+                    job = None
+                elif not self._queued:
                     self._launcher_done = True
                     self._changed.notify_all()
                     return
-                job = self._queued[0]
-                # Pieces never exceed the budget and the completer gives entries back without
-                # needing this thread, so this wait always ends.
-                while self._used + len(job.piece) > self._budget:
-                    self._changed.wait()
-                self._queued.popleft()
-                self._used += len(job.piece)
-                self._launching = True
+                else:
+                    job = self._queued[0]
+                    # Pieces never exceed the budget and the completer gives entries back without
+                    # needing this thread, so this wait always ends.
+                    while self._used + len(job.piece) > self._budget:
+                        self._changed.wait()
+                    self._queued.popleft()
+                    self._used += len(job.piece)
+                    self._launching = True
+            if job is None:
+                # Idle for lane_idle_s: the backend retires the lane if it is still idle (its lock
+                # comes before ``_changed``, so this is asked outside it); then the loop ends above.
+                self._backend._retire_lane(self)
+                continue
             self._launch_one(job)
 
     def _launch_one(self, job: PieceJob) -> None:
@@ -283,6 +306,7 @@ class WorkerThreadBackend(abc.ABC, Generic[Token]):
         max_entries_in_flight: int,
         thread_name: str,
         clock: Callable[[], float] = time.monotonic,
+        lane_idle_s: float = 60.0,
     ) -> None:
         if max_entries_in_flight <= 0:
             raise ValueError(f"max_entries_in_flight must be positive, got {max_entries_in_flight}")
@@ -293,6 +317,8 @@ class WorkerThreadBackend(abc.ABC, Generic[Token]):
         self._registry_lock = threading.Lock()  # registrations (engine registration may be slow)
         self._regions = RegionTable()
         self._lanes: dict[str, _PeerLane[Token]] = {}
+        self.lane_idle_s = lane_idle_s
+        """A peer's lane retires (its two threads end) after this long without work."""
         self._closed = False
         self._serial = 0
         self._unwaited: dict[int, BatchHandle] = {}
@@ -481,6 +507,19 @@ class WorkerThreadBackend(abc.ABC, Generic[Token]):
         result = self.wait([self.submit_write(peer, batch)], timeout)
         result.raise_for_status()
         return result.outcomes[0]
+
+    def _retire_lane(self, lane: _PeerLane[Token]) -> None:
+        """A lane's launcher found it idle: drop it from the table and end its threads, unless a
+        batch came in meanwhile (submissions hold ``_lock`` while they queue on a lane)."""
+        with self._lock, lane._changed:
+            if lane.idle() and not lane._stopping and self._lanes.get(lane.peer) is lane:
+                del self._lanes[lane.peer]
+                lane.retire()
+
+    def lanes(self) -> int:
+        """Peer lanes alive now (each two threads)."""
+        with self._lock:
+            return len(self._lanes)
 
     def statistics(self) -> BackendStatistics:
         with self._lock:
