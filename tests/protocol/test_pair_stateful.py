@@ -4,7 +4,9 @@ Rules open rooms (chunked, aborted by either side at random times, with engine f
 forward, partition one prefill rank's control link from the decode rank for a while (it goes
 silent; writes go on), restart a prefill rank behind the same address with a new epoch (announced
 by a fresh route table or found through its silence), and replay messages of retired incarnations.
-The link drops, duplicates, delays and reorders messages. Checked at every step:
+Rooms may go per layer: each chunk's per-layer context writes from the moment the chunk is queued
+until after its own write (the forward overlaps), and the pair's ground-truth checker sees those
+writes too. The link drops, duplicates, delays and reorders messages. Checked at every step:
 - abort safety: no write starts or is in flight when decode releases a room's pages as safe
   (``EndpointPair`` records every breach), and unsafe releases happen only via the counted timeout;
 - decode Success only when every prefill rank that opened the room (all are required) reached Success;
@@ -111,6 +113,7 @@ class PairFaults(RuleBasedStateMachine):
         abort_decode=st.none() | st.floats(0.0, 0.2),
         abort_prefill=st.none() | st.floats(0.0, 0.2),
         fail_chunk=st.none() | st.integers(0, 3),
+        per_layer=st.booleans(),
     )
     def open_room(
         self,
@@ -119,6 +122,7 @@ class PairFaults(RuleBasedStateMachine):
         abort_decode: float | None,
         abort_prefill: float | None,
         fail_chunk: int | None,
+        per_layer: bool,
     ) -> None:
         room = RoomId(self.next_room)
         self.next_room += 1
@@ -131,6 +135,7 @@ class PairFaults(RuleBasedStateMachine):
             chunk_pages=tuple(chunks),
             abort_decode_at=None if abort_decode is None else now + abort_decode,
             abort_prefill_at=None if abort_prefill is None else now + abort_prefill,
+            per_layer=per_layer,
         )
         self.pair.add_room(plan, decode_first=decode_first)
         self.opened[room] = now

@@ -4,8 +4,11 @@ each decode rank is told the bytes written to it, not the room's total."""
 
 from __future__ import annotations
 
+import pytest
+
+from pdkv.protocol.config import Timeouts
 from pdkv.protocol.effects import ChunkSpec, DropLayers, SubmitChunk
-from pdkv.protocol.ids import Epoch
+from pdkv.protocol.ids import Epoch, RoomId
 from pdkv.protocol.messages import (
     Abort,
     AbortAck,
@@ -18,6 +21,7 @@ from pdkv.protocol.messages import (
 )
 from pdkv.protocol.poll import KVPoll
 from pdkv.protocol.prefill import PrefillEndpoint
+from pdkv.testing.endpoint_pair import EndpointPair, RoomPlan
 from tests.protocol.helpers import DECODE, ROOM, prefill, register, request, sent
 
 PAGE = 16
@@ -93,3 +97,29 @@ def test_each_decode_rank_is_told_only_what_was_written_to_it() -> None:
     statuses = [m for m in sent(effects, TransferStatus) if isinstance(m, TransferStatus)]
     assert sorted(m.metric.bytes for m in statuses) == [400, 440]  # not 840 each
     assert [m.metric.pages for m in statuses] == [4, 4]
+
+
+def _aborted_per_layer_room(pair: EndpointPair) -> None:
+    pair.connect()
+    pair.run(until=0.5)
+    plan = RoomPlan(room=RoomId(9), num_pages=4, chunk_pages=(2, 2), abort_decode_at=0.6, per_layer=True)
+    pair.add_room(plan)
+    pair.settle()
+
+
+def test_the_pair_checker_sees_per_layer_writes_and_the_real_endpoint_waits_for_them() -> None:
+    pair = EndpointPair(timeouts=Timeouts(abort_ack=5), transfer_time=0.05)
+    _aborted_per_layer_room(pair)
+    assert pair.violations == []
+    assert pair.decode.release_ready(RoomId(9)) and pair.decode.release_was_safe(RoomId(9))
+
+
+def test_a_planted_bug_acking_before_the_layers_drained_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    def forgetful(self: PrefillEndpoint, room: RoomId, start_token: int, now: float) -> bool:
+        return True  # the bug: a context's writes are not counted in flight
+
+    monkeypatch.setattr(PrefillEndpoint, "layer_writes_started", forgetful)
+    pair = EndpointPair(timeouts=Timeouts(abort_ack=5), transfer_time=0.05)
+    _aborted_per_layer_room(pair)
+    assert pair.violations, "an AbortAck sent while layer writes ran must show as a violation"
+    assert "writes layers" in pair.violations[0].what

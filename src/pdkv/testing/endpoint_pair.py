@@ -161,6 +161,9 @@ class RoomPlan:
     chunk_pages: tuple[int, ...]
     abort_decode_at: float | None = None
     abort_prefill_at: float | None = None
+    per_layer: bool = False
+    """Each chunk's KV also goes layer by layer: a per-layer context starts writing when the chunk is
+    queued and ends ``layer_time`` later (after the chunk's own write), as a forward that overlaps."""
 
     def __attrs_post_init__(self) -> None:
         if sum(self.chunk_pages) != self.num_pages or not self.chunk_pages:
@@ -174,6 +177,15 @@ class _Write:
     prefill: int
     done_at: float
     fail: bool
+
+
+@attrs.define(eq=False)
+class _LayerWrite:
+    room: RoomId
+    start_token: int
+    prefill: int
+    endpoint: PrefillEndpoint  # the incarnation that writes (a restart ends its writes)
+    done_at: float
 
 
 @attrs.define(eq=False)
@@ -260,6 +272,9 @@ class EndpointPair:
         self.prefill_endpoints = list(self._prefill_address)
         """Control address of each CP rank (kept by a restarted rank)."""
         self._writes: list[_Write] = []
+        self._layer_writes: list[_LayerWrite] = []
+        self.layer_time = 3 * transfer_time
+        """How long a per-layer context writes (longer than a chunk write: the forward overlaps)."""
         self._progress: dict[RoomId, _Progress] = {}
         self._scheduled: list[tuple[float, RoomId]] = []  # heap of the scheduler's abort times
         self._released_safe: dict[RoomId, float] = {}
@@ -341,6 +356,7 @@ class EndpointPair:
         times = [self.link.next_delivery(), self.decode.next_deadline()]
         times += [p.next_deadline() for p in self.prefills]
         times += [w.done_at for w in self._writes]
+        times += [w.done_at for w in self._layer_writes]
         times += [t for t in self._partition_until.values() if t is not None]
         while self._scheduled and self._scheduled[0][0] <= self.clock.now:
             heapq.heappop(self._scheduled)  # already acted on by the step at or after that time
@@ -370,6 +386,12 @@ class EndpointPair:
             else:
                 metric = TransferMetricData(pages=1, bytes=4096, seconds=self.transfer_time)
                 self._apply(f"prefill{w.prefill}", p.chunk_done(w.room, w.chunk, metric, now))
+        for lw in [w for w in self._layer_writes if w.done_at <= now]:
+            self._layer_writes.remove(lw)
+            if self.prefills[lw.prefill] is lw.endpoint:
+                self._apply(
+                    f"prefill{lw.prefill}", lw.endpoint.layer_writes_ended(lw.room, lw.start_token, now)
+                )
         self._apply("decode", self.decode.tick(now))
         for i, p in enumerate(self.prefills):
             self._apply(f"prefill{i}", p.tick(now))
@@ -392,7 +414,11 @@ class EndpointPair:
         self.run(until=self.clock.now + limit, stop=self.all_settled)
 
     def all_settled(self) -> bool:
-        return all(self.room_settled(room) for room in self._progress) and not self._writes
+        return (
+            all(self.room_settled(room) for room in self._progress)
+            and not self._writes
+            and not self._layer_writes
+        )
 
     def room_settled(self, room: RoomId) -> bool:
         """Terminal on every live endpoint that holds it, nothing in flight, decode pages released."""
@@ -476,6 +502,7 @@ class EndpointPair:
         self.retired.append(old)
         self.prefills[cp] = new
         self._writes = [w for w in self._writes if w.prefill != cp]
+        self._layer_writes = [w for w in self._layer_writes if w.prefill != cp]
         self._stale.extend(self._sent[cp])
         self._sent[cp].clear()
         if announce:
@@ -555,6 +582,14 @@ class EndpointPair:
         if not e.safe:
             return
         self._released_safe[e.room] = now
+        # Ground truth, independent of what the endpoints believe: a layer write still running.
+        for lw in self._layer_writes:
+            if lw.room == e.room:
+                self.violations.append(
+                    SafetyViolation(
+                        room=e.room, time=now, what=f"released while prefill {lw.prefill} writes layers"
+                    )
+                )
         for i, p in enumerate(self.prefills):
             if p.may_write(e.room):
                 self.violations.append(
@@ -612,6 +647,22 @@ class EndpointPair:
         )
         prog.next_chunk += 1
         for i, p in enumerate(prog.openers):
+            if plan.per_layer and p.layer_writes_started(plan.room, spec.start_token, now):
+                if plan.room in self._released_safe:
+                    self.violations.append(
+                        SafetyViolation(
+                            room=plan.room, time=now, what="layer writes started after safe release"
+                        )
+                    )
+                self._layer_writes.append(
+                    _LayerWrite(
+                        room=plan.room,
+                        start_token=spec.start_token,
+                        prefill=i,
+                        endpoint=p,
+                        done_at=now + self.layer_time,
+                    )
+                )
             self._apply(f"prefill{i}", p.queue_chunk(plan.room, spec, now))
 
 
