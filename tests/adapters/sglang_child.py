@@ -233,7 +233,7 @@ def scenario_prefill(plan: dict[str, Any]) -> dict[str, Any]:
     deadline = time.monotonic() + float(plan.get("timeout_s", 60))
     grace_end: float | None = None
     while len(outcome) < len(rooms) and time.monotonic() < deadline:
-        if len(outcome) >= len(rooms) - len(unreachable):
+        if all(room in outcome for room in rooms if room not in unreachable):
             grace_end = grace_end or time.monotonic() + float(plan.get("grace_s", 3))
             if time.monotonic() > grace_end:
                 break
