@@ -51,6 +51,7 @@ from pdkv.runtime import (
     PerLayerTransferManager,
     PrefillConfig,
     PrefillTransport,
+    Registry,
 )
 
 __version__ = "0.1.0"
@@ -89,6 +90,7 @@ __all__ = [
     "PrefillTransport",
     "ProtocolError",
     "RankCoord",
+    "Registry",
     "RegistryError",
     "RemoteProtocolError",
     "RoomId",

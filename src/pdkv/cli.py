@@ -1,4 +1,4 @@
-"""Command line: ``pdkv demo | bench NAME | diagram [--check]``.
+"""Command line: ``pdkv demo | bench NAME | diagram [--check] | registry``.
 
 Owns: argument parsing and dispatch only; the work lives in the modules it calls.
 """
@@ -22,6 +22,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     diagram = sub.add_parser("diagram", help="write the state diagrams into specs/diagrams/")
     diagram.add_argument("--check", action="store_true", help="exit 1 if the committed files differ")
     diagram.add_argument("--out", default=None, help="output folder (default: specs/diagrams)")
+    registry = sub.add_parser(
+        "registry", help="run the bootstrap registry of a prefill instance until stopped"
+    )
+    registry.add_argument("--instance", required=True, help="the prefill instance id its ranks announce")
+    registry.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    registry.add_argument("--port", type=int, default=8998, help="port to bind (default 8998; 0: any free)")
+    registry.add_argument("--tp", type=int, default=None, help="expected prefill TP size (default: learnt)")
+    registry.add_argument("--cp", type=int, default=None, help="expected prefill CP size (default: learnt)")
 
     if args and args[0] == "demo":
         from pdkv.demo import main as demo_main
@@ -30,6 +38,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args and args[0] == "bench" and len(args) >= 2:
         return _bench(args[1], args[2:])
     ns = parser.parse_args(args)
+    if ns.command == "registry":
+        return _registry(ns.instance, ns.host, ns.port, ns.tp, ns.cp)
     if ns.command == "diagram":
         from pdkv.diagrams import main as diagram_main
 
@@ -58,3 +68,20 @@ def _bench(name: str, rest: list[str]) -> int:
         print(f"pdkv bench: {exc.args[0]}", file=sys.stderr)
         return 2
     return run(rest)
+
+
+def _registry(instance: str, host: str, port: int, tp: int | None, cp: int | None) -> int:
+    import logging
+    import signal
+    import threading
+
+    from pdkv.runtime import Registry
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    with Registry(instance, host=host, port=port, tp_size=tp, cp_size=cp) as registry:
+        print(f"pdkv registry of instance {instance!r} at {registry.address}", flush=True)
+        stop.wait()
+    return 0

@@ -23,6 +23,7 @@ from pdkv.mapping import BufferKind
 from pdkv.protocol.ids import Epoch, InstanceId, RoomId
 from pdkv.protocol.messages import Heartbeat, Message, Origin, RankCoord, StateIndices
 from pdkv.protocol.poll import KVPoll
+from pdkv.runtime import Registry
 from pdkv.runtime._loop import ControlLoop
 from pdkv.runtime.decode import DecodeConfig, DecodeTransport
 from pdkv.runtime.prefill import PrefillConfig, PrefillTransport
@@ -278,3 +279,44 @@ def test_one_failing_message_never_costs_the_rest_of_its_batch() -> None:
     finally:
         loop.stop()
     assert handled == [0, 2, 3, 4] and loop.handler_errors == 1
+
+
+def test_the_public_registry_learns_the_shape_and_serves_a_decode() -> None:
+    with Registry("p") as registry:
+        transport, backend = _prefill_alone(registry.address)
+        memory = RankMemory(SPEC, Capacity(kv_pages=8, state_slots=2, aux_rows=2))
+        decode_backend = LoopbackBackend(fabric=LoopbackFabric("alone"))
+        config = DecodeConfig(instance=InstanceId("d"), rank=RankCoord(tp=0), tp_size=1, layout=memory.layout)
+        try:
+            transport.start(announce_timeout_s=10)  # tp/cp were not given: taken from this rank
+            with DecodeTransport(config, decode_backend) as decode:
+                assert decode.connect(registry.address, timeout_s=10) == InstanceId("p")
+                assert decode.wait_registered(InstanceId("p"), timeout_s=10)
+        finally:
+            transport.close()
+            backend.close()
+            decode_backend.close()
+
+
+def test_pdkv_registry_runs_standalone_until_stopped() -> None:
+    import subprocess
+    import sys
+
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pdkv", "registry", "--instance", "p", "--port", str(port)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == f"pdkv registry of instance 'p' at tcp://127.0.0.1:{port}"
+        transport, backend = _prefill_alone(f"tcp://127.0.0.1:{port}")
+        try:
+            transport.start(announce_timeout_s=10)  # announced to the standalone registry
+        finally:
+            transport.close()
+            backend.close()
+    finally:
+        proc.terminate()
+        assert proc.wait(10) == 0

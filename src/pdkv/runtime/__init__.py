@@ -12,6 +12,7 @@ The only layer that starts threads and owns clocks; it imports protocol, mapping
 alloc and metrics, and nothing imports it but the CLI, the demo and ``pdkv.testing``.
 """
 
+from pdkv.runtime.channels import Registry
 from pdkv.runtime.decode import DecodeConfig, DecodeTransport, KVReceiver, RouteUnavailableError
 from pdkv.runtime.executor import (
     ExecutorConfig,
@@ -46,6 +47,7 @@ __all__ = [
     "PerLayerTransferManager",
     "PrefillConfig",
     "PrefillTransport",
+    "Registry",
     "RouteUnavailableError",
     "TransferExecutor",
     "TransferJob",

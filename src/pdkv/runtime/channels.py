@@ -14,7 +14,7 @@ from pdkv.control.auth import Authenticator
 from pdkv.control.bootstrap import RegistryService, request
 from pdkv.control.channel import ControlChannel
 from pdkv.control.framing import WireCodec
-from pdkv.errors import RegistryError, RemoteProtocolError
+from pdkv.errors import LocalProtocolError, RegistryError, RemoteProtocolError
 from pdkv.protocol import codec
 from pdkv.protocol.ids import Epoch, InstanceId
 from pdkv.protocol.messages import (
@@ -68,9 +68,17 @@ def query_registry(address: str, message: RouteQuery, timeout_s: float) -> Route
 
 
 def start_registry(
-    *, instance: InstanceId, tp_size: int, cp_size: int, host: str = "127.0.0.1", port: int = 0
+    *,
+    instance: InstanceId,
+    tp_size: int | None = None,
+    cp_size: int | None = None,
+    host: str = "127.0.0.1",
+    port: int = 0,
 ) -> RegistryService[Message]:
-    """Run the bootstrap registry of a prefill instance (a thread of this process); stop() it when done."""
+    """Run the bootstrap registry of a prefill instance (a thread of this process); stop() it when done.
+
+    ``tp_size`` / ``cp_size`` given here are checked against every announcement; left out, they are
+    taken from the first rank that announces."""
     book = RouteBook(
         Origin(instance=instance, epoch=Epoch(new_epoch()), rank=RankCoord(tp=0)),
         tp_size=tp_size,
@@ -86,3 +94,57 @@ def start_registry(
     service = RegistryService(CODEC, handle, host=host, port=port, auth=Authenticator.from_env())
     service.start()
     return service
+
+
+class Registry:
+    """The bootstrap registry of one prefill instance, as an embedder runs it (``pdkv registry`` runs
+    one standalone): prefill ranks announce themselves to it, decode ranks ask it for the route table.
+
+    ``with Registry(InstanceId("prefill-0"), port=8998) as registry: ... registry.address``. Shapes not
+    given are learnt from the first announcement; later ranks that disagree are refused with the reason.
+    """
+
+    def __init__(
+        self,
+        instance: InstanceId | str,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        tp_size: int | None = None,
+        cp_size: int | None = None,
+    ) -> None:
+        self.instance = InstanceId(str(instance))
+        self._host, self._port = host, port
+        self._tp_size, self._cp_size = tp_size, cp_size
+        self._service: RegistryService[Message] | None = None
+
+    def start(self) -> Registry:
+        if self._service is None:
+            self._service = start_registry(
+                instance=self.instance,
+                tp_size=self._tp_size,
+                cp_size=self._cp_size,
+                host=self._host,
+                port=self._port,
+            )
+        return self
+
+    @property
+    def address(self) -> str:
+        """``tcp://host:port`` (``PrefillConfig.registry`` and ``DecodeTransport.connect`` take it)."""
+        if self._service is None:
+            raise LocalProtocolError(
+                "the registry is not started: call start() (or use it as a context manager)"
+            )
+        return self._service.address
+
+    def stop(self) -> None:
+        if self._service is not None:
+            self._service.stop()
+            self._service = None
+
+    def __enter__(self) -> Registry:
+        return self.start()
+
+    def __exit__(self, *_: object) -> None:
+        self.stop()
