@@ -112,8 +112,13 @@ class ControlLoop:
                 timeout = (
                     _MAX_IDLE_S if next_deadline is None else max(0.0, min(_MAX_IDLE_S, next_deadline - now))
                 )
-                for message in self.channel.wait(timeout):
+                messages = self.channel.wait(timeout)
+                # What other threads posted (the wake that ended the wait) leaves first: a status or
+                # AbortAck does not wait for the inbound batch and a tick to be handled.
+                self._flush()
+                for message in messages:
                     self._handle(message)
+                self._flush()
                 # A message may have created an earlier deadline: recompute next round.
                 next_deadline = self._on_tick(self._clock())
                 self._flush()
