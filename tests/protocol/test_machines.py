@@ -13,6 +13,7 @@ from pdkv.protocol.machines import (
     ALL_MACHINES,
     CHUNK,
     DECODE_ABORT,
+    PEER,
     PER_LAYER,
     PREFILL_ABORT,
     RECEIVER_ROOM,
@@ -22,6 +23,8 @@ from pdkv.protocol.machines import (
     DecodeAbortState,
     DecodeAbortTrigger,
     MachineSpec,
+    PeerState,
+    PeerTrigger,
     PerLayerState,
     PerLayerTrigger,
     PrefillAbortState,
@@ -39,6 +42,7 @@ S, R, C = SenderRoomState, ReceiverRoomState, ChunkState
 ST, RT, CT = SenderRoomTrigger, ReceiverRoomTrigger, ChunkTrigger
 DA, DAT, PA, PAT = DecodeAbortState, DecodeAbortTrigger, PrefillAbortState, PrefillAbortTrigger
 PL, PLT = PerLayerState, PerLayerTrigger
+P, PT = PeerState, PeerTrigger
 EXPECTED: dict[str, dict[tuple[Any, Any], Any]] = {
     "SenderRoom": {
         (S.BOOTSTRAPPING, ST.ALL_REQUESTS_IN): S.WAITING_FOR_INPUT,
@@ -89,6 +93,21 @@ EXPECTED: dict[str, dict[tuple[Any, Any], Any]] = {
         (PL.LAYERS_SUBMITTED, PLT.DROP): PL.DROPPED,
         (PL.AWAITING_LAYERS, PLT.DROP): PL.DROPPED,
     },
+    "Peer": {
+        (P.REGISTERING, PT.ACKNOWLEDGED): P.READY,
+        (P.FORGOTTEN, PT.ACKNOWLEDGED): P.READY,
+        (P.REGISTERING, PT.REFUSED): P.REJECTED,
+        (P.READY, PT.REFUSED): P.REJECTED,
+        (P.REJECTED, PT.REFUSED): P.REJECTED,
+        (P.FORGOTTEN, PT.REFUSED): P.REJECTED,
+        (P.DRAINING, PT.REFUSED): P.REJECTED,
+        (P.READY, PT.SILENCE): P.REGISTERING,
+        (P.READY, PT.FORGET): P.FORGOTTEN,
+        (P.DRAINING, PT.FORGET): P.FORGOTTEN,
+        (P.REGISTERING, PT.REGISTERED_WHILE_DRAINING): P.DRAINING,
+        (P.FORGOTTEN, PT.REGISTERED_WHILE_DRAINING): P.DRAINING,
+        (P.DRAINING, PT.DRAINED): P.READY,
+    },
 }
 TERMINAL = {
     "SenderRoom": {S.SUCCESS, S.FAILED},
@@ -97,6 +116,7 @@ TERMINAL = {
     "DecodeAbort": {DA.ACKED, DA.TIMED_OUT},
     "PrefillAbort": {PA.ACKED},
     "PerLayer": {PL.DONE, PL.FAILED, PL.DROPPED},
+    "Peer": set(),  # a peer always has a way on (a new registration, a re-acknowledgement)
 }
 
 
@@ -151,7 +171,7 @@ def test_terminal_states_match_design(spec: MachineSpec[Any, Any]) -> None:
 
 def test_all_machines_are_listed() -> None:
     assert {s.name for s in ALL_MACHINES} == set(EXPECTED)
-    assert (SENDER_ROOM, RECEIVER_ROOM, CHUNK, DECODE_ABORT, PREFILL_ABORT, PER_LAYER) == ALL_MACHINES
+    assert (SENDER_ROOM, RECEIVER_ROOM, CHUNK, DECODE_ABORT, PREFILL_ABORT, PER_LAYER, PEER) == ALL_MACHINES
 
 
 def test_spec_rejects_ambiguous_and_unused() -> None:

@@ -29,7 +29,6 @@ Safety rules this module enforces (DESIGN section 8):
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Sequence
 
 import attrs
@@ -56,6 +55,9 @@ from pdkv.protocol.machines import (
     DecodeAbortMachine,
     DecodeAbortState,
     DecodeAbortTrigger,
+    PeerMachine,
+    PeerState,
+    PeerTrigger,
     ReceiverRoomMachine,
     ReceiverRoomState,
     ReceiverRoomTrigger,
@@ -91,22 +93,23 @@ _POLL = {
 }
 
 
-class PeerState(enum.Enum):
-    REGISTERING = "registering"
-    READY = "ready"
-    REJECTED = "rejected"
-
-
 @attrs.define(eq=False)
 class _PrefillPeer:
     key: PeerKey
     epoch: Epoch
     endpoint: Endpoint
     session: SessionId
-    state: PeerState = PeerState.REGISTERING
+    machine: PeerMachine = attrs.field(init=False)
     reason: str = ""
     register_due: float = 0.0
     last_heard: float = 0.0  # meaningful while READY: set when the registration was acknowledged
+
+    def __attrs_post_init__(self) -> None:
+        self.machine = PeerMachine(f"prefill rank {self.key[0]}:{self.key[1]} epoch {self.epoch}")
+
+    @property
+    def state(self) -> PeerState:
+        return self.machine.state
 
 
 @attrs.frozen(kw_only=True)
@@ -334,9 +337,9 @@ class DecodeEndpoint:
         ]
 
     def _on_register_ack(self, peer: _PrefillPeer, now: float) -> list[Effect]:
-        if peer.state is PeerState.READY:
-            return []
-        peer.state = PeerState.READY
+        if peer.state is not PeerState.REGISTERING:
+            return []  # a duplicate ack, or one that comes after a refusal: nothing to change
+        peer.machine.fire(PeerTrigger.ACKNOWLEDGED)
         peer.last_heard = now
         if self._heartbeat_due is None:
             self._heartbeat_due = now + self.timeouts.heartbeat_interval
@@ -358,7 +361,7 @@ class DecodeEndpoint:
         return effects
 
     def _on_register_reject(self, peer: _PrefillPeer, reason: str, now: float) -> list[Effect]:
-        peer.state = PeerState.REJECTED
+        peer.machine.fire(PeerTrigger.REFUSED)
         peer.reason = reason
         effects: list[Effect] = [
             Notice(
@@ -876,7 +879,7 @@ class DecodeEndpoint:
         for r in list(self._rooms.values()):
             if not r.terminal and any(t.key == peer.key for t in r.targets):
                 effects += self._fail(r, reason, FailureCause.PEER_SILENT, now)
-        peer.state = PeerState.REGISTERING
+        peer.machine.fire(PeerTrigger.SILENCE)
         effects += self._send_register(peer, now)
         return effects
 

@@ -72,6 +72,9 @@ from pdkv.protocol.machines import (
     ChunkMachine,
     ChunkState,
     ChunkTrigger,
+    PeerMachine,
+    PeerState,
+    PeerTrigger,
     PrefillAbortMachine,
     PrefillAbortState,
     PrefillAbortTrigger,
@@ -223,7 +226,9 @@ class PrefillEndpoint:
         self._heartbeat_due: float | None = None  # None while no decode rank is registered
         self._heartbeat_seq = 0
         self._draining: dict[PeerKey, set[RoomId]] = {}  # forgotten rank -> rooms still writing to it
-        self._deferred_acks: set[PeerKey] = set()  # registered, RegisterAck waits for _draining
+        # Each decode rank's lifecycle (the Peer machine): READY, FORGOTTEN, DRAINING (its RegisterAck
+        # waits for ``_draining``), REJECTED. Kept while the rank matters: registered or draining.
+        self._lifecycle: dict[PeerKey, PeerMachine] = {}
         self._rooms: dict[RoomId, _SenderRoom] = {}
         self._tombstones: dict[RoomId, _Tombstone] = {}
         self._unopened_failed: list[RoomId] = []  # freed at the end of the input that failed them
@@ -292,6 +297,9 @@ class PrefillEndpoint:
                     now,
                 )
                 self._drop_peer(key)
+            self._peer_machine(key).fire(PeerTrigger.REFUSED)
+            if not self._draining.get(key):
+                self._lifecycle.pop(key, None)  # nothing of it to remember
             effects.append(Send(to=msg.endpoint, message=RegisterReject(origin=self.origin, reason=reason)))
             effects.append(_notice(NoticeLevel.WARNING, f"rejected registration of {msg.origin}: {reason}"))
             return effects
@@ -306,21 +314,39 @@ class PrefillEndpoint:
             session=msg.session,
             layout=msg.layout,
         )
+        machine = self._peer_machine(key)
+        if machine.state is PeerState.DRAINING:
+            return effects  # registered again while still draining: the ack stays held
         if self._draining.get(key):
             # Writes to a forgotten incarnation of this rank are still in flight; until they end, a
             # new registration must not let it reuse the memory they may land in.
-            if key not in self._deferred_acks:
-                effects.append(
-                    _notice(
-                        NoticeLevel.INFO,
-                        f"registration of {msg.origin} acknowledged once writes of rooms "
-                        f"{sorted(self._draining[key])} to its previous incarnation end",
-                    )
+            if machine.state is PeerState.REJECTED:
+                machine = self._lifecycle[key] = self._new_peer_machine(key)
+            machine.fire(PeerTrigger.REGISTERED_WHILE_DRAINING)
+            effects.append(
+                _notice(
+                    NoticeLevel.INFO,
+                    f"registration of {msg.origin} acknowledged once writes of rooms "
+                    f"{sorted(self._draining[key])} to its previous incarnation end",
                 )
-            self._deferred_acks.add(key)
+            )
             return effects
+        if machine.state is PeerState.REJECTED:
+            machine = self._lifecycle[key] = self._new_peer_machine(key)
+        if machine.state is not PeerState.READY:  # a repeated Register of a READY rank is re-acked
+            machine.fire(PeerTrigger.ACKNOWLEDGED)
         effects.append(Send(to=msg.endpoint, message=RegisterAck(origin=self.origin)))
         return effects
+
+    def _peer_machine(self, key: PeerKey) -> PeerMachine:
+        machine = self._lifecycle.get(key)
+        if machine is None:
+            machine = self._lifecycle[key] = self._new_peer_machine(key)
+        return machine
+
+    @staticmethod
+    def _new_peer_machine(key: PeerKey) -> PeerMachine:
+        return PeerMachine(f"decode rank {key[0]}:{key[1]}")
 
     def _note_draining(self, key: PeerKey) -> None:
         """Remember the rooms with writes in flight to ``key`` as it is forgotten (silence, restart)."""
@@ -339,9 +365,12 @@ class PrefillEndpoint:
                 continue
             del self._draining[key]
             peer = self._peers.get(key)
-            if key in self._deferred_acks and peer is not None:
-                self._deferred_acks.discard(key)
+            machine = self._lifecycle.get(key)
+            if machine is not None and machine.state is PeerState.DRAINING and peer is not None:
+                machine.fire(PeerTrigger.DRAINED)
                 effects.append(Send(to=peer.endpoint, message=RegisterAck(origin=self.origin)))
+            elif machine is not None and machine.state is not PeerState.READY:
+                self._lifecycle.pop(key, None)  # forgotten and drained: nothing left to remember
         return effects
 
     def _peer_restarted(self, key: PeerKey, new: Origin) -> list[Effect]:
@@ -563,9 +592,15 @@ class PrefillEndpoint:
         return effects
 
     def _drop_peer(self, key: PeerKey) -> None:
+        """Forget a registered decode rank (silence, restart, refused layout): writes to it may still
+        drain (``_note_draining`` first); it registers again to be served."""
         self._peers.pop(key, None)
         self._last_heard.pop(key, None)
-        self._deferred_acks.discard(key)
+        machine = self._lifecycle.get(key)
+        if machine is not None and machine.can_fire(PeerTrigger.FORGET):
+            machine.fire(PeerTrigger.FORGET)
+        if machine is not None and not self._draining.get(key):
+            self._lifecycle.pop(key, None)
         if not self._peers:
             self._heartbeat_due = None
 

@@ -16,6 +16,7 @@ from pdkv.protocol.machines.abort import (
     PrefillAbortTrigger,
 )
 from pdkv.protocol.machines.chunk import CHUNK, ChunkMachine, ChunkState, ChunkTrigger
+from pdkv.protocol.machines.peer import PEER, PeerMachine, PeerState, PeerTrigger
 from pdkv.protocol.machines.per_layer import PER_LAYER, PerLayerMachine, PerLayerState, PerLayerTrigger
 from pdkv.protocol.machines.room_receiver import (
     RECEIVER_ROOM,
@@ -39,12 +40,14 @@ ALL_MACHINES: tuple[MachineSpec[Any, Any], ...] = (
     DECODE_ABORT,
     PREFILL_ABORT,
     PER_LAYER,
+    PEER,
 )
 
 __all__ = [
     "ALL_MACHINES",
     "CHUNK",
     "DECODE_ABORT",
+    "PEER",
     "PER_LAYER",
     "PREFILL_ABORT",
     "RECEIVER_ROOM",
@@ -58,6 +61,9 @@ __all__ = [
     "Edge",
     "KVPoll",
     "MachineSpec",
+    "PeerMachine",
+    "PeerState",
+    "PeerTrigger",
     "PerLayerMachine",
     "PerLayerState",
     "PerLayerTrigger",
