@@ -67,6 +67,7 @@ def test_a_query_before_any_announcement_is_answered_with_a_reason() -> None:
     book = RouteBook(REGISTRY_ORIGIN)
     reply = _reject(book.query(route_query()))
     assert "has announced yet" in reply.reason
+    assert reply.retry  # it passes by itself once a rank announces: ask again
     assert book.table() is None
     assert book.statistics().queries == 1
 
@@ -134,6 +135,7 @@ def test_a_configured_shape_refuses_even_the_first_announcement() -> None:
     book = RouteBook(REGISTRY_ORIGIN, page_size=64)
     reply = _reject(book.announce(announce(0)))
     assert "configured" in reply.reason and "page_size 16" in reply.reason
+    assert not reply.retry  # fatal: retrying cannot help
     assert book.table() is None
 
 

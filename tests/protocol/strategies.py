@@ -220,7 +220,7 @@ def register_acks() -> st.SearchStrategy[RegisterAck]:
 
 
 def register_rejects() -> st.SearchStrategy[RegisterReject]:
-    return st.builds(RegisterReject, origin=origins(), reason=_reasons)
+    return st.builds(RegisterReject, origin=origins(), reason=_reasons, retry=st.booleans())
 
 
 @st.composite

@@ -16,6 +16,7 @@ from pdkv.errors import (
     InvalidArgumentError,
     MappingError,
     PdkvError,
+    RegistryError,
     RouteUnavailableError,
     TransportClosedError,
 )
@@ -320,3 +321,15 @@ def test_pdkv_registry_runs_standalone_until_stopped() -> None:
     finally:
         proc.terminate()
         assert proc.wait(10) == 0
+
+
+def test_a_fatal_registry_refusal_is_raised_at_once_not_retried_until_the_timeout() -> None:
+    with Registry("p", tp_size=2) as registry:  # the instance is TP 2; this rank says TP 1
+        transport, backend = _prefill_alone(registry.address)
+        try:
+            with pytest.raises(RegistryError, match="tp_size"):
+                transport.start(announce_timeout_s=60)  # a refusal is not silence: no retry
+            assert backend.statistics().registrations == 0  # rolled back
+        finally:
+            transport.close()
+            backend.close()

@@ -73,7 +73,7 @@ Bodies by type (key order as written)::
                        "layout_digest": str, "ranks": [RankRoute, ...], "complete": bool}
     4 Register        {"origin": Origin, "tp_size": int, "endpoint": str, "session": str, "layout": Layout}
     5 RegisterAck     {"origin": Origin}
-    6 RegisterReject  {"origin": Origin, "reason": str}
+    6 RegisterReject  {"origin": Origin, "reason": str, "retry": bool}
     7 TransferRequest {"origin": Origin, "room": int, "dst_pages": ARRAY, "dst_aux_row": int | nil,
                        "dst_state": [StateSlot, ...], "required_dst_info_num": int, "dummy": bool}
     8 TransferStatus  {"origin": Origin, "room": int, "outcome": str, "reason": str, "metric": Metric}
@@ -278,7 +278,7 @@ def _message_body(msg: Message, arrays: list[bytes]) -> dict[str, object]:
                 "layout": _layout_body(msg.layout),
             }
         case RegisterReject():
-            return {"origin": _origin_body(msg.origin), "reason": msg.reason}
+            return {"origin": _origin_body(msg.origin), "reason": msg.reason, "retry": msg.retry}
         case TransferRequest():
             # Slots are written in frame order: dst_pages first, then dst_state in list order.
             return {
@@ -633,7 +633,10 @@ def _decode_register_ack(body: _Fields, _: _ArrayFrames) -> RegisterAck:
 
 def _decode_register_reject(body: _Fields, _: _ArrayFrames) -> RegisterReject:
     return _validated(
-        "RegisterReject", lambda: RegisterReject(origin=_origin(body), reason=body.read_text("reason"))
+        "RegisterReject",
+        lambda: RegisterReject(
+            origin=_origin(body), reason=body.read_text("reason"), retry=body.read_bool("retry")
+        ),
     )
 
 
@@ -720,7 +723,7 @@ _WIRE_TYPES: Final = (
     ),
     _WireType(4, Register, _keys("tp_size", "endpoint", "session", "layout"), _decode_register),
     _WireType(5, RegisterAck, _keys(), _decode_register_ack),
-    _WireType(6, RegisterReject, _keys("reason"), _decode_register_reject),
+    _WireType(6, RegisterReject, _keys("reason", "retry"), _decode_register_reject),
     _WireType(
         7,
         TransferRequest,

@@ -269,10 +269,14 @@ class RegisterAck:
 
 @attrs.frozen(kw_only=True)
 class RegisterReject:
-    """Prefill rank -> decode rank: registration refused; ``reason`` names the exact difference."""
+    """Prefill rank -> decode rank (or registry -> rank): registration or query refused; ``reason``
+    names the exact difference. ``retry``: the refusal may go away by itself (the registry has no
+    rank of the instance yet), so asking again makes sense; otherwise it is fatal (a shape or
+    layout difference) and a client stops retrying."""
 
     origin: Origin = attrs.field(validator=_origin)
     reason: str = attrs.field(validator=_text(MAX_REASON_CHARS))
+    retry: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
 
 
 # ---------------------------------------------------------------- per-room messages

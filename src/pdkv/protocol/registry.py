@@ -196,7 +196,7 @@ class RouteBook:
         if self._shape is None:
             # No notice: decode ranks poll until their deadline, and the counter tells how often.
             reason = f"no prefill rank of instance {self.origin.instance!r} has announced yet"
-            return RegisterReject(origin=self.origin, reason=reason)
+            return RegisterReject(origin=self.origin, reason=reason, retry=True)
         return self._table_of(self._shape)
 
     # ------------------------------------------------------------------ reading

@@ -58,10 +58,13 @@ def announce_to_registry(address: str, message: RankAnnounce, timeout_s: float =
 
 
 def query_registry(address: str, message: RouteQuery, timeout_s: float) -> RouteTable | None:
-    """The current route table, or None while the registry has none to give (no rank announced yet)."""
+    """The current route table, or None while the registry has none to give (no rank announced yet);
+    ``RegistryError`` for a fatal refusal (asking again cannot help)."""
     reply = request(address, message, codec=CODEC, timeout_s=timeout_s, auth=Authenticator.from_env())
     if isinstance(reply, RegisterReject):
-        return None
+        if reply.retry:
+            return None
+        raise RegistryError(f"registry {address} refused the query: {reply.reason}")
     if not isinstance(reply, RouteTable):
         raise RegistryError(f"registry {address} answered a query with {type(reply).__name__}")
     return reply
