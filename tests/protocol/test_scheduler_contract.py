@@ -13,10 +13,13 @@ from pdkv.protocol.ids import RoomId
 from pdkv.protocol.messages import (
     Abort,
     AbortAck,
+    Heartbeat,
     Origin,
     Outcome,
     RankCoord,
+    Register,
     RegisterAck,
+    RegisterReject,
     TransferMetricData,
     TransferStatus,
 )
@@ -24,6 +27,7 @@ from pdkv.protocol.poll import KVPoll
 from pdkv.protocol.prefill import PrefillEndpoint
 from tests.protocol.helpers import (
     DECODE,
+    DECODE_EP,
     PREFILL,
     ROOM,
     decode,
@@ -338,3 +342,25 @@ def test_a_failed_status_is_resent_until_the_decode_answers_with_its_abort() -> 
     p.receive(Abort(origin=DECODE, room=ROOM, reason="prefill failed"), 4.5)
     assert sent(p.tick(8.0), TransferStatus) == [] and p.next_deadline() != 8.0
     assert p.statistics().statuses_resent == 2
+
+
+def test_a_prefill_that_forgot_a_decode_rank_tells_it_at_its_next_heartbeat() -> None:
+    p = prefill()  # this rank never registered the decode (or forgot it)
+    beat = Heartbeat(origin=DECODE, seq=3, endpoint=DECODE_EP)
+    [reject] = sent(p.receive(beat, 1.0), RegisterReject)
+    assert isinstance(reject, RegisterReject) and reject.retry and "register again" in reject.reason
+    assert p.statistics().told_to_register == 1
+    # The decode rank, READY with a live room, learns it at once: the room fails, Register goes out.
+    d = decode()
+    d.connect(route(), 0.0)
+    d.receive(RegisterAck(origin=PREFILL), 0.0)
+    target = Target(instance=PREFILL.instance, rank=PREFILL.rank)
+    d.open_room(ROOM, targets=[target], dst_pages=[3, 4], dst_aux_row=None, now=0.5)
+    effects = d.receive(reject, 1.1)
+    assert d.poll(ROOM) is KVPoll.Failed and "no longer knows this rank" in (d.failure(ROOM) or "")
+    assert sent(effects, Register) and not d.peer_ready(target)
+    # A fatal refusal is different: the rank is Rejected, not re-registered.
+    fatal = RegisterReject(origin=PREFILL, reason="layouts differ", retry=False)
+    assert d.peer_refusal(target) is None
+    d.receive(fatal, 1.2)
+    assert d.peer_refusal(target) == "layouts differ"

@@ -80,7 +80,7 @@ Bodies by type (key order as written)::
                                                     outcome: success failed
     9 Abort           {"origin": Origin, "room": int, "reason": str}
    10 AbortAck        {"origin": Origin, "room": int}
-   11 Heartbeat       {"origin": Origin, "seq": int}
+   11 Heartbeat       {"origin": Origin, "seq": int, "endpoint": str | nil}
    12 HeartbeatAck    {"origin": Origin, "seq": int}
 
 Limits: at most 64 frames, body at most 1 MiB (msgpack strings at most 16 KiB, lists at most 65,536
@@ -309,7 +309,9 @@ def _message_body(msg: Message, arrays: list[bytes]) -> dict[str, object]:
             return {"origin": _origin_body(msg.origin), "room": msg.room, "reason": msg.reason}
         case AbortAck():
             return {"origin": _origin_body(msg.origin), "room": msg.room}
-        case Heartbeat() | HeartbeatAck():
+        case Heartbeat():
+            return {"origin": _origin_body(msg.origin), "seq": msg.seq, "endpoint": msg.endpoint}
+        case HeartbeatAck():
             return {"origin": _origin_body(msg.origin), "seq": msg.seq}
 
 
@@ -378,6 +380,9 @@ class _Fields:
         if not isinstance(value, str):
             raise self._wrong(key, "a str")
         return value
+
+    def read_optional_text(self, key: str) -> str | None:
+        return None if self._values[key] is None else self.read_text(key)
 
     def read_bool(self, key: str) -> bool:
         value = self._values[key]
@@ -685,7 +690,15 @@ def _decode_abort_ack(body: _Fields, _: _ArrayFrames) -> AbortAck:
 
 
 def _decode_heartbeat(body: _Fields, _: _ArrayFrames) -> Heartbeat:
-    return _validated("Heartbeat", lambda: Heartbeat(origin=_origin(body), seq=body.read_int("seq")))
+    def build() -> Heartbeat:
+        endpoint = body.read_optional_text("endpoint")
+        return Heartbeat(
+            origin=_origin(body),
+            seq=body.read_int("seq"),
+            endpoint=None if endpoint is None else Endpoint(endpoint),
+        )
+
+    return _validated("Heartbeat", build)
 
 
 def _decode_heartbeat_ack(body: _Fields, _: _ArrayFrames) -> HeartbeatAck:
@@ -733,7 +746,7 @@ _WIRE_TYPES: Final = (
     _WireType(8, TransferStatus, _keys("room", "outcome", "reason", "metric"), _decode_transfer_status),
     _WireType(9, Abort, _keys("room", "reason"), _decode_abort),
     _WireType(10, AbortAck, _keys("room"), _decode_abort_ack),
-    _WireType(11, Heartbeat, _keys("seq"), _decode_heartbeat),
+    _WireType(11, Heartbeat, _keys("seq", "endpoint"), _decode_heartbeat),
     _WireType(12, HeartbeatAck, _keys("seq"), _decode_heartbeat_ack),
 )
 _WIRE_TYPE_BY_CODE: Final = {row.code: row for row in _WIRE_TYPES}

@@ -286,7 +286,7 @@ class DecodeEndpoint:
             if isinstance(message, RegisterAck):
                 effects += self._on_register_ack(reborn, now)
             elif isinstance(message, RegisterReject):
-                effects += self._on_register_reject(reborn, message.reason, now)
+                effects += self._on_register_reject(reborn, message, now)
             return effects
         if peer is None or message.origin.epoch != peer.epoch:
             self._counters.stale_messages += 1
@@ -300,7 +300,7 @@ class DecodeEndpoint:
         if isinstance(message, RegisterAck):
             return self._on_register_ack(peer, now)
         if isinstance(message, RegisterReject):
-            return self._on_register_reject(peer, message.reason, now)
+            return self._on_register_reject(peer, message, now)
         if isinstance(message, TransferStatus):
             return self._on_status(peer, message, now)
         if isinstance(message, AbortAck):
@@ -360,7 +360,17 @@ class DecodeEndpoint:
                 effects.append(Send(to=peer.endpoint, message=abort))
         return effects
 
-    def _on_register_reject(self, peer: _PrefillPeer, reason: str, now: float) -> list[Effect]:
+    def _on_register_reject(self, peer: _PrefillPeer, message: RegisterReject, now: float) -> list[Effect]:
+        if message.retry:
+            # Not a refusal of our layout: the rank no longer knows us (it forgot us after silence,
+            # or restarted) and says so in answer to a heartbeat. Registered with again at once,
+            # rather than after our own heartbeat timeout; our rooms with it cannot complete.
+            if peer.state is not PeerState.READY:
+                return []  # registering already: the next Register answers it
+            return self._peer_silent(
+                peer, now, reason=f"prefill rank {peer.key[0]}:{peer.key[1]} no longer knows this rank"
+            )
+        reason = message.reason
         peer.machine.fire(PeerTrigger.REFUSED)
         peer.reason = reason
         effects: list[Effect] = [
@@ -704,7 +714,9 @@ class DecodeEndpoint:
             if now - peer.last_heard >= self.timeouts.heartbeat_timeout:
                 effects += self._peer_silent(peer, now)
             else:
-                beat = Heartbeat(origin=self.origin, seq=self._heartbeat_seq)
+                beat = Heartbeat(
+                    origin=self.origin, seq=self._heartbeat_seq, endpoint=self._register.endpoint
+                )
                 effects.append(Send(to=peer.endpoint, message=beat))
         ready = any(p.state is PeerState.READY for p in self._peers.values())
         self._heartbeat_due = now + self.timeouts.heartbeat_interval if ready else None
@@ -863,14 +875,15 @@ class DecodeEndpoint:
             effects += self._send_register(new, now)
         return effects
 
-    def _peer_silent(self, peer: _PrefillPeer, now: float) -> list[Effect]:
+    def _peer_silent(self, peer: _PrefillPeer, now: float, *, reason: str | None = None) -> list[Effect]:
         """``peer`` sent nothing for ``heartbeat_timeout``: fail the rooms that target it, register again.
 
         Its rooms go through the normal abort handshake (the Abort is sent while it is still READY,
         on the rebuilt socket): a silent process may still be writing, so only its AbortAck or the
         counted ``abort_ack`` timeout releases their pages.
         """
-        reason = f"prefill rank {peer.key[0]}:{peer.key[1]} silent for {now - peer.last_heard:.3g} s"
+        if reason is None:
+            reason = f"prefill rank {peer.key[0]}:{peer.key[1]} silent for {now - peer.last_heard:.3g} s"
         self._counters.peers_lost += 1
         effects: list[Effect] = [
             ForgetPeer(endpoint=peer.endpoint, reason=reason),

@@ -346,10 +346,15 @@ class AbortAck:
 
 @attrs.frozen(kw_only=True)
 class Heartbeat:
-    """Either side -> peer, periodically: I am alive (the epoch tells a restart)."""
+    """Either side -> peer, periodically: I am alive (the epoch tells a restart). ``endpoint`` is where
+    the sender listens, so a peer that no longer knows it (forgot it after silence, or restarted) can
+    say so at once instead of staying silent until the sender's heartbeat timeout."""
 
     origin: Origin = attrs.field(validator=_origin)
     seq: int = attrs.field(validator=_int_in(0, 2**63 - 1))
+    endpoint: Endpoint | None = attrs.field(
+        default=None, validator=attrs.validators.optional(_text(MAX_NAME_CHARS))
+    )
 
 
 @attrs.frozen(kw_only=True)

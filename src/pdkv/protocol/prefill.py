@@ -132,6 +132,8 @@ class PrefillStatistics:
     """Rooms requested by a decode rank that this rank's scheduler never opened, freed once failed."""
     statuses_resent: int
     """Failed statuses sent again because no Abort answered them (a lost status or Abort)."""
+    told_to_register: int
+    """Heartbeats from decode ranks this rank does not know, answered "register again" at once."""
 
 
 @attrs.define(eq=False)
@@ -149,6 +151,7 @@ class _Counters:
     peer_restarts: int = 0
     unopened_rooms_freed: int = 0
     statuses_resent: int = 0
+    told_to_register: int = 0
 
 
 @attrs.frozen
@@ -264,8 +267,18 @@ class PrefillEndpoint:
             return self._on_abort(message, now)
         if isinstance(message, (Heartbeat, HeartbeatAck)):
             peer = self._peers.get((message.origin.instance, message.origin.rank))
+            if peer is None and isinstance(message, Heartbeat) and message.endpoint is not None:
+                # A decode rank we do not know (forgotten after silence, or this process restarted):
+                # told at once, so it registers again instead of waiting for its heartbeat timeout.
+                self._counters.told_to_register += 1
+                reason = (
+                    f"decode rank {message.origin} is not registered at prefill {self.origin} "
+                    "(forgotten after silence, or this rank restarted): register again"
+                )
+                reject = RegisterReject(origin=self.origin, reason=_clip(reason), retry=True)
+                return [Send(to=message.endpoint, message=reject)]
             if peer is None or peer.epoch != message.origin.epoch:
-                # Not answered: a decode rank we forgot learns it from the silence and registers again.
+                # Not answered: an older incarnation's heartbeat changes nothing.
                 return self._stale(message)
             if isinstance(message, HeartbeatAck):
                 return []  # its only news is that the peer is alive (recorded by receive)
