@@ -237,14 +237,16 @@ def transfer_requests(draw: st.DrawFn) -> TransferRequest:
             dummy=True,
         )
     kinds = draw(st.lists(st.sampled_from(STATE_KINDS), unique=True, max_size=len(STATE_KINDS)))
+    dst_pages = draw(index_arrays())
     return TransferRequest(
         origin=origin,
         room=room,
-        dst_pages=draw(index_arrays()),
+        dst_pages=dst_pages,
         dst_aux_row=draw(st.none() | st.integers(0, MAX_INDEX - 1)),
         dst_state=tuple(draw(state_indices(kind)) for kind in kinds),
         required_dst_info_num=required,
         dummy=False,
+        prefix_pages=draw(st.integers(0, int(dst_pages.size))),
     )
 
 

@@ -159,7 +159,7 @@ def test_golden_transfer_request_bytes() -> None:
     """Written by hand from the codec docstring; a change here is a change of the wire format."""
     header = b"PDKV" + b"\x02\x00" + b"\x07\x00" + b"\x02\x00"  # version 2, type 7, two array frames
     body = (
-        b"\x87"  # map of 7, keys in the documented order
+        b"\x88"  # map of 8, keys in the documented order
         + b"\xa6origin"
         + (b"\x83" + b"\xa8instance" + b"\xa2d0" + b"\xa5epoch" + b"\x03")
         + (b"\xa4rank" + b"\x82" + b"\xa2tp" + b"\x01" + b"\xa2cp" + b"\x00")
@@ -173,6 +173,7 @@ def test_golden_transfer_request_bytes() -> None:
         + (b"\x91" + b"\x82" + b"\xa4kind" + b"\xa3swa" + b"\xa7indices" + b"\x92\x04\x02")
         + (b"\xb5required_dst_info_num" + b"\x02")
         + (b"\xa5dummy" + b"\xc2")
+        + (b"\xacprefix_pages" + b"\x00")
     )
     pages = b"\x05\x00\x00\x00" + b"\x06\x00\x00\x00" + b"\x07\x00\x00\x00"
     swa = b"\x01\x00\x00\x00" + b"\x02\x00\x00\x00"

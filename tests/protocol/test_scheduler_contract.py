@@ -21,6 +21,7 @@ from pdkv.protocol.messages import (
     RegisterAck,
     RegisterReject,
     TransferMetricData,
+    TransferRequest,
     TransferStatus,
 )
 from pdkv.protocol.poll import KVPoll
@@ -364,3 +365,47 @@ def test_a_prefill_that_forgot_a_decode_rank_tells_it_at_its_next_heartbeat() ->
     assert d.peer_refusal(target) is None
     d.receive(fatal, 1.2)
     assert d.peer_refusal(target) == "layouts differ"
+
+
+def test_the_decode_prefix_travels_with_the_request_and_no_chunk_may_write_into_it() -> None:
+    d = decode()
+    d.connect(route(), 0.0)
+    d.receive(RegisterAck(origin=PREFILL), 0.0)
+    target = Target(instance=PREFILL.instance, rank=PREFILL.rank)
+    with pytest.raises(InvalidArgumentError, match="prefix_pages"):
+        d.open_room(ROOM, targets=[target], dst_pages=[1, 2], dst_aux_row=None, prefix_pages=3, now=0.0)
+    effects = d.open_room(
+        ROOM, targets=[target], dst_pages=[10, 11, 12, 13], dst_aux_row=None, prefix_pages=2, now=0.0
+    )
+    [req] = [m for m in sent(effects) if type(m).__name__ == "TransferRequest"]
+    p = prefill()
+    p.receive(register(), 0.0)
+    p.open_room(ROOM, num_pages=4, aux_row=None, now=0.0)
+    assert p.decode_prefix(ROOM) is None  # not asked yet
+    p.receive(req, 0.1)
+    assert p.decode_prefix(ROOM) == 2
+    with pytest.raises(MappingError, match=r"the decode already holds positions 0\.\.1"):
+        p.queue_chunk(ROOM, _chunk(0, 4, last=True), 0.2)
+    submits = _submits(p.queue_chunk(ROOM, _chunk(2, 2, last=True), 0.3))
+    _finish_all(p, submits)
+    assert p.poll(ROOM) is KVPoll.Success
+
+
+def test_decode_ranks_that_disagree_on_their_prefix_fail_the_room() -> None:
+    p = prefill()
+    p.receive(register(), 0.0)
+    p.receive(register(origin=SECOND), 0.0)
+    p.open_room(ROOM, num_pages=4, aux_row=None, now=0.0)
+    p.receive(
+        TransferRequest(
+            origin=DECODE, room=ROOM, dst_pages=[1, 2, 3, 4], required_dst_info_num=2, prefix_pages=1
+        ),
+        0.1,
+    )
+    p.receive(
+        TransferRequest(
+            origin=SECOND, room=ROOM, dst_pages=[1, 2, 3, 4], required_dst_info_num=2, prefix_pages=2
+        ),
+        0.1,
+    )
+    assert p.poll(ROOM) is KVPoll.Failed and "disagree on the prefix" in (p.failure(ROOM) or "")

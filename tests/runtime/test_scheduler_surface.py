@@ -29,7 +29,7 @@ from pdkv.runtime._loop import ControlLoop
 from pdkv.runtime.decode import DecodeConfig, DecodeTransport
 from pdkv.runtime.prefill import PrefillConfig, PrefillTransport
 from pdkv.testing.cluster import free_port
-from pdkv.testing.synthetic import Capacity, RankMemory
+from pdkv.testing.synthetic import Capacity, RankMemory, verify_room
 from tests.runtime.rig import SPEC, TIMEOUTS, Rig, wait_for
 
 ROOM = RoomId(77)
@@ -333,3 +333,36 @@ def test_a_fatal_registry_refusal_is_raised_at_once_not_retried_until_the_timeou
         finally:
             transport.close()
             backend.close()
+
+
+def test_a_decode_prefix_is_never_written_and_the_rest_lands_byte_for_byte_under_cp(
+    rig_factory: Callable[..., Rig],
+) -> None:
+    s = rig_factory(cp=2)
+    prefill = s.start_registered()
+    logical = np.array([9, 4, 13, 6, 7, 20], dtype=np.int64)
+    dst = np.array([60, 61, 62, 63, 64, 65], dtype=np.int64)
+    for key in SPEC.kv_keys():
+        s.decode_memory[0].view(key)[dst] = 0
+    receiver = s.decode.receiver(ROOM, prefill)
+    receiver.init(dst, None, prefix_pages=2)  # the decode's prefix cache holds positions 0 and 1
+    senders = [p.sender(ROOM) for p in s.prefills]
+    for sender in senders:
+        sender.init(len(logical), None)
+    wait_for(lambda: all(x.poll() is KVPoll.WaitingForInput for x in senders))
+    assert [x.decode_prefix_pages() for x in senders] == [2, 2]
+    for sender in senders:  # the scheduler starts where the decode's prefix ends
+        sender.send(logical[2:4], start_token=2 * SPEC.page_size, last=False)
+        sender.send(logical[4:], start_token=4 * SPEC.page_size, last=True)
+    wait_for(lambda: receiver.poll() is KVPoll.Success)
+    checked, mismatches = verify_room(
+        s.decode_memory[0],
+        logical_ids=logical,
+        dst_pages=dst,
+        prefix_pages=2,  # positions 0 and 1 must be untouched (zero)
+        state_src={},
+        state_dst={},
+        aux_src=None,
+        aux_dst=None,
+    )
+    assert mismatches == [] and checked > 0

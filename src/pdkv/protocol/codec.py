@@ -75,7 +75,8 @@ Bodies by type (key order as written)::
     5 RegisterAck     {"origin": Origin}
     6 RegisterReject  {"origin": Origin, "reason": str, "retry": bool}
     7 TransferRequest {"origin": Origin, "room": int, "dst_pages": ARRAY, "dst_aux_row": int | nil,
-                       "dst_state": [StateSlot, ...], "required_dst_info_num": int, "dummy": bool}
+                       "dst_state": [StateSlot, ...], "required_dst_info_num": int, "dummy": bool,
+                       "prefix_pages": int}
     8 TransferStatus  {"origin": Origin, "room": int, "outcome": str, "reason": str, "metric": Metric}
                                                     outcome: success failed
     9 Abort           {"origin": Origin, "room": int, "reason": str}
@@ -291,6 +292,7 @@ def _message_body(msg: Message, arrays: list[bytes]) -> dict[str, object]:
                 ],
                 "required_dst_info_num": msg.required_dst_info_num,
                 "dummy": msg.dummy,
+                "prefix_pages": msg.prefix_pages,
             }
         case TransferStatus():
             return {
@@ -659,6 +661,7 @@ def _decode_transfer_request(body: _Fields, arrays: _ArrayFrames) -> TransferReq
             dst_state=dst_state,
             required_dst_info_num=body.read_int("required_dst_info_num"),
             dummy=body.read_bool("dummy"),
+            prefix_pages=body.read_int("prefix_pages"),
         ),
     )
 
@@ -740,7 +743,9 @@ _WIRE_TYPES: Final = (
     _WireType(
         7,
         TransferRequest,
-        _keys("room", "dst_pages", "dst_aux_row", "dst_state", "required_dst_info_num", "dummy"),
+        _keys(
+            "room", "dst_pages", "dst_aux_row", "dst_state", "required_dst_info_num", "dummy", "prefix_pages"
+        ),
         _decode_transfer_request,
     ),
     _WireType(8, TransferStatus, _keys("room", "outcome", "reason", "metric"), _decode_transfer_status),

@@ -171,6 +171,7 @@ class _ReceiverRoom:
     dst_state: tuple[StateIndices, ...]
     required_dst_info_num: int
     deadline: float | None
+    prefix_pages: int = 0  # positions this rank already holds (its prefix cache): never written
     armed: set[PeerKey] = attrs.Factory(set)
     succeeded: set[PeerKey] = attrs.Factory(set)
     metric: dict[PeerKey, TransferMetricData] = attrs.Factory(dict)
@@ -458,9 +459,11 @@ class DecodeEndpoint:
         dst_aux_row: int | None,
         dst_state: Sequence[StateIndices] = (),
         required_dst_info_num: int = 1,
+        prefix_pages: int = 0,
         now: float,
     ) -> list[Effect]:
-        """``receiver.init``: the room's destinations (by position) and the prefill ranks it needs.
+        """``receiver.init``: the room's destinations (by position) and the prefill ranks it needs;
+        ``prefix_pages``: the first positions this rank already holds (no prefill rank writes them).
 
         Every argument is checked against this rank's own buffers first (``InvalidArgumentError``,
         or ``MappingError`` for repeated pages); a bad call creates nothing.
@@ -497,6 +500,7 @@ class DecodeEndpoint:
         required = arguments.count(
             required_dst_info_num, room=room, argument="required_dst_info_num", minimum=1, maximum=1 << 16
         )
+        prefix = arguments.count(prefix_pages, room=room, argument="prefix_pages", maximum=int(pages.size))
         if room in self._tombstones:
             # Reused too soon: no request goes out, so no prefill rank writes; the room fails at
             # once instead of waiting for a deadline (or taking a late status of the old room).
@@ -517,6 +521,7 @@ class DecodeEndpoint:
             dst_state=state,
             required_dst_info_num=required,
             deadline=None,
+            prefix_pages=prefix,
         )
         self._rooms[room] = r
         self._set_deadline(r, now + self.timeouts.bootstrap)
@@ -768,6 +773,7 @@ class DecodeEndpoint:
                     dst_aux_row=r.dst_aux_row,
                     dst_state=r.dst_state,
                     required_dst_info_num=r.required_dst_info_num,
+                    prefix_pages=r.prefix_pages,
                 )
             r.armed.add(t.key)
             effects.append(Send(to=peer.endpoint, message=request))

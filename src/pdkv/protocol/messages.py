@@ -286,8 +286,10 @@ class RegisterReject:
 class TransferRequest:
     """Decode rank -> prefill rank, one per room: where the room's bytes must land.
 
-    ``dst_pages`` covers the whole request by position (position i -> dst_pages[i]). A dummy request
-    carries no destination: it only lets a replica rank's room advance.
+    ``dst_pages`` covers the whole request by position (position i -> dst_pages[i]). The decode rank
+    already holds positions ``0 .. prefix_pages-1`` (its own prefix cache): the prefill writes none of
+    them (its first chunk starts at ``prefix_pages`` or later). A dummy request carries no destination:
+    it only lets a replica rank's room advance.
     """
 
     origin: Origin = attrs.field(validator=_origin)
@@ -301,10 +303,15 @@ class TransferRequest:
     )
     required_dst_info_num: int = attrs.field(default=1, validator=_int_in(1, MAX_RANKS))
     dummy: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
+    prefix_pages: int = attrs.field(default=0, validator=_int_in(0, MAX_INDEX - 1))
 
     def __attrs_post_init__(self) -> None:
         if self.dummy and (self.dst_pages.size or self.dst_aux_row is not None or self.dst_state):
             raise ValueError("a dummy TransferRequest carries no destination")
+        if self.prefix_pages > self.dst_pages.size and not self.dummy:
+            raise ValueError(
+                f"prefix_pages {self.prefix_pages} exceeds the request's {self.dst_pages.size} pages"
+            )
 
 
 @attrs.frozen(kw_only=True)

@@ -474,6 +474,14 @@ class PrefillEndpoint:
         problem = self._validate(msg, peer, r)
         if problem is not None:
             return self._fail(r, problem, FailureCause.INVALID, now=now)
+        prefixes = {q.prefix_pages for q in r.real_requests}
+        if len(prefixes) > 1:
+            return self._fail(
+                r,
+                f"decode ranks disagree on the prefix they hold: {sorted(prefixes)} pages",
+                FailureCause.INVALID,
+                now=now,
+            )
         required = {q.required_dst_info_num for q in r.requests.values()}
         if len(required) != 1:
             return self._fail(
@@ -676,6 +684,12 @@ class PrefillEndpoint:
             f"chunk start_token {spec.start_token} = page {start}, {spec.pages.size} pages -> "
             f"positions {start}..{end - 1}; room has {num_pages} pages"
         )
+        prefix = self.decode_prefix(room) or 0
+        if start < prefix:
+            raise MappingError(
+                f"room {room}: chunk_pages start at position {start}, but the decode already holds "
+                f"positions 0..{prefix - 1} (its prefix cache): start at position {prefix}; {where}"
+            )
         if r.next_position is not None and start != r.next_position:
             gap = start - r.next_position
             what = (
@@ -820,6 +834,14 @@ class PrefillEndpoint:
         if r is None:
             return TransferMetricData()
         return TransferMetricData(pages=r.pages, bytes=r.bytes, seconds=r.seconds)
+
+    def decode_prefix(self, room: RoomId) -> int | None:
+        """Positions the decode side already holds (its prefix cache), once its requests are in (the
+        first chunk starts there or later); None before that."""
+        r = self._rooms.get(room)
+        if r is None or r.state not in (SenderRoomState.WAITING_FOR_INPUT, SenderRoomState.TRANSFERRING):
+            return None
+        return max((q.prefix_pages for q in r.real_requests), default=0)
 
     def destinations(self, room: RoomId) -> tuple[Destination, ...] | None:
         """Where the room's bytes go (its non-dummy requests and their registered decode ranks), once

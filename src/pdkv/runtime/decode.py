@@ -345,8 +345,12 @@ class KVReceiver(RoomHandle[DecodeEndpoint]):
         dst_pages: IntArray | Sequence[int],
         aux_row: int | None,
         state_indices: Sequence[StateIndices] = (),
+        *,
+        prefix_pages: int = 0,
     ) -> None:
         """Where the room's bytes go: one destination page per position, an aux row, state slots.
+        ``prefix_pages``: the first positions this rank already holds (its prefix cache); the
+        prefill side starts after them and never writes them.
 
         Every argument is checked against this rank's buffers first (``InvalidArgumentError``,
         ``MappingError`` for repeated pages) and a bad call creates nothing.
@@ -361,6 +365,7 @@ class KVReceiver(RoomHandle[DecodeEndpoint]):
                 dst_aux_row=aux_row,
                 dst_state=state_indices,
                 required_dst_info_num=required,
+                prefix_pages=prefix_pages,
                 now=now,
             ),
             what=f"receiver.init of room {self.room}",

@@ -564,6 +564,11 @@ class KVSender(RoomHandle[PrefillEndpoint]):
     def metric(self) -> TransferMetricData:
         return self.transport._query(lambda e: e.metric(self.room))
 
+    def decode_prefix_pages(self) -> int | None:
+        """The first positions the decode side already holds (its prefix cache): the first chunk
+        starts there. None until the decode's requests are in (poll WaitingForInput)."""
+        return self.transport._query(lambda e: e.decode_prefix(self.room))
+
     def clear(self) -> None:
         """Forget a terminal room (its id is remembered as a tombstone for late messages)."""
         self.transport._call(lambda e, now: _close(e, self.room, now))
