@@ -37,6 +37,10 @@ def describe(value: object) -> str:
     return f"{type(value).__name__} {text}"
 
 
+def _bad(text: str, *, room: int | None, argument: str, value: object) -> InvalidArgumentError:
+    return InvalidArgumentError(text, room=room, argument=argument, value=value)
+
+
 def _where(room: int | None) -> str:
     return "" if room is None else f"room {room}: "
 
@@ -58,7 +62,7 @@ def count(
 ) -> int:
     """A plain int (numpy integers accepted; bool, float and str refused) in ``minimum..maximum``."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise InvalidArgumentError(
+        raise _bad(
             f"{_where(room)}{argument} must be an int, got {describe(value)}",
             room=room,
             argument=argument,
@@ -66,7 +70,7 @@ def count(
         )
     out = int(value)
     if not minimum <= out <= maximum:
-        raise InvalidArgumentError(
+        raise _bad(
             f"{_where(room)}{argument} must be in {minimum}..{maximum}, got {out}",
             room=room,
             argument=argument,
@@ -80,7 +84,7 @@ def optional_row(value: object, *, room: int | None, argument: str, rows: int | 
     if value is None:
         return None
     if rows is not None and rows == 0:
-        raise InvalidArgumentError(
+        raise _bad(
             f"{_where(room)}{argument} is {describe(value)} but no aux buffer is registered",
             room=room,
             argument=argument,
@@ -92,7 +96,7 @@ def optional_row(value: object, *, room: int | None, argument: str, rows: int | 
 def flag(value: object, *, room: int | None, argument: str) -> bool:
     """A real bool (numpy bool accepted): ``last="yes"`` or ``last=1`` is a mistake, not a truth value."""
     if not isinstance(value, (bool, np.bool_)):
-        raise InvalidArgumentError(
+        raise _bad(
             f"{_where(room)}{argument} must be a bool, got {describe(value)}",
             room=room,
             argument=argument,
@@ -111,7 +115,7 @@ def page_list(value: object, *, room: int | None, argument: str, limit: int | No
     """
     bad = _page_list_type_problem(value)
     if bad is not None:
-        raise InvalidArgumentError(
+        raise _bad(
             f"{_where(room)}{argument} must be a 1-D list of non-negative int page ids; {bad}",
             room=room,
             argument=argument,
@@ -124,7 +128,7 @@ def page_list(value: object, *, room: int | None, argument: str, limit: int | No
         ceiling = MAX_INDEX if limit is None else min(limit, MAX_INDEX)
         if lo < 0 or hi >= ceiling:
             what = "negative" if lo < 0 else f"past the {ceiling} registered pages"
-            raise InvalidArgumentError(
+            raise _bad(
                 f"{_where(room)}{argument} holds ids {what} (min {lo}, max {hi}); {summarize(arr, argument)}",
                 room=room,
                 argument=argument,
@@ -146,7 +150,7 @@ def state_list(value: object, *, room: int | None, argument: str) -> tuple[State
     if value is None:
         return ()
     if isinstance(value, (str, bytes, StateIndices)) or not isinstance(value, Iterable):
-        raise InvalidArgumentError(
+        raise _bad(
             f"{_where(room)}{argument} must be a sequence of StateIndices, got {describe(value)}",
             room=room,
             argument=argument,
@@ -155,7 +159,7 @@ def state_list(value: object, *, room: int | None, argument: str) -> tuple[State
     items = tuple(value)
     for item in items:
         if not isinstance(item, StateIndices):
-            raise InvalidArgumentError(
+            raise _bad(
                 f"{_where(room)}{argument} holds StateIndices, got {describe(item)}",
                 room=room,
                 argument=argument,
@@ -164,7 +168,7 @@ def state_list(value: object, *, room: int | None, argument: str) -> tuple[State
     kinds = [s.kind for s in items]
     if len(set(kinds)) != len(kinds):
         repeated = sorted({k.value for k in kinds if kinds.count(k) > 1})
-        raise InvalidArgumentError(
+        raise _bad(
             f"{_where(room)}{argument} names state kind(s) {repeated} more than once",
             room=room,
             argument=argument,
