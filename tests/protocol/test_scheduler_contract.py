@@ -9,7 +9,7 @@ import pytest
 from pdkv.errors import InvalidArgumentError, LocalProtocolError, MappingError
 from pdkv.protocol.config import Timeouts
 from pdkv.protocol.effects import ChunkSpec, FailureCause, SubmitChunk, Target
-from pdkv.protocol.ids import RoomId
+from pdkv.protocol.ids import Epoch, RoomId
 from pdkv.protocol.messages import (
     Abort,
     AbortAck,
@@ -409,3 +409,17 @@ def test_decode_ranks_that_disagree_on_their_prefix_fail_the_room() -> None:
         0.1,
     )
     assert p.poll(ROOM) is KVPoll.Failed and "disagree on the prefix" in (p.failure(ROOM) or "")
+
+
+def test_an_old_incarnations_heartbeat_is_not_answered_register_again() -> None:
+    p = prefill()
+    reborn = Origin(instance=DECODE.instance, epoch=Epoch(5), rank=DECODE.rank)
+    p.receive(register(origin=reborn), 0.0)
+    p.tick(40.0)  # silent since it registered (heartbeat timeout 30 s): forgotten
+    assert p.statistics().peers_lost == 1
+    # A delayed heartbeat of an older incarnation must not tell the address to register again (a
+    # newer process may be there and Ready): only one at least as new as the latest registration.
+    old = Heartbeat(origin=DECODE, seq=9, endpoint=DECODE_EP)  # epoch 1 < 5
+    assert sent(p.receive(old, 41.0), RegisterReject) == []
+    same = Heartbeat(origin=reborn, seq=10, endpoint=DECODE_EP)
+    assert len(sent(p.receive(same, 41.0), RegisterReject)) == 1

@@ -67,7 +67,7 @@ from pdkv.protocol.effects import (
     Send,
     SubmitChunk,
 )
-from pdkv.protocol.ids import RoomId
+from pdkv.protocol.ids import Epoch, RoomId
 from pdkv.protocol.machines import (
     ChunkMachine,
     ChunkState,
@@ -232,6 +232,7 @@ class PrefillEndpoint:
         # Each decode rank's lifecycle (the Peer machine): READY, FORGOTTEN, DRAINING (its RegisterAck
         # waits for ``_draining``), REJECTED. Kept while the rank matters: registered or draining.
         self._lifecycle: dict[PeerKey, PeerMachine] = {}
+        self._newest_epoch: dict[PeerKey, Epoch] = {}  # the latest epoch each decode rank registered with
         self._rooms: dict[RoomId, _SenderRoom] = {}
         self._tombstones: dict[RoomId, _Tombstone] = {}
         self._unopened_failed: list[RoomId] = []  # freed at the end of the input that failed them
@@ -267,7 +268,14 @@ class PrefillEndpoint:
             return self._on_abort(message, now)
         if isinstance(message, (Heartbeat, HeartbeatAck)):
             peer = self._peers.get((message.origin.instance, message.origin.rank))
-            if peer is None and isinstance(message, Heartbeat) and message.endpoint is not None:
+            key = (message.origin.instance, message.origin.rank)
+            newest = self._newest_epoch.get(key)
+            if (
+                peer is None
+                and isinstance(message, Heartbeat)
+                and message.endpoint is not None
+                and (newest is None or message.origin.epoch >= newest)  # an old incarnation's: ignored
+            ):
                 # A decode rank we do not know (forgotten after silence, or this process restarted):
                 # told at once, so it registers again instead of waiting for its heartbeat timeout.
                 self._counters.told_to_register += 1
@@ -327,6 +335,7 @@ class PrefillEndpoint:
             session=msg.session,
             layout=msg.layout,
         )
+        self._newest_epoch[key] = max(msg.origin.epoch, self._newest_epoch.get(key, msg.origin.epoch))
         machine = self._peer_machine(key)
         if machine.state is PeerState.DRAINING:
             return effects  # registered again while still draining: the ack stays held
