@@ -47,3 +47,28 @@ def test_errors_form_one_hierarchy() -> None:
         assert issubclass(cls, pdkv.PdkvError)
     assert issubclass(pdkv.LocalProtocolError, pdkv.ProtocolError)
     assert issubclass(pdkv.RemoteProtocolError, pdkv.ProtocolError)
+
+
+def test_every_pdkv_error_the_package_raises_is_importable_from_pdkv() -> None:
+    # Walk the library (not the test harnesses of pdkv.testing, nor the adapters, which import their
+    # scheduler): an embedder catches what pdkv raises without knowing which module defines it.
+    import importlib
+    import inspect
+    import pkgutil
+
+    defined: dict[str, str] = {}
+    for info in pkgutil.walk_packages(pdkv.__path__, "pdkv."):
+        if info.name.startswith(("pdkv.adapters", "pdkv.testing", "pdkv.__main__")):
+            continue
+        module = importlib.import_module(info.name)
+        for name, obj in vars(module).items():
+            if inspect.isclass(obj) and issubclass(obj, pdkv.PdkvError) and obj.__module__ == info.name:
+                defined[name] = info.name
+    assert len(defined) > 30  # the walk found the package's errors
+    missing = sorted(
+        f"{name} ({module})" for name, module in defined.items() if getattr(pdkv, name, None) is None
+    )
+    assert missing == []
+    assert isinstance(
+        pdkv.InstanceId("prefill-0"), str
+    )  # the README's PrefillConfig(instance=...) type-checks

@@ -14,12 +14,41 @@ The public surface is listed in ``__all__`` (and in README.md); ``pdkv.mapping``
 
 from pdkv import mapping
 from pdkv.alloc import FreeRoomTargets, PagePool, PoolStatistics
+from pdkv.alloc.errors import (
+    AllocatorError,
+    DoubleFreeError,
+    ForeignPageError,
+    InvalidAllocationError,
+    InvalidFreeError,
+    OutOfPagesError,
+    ReentrantAllocationError,
+)
+from pdkv.control.errors import (
+    AuthenticationError,
+    ChannelClosedError,
+    ChannelOwnershipError,
+    ControlBindError,
+    ControlError,
+    ControlTimeoutError,
+)
 from pdkv.engine import (
     LoopbackBackend,
     LoopbackFabric,
     MooncakeBackend,
     MooncakeConfig,
     TransferBackend,
+)
+from pdkv.engine.backend import (
+    BackendClosedError,
+    BatchFailedError,
+    BatchTimedOutError,
+    ForeignHandleError,
+    InvalidBatchError,
+    RegistrationError,
+    UnregisteredMemoryError,
+)
+from pdkv.engine.mooncake import (
+    EngineInitError,
 )
 from pdkv.errors import (
     ConfigError,
@@ -37,8 +66,16 @@ from pdkv.errors import (
     TransportClosedError,
 )
 from pdkv.mapping import AttentionKind, BufferKind, BufferLayout, BufferSpec, ModelRole
+from pdkv.mapping.fanout import (
+    TopologyError,
+)
 from pdkv.metrics import KVTransferMetric, TransportMetrics
+from pdkv.metrics.errors import (
+    MetricValueError,
+    PrometheusUnavailableError,
+)
 from pdkv.protocol import KVPoll, RoomId, Timeouts, room_id
+from pdkv.protocol.ids import InstanceId
 from pdkv.protocol.messages import RankCoord, StateIndices
 from pdkv.runtime import (
     DecodeConfig,
@@ -53,21 +90,50 @@ from pdkv.runtime import (
     PrefillTransport,
     Registry,
 )
+from pdkv.runtime.consensus import (
+    ConsensusError,
+)
+from pdkv.runtime.executor import (
+    JobFinishedError,
+)
+from pdkv.runtime.per_layer import (
+    UnknownLayerError,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AllocatorError",
     "AttentionKind",
+    "AuthenticationError",
+    "BackendClosedError",
+    "BatchFailedError",
+    "BatchTimedOutError",
     "BufferKind",
     "BufferLayout",
     "BufferSpec",
+    "ChannelClosedError",
+    "ChannelOwnershipError",
     "ConfigError",
+    "ConsensusError",
+    "ControlBindError",
+    "ControlError",
+    "ControlTimeoutError",
     "DecodeConfig",
     "DecodeTransport",
+    "DoubleFreeError",
+    "EngineInitError",
     "EngineUnavailableError",
     "ExecutorConfig",
+    "ForeignHandleError",
+    "ForeignPageError",
     "FreeRoomTargets",
+    "InstanceId",
+    "InvalidAllocationError",
     "InvalidArgumentError",
+    "InvalidBatchError",
+    "InvalidFreeError",
+    "JobFinishedError",
     "KVPoll",
     "KVReceiver",
     "KVSender",
@@ -77,9 +143,11 @@ __all__ = [
     "LoopbackBackend",
     "LoopbackFabric",
     "MappingError",
+    "MetricValueError",
     "ModelRole",
     "MooncakeBackend",
     "MooncakeConfig",
+    "OutOfPagesError",
     "PagePool",
     "PdkvError",
     "PerLayerConfig",
@@ -88,8 +156,11 @@ __all__ = [
     "PoolStatistics",
     "PrefillConfig",
     "PrefillTransport",
+    "PrometheusUnavailableError",
     "ProtocolError",
     "RankCoord",
+    "ReentrantAllocationError",
+    "RegistrationError",
     "Registry",
     "RegistryError",
     "RemoteProtocolError",
@@ -97,10 +168,13 @@ __all__ = [
     "RouteUnavailableError",
     "StateIndices",
     "Timeouts",
+    "TopologyError",
     "TransferBackend",
     "TransferError",
     "TransportClosedError",
     "TransportMetrics",
+    "UnknownLayerError",
+    "UnregisteredMemoryError",
     "__version__",
     "mapping",
     "room_id",
