@@ -9,7 +9,9 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import attrs
 import numpy as np
@@ -24,6 +26,7 @@ from pdkv.engine import (
     RegistrationError,
     load_transfer_engine,
 )
+from pdkv.engine.mooncake import check_rdma_devices
 from pdkv.errors import ConfigError, EngineUnavailableError
 from pdkv.mapping import TransferBlocks
 from pdkv.testing.backend_conformance import HostBuffer
@@ -329,3 +332,19 @@ def test_a_paced_wait_still_reports_a_failed_piece(engine: FakeEngine) -> None:
         result = backend.wait([backend.submit_write("peer:1", blocks)])
     assert result.outcomes[0].status is BatchStatus.FAILED
     assert "status -1" in result.outcomes[0].reason
+
+
+def test_an_rdma_device_this_host_lacks_fails_at_start_naming_it(tmp_path: Path) -> None:
+    # Mooncake itself would start without a word and move nothing over RDMA.
+    (tmp_path / "mlx5_0").mkdir()
+    check_rdma_devices("mlx5_0", root=str(tmp_path))  # present: fine
+    with pytest.raises(EngineUnavailableError, match=r"\['mlx5_1'\] not found on this host .*\['mlx5_0'\]"):
+        check_rdma_devices("mlx5_0,mlx5_1", root=str(tmp_path))
+    with pytest.raises(EngineUnavailableError, match="needs device_name"):
+        check_rdma_devices("", root=str(tmp_path))
+    with pytest.raises(EngineUnavailableError, match="mlx9_9"):  # through the backend, before any engine call
+        MooncakeBackend(MooncakeConfig(protocol="rdma", device_name="mlx9_9"), engine_class=_no_engine)
+
+
+def _no_engine() -> Any:
+    raise AssertionError("the engine must not be created for a device that does not exist")

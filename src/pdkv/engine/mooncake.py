@@ -46,7 +46,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from types import ModuleType
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Final, Protocol
 
 import attrs
 
@@ -261,6 +261,28 @@ class LaunchedPiece:
     launched_at: float
 
 
+RDMA_DEVICES_ROOT: Final = "/sys/class/infiniband"
+"""Where Linux lists the RDMA devices of this host (one directory each, e.g. ``mlx5_0``)."""
+
+
+def check_rdma_devices(device_name: str, root: str = RDMA_DEVICES_ROOT) -> None:
+    """``EngineUnavailableError`` naming every requested RDMA device this host does not have.
+
+    Mooncake itself starts without a word when a named device is missing (only an engine log line),
+    and then moves nothing over RDMA: a typo in ``device_name`` must fail at start, loudly.
+    """
+    wanted = [name.strip() for name in device_name.split(",") if name.strip()]
+    if not wanted:
+        raise EngineUnavailableError("protocol 'rdma' needs device_name (e.g. 'mlx5_0'); none was given")
+    present = sorted(os.listdir(root)) if os.path.isdir(root) else []
+    missing = [name for name in wanted if name not in present]
+    if missing:
+        raise EngineUnavailableError(
+            f"RDMA device(s) {missing} not found on this host (present under {root}: {present or 'none'}); "
+            "check device_name / --disaggregation-ib-device, or use protocol 'tcp'"
+        )
+
+
 class MooncakeBackend(WorkerThreadBackend[LaunchedPiece]):
     """A ``TransferBackend`` over one Mooncake ``TransferEngine`` (one per rank).
 
@@ -281,6 +303,8 @@ class MooncakeBackend(WorkerThreadBackend[LaunchedPiece]):
         # Before the import and the engine's start: some settings (MC_LOG_LEVEL) are read when the
         # library loads, the others when the engine initializes.
         os.environ.update(cfg.environment())
+        if cfg.protocol is MooncakeProtocol.RDMA:
+            check_rdma_devices(cfg.device_name)
         make_engine = engine_class or load_transfer_engine()
         engine = make_engine()
         rc = engine.initialize(cfg.local_hostname, cfg.metadata_server, cfg.protocol.value, cfg.device_name)
