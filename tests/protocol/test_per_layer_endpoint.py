@@ -4,8 +4,10 @@ each decode rank is told the bytes written to it, not the room's total."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
+from pdkv.errors import MappingError
 from pdkv.protocol.config import Timeouts
 from pdkv.protocol.effects import ChunkSpec, DropLayers, SubmitChunk
 from pdkv.protocol.ids import Epoch, RoomId
@@ -123,3 +125,36 @@ def test_a_planted_bug_acking_before_the_layers_drained_is_caught(monkeypatch: p
     _aborted_per_layer_room(pair)
     assert pair.violations, "an AbortAck sent while layer writes ran must show as a violation"
     assert "writes layers" in pair.violations[0].what
+
+
+def test_the_endpoint_rules_which_chunks_go_per_layer() -> None:
+    p = prefill()
+    p.receive(register(), 0.0)
+    p.open_room(ROOM, num_pages=4, aux_row=None, now=0.0)
+    pages = np.array([7, 8])
+    assert "no destinations yet" in str(p.layer_destination(ROOM, pages, 0))
+    p.receive(request([10, 11, 12, 13]), 0.1)
+    ruling = p.layer_destination(ROOM, pages, 0)
+    assert not isinstance(ruling, str) and ruling.peer.key == (DECODE.instance, DECODE.rank)
+    with pytest.raises(MappingError, match="runs past the request's last page"):
+        p.layer_destination(ROOM, np.array([1, 2, 3]), 2 * PAGE)
+    p.queue_chunk(ROOM, ChunkSpec(pages=[7, 8], start_token=0, last=False), 0.2)
+    with pytest.raises(MappingError, match="overlaps chunks already queued"):
+        p.layer_destination(ROOM, np.array([1, 2]), PAGE)
+    assert not isinstance(p.layer_destination(ROOM, np.array([1, 2]), 2 * PAGE), str)
+
+
+def test_a_dummy_rank_and_several_destinations_go_monolithic() -> None:
+    dummy = prefill()
+    dummy.receive(register(), 0.0)
+    dummy.open_room(ROOM, num_pages=2, aux_row=None, now=0.0)
+    dummy.receive(request((), dummy=True), 0.1)
+    assert "dummy" in str(dummy.layer_destination(ROOM, np.array([1, 2]), 0))
+    fan = prefill()
+    second = Origin(instance=DECODE.instance, epoch=DECODE.epoch, rank=RankCoord(tp=1))
+    fan.receive(register(), 0.0)
+    fan.receive(register(origin=second), 0.0)
+    fan.open_room(ROOM, num_pages=2, aux_row=None, now=0.0)
+    fan.receive(request([1, 2], required=2), 0.1)
+    fan.receive(request([1, 2], required=2, origin=second), 0.1)
+    assert "2 non-dummy destinations" in str(fan.layer_destination(ROOM, np.array([1, 2]), 0))

@@ -844,6 +844,37 @@ class PrefillEndpoint:
             return TransferMetricData()
         return TransferMetricData(pages=r.pages, bytes=r.bytes, seconds=r.seconds)
 
+    def layer_destination(self, room: RoomId, pages: np.ndarray, start_token: int) -> Destination | str:
+        """Per-layer registration of a chunk before its forward: the one destination its layers go to,
+        or why the chunk goes the monolithic way (no destination yet, a dummy rank, several
+        destinations). A chunk that breaks the room's page contract as far as it is known before
+        ``send()`` (inside the decode's prefix, past ``num_pages``, over chunks already queued,
+        a repeated page) is refused with ``MappingError``: its layers would write wrong positions."""
+        dests = self.destinations(room)
+        if dests is None:
+            return "the room has no destinations yet (register once the sender polls WaitingForInput)"
+        if not dests:
+            return "this rank is a dummy for the room (nothing to send)"
+        if len(dests) > 1:
+            return f"{len(dests)} non-dummy destinations (per-layer serves exactly one)"
+        r = self._rooms[room]
+        try:
+            start = chunk_page_start(start_token, self.layout.page_size)
+        except MappingError as exc:
+            raise MappingError(f"room {room}: start_token: {exc}") from None
+        end = start + int(pages.size)
+        prefix = self.decode_prefix(room) or 0
+        where = f"per-layer chunk at positions {start}..{end - 1} of a {r.num_pages or 0}-page room"
+        if start < prefix:
+            raise MappingError(f"room {room}: {where} starts inside the decode's prefix (0..{prefix - 1})")
+        if end > (r.num_pages or 0):
+            raise MappingError(f"room {room}: {where} runs past the request's last page")
+        if r.next_position is not None and start < r.next_position:
+            raise MappingError(
+                f"room {room}: {where} overlaps chunks already queued (up to {r.next_position - 1})"
+            )
+        return dests[0]
+
     def decode_prefix(self, room: RoomId) -> int | None:
         """Positions the decode side already holds (its prefix cache), once its requests are in (the
         first chunk starts there or later); None before that."""

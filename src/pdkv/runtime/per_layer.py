@@ -155,6 +155,10 @@ device event. CPU callers pass nothing: the write is complete when ``on_layer_en
 DestinationsOf: TypeAlias = Callable[[RoomId], tuple[Destination, ...] | None]
 """The room's non-dummy destinations, or None while it has none yet (called with ``guard`` held)."""
 
+LayerDestinationOf: TypeAlias = Callable[[RoomId, IntArray, int], Destination | str]
+"""The endpoint's ruling on a chunk registered for per-layer transfer (called with ``guard`` held):
+its one destination, or why it goes monolithic (``PrefillEndpoint.layer_destination``)."""
+
 WritesStarted: TypeAlias = Callable[[RoomId, int], bool]
 """Before a context's first write: may the room still be written? (takes ``guard``)"""
 
@@ -323,7 +327,8 @@ class PerLayerTransferManager:
         executor: TransferExecutor,
         *,
         layout: BufferLayout,
-        destinations: DestinationsOf,
+        destinations: DestinationsOf | None = None,
+        layer_destination: LayerDestinationOf | None = None,
         writes_started: WritesStarted | None = None,
         writes_ended: WritesEnded | None = None,
         cp_rank: int = 0,
@@ -335,7 +340,11 @@ class PerLayerTransferManager:
     ) -> None:
         self._executor = executor
         self._layout = layout
-        self._destinations = destinations
+        if layer_destination is None:
+            if destinations is None:
+                raise ConfigError("PerLayerTransferManager needs layer_destination (or destinations)")
+            layer_destination = _from_destinations(destinations)
+        self._layer_destination: LayerDestinationOf = layer_destination
         self._writes_started: WritesStarted = writes_started or (lambda room, start_token: True)
         self._writes_ended: WritesEnded = writes_ended or (lambda room, start_token: None)
         self._cp_rank = cp_rank
@@ -449,11 +458,10 @@ class PerLayerTransferManager:
         if self._unsupported is not None:
             return self._fallback(room, start_token, self._unsupported)
         with self._guard:
-            destinations = self._destinations(room)
-        reason = _destination_problem(destinations)
-        if reason is not None or destinations is None:
-            return self._fallback(room, start_token, reason or "no destinations")
-        destination = destinations[0]
+            ruling = self._layer_destination(room, pages, start_token)  # MappingError: refused
+        if isinstance(ruling, str):
+            return self._fallback(room, start_token, ruling)
+        destination = ruling
         try:
             resident, layers, kv_pages = self._plan(room, pages, start_token, resident_pages, destination)
         except PdkvError as exc:
@@ -461,7 +469,7 @@ class PerLayerTransferManager:
         with self._guard:
             # The room may have failed (and been cancelled) while we planned: only a room that still
             # has the same destination gets a context, atomically with the transport's failure path.
-            if self._destinations(room) != destinations:
+            if self._layer_destination(room, pages, start_token) != destination:
                 return self._fallback(room, start_token, "the room changed while the chunk was planned")
             with self._lock:
                 if self._is_registered(room, start_token):
@@ -970,6 +978,19 @@ class PerLayerTransferManager:
 class _Planned:
     blocks: TransferBlocks
     kv_pages: int
+
+
+def _from_destinations(destinations: DestinationsOf) -> LayerDestinationOf:
+    """A ruling from a plain destinations query (a manager used without an endpoint, in tests)."""
+
+    def rule(room: RoomId, pages: IntArray, start_token: int) -> Destination | str:
+        found = destinations(room)
+        problem = _destination_problem(found)
+        if problem is not None or not found:
+            return problem or "no destinations"
+        return found[0]
+
+    return rule
 
 
 def _destination_problem(destinations: tuple[Destination, ...] | None) -> str | None:

@@ -174,7 +174,7 @@ class PrefillTransport(EndpointHost[PrefillEndpoint]):
         self.per_layer = PerLayerTransferManager(
             self._executor,
             layout=config.layout,
-            destinations=self._endpoint.destinations,  # called with the lock held
+            layer_destination=self._endpoint.layer_destination,  # called with the lock held
             writes_started=self._layer_writes_started,
             writes_ended=self._layer_writes_ended,
             cp_rank=config.rank.cp,
