@@ -472,7 +472,7 @@ def test_layers_and_resident_pages_are_exactly_the_monolithic_plan(
             with PerLayerTransferManager(
                 TransferExecutor(sender),
                 layout=source.layout,
-                destinations=always(destination),
+                layer_destination=always(destination),
                 cp_rank=rank,
                 policy=policy,
             ) as manager:
@@ -490,8 +490,8 @@ def test_layers_and_resident_pages_are_exactly_the_monolithic_plan(
             assert np.array_equal(got.view(key), expected.view(key)), (rank, key)
 
 
-def always(destination: Destination) -> Callable[[RoomId], tuple[Destination, ...]]:
-    return lambda _room: (destination,)
+def always(destination: Destination) -> Callable[[RoomId, np.ndarray, int], Destination | str]:
+    return lambda _room, _pages, _start: destination
 
 
 def attrs_evolve_layout(destination: Destination, layout: BufferLayout) -> Destination:

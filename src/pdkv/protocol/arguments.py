@@ -37,7 +37,7 @@ def describe(value: object) -> str:
     return f"{type(value).__name__} {text}"
 
 
-def _bad(text: str, *, room: int | None, argument: str, value: object) -> InvalidArgumentError:
+def _bad(text: str, room: int | None, argument: str, value: object) -> InvalidArgumentError:
     return InvalidArgumentError(text, room=room, argument=argument, value=value)
 
 
@@ -62,19 +62,11 @@ def count(
 ) -> int:
     """A plain int (numpy integers accepted; bool, float and str refused) in ``minimum..maximum``."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise _bad(
-            f"{_where(room)}{argument} must be an int, got {describe(value)}",
-            room=room,
-            argument=argument,
-            value=value,
-        )
+        raise _bad(f"{_where(room)}{argument} must be an int, got {describe(value)}", room, argument, value)
     out = int(value)
     if not minimum <= out <= maximum:
         raise _bad(
-            f"{_where(room)}{argument} must be in {minimum}..{maximum}, got {out}",
-            room=room,
-            argument=argument,
-            value=value,
+            f"{_where(room)}{argument} must be in {minimum}..{maximum}, got {out}", room, argument, value
         )
     return out
 
@@ -86,9 +78,9 @@ def optional_row(value: object, *, room: int | None, argument: str, rows: int | 
     if rows is not None and rows == 0:
         raise _bad(
             f"{_where(room)}{argument} is {describe(value)} but no aux buffer is registered",
-            room=room,
-            argument=argument,
-            value=value,
+            room,
+            argument,
+            value,
         )
     return count(value, room=room, argument=argument, maximum=(rows - 1) if rows else MAX_INDEX - 1)
 
@@ -96,12 +88,7 @@ def optional_row(value: object, *, room: int | None, argument: str, rows: int | 
 def flag(value: object, *, room: int | None, argument: str) -> bool:
     """A real bool (numpy bool accepted): ``last="yes"`` or ``last=1`` is a mistake, not a truth value."""
     if not isinstance(value, (bool, np.bool_)):
-        raise _bad(
-            f"{_where(room)}{argument} must be a bool, got {describe(value)}",
-            room=room,
-            argument=argument,
-            value=value,
-        )
+        raise _bad(f"{_where(room)}{argument} must be a bool, got {describe(value)}", room, argument, value)
     return bool(value)
 
 
@@ -117,9 +104,9 @@ def page_list(value: object, *, room: int | None, argument: str, limit: int | No
     if bad is not None:
         raise _bad(
             f"{_where(room)}{argument} must be a 1-D list of non-negative int page ids; {bad}",
-            room=room,
-            argument=argument,
-            value=value,
+            room,
+            argument,
+            value,
         )
     given = np.asarray(value)
     arr = given.astype(np.int64, copy=True) if given.size else np.zeros(0, np.int64)
@@ -130,11 +117,11 @@ def page_list(value: object, *, room: int | None, argument: str, limit: int | No
             what = "negative" if lo < 0 else f"past the {ceiling} registered pages"
             raise _bad(
                 f"{_where(room)}{argument} holds ids {what} (min {lo}, max {hi}); {summarize(arr, argument)}",
-                room=room,
-                argument=argument,
-                value=value,
+                room,
+                argument,
+                value,
             )
-        duplicates = _duplicates(arr)
+        duplicates = repeated_ids(arr)
         if duplicates.size:
             raise MappingError(
                 f"{_where(room)}{argument} repeats ids {duplicates[:6].tolist()}"
@@ -152,27 +139,21 @@ def state_list(value: object, *, room: int | None, argument: str) -> tuple[State
     if isinstance(value, (str, bytes, StateIndices)) or not isinstance(value, Iterable):
         raise _bad(
             f"{_where(room)}{argument} must be a sequence of StateIndices, got {describe(value)}",
-            room=room,
-            argument=argument,
-            value=value,
+            room,
+            argument,
+            value,
         )
     items = tuple(value)
     for item in items:
         if not isinstance(item, StateIndices):
             raise _bad(
-                f"{_where(room)}{argument} holds StateIndices, got {describe(item)}",
-                room=room,
-                argument=argument,
-                value=value,
+                f"{_where(room)}{argument} holds StateIndices, got {describe(item)}", room, argument, value
             )
     kinds = [s.kind for s in items]
     if len(set(kinds)) != len(kinds):
         repeated = sorted({k.value for k in kinds if kinds.count(k) > 1})
         raise _bad(
-            f"{_where(room)}{argument} names state kind(s) {repeated} more than once",
-            room=room,
-            argument=argument,
-            value=value,
+            f"{_where(room)}{argument} names state kind(s) {repeated} more than once", room, argument, value
         )
     for item in items:
         page_list(item.indices, room=room, argument=f"{argument}[{item.kind.value}]")
@@ -198,7 +179,8 @@ def _page_list_type_problem(value: object) -> str | None:
     return None
 
 
-def _duplicates(arr: IntArray) -> IntArray:
+def repeated_ids(arr: IntArray) -> IntArray:
+    """The ids that occur more than once in ``arr``, each once, sorted."""
     ordered = np.sort(arr, kind="stable")
     repeated = ordered[1:][ordered[1:] == ordered[:-1]]
     return np.unique(repeated)
@@ -211,5 +193,6 @@ __all__ = [
     "flag",
     "optional_row",
     "page_list",
+    "repeated_ids",
     "state_list",
 ]

@@ -83,6 +83,13 @@ class Timeouts:
                 f"({self.heartbeat_interval:g} s)"
             )
 
+    def resend_at(self, now: float, resends: int) -> float | None:
+        """When an unanswered Abort (or Failed status) already sent ``resends`` times goes again:
+        ``abort_resend`` after the first send, doubling; None once ``MAX_ABORT_RESENDS`` went."""
+        if resends >= MAX_ABORT_RESENDS:
+            return None
+        return now + self.abort_resend * (1 << resends)
+
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: float) -> Timeouts:
         """Defaults, then the variables of ``ENV_VARS`` that are set (e.g. ``PDKV_ABORT_ACK_TIMEOUT=10``,

@@ -37,7 +37,7 @@ from pdkv.errors import InvalidArgumentError, LocalProtocolError
 from pdkv.mapping.layout import BufferLayout
 from pdkv.protocol import arguments
 from pdkv.protocol._deadlines import DeadlineQueue
-from pdkv.protocol.config import MAX_ABORT_RESENDS, Timeouts
+from pdkv.protocol.config import Timeouts
 from pdkv.protocol.effects import (
     Effect,
     FailureCause,
@@ -818,11 +818,9 @@ class DecodeEndpoint:
         return effects
 
     def _schedule_resend(self, r: _ReceiverRoom, now: float) -> None:
-        if r.resends >= MAX_ABORT_RESENDS:
-            r.resend_at = None
-            return
-        r.resend_at = now + self.timeouts.abort_resend * (2**r.resends)
-        self._resends.push(r.room, r.resend_at)
+        r.resend_at = self.timeouts.resend_at(now, r.resends)
+        if r.resend_at is not None:
+            self._resends.push(r.room, r.resend_at)
 
     def _resend_deadline(self, room: RoomId) -> float | None:
         r = self._rooms.get(room)

@@ -51,7 +51,7 @@ from pdkv.mapping._arrays import summarize
 from pdkv.mapping.layout import BufferLayout
 from pdkv.protocol import arguments
 from pdkv.protocol._deadlines import DeadlineQueue
-from pdkv.protocol.config import MAX_ABORT_RESENDS, Timeouts
+from pdkv.protocol.config import Timeouts
 from pdkv.protocol.effects import (
     ChunkSpec,
     DecodePeer,
@@ -509,8 +509,7 @@ class PrefillEndpoint:
         if msg.dummy:
             return None
         if msg.dst_pages.size > 1:
-            ordered = np.sort(msg.dst_pages)
-            repeated = np.unique(ordered[1:][ordered[1:] == ordered[:-1]])
+            repeated = arguments.repeated_ids(msg.dst_pages)
             if repeated.size:
                 return (
                     f"destination pages of {msg.origin} repeat page ids {repeated[:6].tolist()}: two "
@@ -718,8 +717,7 @@ class PrefillEndpoint:
                 f"positions {end}..{num_pages - 1} would never be written; {where}"
             )
         if spec.pages.size > 1:
-            ordered = np.sort(spec.pages)
-            repeated = np.unique(ordered[1:][ordered[1:] == ordered[:-1]])
+            repeated = arguments.repeated_ids(spec.pages)
             if repeated.size:
                 raise MappingError(
                     f"room {room}: chunk_pages repeat page ids {repeated[:6].tolist()}: two positions "
@@ -1157,11 +1155,9 @@ class PrefillEndpoint:
 
     def _schedule_status_resend(self, r: _SenderRoom, now: float) -> None:
         """A Failed status may be lost: resend it (backoff) until the decode rank's Abort answers."""
-        if r.status_resends >= MAX_ABORT_RESENDS:
-            r.status_resend_at = None
-            return
-        r.status_resend_at = now + self.timeouts.abort_resend * (2**r.status_resends)
-        self._status_resends.push(r.room, r.status_resend_at)
+        r.status_resend_at = self.timeouts.resend_at(now, r.status_resends)
+        if r.status_resend_at is not None:
+            self._status_resends.push(r.room, r.status_resend_at)
 
     def _status_resend_deadline(self, room: RoomId) -> float | None:
         r = self._rooms.get(room)

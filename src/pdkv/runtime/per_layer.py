@@ -152,9 +152,6 @@ ReadyWait: TypeAlias = Callable[[], object] | SupportsSynchronize
 """What ``on_layer_end`` waits on before submitting a layer: a callable (``threading.Event.wait``) or a
 device event. CPU callers pass nothing: the write is complete when ``on_layer_end`` is called."""
 
-DestinationsOf: TypeAlias = Callable[[RoomId], tuple[Destination, ...] | None]
-"""The room's non-dummy destinations, or None while it has none yet (called with ``guard`` held)."""
-
 LayerDestinationOf: TypeAlias = Callable[[RoomId, IntArray, int], Destination | str]
 """The endpoint's ruling on a chunk registered for per-layer transfer (called with ``guard`` held):
 its one destination, or why it goes monolithic (``PrefillEndpoint.layer_destination``)."""
@@ -244,7 +241,6 @@ class _Context:
 class _Room:
     contexts: dict[int, _Context] = attrs.Factory(dict)  # by chunk start token, in registration order
     pending_drains: int = 0
-    on_drained: list[Callable[[], None]] = attrs.Factory(list)
     forgotten: bool = False
 
 
@@ -327,8 +323,7 @@ class PerLayerTransferManager:
         executor: TransferExecutor,
         *,
         layout: BufferLayout,
-        destinations: DestinationsOf | None = None,
-        layer_destination: LayerDestinationOf | None = None,
+        layer_destination: LayerDestinationOf,
         writes_started: WritesStarted | None = None,
         writes_ended: WritesEnded | None = None,
         cp_rank: int = 0,
@@ -340,11 +335,7 @@ class PerLayerTransferManager:
     ) -> None:
         self._executor = executor
         self._layout = layout
-        if layer_destination is None:
-            if destinations is None:
-                raise ConfigError("PerLayerTransferManager needs layer_destination (or destinations)")
-            layer_destination = _from_destinations(destinations)
-        self._layer_destination: LayerDestinationOf = layer_destination
+        self._layer_destination = layer_destination
         self._writes_started: WritesStarted = writes_started or (lambda room, start_token: True)
         self._writes_ended: WritesEnded = writes_ended or (lambda room, start_token: None)
         self._cp_rank = cp_rank
@@ -607,13 +598,10 @@ class PerLayerTransferManager:
             return self._end(context, PerLayerTrigger.COMPLETE, outcome, "")
         return self._end(context, PerLayerTrigger.FAIL, outcome, outcome.reason)
 
-    def cancel(self, room: RoomId, reason: str, on_drained: Callable[[], None] | None = None) -> bool:
-        """The room failed: stop its contexts now, drop them once their writes ended (non-blocking).
-
-        True when something is outstanding: ``on_drained`` is then called, from the submission
-        thread, once nothing the manager submitted for the room can still land. False: nothing was
-        outstanding and ``on_drained`` is not called.
-        """
+    def cancel(self, room: RoomId, reason: str) -> bool:
+        """The room failed (or completed without these chunks): stop its contexts now, drop them once
+        their writes ended (non-blocking; each context that wrote reports ``writes_ended`` then).
+        True when something was outstanding."""
         with self._lock:
             r = self._rooms.get(room)
             if r is None:
@@ -627,8 +615,6 @@ class PerLayerTransferManager:
                 return False
             peers = {c.destination.peer.session for c in r.contexts.values()}
             r.pending_drains += len(peers)
-            if on_drained is not None:
-                r.on_drained.append(on_drained)
             for peer in sorted(peers):
                 self._lane_enqueue(peer, _DrainRoom(room))
             return True
@@ -653,13 +639,6 @@ class PerLayerTransferManager:
             ):
                 self._changed.wait()
         return dropped
-
-    def outstanding(self, room: RoomId) -> bool:
-        """Could a write the manager submitted (or will submit) for ``room`` still land, outside any
-        chunk the endpoint sees in flight? (What holding the room's AbortAck depends on.)"""
-        with self._lock:
-            r = self._rooms.get(room)
-            return r is not None and self._outstanding(r)
 
     def forget(self, room: RoomId) -> None:
         """The scheduler cleared the room: discard its finished contexts (the rest go once drained)."""
@@ -818,17 +797,9 @@ class PerLayerTransferManager:
         self._drain_unclaimed(room)
         with self._lock:
             r = self._rooms.get(room)
-            callbacks: list[Callable[[], None]] = []
             if r is not None:
                 r.pending_drains -= 1
-                if r.pending_drains == 0:
-                    callbacks, r.on_drained = r.on_drained, []
                 self._maybe_forget_room(room, r)
-        for callback in callbacks:
-            try:
-                callback()
-            except Exception:
-                log.exception("per-layer: drained callback for room %s failed", room)
 
     def _drain_unclaimed(self, room: RoomId) -> int:
         """Drain and drop the room's live contexts nobody holds; returns how many."""
@@ -978,29 +949,6 @@ class PerLayerTransferManager:
 class _Planned:
     blocks: TransferBlocks
     kv_pages: int
-
-
-def _from_destinations(destinations: DestinationsOf) -> LayerDestinationOf:
-    """A ruling from a plain destinations query (a manager used without an endpoint, in tests)."""
-
-    def rule(room: RoomId, pages: IntArray, start_token: int) -> Destination | str:
-        found = destinations(room)
-        problem = _destination_problem(found)
-        if problem is not None or not found:
-            return problem or "no destinations"
-        return found[0]
-
-    return rule
-
-
-def _destination_problem(destinations: tuple[Destination, ...] | None) -> str | None:
-    if destinations is None:
-        return "the room has no destinations yet (register once the sender polls WaitingForInput)"
-    if not destinations:
-        return "this rank is a dummy for the room (nothing to send)"
-    if len(destinations) > 1:
-        return f"{len(destinations)} non-dummy destinations (per-layer serves exactly one)"
-    return None
 
 
 def _release_blocks(context: _Context) -> None:
