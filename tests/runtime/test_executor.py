@@ -141,6 +141,9 @@ class RecordingBackend:
         self.max_outstanding = max(self.max_outstanding, len(self.outstanding))
         return handle
 
+    def cut_connections_from(self, host: str) -> int:
+        return self.inner.cut_connections_from(host)
+
     def wait(self, handles: Sequence[BatchHandle], timeout: float | None = None) -> WaitResult:
         result = self.inner.wait(handles, timeout)
         for outcome in result.outcomes:

@@ -521,6 +521,11 @@ class WorkerThreadBackend(abc.ABC, Generic[Token]):
         with self._lock:
             return len(self._lanes)
 
+    def cut_connections_from(self, host: str) -> int:
+        """Nothing to cut by default: a backend whose writes end when reported (loopback copies in this
+        process) has no connection whose bytes could land later. Engines with sockets override it."""
+        return 0
+
     def statistics(self) -> BackendStatistics:
         with self._lock:
             return BackendStatistics(

@@ -25,6 +25,8 @@ Contract every backend keeps (``pdkv.testing.backend_conformance`` checks it):
   from alive, and ``close()`` on it (or leaving its ``with`` block, or closing the backend)
   unregisters. Closing a backend first waits for every submitted batch, then unregisters all.
 - The caller must not unregister memory that a batch still in flight reads or writes.
+- A FAILED write may still land later (``specs/mooncake-tcp-late-writes.md``): the receiving side ends
+  that only with ``cut_connections_from`` after the writer proved its queue drained (a fence write).
 """
 
 from __future__ import annotations
@@ -292,6 +294,13 @@ class TransferBackend(Protocol):
         ...
 
     def statistics(self) -> BackendStatistics: ...
+
+    def cut_connections_from(self, host: str) -> int:
+        """End every engine connection ``host`` holds to this backend, so that no byte a write from
+        ``host`` sent before the call can still land here; returns how many were cut. Raises
+        ``ConnectionCutUnavailableError`` (``pdkv.engine.sockets``) when that cannot be done here (nothing
+        was cut). A backend whose writes cannot outlive their reported end (loopback) cuts nothing."""
+        ...
 
     def close(self) -> None:
         """Wait for every submitted batch, unregister everything, release the engine (idempotent)."""

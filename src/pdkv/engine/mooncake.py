@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import enum
 import importlib
+import logging
 import os
 import threading
 import time
@@ -50,6 +51,7 @@ from typing import TYPE_CHECKING, Final, Protocol
 
 import attrs
 
+from pdkv.engine import sockets
 from pdkv.engine._pacing import CompletionPacer, PacingConfig
 from pdkv.engine._threaded import PieceFailed, PieceJob, WorkerThreadBackend
 from pdkv.engine.backend import MemoryRegion, RegistrationError
@@ -59,6 +61,18 @@ if TYPE_CHECKING:
     from mooncake.engine import TransferEngine
 
 SYSTEM_PACKAGES = ("libibverbs1", "librdmacm1", "libnuma1")
+log = logging.getLogger(__name__)
+_ENGINE_START = threading.Lock()
+
+
+def _listening_ports() -> frozenset[int]:
+    """This process's listening TCP ports; empty when sock_diag cannot be read (no proven cut then)."""
+    try:
+        return sockets.listening_ports()
+    except (sockets.ConnectionCutUnavailableError, OSError):
+        return frozenset()
+
+
 _SYSTEM_LIBRARIES = ("libibverbs", "librdmacm", "libnuma")
 # The engine's TCP lane queue default; an in-flight budget above it gets whole batches rejected.
 TCP_DEFAULT_QUEUED_TRANSFERS_PER_PEER = 2048
@@ -307,7 +321,12 @@ class MooncakeBackend(WorkerThreadBackend[LaunchedPiece]):
             check_rdma_devices(cfg.device_name)
         make_engine = engine_class or load_transfer_engine()
         engine = make_engine()
-        rc = engine.initialize(cfg.local_hostname, cfg.metadata_server, cfg.protocol.value, cfg.device_name)
+        with _ENGINE_START:  # the ports that appear meanwhile are this engine's (rpc and TCP data)
+            before = _listening_ports()
+            rc = engine.initialize(
+                cfg.local_hostname, cfg.metadata_server, cfg.protocol.value, cfg.device_name
+            )
+            self._engine_ports = _listening_ports() - before
         if rc != 0:
             raise EngineInitError(
                 f"TransferEngine.initialize({cfg.local_hostname!r}, {cfg.metadata_server!r}, "
@@ -327,6 +346,28 @@ class MooncakeBackend(WorkerThreadBackend[LaunchedPiece]):
     @property
     def session_id(self) -> str:
         return self._session_id
+
+    @property
+    def engine_ports(self) -> frozenset[int]:
+        """The TCP ports this backend's engine listens on (its RPC port and its TCP data port)."""
+        return self._engine_ports
+
+    def cut_connections_from(self, host: str) -> int:
+        """Destroy every connection from ``host`` to this engine's ports and wait until they are gone
+        (Mooncake's server sessions have no read deadline: only this ends a stalled one)."""
+        if not self._engine_ports:
+            raise sockets.ConnectionCutUnavailableError(
+                "the engine's listening ports are unknown (sock_diag was not readable at its start)"
+            )
+        report = sockets.cut_connections(sockets.resolve_host(host), self._engine_ports)
+        if report.cut:
+            log.warning(
+                "cut %d engine connection(s) from %s: %s",
+                len(report.cut),
+                host,
+                ", ".join(c.describe() for c in report.cut),
+            )
+        return len(report.cut)
 
     def _live_engine(self) -> MooncakeEngineApi:
         if self._engine is None:

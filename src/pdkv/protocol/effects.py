@@ -188,4 +188,50 @@ class DropLayers:
     reason: str
 
 
-Effect: TypeAlias = Send | SubmitChunk | RoomFinished | ReleasePages | Notice | ForgetPeer | DropLayers
+@attrs.frozen(kw_only=True)
+class FenceWrite:
+    """One small write of a room that failed, repeated later as a fence: ``length`` bytes from the
+    prefill's ``src`` address to the decode's ``dst`` address, both inside the room's own pages (the
+    decode holds those pages until the room's AbortAck, so writing them again is harmless). Opaque
+    to the protocol: the runtime makes it from a block of the failed batch."""
+
+    session: SessionId  # the decode rank's engine session the room was written to
+    src: int
+    dst: int
+    length: int
+
+
+@attrs.frozen(kw_only=True)
+class SubmitFence:
+    """Prefill: write ``fence`` to the decode rank ``peer`` through the same engine queue as the room's
+    earlier writes and report ``fence_done``. Emitted before an AbortAck for a room whose write to
+    that rank failed: the engine may still hold queued slices of the failed batch (they would be sent
+    on a new connection once the link heals); a completed fence write proves every earlier slice to
+    that rank has left the queue, so the AbortAck waits for it."""
+
+    room: RoomId
+    peer: PeerKey
+    fence: FenceWrite
+
+
+@attrs.frozen(kw_only=True)
+class CutConnections:
+    """Decode: end every engine connection from ``host`` (a prefill rank's engine host) and report
+    ``connections_cut``; emitted before releasing a quarantined room whose ranks all acknowledged
+    (after their fences), so that no byte still in an old connection can land in released pages."""
+
+    room: RoomId
+    hosts: tuple[str, ...]
+
+
+Effect: TypeAlias = (
+    Send
+    | SubmitChunk
+    | RoomFinished
+    | ReleasePages
+    | Notice
+    | ForgetPeer
+    | DropLayers
+    | SubmitFence
+    | CutConnections
+)

@@ -59,6 +59,7 @@ from pdkv.protocol.effects import (
     DropLayers,
     Effect,
     FailureCause,
+    FenceWrite,
     ForgetPeer,
     Notice,
     NoticeLevel,
@@ -66,6 +67,7 @@ from pdkv.protocol.effects import (
     RoomFinished,
     Send,
     SubmitChunk,
+    SubmitFence,
 )
 from pdkv.protocol.ids import Epoch, RoomId
 from pdkv.protocol.machines import (
@@ -134,6 +136,10 @@ class PrefillStatistics:
     """Failed statuses sent again because no Abort answered them (a lost status or Abort)."""
     told_to_register: int
     """Heartbeats from decode ranks this rank does not know, answered "register again" at once."""
+    fences_submitted: int = 0
+    """Fence writes made before an AbortAck, because a write of the room to that rank had failed."""
+    fences_failed: int = 0
+    """Fence writes that failed (the AbortAck waits for the decode's next Abort, which fences again)."""
 
 
 @attrs.define(eq=False)
@@ -152,6 +158,8 @@ class _Counters:
     unopened_rooms_freed: int = 0
     statuses_resent: int = 0
     told_to_register: int = 0
+    fences_submitted: int = 0
+    fences_failed: int = 0
 
 
 @attrs.frozen
@@ -161,6 +169,14 @@ class _Tombstone:
     expiry: float
     reason: str
     cause: FailureCause
+
+
+@attrs.define(eq=False)
+class _Fence:
+    """A fence owed to a decode rank before the room's AbortAck to it (a write to it failed)."""
+
+    write: FenceWrite
+    running: bool = False
 
 
 @attrs.define(eq=False)
@@ -235,6 +251,7 @@ class PrefillEndpoint:
         self._newest_epoch: dict[PeerKey, Epoch] = {}  # the latest epoch each decode rank registered with
         self._rooms: dict[RoomId, _SenderRoom] = {}
         self._tombstones: dict[RoomId, _Tombstone] = {}
+        self._fences: dict[tuple[RoomId, PeerKey], _Fence] = {}  # owed before an AbortAck
         self._unopened_failed: list[RoomId] = []  # freed at the end of the input that failed them
         self._deadlines: DeadlineQueue[RoomId] = DeadlineQueue()
         self._tombstone_expiry: DeadlineQueue[RoomId] = DeadlineQueue()
@@ -568,9 +585,7 @@ class PrefillEndpoint:
                 FailureCause.ABORTED_BY_PEER,
                 keep_reason=True,
             )
-            if peer is not None:
-                effects.append(Send(to=peer.endpoint, message=AbortAck(origin=self.origin, room=msg.room)))
-            return effects
+            return effects + self._abort_ack(msg.room, key)
         effects = []
         r.unanswered.discard(key)  # the decode rank heard of the failure (or failed first)
         if not r.terminal:
@@ -587,8 +602,7 @@ class PrefillEndpoint:
             r.abort = PrefillAbortMachine(f"room {r.room}")
             r.abort.fire(PrefillAbortTrigger.DRAIN)
         if r.abort.state is PrefillAbortState.ACKED:
-            effects.append(Send(to=peer.endpoint, message=AbortAck(origin=self.origin, room=r.room)))
-            return effects
+            return effects + self._abort_ack(r.room, key)
         return effects + self._maybe_drained(r)
 
     def _peer_silent(self, key: PeerKey, now: float) -> list[Effect]:
@@ -964,8 +978,17 @@ class PrefillEndpoint:
         r.layer_writes.add(start_token)
         return True
 
-    def layer_writes_ended(self, room: RoomId, start_token: int, now: float) -> list[Effect]:
-        """Every write the per-layer context ``start_token`` of ``room`` submitted has ended."""
+    def layer_writes_ended(
+        self,
+        room: RoomId,
+        start_token: int,
+        now: float,
+        *,
+        fences: Mapping[PeerKey, FenceWrite] | None = None,
+    ) -> list[Effect]:
+        """Every write the per-layer context ``start_token`` of ``room`` submitted has ended
+        (``fences`` as for ``chunk_failed``, when one of them failed)."""
+        self._owe_fences(room, fences)
         r = self._rooms.get(room)
         if r is None or start_token not in r.layer_writes:
             return []
@@ -975,6 +998,10 @@ class PrefillEndpoint:
         effects += self._writes_ended(room)
         self._forget_if_idle(r)
         return effects
+
+    def _owe_fences(self, room: RoomId, fences: Mapping[PeerKey, FenceWrite] | None) -> None:
+        for key, write in (fences or {}).items():
+            self._fences.setdefault((room, key), _Fence(write=write))
 
     def _maybe_succeed(self, r: _SenderRoom) -> list[Effect]:
         """Success once every chunk is Done and no per-layer write of the room can still land."""
@@ -1010,8 +1037,19 @@ class PrefillEndpoint:
         effects.append(RoomFinished(room=r.room, poll=KVPoll.Success))
         return effects
 
-    def chunk_failed(self, room: RoomId, chunk: int, reason: str, now: float) -> list[Effect]:
-        """The engine failed a write of ``chunk``; every write already submitted has completed."""
+    def chunk_failed(
+        self,
+        room: RoomId,
+        chunk: int,
+        reason: str,
+        now: float,
+        *,
+        fences: Mapping[PeerKey, FenceWrite] | None = None,
+    ) -> list[Effect]:
+        """The engine failed a write of ``chunk``; every write already submitted has ended. ``fences``:
+        for each decode rank a write to which failed, one block of it to repeat as a fence before the
+        room's AbortAck to that rank (bytes of a failed batch may still be queued in the engine)."""
+        self._owe_fences(room, fences)
         r, c = self._chunk(room, chunk)
         c.machine.fire(ChunkTrigger.FAIL)
         effects: list[Effect] = []
@@ -1060,6 +1098,9 @@ class PrefillEndpoint:
             )
         for room in self._tombstone_expiry.pop_due(now, self._tombstone_deadline):
             del self._tombstones[room]
+            if self._fences:  # a fence never asked for by then: the decode released without us
+                for key in [k for k in self._fences if k[0] == room]:
+                    del self._fences[key]
         for room in self._status_resends.pop_due(now, self._status_resend_deadline):
             effects += self._resend_status(self._rooms[room], now)
         self._free_unopened(now)
@@ -1202,11 +1243,45 @@ class PrefillEndpoint:
         if r.abort is None or r.abort.state is not PrefillAbortState.DRAINING or r.in_flight:
             return []
         r.abort.fire(PrefillAbortTrigger.DRAINED)
-        return [
-            Send(to=self._peers[key].endpoint, message=AbortAck(origin=self.origin, room=r.room))
-            for key in sorted(r.ack_to, key=_peer_order)
-            if key in self._peers
-        ]
+        effects: list[Effect] = []
+        for key in sorted(r.ack_to, key=_peer_order):
+            effects += self._abort_ack(r.room, key)
+        return effects
+
+    def _abort_ack(self, room: RoomId, key: PeerKey) -> list[Effect]:
+        """The AbortAck for ``room`` to ``key`` (writes of the room all ended), or first the fence it
+        waits for when a write of the room to that rank failed (``SubmitFence``, ``fence_done``)."""
+        peer = self._peers.get(key)
+        if peer is None:
+            return []
+        owed = self._fences.get((room, key))
+        if owed is None:
+            return [Send(to=peer.endpoint, message=AbortAck(origin=self.origin, room=room))]
+        if owed.running:
+            return []  # a resent Abort while the fence is on its way
+        owed.running = True
+        self._counters.fences_submitted += 1
+        return [SubmitFence(room=room, peer=key, fence=owed.write)]
+
+    def fence_done(self, room: RoomId, peer: PeerKey, ok: bool, reason: str, now: float) -> list[Effect]:
+        """The fence write of ``room`` to ``peer`` ended: COMPLETED (``ok``) lets its AbortAck go; a
+        failure keeps it owed (the decode's next resent Abort fences again)."""
+        owed = self._fences.get((room, peer))
+        if owed is None or not owed.running:
+            return []
+        if not ok:
+            owed.running = False
+            self._counters.fences_failed += 1
+            return [
+                _notice(
+                    NoticeLevel.WARNING,
+                    f"room {room}: fence write to {peer[0]}:{peer[1]} failed ({reason}); "
+                    "its AbortAck waits for the next Abort",
+                    room,
+                )
+            ]
+        del self._fences[(room, peer)]
+        return self._abort_ack(room, peer)
 
     def _forget_if_idle(self, r: _SenderRoom) -> None:
         if r.closed and not r.in_flight and (r.abort is None or r.abort.state is PrefillAbortState.ACKED):

@@ -33,7 +33,28 @@ from pdkv.mapping import (
     map_chunk,
     state_blocks,
 )
-from pdkv.protocol.effects import Destination, SubmitChunk
+from pdkv.protocol.effects import Destination, FenceWrite, SubmitChunk
+from pdkv.protocol.ids import SessionId
+
+FENCE_BYTES = 64
+"""How much of a failed batch's first block a fence write repeats (it only has to pass the engine's queue)."""
+
+
+def fence_of(session: SessionId, blocks: TransferBlocks) -> FenceWrite | None:
+    """A fence for a failed write of ``blocks`` to ``session``: the start of its first non-empty block
+    (inside the room's own destination pages, which the decode holds until the room's AbortAck);
+    None when nothing was to be written."""
+    sizes = blocks.length
+    nonempty = (sizes > 0).nonzero()[0]
+    if not nonempty.size:
+        return None
+    i = int(nonempty[0])
+    return FenceWrite(
+        session=session,
+        src=int(blocks.src[i]),
+        dst=int(blocks.dst[i]),
+        length=min(int(sizes[i]), FENCE_BYTES),
+    )
 
 
 @attrs.frozen(kw_only=True)

@@ -79,11 +79,11 @@ from pdkv.mapping import (
     TransferBlocks,
 )
 from pdkv.protocol import arguments
-from pdkv.protocol.effects import ChunkSpec, Destination, SubmitChunk
+from pdkv.protocol.effects import ChunkSpec, Destination, FenceWrite, SubmitChunk
 from pdkv.protocol.ids import RoomId
 from pdkv.protocol.machines import PerLayerMachine, PerLayerState, PerLayerTrigger
 from pdkv.protocol.messages import IntArray
-from pdkv.runtime.chunk_plan import plan_chunk
+from pdkv.runtime.chunk_plan import fence_of, plan_chunk
 from pdkv.runtime.executor import JobStatus, TransferExecutor, TransferJob, TransferResult
 
 log = logging.getLogger(__name__)
@@ -159,8 +159,8 @@ its one destination, or why it goes monolithic (``PrefillEndpoint.layer_destinat
 WritesStarted: TypeAlias = Callable[[RoomId, int], bool]
 """Before a context's first write: may the room still be written? (takes ``guard``)"""
 
-WritesEnded: TypeAlias = Callable[[RoomId, int], None]
-"""Every write a context submitted has ended (takes ``guard``)."""
+WritesEnded: TypeAlias = Callable[[RoomId, int, FenceWrite | None], None]
+"""Every write a context submitted has ended (takes ``guard``); with a fence when a write failed."""
 
 LANE_IDLE_S: Final = 30.0  # a peer's submission lane stops after this long without work
 
@@ -228,6 +228,7 @@ class _Context:
     result: TransferResult | None = None
     started: bool = False  # the endpoint counts this context's writes in flight
     end_reported: bool = False
+    fence: FenceWrite | None = None  # from its first submitted block: repeated if a write failed
 
     @property
     def terminal(self) -> bool:
@@ -337,7 +338,7 @@ class PerLayerTransferManager:
         self._layout = layout
         self._layer_destination = layer_destination
         self._writes_started: WritesStarted = writes_started or (lambda room, start_token: True)
-        self._writes_ended: WritesEnded = writes_ended or (lambda room, start_token: None)
+        self._writes_ended: WritesEnded = writes_ended or (lambda room, start_token, fence: None)
         self._cp_rank = cp_rank
         self._policy = policy
         self._guard: AbstractContextManager[object] = guard if guard is not None else threading.Lock()
@@ -780,6 +781,8 @@ class PerLayerTransferManager:
                             live = False
                 if live:
                     blocks = context.resident if task.layer is None else context.layers[task.layer]
+                    if context.fence is None:
+                        context.fence = fence_of(context.destination.peer.session, blocks)
                     context.job.submit(blocks)  # may wait while the job is full: this peer's lane only
             with self._lock:
                 if live and task.layer is not None:
@@ -828,7 +831,7 @@ class PerLayerTransferManager:
                 self._changed.notify_all()
                 report = self._take_end_report(context)
             if report:
-                self._writes_ended(context.room, context.start_token)
+                self._writes_ended(context.room, context.start_token, _fence(context))
             log.debug(
                 "room %s chunk@%d: per-layer context dropped (%s)",
                 room,
@@ -901,7 +904,7 @@ class PerLayerTransferManager:
             result = self._result(context, reason)
             report = self._take_end_report(context)
         if report:
-            self._writes_ended(context.room, context.start_token)
+            self._writes_ended(context.room, context.start_token, _fence(context))
         return result
 
     def _take_end_report(self, context: _Context) -> bool:
@@ -970,3 +973,11 @@ __all__ = [
     "layer_keys",
     "unsupported_reason",
 ]
+
+
+def _fence(context: _Context) -> FenceWrite | None:
+    """The fence owed for a context whose writes ended: only when one of them did not complete."""
+    outcome = context.result
+    if outcome is not None and outcome.status is JobStatus.COMPLETED:
+        return None
+    return context.fence

@@ -43,20 +43,30 @@ from pdkv.errors import (
     RegistryError,
     RouteUnavailableError,
 )
-from pdkv.mapping import BufferLayout, OwnershipPolicy, PageInterleaved, chunk_page_start, cp_owned
+from pdkv.mapping import (
+    BufferLayout,
+    OwnershipPolicy,
+    PageInterleaved,
+    TransferBlocks,
+    chunk_page_start,
+    cp_owned,
+)
 from pdkv.metrics import KVTransferMetric, TransportCounter, TransportMetricsSnapshot
 from pdkv.protocol import arguments
 from pdkv.protocol.config import Timeouts
 from pdkv.protocol.effects import (
     ChunkSpec,
+    CutConnections,
     Destination,
     DropLayers,
     Effect,
+    FenceWrite,
     PeerKey,
     ReleasePages,
     RoomFinished,
     Send,
     SubmitChunk,
+    SubmitFence,
 )
 from pdkv.protocol.ids import Endpoint, Epoch, InstanceId, RoomId, SessionId
 from pdkv.protocol.messages import (
@@ -71,7 +81,7 @@ from pdkv.protocol.poll import KVPoll
 from pdkv.protocol.prefill import PrefillEndpoint, PrefillStatistics
 from pdkv.runtime._host import EndpointHost, RoomHandle
 from pdkv.runtime._loop import MessageChannel
-from pdkv.runtime.chunk_plan import plan_chunk
+from pdkv.runtime.chunk_plan import fence_of, plan_chunk
 from pdkv.runtime.executor import ExecutorConfig, TransferExecutor
 from pdkv.runtime.per_layer import (
     LayerTransferResult,
@@ -167,7 +177,7 @@ class PrefillTransport(EndpointHost[PrefillEndpoint]):
             clock=clock,
         )
         self._executor = TransferExecutor(backend, config.executor)
-        self._work: queue.Queue[SubmitChunk | None] = queue.Queue(maxsize=config.queue_size)
+        self._work: queue.Queue[SubmitChunk | SubmitFence | None] = queue.Queue(maxsize=config.queue_size)
         self._registrations: list[Registration] = []
         self._announce = announce if announce is not None else _default_announce()
         self._workers: list[threading.Thread] = []  # started by start(), new ones on a retried start
@@ -351,7 +361,13 @@ class PrefillTransport(EndpointHost[PrefillEndpoint]):
                 self.per_layer.cancel(effect.room, effect.reason or "room failed")
         elif isinstance(effect, DropLayers):
             self.per_layer.cancel(effect.room, effect.reason)
-        elif isinstance(effect, ReleasePages):  # decode-side effect; a prefill endpoint never emits it
+        elif isinstance(effect, SubmitFence):
+            try:
+                self._work.put_nowait(effect)
+            except queue.Full:  # the AbortAck stays owed: the decode's next resent Abort fences again
+                reason = f"transfer queue full ({self.config.queue_size} chunks)"
+                self._apply(self._endpoint.fence_done(effect.room, effect.peer, False, reason, self._clock()))
+        elif isinstance(effect, (ReleasePages, CutConnections)):  # decode-side effects
             raise AssertionError(f"prefill endpoint emitted {effect}")
 
     # ------------------------------------------------------------------ transfer workers
@@ -361,6 +377,9 @@ class PrefillTransport(EndpointHost[PrefillEndpoint]):
             item = self._work.get()
             if item is None:
                 return
+            if isinstance(item, SubmitFence):
+                self._run_fence(item)
+                continue
             try:
                 self._run_chunk(item)
             except Exception as exc:  # the room fails; the worker goes on
@@ -380,11 +399,40 @@ class PrefillTransport(EndpointHost[PrefillEndpoint]):
         with self._lock:
             return self._endpoint.layer_writes_started(room, start_token, self._clock())
 
-    def _layer_writes_ended(self, room: RoomId, start_token: int) -> None:
+    def _layer_writes_ended(self, room: RoomId, start_token: int, fence: FenceWrite | None) -> None:
         """Per-layer manager: every write of a context ended (it may release an AbortAck, a
-        RegisterAck or the room's Success)."""
+        RegisterAck or the room's Success); ``fence`` when one of them failed."""
         with self._lock:
-            self._apply(self._endpoint.layer_writes_ended(room, start_token, self._clock()))
+            peer = self._per_layer_peer(room, fence)
+            fences = None if fence is None or peer is None else {peer: fence}
+            self._apply(self._endpoint.layer_writes_ended(room, start_token, self._clock(), fences=fences))
+
+    def _per_layer_peer(self, room: RoomId, fence: FenceWrite | None) -> PeerKey | None:
+        """The decode rank (lock held) whose engine session a per-layer fence goes to."""
+        if fence is None:
+            return None
+        for destination in self._endpoint.destinations(room) or ():
+            if destination.peer.session == fence.session:
+                return destination.peer.key
+        return None
+
+    def _run_fence(self, fence: SubmitFence) -> None:
+        """Write the fence through the engine's queue to that decode rank; report it (AbortAck)."""
+        write = fence.fence
+        blocks = TransferBlocks(
+            src=np.array([write.src]),
+            dst=np.array([write.dst]),
+            length=np.array([write.length]),
+            buffer=np.zeros(1, dtype=np.int64),
+        )
+        try:
+            result = self._executor.transfer(write.session, blocks)
+            ok, reason = result.ok, result.reason
+        except Exception as exc:  # the ack stays owed; the worker goes on
+            log.exception("fence write of room %s to %s failed unexpectedly", fence.room, write.session)
+            ok, reason = False, f"internal error: {type(exc).__name__}: {exc}"
+        with self._lock:
+            self._apply(self._endpoint.fence_done(fence.room, fence.peer, ok, reason, self._clock()))
 
     def _run_chunk(self, submit: SubmitChunk) -> None:
         with self._lock:
@@ -423,7 +471,11 @@ class PrefillTransport(EndpointHost[PrefillEndpoint]):
             result = self._executor.transfer(destination.peer.session, plan.blocks)
             if not result.ok:
                 self.metrics.increment(TransportCounter.ENGINE_FAILURES)
-                self._finish_failed(submit, f"to {destination.peer.session}: {result.reason}")
+                self._finish_failed(
+                    submit,
+                    f"to {destination.peer.session}: {result.reason}",
+                    fence=(destination.peer.key, fence_of(destination.peer.session, plan.blocks)),
+                )
                 return
             pages += plan.kv_pages
             written += result.bytes_written
@@ -485,7 +537,11 @@ class PrefillTransport(EndpointHost[PrefillEndpoint]):
                 result = self._executor.transfer(destination.peer.session, plan.blocks)
                 if not result.ok:
                     self.metrics.increment(TransportCounter.ENGINE_FAILURES)
-                    self._finish_failed(submit, f"to {destination.peer.session}: {result.reason}")
+                    self._finish_failed(
+                        submit,
+                        f"to {destination.peer.session}: {result.reason}",
+                        fence=(destination.peer.key, fence_of(destination.peer.session, plan.blocks)),
+                    )
                     return
                 written += result.bytes_written
         if self._partition_dump:
@@ -519,9 +575,15 @@ class PrefillTransport(EndpointHost[PrefillEndpoint]):
         """Did ``room`` finish (lock held)? A write that lands after that is settled at once."""
         return self._endpoint.poll(room) in (KVPoll.Success, KVPoll.Failed)
 
-    def _finish_failed(self, submit: SubmitChunk, reason: str) -> None:
+    def _finish_failed(
+        self, submit: SubmitChunk, reason: str, *, fence: tuple[PeerKey, FenceWrite | None] | None = None
+    ) -> None:
+        """Fail the chunk; ``fence``: the decode rank a write to which failed, and a block of it."""
+        fences = {fence[0]: fence[1]} if fence is not None and fence[1] is not None else None
         with self._lock:
-            self._apply(self._endpoint.chunk_failed(submit.room, submit.chunk, reason, self._clock()))
+            self._apply(
+                self._endpoint.chunk_failed(submit.room, submit.chunk, reason, self._clock(), fences=fences)
+            )
 
 
 class KVSender(RoomHandle[PrefillEndpoint]):

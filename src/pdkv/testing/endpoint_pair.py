@@ -34,15 +34,19 @@ from pdkv.protocol.config import Timeouts
 from pdkv.protocol.decode import DecodeEndpoint
 from pdkv.protocol.effects import (
     ChunkSpec,
+    CutConnections,
     DropLayers,
     Effect,
     FailureCause,
+    FenceWrite,
     ForgetPeer,
     Notice,
+    PeerKey,
     ReleasePages,
     RoomFinished,
     Send,
     SubmitChunk,
+    SubmitFence,
     Target,
 )
 from pdkv.protocol.ids import Endpoint, Epoch, InstanceId, RoomId, SessionId
@@ -180,6 +184,25 @@ class _Write:
 
 
 @attrs.define(eq=False)
+class _Residue:
+    """Bytes of a failed write still queued in the prefill's engine: they land at ``lands_at`` unless a
+    fence write from the same rank completes first (the engine's per-peer queue is FIFO)."""
+
+    room: RoomId
+    prefill: int
+    lands_at: float
+
+
+@attrs.define(eq=False)
+class _FenceInFlight:
+    room: RoomId
+    peer: PeerKey
+    prefill: int
+    endpoint: PrefillEndpoint
+    done_at: float
+
+
+@attrs.define(eq=False)
 class _LayerWrite:
     room: RoomId
     start_token: int
@@ -228,6 +251,11 @@ class EndpointPair:
 
     ``fail_write(room, chunk, prefill_index) -> bool`` injects engine failures; ``transfer_time``
     is how long each chunk's writes take. ``violations`` lists every breach of abort safety seen.
+
+    A failed write leaves bytes queued in the engine (as Mooncake's TCP transport does,
+    ``specs/mooncake-tcp-late-writes.md``): they land ``late_write_s`` later unless a fence write
+    (``SubmitFence``) from that rank completes first; landing after the room's safe release is a
+    violation. A fence fails while its rank is partitioned.
     """
 
     def __init__(
@@ -242,6 +270,7 @@ class EndpointPair:
         layout: BufferLayout | None = None,
         clock: FakeClock | None = None,
         notice_limit: int | None = None,
+        late_write_s: float = 60.0,
     ) -> None:
         self.clock = clock if clock is not None else FakeClock()
         self.rng = random.Random(seed)
@@ -273,6 +302,12 @@ class EndpointPair:
         """Control address of each CP rank (kept by a restarted rank)."""
         self._writes: list[_Write] = []
         self._layer_writes: list[_LayerWrite] = []
+        self.late_write_s = late_write_s
+        self._decode_key: PeerKey = (self.decode_instance, RankCoord(tp=0))
+        self._residues: list[_Residue] = []
+        self._fences: list[_FenceInFlight] = []
+        self.fences_completed = 0
+        self.late_writes_landed = 0
         self.layer_time = 3 * transfer_time
         """How long a per-layer context writes (longer than a chunk write: the forward overlaps)."""
         self._progress: dict[RoomId, _Progress] = {}
@@ -357,6 +392,7 @@ class EndpointPair:
         times += [p.next_deadline() for p in self.prefills]
         times += [w.done_at for w in self._writes]
         times += [w.done_at for w in self._layer_writes]
+        times += [f.done_at for f in self._fences] + [x.lands_at for x in self._residues]
         times += [t for t in self._partition_until.values() if t is not None]
         while self._scheduled and self._scheduled[0][0] <= self.clock.now:
             heapq.heappop(self._scheduled)  # already acted on by the step at or after that time
@@ -380,8 +416,15 @@ class EndpointPair:
             self._writes.remove(w)
             p = self.prefills[w.prefill]
             if w.fail:
+                self._residues.append(
+                    _Residue(room=w.room, prefill=w.prefill, lands_at=now + self.late_write_s)
+                )
+                fence = FenceWrite(session=SessionId("decode-0:0"), src=0, dst=0, length=1)
                 self._apply(
-                    f"prefill{w.prefill}", p.chunk_failed(w.room, w.chunk, "injected engine failure", now)
+                    f"prefill{w.prefill}",
+                    p.chunk_failed(
+                        w.room, w.chunk, "injected engine failure", now, fences={self._decode_key: fence}
+                    ),
                 )
             else:
                 metric = TransferMetricData(pages=1, bytes=4096, seconds=self.transfer_time)
@@ -391,6 +434,26 @@ class EndpointPair:
             if self.prefills[lw.prefill] is lw.endpoint:
                 self._apply(
                     f"prefill{lw.prefill}", lw.endpoint.layer_writes_ended(lw.room, lw.start_token, now)
+                )
+        for f in [f for f in self._fences if f.done_at <= now]:
+            self._fences.remove(f)
+            ok = f.prefill not in self._partition_until
+            if ok:  # FIFO: every earlier queued byte of that rank is out (landed now, before any ack)
+                self.fences_completed += 1
+                self._residues = [x for x in self._residues if x.prefill != f.prefill]
+            if self.prefills[f.prefill] is f.endpoint:
+                reason = "" if ok else "partitioned"
+                self._apply(f"prefill{f.prefill}", f.endpoint.fence_done(f.room, f.peer, ok, reason, now))
+        for x in [x for x in self._residues if x.lands_at <= now]:
+            self._residues.remove(x)
+            self.late_writes_landed += 1
+            if x.room in self._released_safe:
+                self.violations.append(
+                    SafetyViolation(
+                        room=x.room,
+                        time=now,
+                        what=f"a failed write of prefill {x.prefill} landed after release",
+                    )
                 )
         self._apply("decode", self.decode.tick(now))
         for i, p in enumerate(self.prefills):
@@ -418,6 +481,7 @@ class EndpointPair:
             all(self.room_settled(room) for room in self._progress)
             and not self._writes
             and not self._layer_writes
+            and not self._fences
         )
 
     def room_settled(self, room: RoomId) -> bool:
@@ -503,6 +567,10 @@ class EndpointPair:
         self.prefills[cp] = new
         self._writes = [w for w in self._writes if w.prefill != cp]
         self._layer_writes = [w for w in self._layer_writes if w.prefill != cp]
+        # Its engine's queue dies with the process (bytes already in kernel sockets are the decode's
+        # connection cut's to end, which the pair does not model).
+        self._residues = [x for x in self._residues if x.prefill != cp]
+        self._fences = [f for f in self._fences if f.prefill != cp]
         self._stale.extend(self._sent[cp])
         self._sent[cp].clear()
         if announce:
@@ -559,6 +627,19 @@ class EndpointPair:
                 self.forgotten.append((who, e))
             elif isinstance(e, DropLayers):
                 pass  # the pair runs no per-layer contexts: nothing to stop
+            elif isinstance(e, SubmitFence):
+                cp = int(who.removeprefix("prefill"))
+                self._fences.append(
+                    _FenceInFlight(
+                        room=e.room,
+                        peer=e.peer,
+                        prefill=cp,
+                        endpoint=self.prefills[cp],
+                        done_at=now + self.transfer_time,
+                    )
+                )
+            elif isinstance(e, CutConnections):
+                pass  # the pair's decode is built without connection cutting
             else:
                 self.notices_seen += 1
                 if self._notice_limit is None or len(self.notices) < self._notice_limit:
