@@ -7,7 +7,7 @@ import pytest
 from pdkv.errors import LocalProtocolError
 from pdkv.protocol.config import Timeouts
 from pdkv.protocol.decode import DecodeEndpoint
-from pdkv.protocol.effects import Notice, NoticeLevel, ReleasePages, Target
+from pdkv.protocol.effects import CutConnections, Effect, Notice, NoticeLevel, ReleasePages, Target
 from pdkv.protocol.ids import Endpoint, Epoch, InstanceId, RoomId, SessionId
 from pdkv.protocol.machines import DecodeAbortState, ReceiverRoomState
 from pdkv.protocol.messages import (
@@ -26,7 +26,7 @@ from pdkv.protocol.messages import (
     TransferStatus,
 )
 from pdkv.protocol.poll import KVPoll
-from tests.protocol.helpers import PREFILL, ROOM, decode, layout, route, sent
+from tests.protocol.helpers import DECODE, PREFILL, ROOM, decode, layout, route, sent
 
 TARGET = Target(instance=PREFILL.instance, rank=PREFILL.rank)
 
@@ -176,6 +176,57 @@ def test_a_late_ack_returns_quarantined_pages_safely_after_they_settle() -> None
     assert d.release_ready(ROOM) and d.release_was_safe(ROOM)
     stats = d.statistics()
     assert (stats.rooms_quarantined, stats.quarantines_released, stats.unsafe_releases) == (0, 1, 0)
+
+
+def _quarantined_and_acked(cuts: bool) -> tuple[DecodeEndpoint, list[Effect]]:
+    d = DecodeEndpoint(
+        origin=DECODE,
+        tp_size=1,
+        endpoint=Endpoint("inproc://d"),
+        session=SessionId("d:1"),
+        layout=layout(),
+        timeouts=Timeouts(
+            abort_ack=5, quarantine=100, quarantine_settle=20, heartbeat_interval=1000, heartbeat_timeout=4000
+        ),
+        cuts_connections=cuts,
+    )
+    d.connect(route(), 0.0)
+    d.receive(RegisterAck(origin=PREFILL), 0.0)
+    d.open_room(ROOM, targets=[TARGET], dst_pages=[1, 2], dst_aux_row=None, now=0.0)
+    d.abort_room(ROOM, "client left", 1.0)
+    d.tick(6.0)
+    assert d.abort_state(ROOM) is DecodeAbortState.QUARANTINED
+    return d, d.receive(AbortAck(origin=PREFILL, room=ROOM), 50.0)
+
+
+def test_a_quarantined_room_is_released_once_its_prefill_hosts_connections_are_cut() -> None:
+    d, effects = _quarantined_and_acked(cuts=True)
+    # The route's prefill session is "p:1": its host's engine connections are cut first.
+    assert effects == [CutConnections(room=ROOM, hosts=("p",))]
+    assert not d.release_ready(ROOM)
+    assert d.receive(AbortAck(origin=PREFILL, room=ROOM), 50.1) == []  # a duplicate while cutting
+    released = d.connections_cut(ROOM, True, "", 50.5)
+    assert ReleasePages(room=ROOM, safe=True, reason="acknowledged after fences; connections cut") in released
+    assert d.release_ready(ROOM) and d.release_was_safe(ROOM)
+    stats = d.statistics()
+    assert (stats.quarantines_released, stats.quarantines_proven, stats.unsafe_releases) == (1, 1, 0)
+
+
+def test_a_failed_cut_falls_back_to_the_settle_time() -> None:
+    d, _ = _quarantined_and_acked(cuts=True)
+    [notice] = d.connections_cut(ROOM, False, "SOCK_DESTROY refused: Operation not permitted", 50.5)
+    assert isinstance(notice, Notice) and "Operation not permitted" in notice.text
+    assert not d.release_ready(ROOM)
+    assert d.next_deadline() == 50.5 + 20
+    d.tick(70.5)
+    assert d.release_ready(ROOM) and d.release_was_safe(ROOM)
+    assert d.statistics().quarantines_proven == 0
+
+
+def test_without_cutting_the_acked_quarantine_settles() -> None:
+    d, effects = _quarantined_and_acked(cuts=False)
+    assert not [e for e in effects if isinstance(e, CutConnections)]
+    assert d.next_deadline() == 70.0
 
 
 def test_abort_before_registration_releases_at_once() -> None:

@@ -14,7 +14,12 @@ Safety rules this module enforces (DESIGN section 8):
   then (``abort_resend``, doubling, ``MAX_ABORT_RESENDS`` times) and again whenever a rank registers
   again. Past ``abort_ack`` the room is quarantined: its pages stay held (``release_ready`` False,
   counted in ``statistics()``) until the missing ranks acknowledge, or until the long
-  ``quarantine`` bound, the only unsafe release, counted and reported;
+  ``quarantine`` bound, the only unsafe release, counted and reported. A rank's AbortAck comes
+  after a fence write when one of its writes failed (the prefill endpoint's rule), which proves its
+  engine queue drained; bytes still in an old connection are ended by cutting the connections from
+  the room's prefill hosts (``CutConnections``, ``connections_cut``) when this rank can
+  (``cuts_connections``): the pages come back then, proven. Otherwise, or when the cut fails, they
+  come back ``quarantine_settle`` after the last AbortAck (a time bound, not a proof);
 - Success only when every required (non-dummy) prefill rank reported Success;
 - every non-terminal room and every pending abort has a deadline;
 - liveness of prefill ranks: a Heartbeat goes to every registered prefill rank each
@@ -39,6 +44,7 @@ from pdkv.protocol import arguments
 from pdkv.protocol._deadlines import DeadlineQueue
 from pdkv.protocol.config import Timeouts
 from pdkv.protocol.effects import (
+    CutConnections,
     Effect,
     FailureCause,
     ForgetPeer,
@@ -131,6 +137,8 @@ class DecodeStatistics:
     """Rooms ever quarantined (the abort-ack wait timed out)."""
     quarantines_released: int
     """Quarantined rooms whose pages came back safely (every rank acknowledged in the end)."""
+    quarantines_proven: int
+    """Of those, released proven: acknowledged after fences, then the prefill hosts' connections cut."""
     aborts_resent: int
     late_messages: int
     stale_messages: int
@@ -152,6 +160,7 @@ class _Counters:
     unsafe_releases: int = 0
     quarantines: int = 0
     quarantines_released: int = 0
+    quarantines_proven: int = 0
     aborts_resent: int = 0
     late_messages: int = 0
     stale_messages: int = 0
@@ -185,6 +194,7 @@ class _ReceiverRoom:
     tell_later: set[PeerKey] = attrs.Factory(set)  # failed before these ranks were registered
     resend_at: float | None = None  # next Abort resend to the ranks that have not acknowledged
     settle_until: float | None = None  # quarantined and fully acknowledged: released at this time
+    cutting: bool = False  # quarantined, fully acknowledged, its prefill hosts' connections being cut
     resends: int = 0
 
     @property
@@ -212,8 +222,13 @@ class DecodeEndpoint:
         session: SessionId,
         layout: BufferLayout,
         timeouts: Timeouts | None = None,
+        cuts_connections: bool = False,
     ) -> None:
+        """``cuts_connections``: the driver can end every engine connection from a host and will
+        answer ``CutConnections`` with ``connections_cut`` (a quarantined room is then released as
+        soon as it is proven safe, instead of after ``quarantine_settle``)."""
         self.origin = origin
+        self.cuts_connections = cuts_connections
         self.timeouts = timeouts if timeouts is not None else Timeouts()
         self._register = Register(
             origin=origin, tp_size=tp_size, endpoint=endpoint, session=session, layout=layout
@@ -427,6 +442,15 @@ class DecodeEndpoint:
         if not r.must_ack <= r.acked:
             return []
         quarantined = r.abort.state is DecodeAbortState.QUARANTINED
+        if quarantined and self.cuts_connections and not r.cutting and r.settle_until is None:
+            # The acks came after the ranks' fences: their queues drained. What an old connection
+            # still carries ends with the connection.
+            r.cutting = True
+            r.resend_at = None
+            hosts = sorted({_host_of(self._peers[k].session) for k in r.must_ack if k in self._peers})
+            return [CutConnections(room=room, hosts=tuple(hosts))]
+        if quarantined and r.cutting:
+            return []  # a duplicate ack while the cut runs
         if quarantined and r.settle_until is None:
             # The acks prove the engines reported every write ended; a rank that was cut off may
             # still have bytes in its kernel's send buffer: they land within the settle time.
@@ -729,6 +753,39 @@ class DecodeEndpoint:
 
     # ------------------------------------------------------------------ statistics
 
+    def connections_cut(self, room: RoomId, ok: bool, reason: str, now: float) -> list[Effect]:
+        """The driver ended (``ok``) every engine connection from the hosts of ``CutConnections``:
+        nothing of the room's failed writes can land any more, so its pages come back. A failed cut
+        falls back to ``quarantine_settle``."""
+        r = self._rooms.get(room)
+        if r is None or not r.cutting or r.abort is None or r.abort.state is not DecodeAbortState.QUARANTINED:
+            return []
+        r.cutting = False
+        if not ok:
+            r.settle_until = now + self.timeouts.quarantine_settle
+            self._set_deadline(r, r.settle_until)
+            return [
+                Notice(
+                    level=NoticeLevel.WARNING,
+                    text=f"quarantined room {room}: connections could not be cut ({reason}); pages come "
+                    f"back after {self.timeouts.quarantine_settle:g} s of settling",
+                    room=room,
+                )
+            ]
+        r.abort.fire(DecodeAbortTrigger.ALL_ACKED)
+        self._counters.aborts_acked += 1
+        self._counters.quarantines_released += 1
+        self._counters.quarantines_proven += 1
+        return [
+            Notice(
+                level=NoticeLevel.INFO,
+                text=f"quarantined room {room} released: every prefill rank acknowledged after its fence "
+                f"and its connections were cut ({r.dst_pages.size} pages back)",
+                room=room,
+            ),
+            *self._release(r, safe=True, reason="acknowledged after fences; connections cut"),
+        ]
+
     def quarantine_figures(self) -> tuple[int, int, int, int]:
         """(rooms quarantined now, their pages, quarantines ever, released safely): O(quarantined)."""
         return (
@@ -944,3 +1001,9 @@ def _clip(text: str) -> str:
 
 
 __all__ = ["DecodeEndpoint", "DecodeStatistics", "PeerState"]
+
+
+def _host_of(session: SessionId) -> str:
+    """The host of an engine session ``host:port`` (``[v6]:port`` too)."""
+    host = session.rsplit(":", 1)[0] if ":" in session else session
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host

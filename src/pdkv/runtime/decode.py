@@ -11,6 +11,7 @@ to say when pages are safe to reuse (``release_ready``: after every AbortAck, or
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import TypeVar
@@ -20,18 +21,20 @@ import attrs
 from pdkv.control.channel import ChannelStatistics
 from pdkv.control.errors import ControlError
 from pdkv.engine.backend import Registration, TransferBackend
-from pdkv.errors import ConfigError, LayoutMismatchError, RouteUnavailableError
+from pdkv.errors import ConfigError, LayoutMismatchError, PdkvError, RouteUnavailableError
 from pdkv.mapping import BufferLayout, Topology, decode_fanout, layout_kv_heads
 from pdkv.metrics import TransportCounter, TransportGauge, TransportMetricsSnapshot
 from pdkv.protocol import arguments
 from pdkv.protocol.config import Timeouts
 from pdkv.protocol.decode import DecodeEndpoint, DecodeStatistics
 from pdkv.protocol.effects import (
+    CutConnections,
     Effect,
     ReleasePages,
     RoomFinished,
     Send,
     SubmitChunk,
+    SubmitFence,
     Target,
 )
 from pdkv.protocol.ids import Endpoint, Epoch, InstanceId, RoomId, SessionId
@@ -112,6 +115,7 @@ class DecodeTransport(EndpointHost[DecodeEndpoint]):
             session=SessionId(backend.session_id),
             layout=config.layout,
             timeouts=config.timeouts,
+            cuts_connections=True,  # a backend that cannot cut says so, and the room settles instead
         )
         super().__init__(endpoint, channel, thread_name=f"pdkv-decode-{config.rank}", logger=log, clock=clock)
         self._query_route = query if query is not None else _default_query()
@@ -327,8 +331,34 @@ class DecodeTransport(EndpointHost[DecodeEndpoint]):
                 log.debug("room %s succeeded on decode %s", effect.room, self.config.rank)
                 for (instance, rank), data in self._endpoint.metric(effect.room).items():
                     self._accounting.reported(effect.room, _peer_name(instance, rank), data)
-        elif isinstance(effect, SubmitChunk):  # prefill-side effect; a decode endpoint never emits it
+        elif isinstance(effect, CutConnections):
+            # Off the lock: a cut waits until the kernel dropped the sockets (their readers closed them).
+            threading.Thread(
+                target=self._cut_connections, args=(effect,), name=f"pdkv-cut-{effect.room}", daemon=True
+            ).start()
+        elif isinstance(effect, (SubmitChunk, SubmitFence)):  # prefill-side effects
             raise AssertionError(f"decode endpoint emitted {effect}")
+
+    def _cut_connections(self, effect: CutConnections) -> None:
+        """End every engine connection from the room's prefill hosts, then tell the endpoint."""
+        ok, reason, cut = True, "", 0
+        try:
+            for host in effect.hosts:
+                cut += self.backend.cut_connections_from(host)
+        except PdkvError as exc:
+            ok, reason = False, str(exc)
+        except Exception as exc:  # never leave the room waiting on a cut that died
+            log.exception("room %s: cutting the connections of %s failed", effect.room, effect.hosts)
+            ok, reason = False, f"internal error: {type(exc).__name__}: {exc}"
+        if ok:
+            log.warning(
+                "room %s: %d engine connection(s) from %s cut before releasing its quarantined pages",
+                effect.room,
+                cut,
+                ", ".join(effect.hosts),
+            )
+        with self._lock:
+            self._apply(self._endpoint.connections_cut(effect.room, ok, reason, self._clock()))
 
 
 class KVReceiver(RoomHandle[DecodeEndpoint]):

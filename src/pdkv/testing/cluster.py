@@ -236,6 +236,12 @@ class RankReport:
     faults: FaultCounts = attrs.Factory(FaultCounts)
     pages_in_use: int = 0
     """Decode: KV pages, state slots and aux rows still allocated at shutdown (leaked: must be 0)."""
+    quarantines: int = 0
+    """Decode: rooms quarantined (no AbortAck within ``abort_ack``)."""
+    quarantines_proven: int = 0
+    """Decode: quarantined rooms released proven (acks after fences, then connections cut)."""
+    fences: int = 0
+    """Prefill: fence writes made before AbortAcks of rooms whose writes failed."""
 
 
 class ClusterError(RuntimeError):
@@ -527,6 +533,7 @@ def _prefill_rank(args: _RankArgs, conn: Connection) -> None:
                     stale_messages=stats.endpoint.stale_messages,
                     peers_lost=stats.endpoint.peers_lost,
                     peer_restarts=stats.endpoint.peer_restarts,
+                    fences=stats.endpoint.fences_submitted,
                     consensus_lost=consensus.lost if consensus is not None else "",
                     faults=_fault_counts(backend, channels),
                 ),
@@ -774,6 +781,8 @@ def _decode_rank(args: _RankArgs, conn: Connection) -> None:
                     late_messages=stats.endpoint.late_messages,
                     peers_lost=stats.endpoint.peers_lost,
                     peer_restarts=stats.endpoint.peer_restarts,
+                    quarantines=stats.endpoint.quarantines,
+                    quarantines_proven=stats.endpoint.quarantines_proven,
                     faults=_fault_counts(backend, channels),
                     pages_in_use=(pages.total_pages - pages.free_pages)
                     + (state_slots.total_pages - state_slots.free_pages)
