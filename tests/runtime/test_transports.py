@@ -11,6 +11,7 @@ import pytest
 import zmq
 from prometheus_client import CollectorRegistry, generate_latest
 
+from pdkv.engine.loopback import LoopbackFaults
 from pdkv.errors import InvalidArgumentError, LayoutMismatchError
 from pdkv.metrics import PrometheusExporter
 from pdkv.protocol.ids import InstanceId, RoomId
@@ -203,3 +204,25 @@ def test_partition_dump_logs_every_chunk_and_changes_nothing_else(
         aux_dst=5,
     )
     assert mismatches == []
+
+
+def test_an_engine_failure_is_fenced_before_the_abort_ack_and_the_pages_come_back(
+    rig_factory: Callable[..., Rig],
+) -> None:
+    """The room's first batch fails: the prefill repeats a block of it as a fence write through the
+    same engine before acknowledging the decode's Abort; only then are the decode's pages reusable."""
+    s = rig_factory(faults=LoopbackFaults(fail_batches={1}))
+    prefill = s.start()
+    assert s.decode.wait_registered(prefill, timeout_s=20)
+    logical = np.array([1, 2, 3], dtype=np.int64)
+    dst = np.array([10, 11, 12], dtype=np.int64)
+    [sender] = run_room(s, prefill, RoomId(5), logical, dst, [3])
+    receiver = s.decode.receiver(RoomId(5), prefill)
+    wait_for(lambda: receiver.poll() is KVPoll.Failed and receiver.release_ready())
+    assert sender.poll() is KVPoll.Failed
+    prefill_stats = s.prefills[0].statistics()
+    assert prefill_stats.endpoint.fences_submitted == 1 and prefill_stats.endpoint.fences_failed == 0
+    assert prefill_stats.metrics.counters.fences == 1
+    # The fence was a write of its own (batch 2) to the decode, after the failed batch 1.
+    assert s.prefill_backends[0].statistics().batches_submitted == 2
+    assert receiver.release_was_safe()

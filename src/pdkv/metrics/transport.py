@@ -45,6 +45,8 @@ class TransportCounter(enum.Enum):
     TIMEOUTS = "timeouts"
     QUARANTINES = "quarantines"
     QUARANTINES_RELEASED = "quarantines_released"
+    QUARANTINES_PROVEN = "quarantines_proven"
+    FENCES = "fences"
 
     @property
     def description(self) -> str:
@@ -96,6 +98,10 @@ COUNTER_DESCRIPTIONS: Final[Mapping[TransportCounter, str]] = {
     TransportCounter.QUARANTINES_RELEASED: (
         "Quarantined rooms whose pages came back safely (every prefill rank acknowledged in the end)."
     ),
+    TransportCounter.QUARANTINES_PROVEN: (
+        "Of those, released proven: acknowledged after fences, then the prefill hosts' connections cut."
+    ),
+    TransportCounter.FENCES: "Fence writes made before an AbortAck because a write of the room had failed.",
 }
 
 
@@ -121,6 +127,8 @@ class CounterValues:
     timeouts: int = 0
     quarantines: int = 0
     quarantines_released: int = 0
+    quarantines_proven: int = 0
+    fences: int = 0
 
     def __getitem__(self, counter: TransportCounter) -> int:
         value: int = getattr(self, counter.value)

@@ -786,13 +786,15 @@ class DecodeEndpoint:
             *self._release(r, safe=True, reason="acknowledged after fences; connections cut"),
         ]
 
-    def quarantine_figures(self) -> tuple[int, int, int, int]:
-        """(rooms quarantined now, their pages, quarantines ever, released safely): O(quarantined)."""
+    def quarantine_figures(self) -> tuple[int, int, int, int, int]:
+        """(rooms quarantined now, their pages, quarantines ever, released safely, of which proven):
+        O(quarantined)."""
         return (
             len(self._quarantined),
             sum(self._quarantined.values()),
             self._counters.quarantines,
             self._counters.quarantines_released,
+            self._counters.quarantines_proven,
         )
 
     def statistics(self) -> DecodeStatistics:

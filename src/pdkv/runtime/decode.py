@@ -306,12 +306,13 @@ class DecodeTransport(EndpointHost[DecodeEndpoint]):
     # ------------------------------------------------------------------ internals
 
     def _after_tick(self) -> None:
-        rooms, pages, quarantines, released = self._endpoint.quarantine_figures()
+        rooms, pages, quarantines, released, proven = self._endpoint.quarantine_figures()
         self.metrics.set_gauge(TransportGauge.ROOMS_QUARANTINED, rooms)
         self.metrics.set_gauge(TransportGauge.PAGES_QUARANTINED, pages)
         for counter, total in (
             (TransportCounter.QUARANTINES, quarantines),
             (TransportCounter.QUARANTINES_RELEASED, released),
+            (TransportCounter.QUARANTINES_PROVEN, proven),
         ):
             new = total - self._seen.get(counter, 0)
             if new > 0:

@@ -425,6 +425,7 @@ class PrefillTransport(EndpointHost[PrefillEndpoint]):
             length=np.array([write.length]),
             buffer=np.zeros(1, dtype=np.int64),
         )
+        self.metrics.increment(TransportCounter.FENCES)
         try:
             result = self._executor.transfer(write.session, blocks)
             ok, reason = result.ok, result.reason
