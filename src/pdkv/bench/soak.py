@@ -12,7 +12,8 @@ only live rooms.
 Reports, as one JSON line on stdout and a table on stderr: rooms terminal on both sides (must be
 all), rooms and pages leaked (decode rooms never released, prefill rooms not terminal or still
 writing), canary violations (the harness's abort-safety breaches: a write started or in flight
-after a safe release), unsafe releases (counted abort-ack timeouts: lost Aborts/AbortAcks), the
+after a safe release, or bytes of a failed write still queued in the engine that land after it:
+``EndpointPair`` models them, and the prefill's fence writes flush them), fences made, unsafe releases (counted abort-ack timeouts: lost Aborts/AbortAcks), the
 outcome counts, resident memory at start, after the first tenth of the rooms (warm: imports and
 caches settled) and at the end (flat from warm to end: nothing grows per room), and rooms per
 second of wall time.
@@ -54,6 +55,9 @@ TRANSFER_TIME = 0.002  # fake seconds per chunk write
 ABORT_WINDOW = 0.03  # aborts land uniformly in the first 30 ms of a room: bootstrap, transfer, or after
 CLOSE_EVERY = 50  # rooms between two clears of the settled ones
 PARTITION_S = 3.0  # longer than the heartbeat timeout: both sides lose the peer, then find it again
+LATE_WRITE_S = (
+    2.0  # bytes of a failed write still queued in the engine land this long after it, unless fenced
+)
 
 
 def resident_bytes() -> int:
@@ -125,6 +129,7 @@ def main(argv: Sequence[str]) -> int:
         transfer_time=TRANSFER_TIME,
         fail_write=lambda room, chunk, rank: (room, chunk, rank) in failing,
         notice_limit=100,
+        late_write_s=LATE_WRITE_S,
     )
     pair.connect()
     pair.run(until=0.05)
@@ -176,6 +181,9 @@ def main(argv: Sequence[str]) -> int:
             rss_warm = resident_bytes()
     # Every deadline is at most a few seconds of fake time: this bound is generous.
     pair.settle(limit=60.0)
+    # Then long enough for every unfenced byte of a failed write to land (a landing after its room's
+    # release is a canary violation).
+    pair.run(until=pair.clock.now + LATE_WRITE_S)
     tally.add(pair.close_settled(), pages_of)
     wall = time.perf_counter() - wall_start
     rss_end = resident_bytes()
@@ -200,6 +208,8 @@ def main(argv: Sequence[str]) -> int:
         "pages_leaked": pages_leaked,
         "canary_violations": len(pair.violations),
         "unsafe_releases": stats.unsafe_releases,
+        "fences": sum(p.statistics().fences_submitted for p in [*pair.prefills, *pair.retired]),
+        "late_writes_landed": pair.late_writes_landed,
         "partitions": args.partitions,
         "restarts": args.restarts,
         "peers_lost_decode": stats.peers_lost,
