@@ -13,10 +13,10 @@ Reports, as one JSON line on stdout and a table on stderr: rooms terminal on bot
 all), rooms and pages leaked (decode rooms never released, prefill rooms not terminal or still
 writing), canary violations (the harness's abort-safety breaches: a write started or in flight
 after a safe release, or bytes of a failed write still queued in the engine that land after it:
-``EndpointPair`` models them, and the prefill's fence writes flush them), fences made, unsafe releases (counted abort-ack timeouts: lost Aborts/AbortAcks), the
-outcome counts, resident memory at start, after the first tenth of the rooms (warm: imports and
-caches settled) and at the end (flat from warm to end: nothing grows per room), and rooms per
-second of wall time.
+``EndpointPair`` models them, and the prefill's fence writes flush them), fences made, unsafe
+releases (counted abort-ack timeouts: lost Aborts/AbortAcks), the outcome counts, resident memory at
+start, after the first tenth of the rooms (warm: imports and caches settled) and at the end (flat
+from warm to end: nothing grows per room), and rooms per second of wall time.
 """
 
 from __future__ import annotations
