@@ -1,13 +1,19 @@
 """The machinery shared by every pdkv state machine: a declarative spec and a typed runner.
 
 Owns: ``Edge``/``MachineSpec`` (the single source of truth of a machine: Enum states, Enum
-triggers, edges) and ``StateMachine`` (one instance's state, driven by ``transitions``). Must not
-know any particular machine, do I/O or read clocks.
+triggers, edges) and ``StateMachine`` (one instance's state, run on the spec's compiled table).
+Must not know any particular machine, do I/O or read clocks.
 
-Why a wrapper: ``transitions`` binds triggers dynamically (typed ``Any``), so pdkv never calls them
-by attribute. ``StateMachine.fire(trigger)`` checks the edge against the compiled table (an invalid
-trigger is a ``LocalProtocolError`` naming machine, instance, state and trigger) and then lets the
-``transitions.Machine`` perform it, so the table and the library can never disagree unnoticed.
+Why a table at run time: a ``transitions.Machine`` per instance costs about 75 us and 16 KB to build
+and 9 us per trigger; pdkv makes several per room (sender room, chunks, receiver room, aborts), which
+was the largest single cost of a small room's control path (``pdkv bench control``). So each spec
+builds one ``transitions.Machine`` when it is defined and compiles its table *from that machine*
+(``MachineSpec.table``): the library decides every (state, trigger) -> state pair, the spec's edges
+must say the same (checked at definition, a mismatch is an import-time error), and instances look
+the pair up (0.3 us). ``transitions`` binds triggers dynamically (typed ``Any``), so pdkv never calls
+them by attribute: ``StateMachine.fire(trigger)`` is the one typed entry point, and an invalid
+trigger is a ``LocalProtocolError`` naming machine, instance, state and trigger. Diagrams are drawn
+from the same machine (``pdkv.diagrams``).
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ from __future__ import annotations
 import enum
 import logging
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Generic, TypeVar, cast
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 import attrs
 from transitions import Machine
@@ -54,17 +60,46 @@ class MachineSpec(Generic[S, T]):
     table: dict[tuple[S, T], S] = attrs.field(init=False, eq=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
-        table: dict[tuple[S, T], S] = {}
+        declared: dict[tuple[S, T], S] = {}
         for edge in self.edges:
             for source in edge.sources:
                 key = (source, edge.trigger)
-                if key in table:
+                if key in declared:
                     raise ValueError(f"{self.name}: two edges for {source.name} + {edge.trigger.value}")
-                table[key] = edge.dest
+                declared[key] = edge.dest
         unused = set(self.triggers) - {e.trigger for e in self.edges}
         if unused:
             raise ValueError(f"{self.name}: triggers without an edge: {sorted(t.value for t in unused)}")
+        table = self._compile()
+        if table != declared:  # the library reads the edges differently: a bug in pdkv or transitions
+            differ = sorted(
+                f"{s.name}+{t.value}: library {table.get((s, t))}, edges {declared.get((s, t))}"
+                for (s, t) in set(table) ^ set(declared) | {k for k in table if table[k] != declared.get(k)}
+            )
+            raise ValueError(f"{self.name}: transitions compiled another table: {differ}")
         object.__setattr__(self, "table", table)
+
+    def library_machine(self) -> Machine:
+        """A ``transitions.Machine`` of this spec (its own model), as the library builds it."""
+        return Machine(
+            states=self.states,
+            transitions=self.transition_config(),
+            initial=self.initial,
+            auto_transitions=False,
+            send_event=False,
+        )
+
+    def _compile(self) -> dict[tuple[S, T], S]:
+        """(state, trigger) -> state, read from the library's machine: every transition it holds."""
+        machine = self.library_machine()
+        by_name = {s.name: s for s in self.states}
+        table: dict[tuple[S, T], S] = {}
+        for trigger in self.triggers:
+            event = machine.events[trigger.value]
+            for source_name, transitions in event.transitions.items():
+                for transition in transitions:
+                    table[(by_name[source_name], trigger)] = by_name[str(transition.dest)]
+        return table
 
     @property
     def terminal(self) -> frozenset[S]:
@@ -83,35 +118,20 @@ class MachineSpec(Generic[S, T]):
         return tuple(t for t in self.triggers if (state, t) in self.table)
 
 
-class _Model:
-    """What ``transitions`` drives: it only sets ``state`` (model_override binds nothing else)."""
-
-    state: enum.Enum
-
-
 class StateMachine(Generic[S, T]):
     """One instance of a machine (a room, a chunk, an abort), with its state history."""
 
-    __slots__ = ("_machine", "_model", "history", "label", "spec")
+    __slots__ = ("_state", "history", "label", "spec")
 
     def __init__(self, spec: MachineSpec[S, T], label: str) -> None:
         self.spec = spec
         self.label = label
+        self._state = spec.initial
         self.history: list[S] = [spec.initial]
-        self._model = _Model()
-        self._machine = Machine(
-            model=self._model,
-            states=spec.states,
-            transitions=spec.transition_config(),
-            initial=spec.initial,
-            auto_transitions=False,
-            model_override=True,
-            send_event=False,
-        )
 
     @property
     def state(self) -> S:
-        return cast(S, self._model.state)  # set by transitions to one of spec.states
+        return self._state
 
     @property
     def is_terminal(self) -> bool:
@@ -133,11 +153,7 @@ class StateMachine(Generic[S, T]):
                 state=state.name,
                 trigger=trigger.value,
             )
-        self._machine.events[trigger.value].trigger(self._model)
-        if self._model.state is not dest:  # the library and the table disagree: a bug in pdkv
-            raise AssertionError(
-                f"{self.spec.name}: transitions went to {self._model.state}, table says {dest}"
-            )
+        self._state = dest
         self.history.append(dest)
         return dest
 
