@@ -181,9 +181,13 @@ def _page_list_type_problem(value: object) -> str | None:
 
 def repeated_ids(arr: IntArray) -> IntArray:
     """The ids that occur more than once in ``arr``, each once, sorted."""
+    if arr.size < 2:  # the common small case, on every scheduler call: no sort, no unique
+        return arr[:0]
     ordered = np.sort(arr, kind="stable")
-    repeated = ordered[1:][ordered[1:] == ordered[:-1]]
-    return np.unique(repeated)
+    same = ordered[1:] == ordered[:-1]
+    if not same.any():
+        return ordered[:0]
+    return np.unique(ordered[1:][same])
 
 
 __all__ = [
