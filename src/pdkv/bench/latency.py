@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import gc
 import multiprocessing as mp
 import statistics
 import sys
@@ -383,6 +384,7 @@ def _decode_rank(args: _DecodeArgs, conn: Connection) -> None:
     )
     try:
         transport.start()
+        gc.freeze()  # as serving engines do after start-up: the start-up heap is never scanned again
         prefill = transport.connect(args.registry, timeout_s=60)
         if not transport.wait_registered(prefill, timeout_s=60):
             raise RuntimeError("the prefill rank did not acknowledge registration")
@@ -685,6 +687,7 @@ def main(argv: Sequence[str]) -> int:
             channel_factory=timed_channel_factory(timeline, prefill_channels),
         )
         with backend, transport, timed_planning(timeline):
+            gc.freeze()  # as serving engines do after start-up (the decode process does the same)
             progress.show("starting the decode rank process ...")
             child = ctx.Process(
                 target=_decode_main,

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import gc
 import logging
 import multiprocessing as mp
 import os
@@ -452,6 +453,7 @@ def _prefill_rank(args: _RankArgs, conn: Connection) -> None:
     consensus: _RankConsensus | None = None
     try:
         transport.start()
+        gc.freeze()  # as serving engines do after start-up: the start-up heap is never scanned again
         if args.consensus_address is not None:
             consensus = _RankConsensus(
                 args.consensus_address,
@@ -675,6 +677,7 @@ def _decode_rank(args: _RankArgs, conn: Connection) -> None:
     canary_violations = unsafe_canary_violations = 0
     try:
         transport.start()
+        gc.freeze()  # as serving engines do after start-up: the start-up heap is never scanned again
         prefill = transport.connect(args.registry, timeout_s=spec.startup_timeout_s)
         if not transport.wait_registered(prefill, timeout_s=spec.startup_timeout_s):
             raise ClusterError("prefill ranks did not acknowledge registration")
