@@ -50,6 +50,7 @@ from pdkv.engine.backend import (
 from pdkv.engine.mooncake import (
     EngineInitError,
 )
+from pdkv.engine.sockets import ConnectionCutUnavailableError
 from pdkv.errors import (
     ConfigError,
     EngineUnavailableError,
@@ -115,6 +116,7 @@ __all__ = [
     "ChannelClosedError",
     "ChannelOwnershipError",
     "ConfigError",
+    "ConnectionCutUnavailableError",
     "ConsensusError",
     "ControlBindError",
     "ControlError",

@@ -76,7 +76,7 @@ IntArray = npt.NDArray[np.int64]
 # batch; the engine's TCP lane queue (2,048 by default) would reject it whole, so both engines get
 # the largest verified queue. pdkv's own entry budget stays at the default (see _prefill_config).
 RAW_TCP_QUEUE = 16384
-PDKV_ENTRY_BUDGET = 2048
+ENTRY_BUDGET = 2048
 SHAPE_ENTRIES = (16, 64, 256, 1024, 4096)
 SHAPE_IN_FLIGHT = (1, 2, 4)
 
@@ -444,7 +444,7 @@ def _engine_config() -> MooncakeConfig:
     return MooncakeConfig(
         log_level=MooncakeLogLevel.ERROR,
         tcp_max_queued_transfers_per_peer=RAW_TCP_QUEUE,
-        max_entries_in_flight=PDKV_ENTRY_BUDGET,
+        max_entries_in_flight=ENTRY_BUDGET,
     )
 
 

@@ -42,11 +42,18 @@ from typing import Final
 
 import attrs
 
+from pdkv import config
 from pdkv.control.errors import AuthenticationError
 from pdkv.errors import ConfigError
 
-ENV_KEY: Final = "PDKV_AUTH_KEY"
-ENV_WINDOW: Final = "PDKV_AUTH_WINDOW_S"
+ENV_KEY: Final = config.declare(
+    "PDKV_AUTH_KEY", "Shared secret (>= 16 bytes): HMAC on every control message; unset: none"
+).name
+ENV_WINDOW: Final = config.declare(
+    "PDKV_AUTH_WINDOW_S",
+    "Accepted age of a signed message (replay window), seconds",
+    unit="a number of seconds",
+).name
 DEFAULT_WINDOW_S: Final = 30.0
 MIN_KEY_BYTES: Final = 16  # a shorter shared secret is guessable; refuse it rather than pretend
 TAG_BYTES: Final = 40

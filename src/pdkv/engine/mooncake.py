@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING, Final, Protocol
 
 import attrs
 
+from pdkv import config
 from pdkv.engine import sockets
 from pdkv.engine._pacing import CompletionPacer, PacingConfig
 from pdkv.engine._threaded import PieceFailed, PieceJob, WorkerThreadBackend
@@ -155,16 +156,39 @@ def _to_log_level(value: MooncakeLogLevel | str | None) -> MooncakeLogLevel | No
 class MooncakeConfig:
     """How to start one Mooncake engine. ``environment()`` lists the ``MC_*`` variables it sets."""
 
-    protocol: MooncakeProtocol = attrs.field(default=MooncakeProtocol.TCP, converter=_to_protocol)
-    local_hostname: str = "127.0.0.1"  # the address peers reach this engine at (no port)
-    metadata_server: str = "P2PHANDSHAKE"  # or "etcd://host:port", "http://host:port/metadata" ...
-    device_name: str = ""  # RDMA NICs, e.g. "mlx5_0,mlx5_1"; "" for TCP
+    protocol: MooncakeProtocol = attrs.field(
+        default=MooncakeProtocol.TCP,
+        converter=_to_protocol,
+        metadata=config.text_var("PDKV_MOONCAKE_PROTOCOL", "Mooncake: tcp or rdma"),
+    )
+    # The address peers reach this engine at (no port).
+    local_hostname: str = attrs.field(
+        default="127.0.0.1",
+        metadata=config.text_var(
+            "PDKV_MOONCAKE_HOSTNAME", "Mooncake: the address peers reach this engine at"
+        ),
+    )
+    # Or "etcd://host:port", "http://host:port/metadata" ...
+    metadata_server: str = attrs.field(
+        default="P2PHANDSHAKE",
+        metadata=config.text_var("PDKV_MOONCAKE_METADATA_SERVER", "Mooncake: metadata server (P2PHANDSHAKE)"),
+    )
+    # RDMA NICs, e.g. "mlx5_0,mlx5_1"; "" for TCP.
+    device_name: str = attrs.field(
+        default="", metadata=config.text_var("PDKV_MOONCAKE_DEVICE", "Mooncake: RDMA device names")
+    )
     # MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER (TCP only); None keeps the engine default (2,048).
     tcp_max_queued_transfers_per_peer: int | None = attrs.field(
         default=None, validator=_optional_int_in(*TCP_QUEUED_TRANSFERS_RANGE)
     )
     # MC_TRANSFER_TIMEOUT in seconds; the engine clamps it to at least 5.
-    transfer_timeout_s: int | None = attrs.field(default=None, validator=_optional_int_in(5, 86_400))
+    transfer_timeout_s: int | None = attrs.field(
+        default=None,
+        validator=_optional_int_in(5, 86_400),
+        metadata=config.int_var(
+            "PDKV_MOONCAKE_TRANSFER_TIMEOUT", "Mooncake: MC_TRANSFER_TIMEOUT, whole seconds"
+        ),
+    )
     log_level: MooncakeLogLevel | None = attrs.field(
         default=MooncakeLogLevel.WARNING, converter=_to_log_level
     )
@@ -198,27 +222,8 @@ class MooncakeConfig:
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> MooncakeConfig:
         """Defaults, overridden by ``PDKV_MOONCAKE_PROTOCOL``, ``_HOSTNAME``, ``_METADATA_SERVER``,
-        ``_DEVICE`` and ``_TRANSFER_TIMEOUT`` (seconds) when set."""
-        env = os.environ if env is None else env
-        config = cls()
-        if "PDKV_MOONCAKE_PROTOCOL" in env:
-            config = attrs.evolve(config, protocol=_to_protocol(env["PDKV_MOONCAKE_PROTOCOL"]))
-        if "PDKV_MOONCAKE_HOSTNAME" in env:
-            config = attrs.evolve(config, local_hostname=env["PDKV_MOONCAKE_HOSTNAME"])
-        if "PDKV_MOONCAKE_METADATA_SERVER" in env:
-            config = attrs.evolve(config, metadata_server=env["PDKV_MOONCAKE_METADATA_SERVER"])
-        if "PDKV_MOONCAKE_DEVICE" in env:
-            config = attrs.evolve(config, device_name=env["PDKV_MOONCAKE_DEVICE"])
-        if "PDKV_MOONCAKE_TRANSFER_TIMEOUT" in env:
-            raw = env["PDKV_MOONCAKE_TRANSFER_TIMEOUT"]
-            try:
-                seconds = int(raw)
-            except ValueError:
-                raise ConfigError(
-                    f"PDKV_MOONCAKE_TRANSFER_TIMEOUT must be whole seconds, got {raw!r}"
-                ) from None
-            config = attrs.evolve(config, transfer_timeout_s=seconds)
-        return config
+        ``_DEVICE`` and ``_TRANSFER_TIMEOUT`` (whole seconds) when set."""
+        return config.from_env(cls, env)
 
 
 def load_transfer_engine(

@@ -48,8 +48,11 @@ def zmq_channel_factory(auth: Authenticator | None = None) -> ChannelFactory:
     return make
 
 
-def announce_to_registry(address: str, message: RankAnnounce, timeout_s: float = 30.0) -> RouteTable:
-    reply = request(address, message, codec=CODEC, timeout_s=timeout_s, auth=Authenticator.from_env())
+def announce_to_registry(
+    address: str, message: RankAnnounce, timeout_s: float = 30.0, *, auth: Authenticator | None = None
+) -> RouteTable:
+    """Announce a prefill rank; ``auth`` signs the request (None: unsigned, no ``PDKV_AUTH_KEY``)."""
+    reply = request(address, message, codec=CODEC, timeout_s=timeout_s, auth=auth)
     if isinstance(reply, RegisterReject):
         raise RegistryError(f"registry {address} refused {message.origin}: {reply.reason}")
     if not isinstance(reply, RouteTable):
@@ -57,10 +60,12 @@ def announce_to_registry(address: str, message: RankAnnounce, timeout_s: float =
     return reply
 
 
-def query_registry(address: str, message: RouteQuery, timeout_s: float) -> RouteTable | None:
+def query_registry(
+    address: str, message: RouteQuery, timeout_s: float, *, auth: Authenticator | None = None
+) -> RouteTable | None:
     """The current route table, or None while the registry has none to give (no rank announced yet);
-    ``RegistryError`` for a fatal refusal (asking again cannot help)."""
-    reply = request(address, message, codec=CODEC, timeout_s=timeout_s, auth=Authenticator.from_env())
+    ``RegistryError`` for a fatal refusal (asking again cannot help). ``auth`` as for announcing."""
+    reply = request(address, message, codec=CODEC, timeout_s=timeout_s, auth=auth)
     if isinstance(reply, RegisterReject):
         if reply.retry:
             return None

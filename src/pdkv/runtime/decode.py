@@ -10,14 +10,16 @@ to say when pages are safe to reuse (``release_ready``: after every AbortAck, or
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
-from typing import TypeVar
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
 
 import attrs
 
+from pdkv.control.auth import Authenticator
 from pdkv.control.channel import ChannelStatistics
 from pdkv.control.errors import ControlError
 from pdkv.engine.backend import Registration, TransferBackend
@@ -58,16 +60,26 @@ _T = TypeVar("_T")
 
 @attrs.frozen(kw_only=True)
 class DecodeConfig:
-    """One decode rank (decode CP is 1: every decode rank holds whole requests)."""
+    """One decode rank (decode CP is 1: every decode rank holds whole requests).
+
+    The constructor reads no environment: ``DecodeConfig.from_env(...)`` takes the ``PDKV_*``
+    timeout overrides (README, "Environment")."""
 
     instance: InstanceId
     rank: RankCoord
     tp_size: int = attrs.field(validator=attrs.validators.ge(1))
     layout: BufferLayout
     host: str = "127.0.0.1"
-    timeouts: Timeouts = attrs.field(factory=Timeouts.from_env)
+    timeouts: Timeouts = attrs.field(factory=Timeouts)
     epoch: Epoch = attrs.field(factory=new_epoch)
     register_memory: bool = True
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **fields: Any) -> DecodeConfig:
+        """``fields`` as for the constructor; the timeouts, when not given, come from the ``PDKV_*``
+        variables set in ``env`` (``os.environ`` by default)."""
+        fields.setdefault("timeouts", Timeouts.from_env(env))
+        return cls(**fields)
 
     def __attrs_post_init__(self) -> None:
         if self.rank.tp >= self.tp_size or self.rank.cp != 0:
@@ -438,9 +450,10 @@ def _close(endpoint: DecodeEndpoint, room: RoomId, now: float) -> list[Effect]:
 
 
 def _default_query() -> Query:
+    """Registry queries signed with ``PDKV_AUTH_KEY`` when set (read once, here: not per retry)."""
     from pdkv.runtime.channels import query_registry
 
-    return query_registry
+    return functools.partial(query_registry, auth=Authenticator.from_env())
 
 
 __all__ = ["DecodeConfig", "DecodeTransport", "KVReceiver", "RouteUnavailableError"]

@@ -34,8 +34,6 @@ from __future__ import annotations
 
 import enum
 import logging
-import math
-import os
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -44,6 +42,8 @@ from typing import Final
 
 import attrs
 
+from pdkv import config
+from pdkv.config import positive_int, positive_seconds
 from pdkv.engine.backend import BatchHandle, BatchOutcome, BatchStatus, TransferBackend
 from pdkv.errors import ConfigError, TransferError
 from pdkv.mapping import TransferBlocks, shape_batches
@@ -65,28 +65,35 @@ DEFAULT_MAX_IN_FLIGHT: Final = 4
 DEFAULT_TIMEOUT_S: Final = 300.0
 
 
-def _positive_int(_: object, attribute: attrs.Attribute[int], value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigError(f"{attribute.name} must be a positive int, got {value!r}")
-
-
-def _positive_seconds(_: object, attribute: attrs.Attribute[float], value: float) -> None:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not math.isfinite(value)
-        or value <= 0
-    ):
-        raise ConfigError(f"{attribute.name} must be a positive number of seconds, got {value!r}")
-
-
 @attrs.frozen(kw_only=True)
 class ExecutorConfig:
-    slice_bytes: int = attrs.field(default=DEFAULT_SLICE_BYTES, validator=_positive_int)
-    max_entries: int = attrs.field(default=DEFAULT_MAX_ENTRIES, validator=_positive_int)
-    max_batch_bytes: int = attrs.field(default=DEFAULT_MAX_BATCH_BYTES, validator=_positive_int)
-    max_in_flight: int = attrs.field(default=DEFAULT_MAX_IN_FLIGHT, validator=_positive_int)
-    timeout_s: float = attrs.field(default=DEFAULT_TIMEOUT_S, validator=_positive_seconds)
+    slice_bytes: int = attrs.field(
+        default=DEFAULT_SLICE_BYTES,
+        validator=positive_int,
+        metadata=config.int_var(
+            "PDKV_EXECUTOR_SLICE_BYTES", "Executor: bytes per engine entry (longer blocks are sliced)"
+        ),
+    )
+    max_entries: int = attrs.field(
+        default=DEFAULT_MAX_ENTRIES,
+        validator=positive_int,
+        metadata=config.int_var("PDKV_EXECUTOR_MAX_ENTRIES", "Executor: entries per engine batch"),
+    )
+    max_batch_bytes: int = attrs.field(
+        default=DEFAULT_MAX_BATCH_BYTES,
+        validator=positive_int,
+        metadata=config.int_var("PDKV_EXECUTOR_MAX_BATCH_BYTES", "Executor: bytes per engine batch"),
+    )
+    max_in_flight: int = attrs.field(
+        default=DEFAULT_MAX_IN_FLIGHT,
+        validator=positive_int,
+        metadata=config.int_var("PDKV_EXECUTOR_MAX_IN_FLIGHT", "Executor: batches in flight per transfer"),
+    )
+    timeout_s: float = attrs.field(
+        default=DEFAULT_TIMEOUT_S,
+        validator=positive_seconds,
+        metadata=config.seconds_var("PDKV_EXECUTOR_TIMEOUT", "Executor: bound on one chunk's transfer"),
+    )
 
     def __attrs_post_init__(self) -> None:
         if self.slice_bytes > self.max_batch_bytes:
@@ -98,38 +105,10 @@ class ExecutorConfig:
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> ExecutorConfig:
         """Defaults, overridden by the ``PDKV_EXECUTOR_*`` variables in ``ENV_VARS`` that are set."""
-        source = os.environ if env is None else env
-
-        def read(name: str, default: int) -> int:
-            raw = source.get(ENV_VARS[name])
-            if raw is None:
-                return default
-            try:
-                return int(raw)
-            except ValueError:
-                raise ConfigError(f"{ENV_VARS[name]}={raw!r} is not a whole number") from None
-
-        raw_timeout = source.get(ENV_VARS["timeout_s"])
-        try:
-            timeout_s = DEFAULT_TIMEOUT_S if raw_timeout is None else float(raw_timeout)
-        except ValueError:
-            raise ConfigError(f"{ENV_VARS['timeout_s']}={raw_timeout!r} is not a number of seconds") from None
-        return cls(
-            slice_bytes=read("slice_bytes", DEFAULT_SLICE_BYTES),
-            max_entries=read("max_entries", DEFAULT_MAX_ENTRIES),
-            max_batch_bytes=read("max_batch_bytes", DEFAULT_MAX_BATCH_BYTES),
-            max_in_flight=read("max_in_flight", DEFAULT_MAX_IN_FLIGHT),
-            timeout_s=timeout_s,
-        )
+        return config.from_env(cls, env)
 
 
-ENV_VARS: Final[Mapping[str, str]] = {
-    "slice_bytes": "PDKV_EXECUTOR_SLICE_BYTES",
-    "max_entries": "PDKV_EXECUTOR_MAX_ENTRIES",
-    "max_batch_bytes": "PDKV_EXECUTOR_MAX_BATCH_BYTES",
-    "max_in_flight": "PDKV_EXECUTOR_MAX_IN_FLIGHT",
-    "timeout_s": "PDKV_EXECUTOR_TIMEOUT",
-}
+ENV_VARS: Final[Mapping[str, str]] = config.env_vars(ExecutorConfig)
 
 
 class JobStatus(enum.Enum):

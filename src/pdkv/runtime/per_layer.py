@@ -56,8 +56,6 @@ from __future__ import annotations
 
 import enum
 import logging
-import math
-import os
 import threading
 import time
 from collections import deque
@@ -68,7 +66,9 @@ from typing import Final, Protocol, TypeAlias
 import attrs
 import numpy as np
 
-from pdkv.errors import ConfigError, LocalProtocolError, MappingError, PdkvError, TransportClosedError
+from pdkv import config
+from pdkv.config import positive_int, positive_seconds
+from pdkv.errors import LocalProtocolError, MappingError, PdkvError, TransportClosedError
 from pdkv.mapping import (
     AttentionKind,
     BufferKind,
@@ -92,42 +92,26 @@ DEFAULT_FINISH_TIMEOUT_S: Final = 60.0
 DEFAULT_MAX_PENDING_EVENTS: Final = 65536
 
 
-def _positive_seconds(_: object, attribute: attrs.Attribute[float], value: float) -> None:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not math.isfinite(value)
-        or value <= 0
-    ):
-        raise ConfigError(f"{attribute.name} must be a positive number of seconds, got {value!r}")
-
-
-def _positive_int(_: object, attribute: attrs.Attribute[int], value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigError(f"{attribute.name} must be a positive int, got {value!r}")
-
-
 @attrs.frozen(kw_only=True)
 class PerLayerConfig:
-    finish_timeout_s: float = attrs.field(default=DEFAULT_FINISH_TIMEOUT_S, validator=_positive_seconds)
+    finish_timeout_s: float = attrs.field(
+        default=DEFAULT_FINISH_TIMEOUT_S,
+        validator=positive_seconds,
+        metadata=config.seconds_var(
+            "PDKV_PER_LAYER_FINISH_TIMEOUT", "Per-layer: from send() until every layer was written"
+        ),
+    )
     """From ``send()`` (``finish``) until every layer was submitted and every write completed."""
-    max_pending_events: int = attrs.field(default=DEFAULT_MAX_PENDING_EVENTS, validator=_positive_int)
+    max_pending_events: int = attrs.field(default=DEFAULT_MAX_PENDING_EVENTS, validator=positive_int)
     """Layer events queued for the submission thread; one more fails its contexts (never blocks)."""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> PerLayerConfig:
         """Defaults, overridden by ``PDKV_PER_LAYER_FINISH_TIMEOUT`` when set."""
-        source = os.environ if env is None else env
-        raw = source.get(ENV_VARS["finish_timeout_s"])
-        if raw is None:
-            return cls()
-        try:
-            return cls(finish_timeout_s=float(raw))
-        except ValueError:
-            raise ConfigError(f"{ENV_VARS['finish_timeout_s']}={raw!r} is not a number of seconds") from None
+        return config.from_env(cls, env)
 
 
-ENV_VARS: Final[Mapping[str, str]] = {"finish_timeout_s": "PDKV_PER_LAYER_FINISH_TIMEOUT"}
+ENV_VARS: Final[Mapping[str, str]] = config.env_vars(PerLayerConfig)
 
 
 class UnknownLayerError(MappingError):

@@ -22,17 +22,20 @@ the reason, and the worker takes the next chunk.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
-from typing import TypeVar
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
 
 import attrs
 import numpy as np
 
+from pdkv import config
+from pdkv.control.auth import Authenticator
 from pdkv.control.channel import ChannelStatistics
 from pdkv.control.errors import ControlError
 from pdkv.engine.backend import Registration, TransferBackend
@@ -92,6 +95,10 @@ from pdkv.runtime.per_layer import (
 
 log = logging.getLogger(__name__)
 
+PARTITION_DUMP = config.declare(
+    "PDKV_DEBUG_PARTITION_DUMP", "1: log each chunk's KV and state partition per CP rank (no other effect)"
+)
+
 _T = TypeVar("_T")
 
 ChannelFactory = Callable[[str], MessageChannel]
@@ -105,7 +112,10 @@ def new_epoch() -> Epoch:
 
 @attrs.frozen(kw_only=True)
 class PrefillConfig:
-    """One prefill rank. ``registry`` is the bootstrap registry's address (``tcp://host:port``)."""
+    """One prefill rank. ``registry`` is the bootstrap registry's address (``tcp://host:port``).
+
+    The constructor reads no environment: ``PrefillConfig.from_env(...)`` takes the ``PDKV_*``
+    overrides of the timeouts, the executor and the per-layer path (README, "Environment")."""
 
     instance: InstanceId
     rank: RankCoord
@@ -116,9 +126,9 @@ class PrefillConfig:
     host: str = "127.0.0.1"
     ownership: OwnershipPolicy | None = None
     """CP shared-KV ownership (default: page-interleaved over ``cp_size``)."""
-    timeouts: Timeouts = attrs.field(factory=Timeouts.from_env)
-    executor: ExecutorConfig = attrs.field(factory=ExecutorConfig.from_env)
-    per_layer: PerLayerConfig = attrs.field(factory=PerLayerConfig.from_env)
+    timeouts: Timeouts = attrs.field(factory=Timeouts)
+    executor: ExecutorConfig = attrs.field(factory=ExecutorConfig)
+    per_layer: PerLayerConfig = attrs.field(factory=PerLayerConfig)
     epoch: Epoch = attrs.field(factory=new_epoch)
     workers: int = attrs.field(default=2, validator=attrs.validators.ge(1))
     queue_size: int = attrs.field(default=4096, validator=attrs.validators.ge(1))
@@ -132,6 +142,15 @@ class PrefillConfig:
             raise ConfigError(
                 f"ownership policy is for cp_size {self.ownership.cp_size}, transport has {self.cp_size}"
             )
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **fields: Any) -> PrefillConfig:
+        """``fields`` as for the constructor; the timeouts, executor and per-layer settings not given
+        there come from the ``PDKV_*`` variables set in ``env`` (``os.environ`` by default)."""
+        fields.setdefault("timeouts", Timeouts.from_env(env))
+        fields.setdefault("executor", ExecutorConfig.from_env(env))
+        fields.setdefault("per_layer", PerLayerConfig.from_env(env))
+        return cls(**fields)
 
     @property
     def policy(self) -> OwnershipPolicy:
@@ -196,7 +215,7 @@ class PrefillTransport(EndpointHost[PrefillEndpoint]):
         )
         """Per-layer transfer (DESIGN section 7): ``register``, ``on_layer_end`` per layer, ``send()``."""
         self._worker_errors = 0
-        self._partition_dump = os.environ.get("PDKV_DEBUG_PARTITION_DUMP") == "1"
+        self._partition_dump = os.environ.get(PARTITION_DUMP.name) == "1"
         self._started = False
         self.stuck_writes = False
         """True when ``close()`` gave up waiting for transfers: memory was left registered (reported)."""
@@ -716,6 +735,7 @@ def _default_channel_factory() -> ChannelFactory:
 
 
 def _default_announce() -> Callable[[str, RankAnnounce, float], object]:
+    """Announcements signed with ``PDKV_AUTH_KEY`` when set (read once, here)."""
     from pdkv.runtime.channels import announce_to_registry
 
-    return announce_to_registry
+    return functools.partial(announce_to_registry, auth=Authenticator.from_env())

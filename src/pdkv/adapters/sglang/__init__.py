@@ -6,6 +6,7 @@ drives (``conn``). Must not be imported by pdkv's core, and importing this packa
 only ``plugin`` and ``conn`` do, and SGLang loads them through its ``sglang.srt.plugins`` entry point.
 """
 
+from pdkv.adapters.sglang.environment import ADVERTISE_HOST
 from pdkv.adapters.sglang.layout import (
     SUPPORTED_STATE_TYPES,
     KVArgsLike,
@@ -13,4 +14,4 @@ from pdkv.adapters.sglang.layout import (
     state_kind_for,
 )
 
-__all__ = ["SUPPORTED_STATE_TYPES", "KVArgsLike", "layout_from_kv_args", "state_kind_for"]
+__all__ = ["ADVERTISE_HOST", "SUPPORTED_STATE_TYPES", "KVArgsLike", "layout_from_kv_args", "state_kind_for"]

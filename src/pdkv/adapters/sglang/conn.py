@@ -357,13 +357,31 @@ def _release_ready(receiver: KVReceiver) -> bool:
         return True
 
 
+class _ProcessAuth:
+    """``PDKV_AUTH_KEY`` read once per process, on first use (SGLang imports this module early)."""
+
+    def __init__(self) -> None:
+        self._read = False
+        self._auth: Any = None
+
+    def get(self) -> Any:
+        if not self._read:
+            from pdkv.control.auth import Authenticator
+
+            self._auth, self._read = Authenticator.from_env(), True
+        return self._auth
+
+
+_AUTH = _ProcessAuth()
+
+
 def _query_route(registry: str, origin: Origin) -> Any:
     """The prefill instance's route table, or None while its registry has none (or does not answer)."""
     from pdkv.control.errors import ControlError
     from pdkv.runtime.channels import query_registry
 
     try:
-        return query_registry(registry, RouteQuery(origin=origin), _QUERY_TIMEOUT_S)
+        return query_registry(registry, RouteQuery(origin=origin), _QUERY_TIMEOUT_S, auth=_AUTH.get())
     except (ControlError, PdkvError) as exc:
         log.debug("bootstrap registry %s not ready: %s", registry, exc)
         return None

@@ -1,0 +1,159 @@
+"""Configuration shared by every pdkv component: field validators and environment overrides.
+
+Owns: the attrs validators config classes use (``positive_seconds``, ``positive_int``), the ``env``
+field metadata that names a field's ``PDKV_*`` variable, ``from_env`` (a config class's defaults,
+then the variables its fields name that are set, then keyword overrides), and ``ENVIRONMENT``: every
+``PDKV_*`` variable pdkv reads, with what it does (the README's table is checked against it).
+Variables read outside a config class (the auth key, debug switches) are declared with ``declare``.
+
+Must not import any other pdkv module but ``pdkv.errors`` (it sits at the bottom of the layers) and
+must not read the environment at import: only ``from_env`` reads, and only the mapping it is given
+(``os.environ`` by default), so a plain constructor never depends on the process's environment.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Mapping
+from typing import Any, Final, TypeVar
+
+import attrs
+
+from pdkv.errors import ConfigError
+
+_ENV_KEY: Final = "pdkv_env"  # attrs metadata key of a field's EnvVar
+
+C = TypeVar("C")
+
+
+@attrs.frozen
+class EnvVar:
+    """One ``PDKV_*`` variable: its name, what it sets, and how its text becomes the field's value."""
+
+    name: str
+    meaning: str
+    parse: Callable[[str], object] = attrs.field(default=str, eq=False, repr=False)
+    unit: str = ""  # for error messages: "a number of seconds", "a whole number", ...
+
+
+ENVIRONMENT: dict[str, EnvVar] = {}
+"""Every ``PDKV_*`` variable pdkv reads (filled as modules define their config classes)."""
+
+
+def declare(name: str, meaning: str, parse: Callable[[str], object] = str, unit: str = "") -> EnvVar:
+    """Register a variable read outside a config class (e.g. ``PDKV_AUTH_KEY``); returns it."""
+    var = EnvVar(name=name, meaning=meaning, parse=parse, unit=unit)
+    known = ENVIRONMENT.get(name)
+    if known is not None and known.meaning != meaning:
+        raise ValueError(f"{name} declared twice with different meanings")
+    ENVIRONMENT[name] = var
+    return var
+
+
+def _seconds(text: str) -> float:
+    return float(text)
+
+
+def _whole(text: str) -> int:
+    return int(text)
+
+
+def _flag(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(text)
+
+
+def seconds_var(name: str, meaning: str) -> dict[str, EnvVar]:
+    """Field metadata: ``name`` overrides this field, read as a number of seconds."""
+    return {_ENV_KEY: declare(name, meaning, _seconds, "a number of seconds")}
+
+
+def int_var(name: str, meaning: str) -> dict[str, EnvVar]:
+    """Field metadata: ``name`` overrides this field, read as a whole number."""
+    return {_ENV_KEY: declare(name, meaning, _whole, "a whole number")}
+
+
+def text_var(name: str, meaning: str, parse: Callable[[str], object] = str) -> dict[str, EnvVar]:
+    """Field metadata: ``name`` overrides this field, read as text (``parse`` converts it)."""
+    return {_ENV_KEY: declare(name, meaning, parse)}
+
+
+def flag(text: str) -> bool:
+    """``1/true/yes/on`` or ``0/false/no/off/""`` (any case), else ``ValueError``."""
+    return _flag(text)
+
+
+def env_var_of(field: attrs.Attribute[Any]) -> EnvVar | None:
+    var = field.metadata.get(_ENV_KEY)
+    return var if isinstance(var, EnvVar) else None
+
+
+def from_env(cls: type[C], env: Mapping[str, str] | None = None, **overrides: object) -> C:
+    """``cls`` built from its defaults, then every variable its fields name that is set in ``env``
+    (``os.environ`` by default), then ``overrides``. A value that does not parse is a
+    ``ConfigError`` naming the variable; a parsed value the class refuses raises as the class does."""
+    source = os.environ if env is None else env
+    values: dict[str, object] = {}
+    for field in attrs.fields(cls):  # type: ignore[arg-type]  # C is an attrs class by contract
+        var = env_var_of(field)
+        if var is None or var.name not in source:
+            continue
+        raw = source[var.name]
+        try:
+            values[field.alias] = var.parse(raw)
+        except (ValueError, ConfigError) as exc:
+            what = var.unit or "valid"
+            detail = f": {exc}" if isinstance(exc, ConfigError) else ""
+            raise ConfigError(f"{var.name}={raw!r} is not {what}{detail}") from None
+    values.update(overrides)
+    return cls(**values)
+
+
+def env_vars(cls: type[object]) -> Mapping[str, str]:
+    """Field name -> the variable that overrides it, for the fields of ``cls`` that have one."""
+    return {
+        f.name: var.name
+        for f in attrs.fields(cls)  # type: ignore[arg-type]  # an attrs class by contract
+        if (var := env_var_of(f)) is not None
+    }
+
+
+# ------------------------------------------------------------------------------------- validators
+
+
+def positive_seconds(_: object, attribute: attrs.Attribute[float], value: float) -> None:
+    """A finite number > 0 (not a bool)."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise ConfigError(f"{attribute.name} must be a positive number of seconds, got {value!r}")
+
+
+def positive_int(_: object, attribute: attrs.Attribute[int], value: int) -> None:
+    """An int > 0 (not a bool)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"{attribute.name} must be a positive int, got {value!r}")
+
+
+__all__ = [
+    "ENVIRONMENT",
+    "EnvVar",
+    "declare",
+    "env_var_of",
+    "env_vars",
+    "flag",
+    "from_env",
+    "int_var",
+    "positive_int",
+    "positive_seconds",
+    "seconds_var",
+    "text_var",
+]
