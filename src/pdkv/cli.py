@@ -1,4 +1,4 @@
-"""Command line: ``pdkv demo | bench NAME | diagram [--check] | registry``.
+"""Command line: ``pdkv demo | bench NAME | diagram [--check] [--svg] | trace [ROOM] LOGS... | registry``.
 
 Owns: argument parsing and dispatch only; the work lives in the modules it calls.
 """
@@ -19,9 +19,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     bench = sub.add_parser("bench", help="run a benchmark: pdkv bench NAME [args] (NAME 'list' or 'all')")
     bench.add_argument("name")
-    diagram = sub.add_parser("diagram", help="write the state diagrams into specs/diagrams/")
+    diagram = sub.add_parser(
+        "diagram", help="write the state and sequence diagrams into specs/diagrams/ and specs/protocol.md"
+    )
     diagram.add_argument("--check", action="store_true", help="exit 1 if the committed files differ")
     diagram.add_argument("--out", default=None, help="output folder (default: specs/diagrams)")
+    diagram.add_argument(
+        "--svg", action="store_true", help="also draw each .dot as .svg (needs Graphviz's dot)"
+    )
+    trace = sub.add_parser(
+        "trace", help="one room of a run as a Mermaid sequence diagram, from JSON logs (PDKV_LOG_JSON)"
+    )
+    trace.add_argument("room", help="the room id; 'list': the rooms the logs mention")
+    trace.add_argument(
+        "logs", nargs="+", help="JSON log files, or folders of *.jsonl (e.g. a demo's --log-dir)"
+    )
     registry = sub.add_parser(
         "registry", help="run the bootstrap registry of a prefill instance until stopped"
     )
@@ -43,7 +55,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if ns.command == "diagram":
         from pdkv.diagrams import main as diagram_main
 
-        return diagram_main(check=bool(ns.check), out=ns.out)
+        return diagram_main(check=bool(ns.check), out=ns.out, draw_svg=bool(ns.svg))
+    if ns.command == "trace":
+        from pdkv.diagrams.trace import main as trace_main
+
+        if ns.room != "list" and not ns.room.isdigit():
+            parser.error(f"trace: ROOM must be a room id or 'list', not {ns.room!r}")
+        return trace_main(None if ns.room == "list" else int(ns.room), ns.logs)
     parser.print_help()
     return 2
 

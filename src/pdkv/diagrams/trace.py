@@ -1,0 +1,245 @@
+"""``pdkv trace ROOM LOGS...``: one room of a real run as a sequence diagram, from the JSON logs.
+
+Owns: reading the transports' JSON log lines (``pdkv.runtime.json_log``; any other line is
+skipped and counted) and drawing the records of one room as a Mermaid ``sequenceDiagram``: one
+lane per rank, a message arrow at the time it was received (sender to receiver, with its time of
+flight), a lost arrow for one sent and never received, notes for state changes, chunk submissions,
+page releases and the room's warnings. Times are milliseconds since the room's first record.
+Must not need anything but the log files (no running transport, no ``pdkv.testing``).
+
+Clocks: each record carries its process's wall clock; ranks on one host share it. For ranks on
+several hosts the times (and a message received "before" it was sent) are as good as their clock
+sync: the diagram keeps each message's receive time, and orders by it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import defaultdict, deque
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import attrs
+
+from pdkv.diagrams._mermaid import mermaid_text
+from pdkv.errors import PdkvError
+
+
+class TraceError(PdkvError):
+    """The logs hold nothing for the room asked for (or could not be read)."""
+
+    def __init__(self, message: str, *, room: int | None = None) -> None:
+        super().__init__(message)
+        self.room = room
+
+
+@attrs.frozen(kw_only=True)
+class Record:
+    """One JSON log line of a transport, with the fields ``pdkv trace`` uses."""
+
+    t: float
+    proc: str
+    event: str
+    room: int | None
+    rank: str
+    epoch: int | None
+    addr: str | None
+    peer: str | None
+    peer_addr: str | None
+    msg: str | None
+    state: str | None
+    detail: str | None
+    text: str
+    level: str
+
+
+@attrs.frozen(kw_only=True)
+class Logs:
+    records: tuple[Record, ...]
+    skipped: int
+    """Lines that were not JSON records (text logs, engine output)."""
+
+
+def read_logs(paths: Iterable[str | Path]) -> Logs:
+    """Every JSON record of the files (a folder: its ``*.jsonl`` files), in time order."""
+    records: list[Record] = []
+    skipped = 0
+    for path in _files(paths):
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                record = _parse(line)
+                if record is None:
+                    skipped += 1
+                else:
+                    records.append(record)
+    records.sort(key=lambda r: r.t)
+    return Logs(records=tuple(records), skipped=skipped)
+
+
+def _files(paths: Iterable[str | Path]) -> list[Path]:
+    out: list[Path] = []
+    for raw in paths:
+        path = Path(raw)
+        if path.is_dir():
+            out += sorted(path.glob("*.jsonl"))
+        elif path.exists():
+            out.append(path)
+        else:
+            raise TraceError(f"no such log file or folder: {path}")
+    return out
+
+
+def _parse(line: str) -> Record | None:
+    line = line.strip()
+    if not line.startswith("{"):
+        return None
+    try:
+        raw = json.loads(line)
+    except ValueError:
+        return None
+    if not isinstance(raw, dict) or not isinstance(raw.get("t"), int | float):
+        return None
+
+    def text(key: str) -> str | None:
+        value = raw.get(key)
+        return None if value is None else str(value)
+
+    room = raw.get("room")
+    epoch = raw.get("epoch")
+    return Record(
+        t=float(raw["t"]),
+        proc=str(raw.get("proc") or "?"),
+        event=str(raw.get("event") or "log"),
+        room=room if isinstance(room, int) else _room_in_text(str(raw.get("text", ""))),
+        rank=str(raw.get("rank") or raw.get("proc") or "?"),
+        epoch=epoch if isinstance(epoch, int) else None,
+        addr=text("addr"),
+        peer=text("peer"),
+        peer_addr=text("peer_addr"),
+        msg=text("msg"),
+        state=text("state"),
+        detail=text("detail"),
+        text=str(raw.get("text", "")),
+        level=str(raw.get("level", "")),
+    )
+
+
+_ROOM_IN_TEXT = re.compile(r"\broom (\d+)\b")
+
+
+def _room_in_text(text: str) -> int | None:
+    """A plain log line of the runtime about one room says ``room N``."""
+    match = _ROOM_IN_TEXT.search(text)
+    return int(match.group(1)) if match else None
+
+
+def rooms(logs: Logs) -> list[int]:
+    """The rooms the logs mention, in order of first appearance."""
+    seen: dict[int, None] = {}
+    for r in logs.records:
+        if r.room is not None:
+            seen.setdefault(r.room, None)
+    return list(seen)
+
+
+def render(room: int, logs: Logs) -> str:
+    """The Mermaid ``sequenceDiagram`` of ``room``; ``TraceError`` if no record names it."""
+    ranks_of_proc: dict[str, set[str]] = defaultdict(set)
+    for r in logs.records:
+        if r.event != "log":
+            ranks_of_proc[r.proc].add(r.rank)
+    # A plain log line names its process; a process with one rank is that rank's lane.
+    mine = [_as_rank(r, ranks_of_proc) for r in logs.records if r.room == room and r.event != "notice"]
+    if not mine:
+        raise TraceError(
+            f"no record of room {room} in the logs ({len(logs.records)} records read)", room=room
+        )
+    start = mine[0].t
+    by_addr = {r.addr: r.rank for r in logs.records if r.addr is not None}
+    ranks = {r.rank for r in mine} | {r.peer for r in mine if r.peer is not None}
+    ranks |= {by_addr.get(r.peer_addr, r.peer_addr) for r in mine if r.peer_addr is not None}
+    lanes = {rank: f"R{i}" for i, rank in enumerate(sorted(ranks, key=_lane_order))}
+    # Match each receive with the first unmatched send of that message from that rank to that one.
+    sends: dict[tuple[str, str, str | None], deque[Record]] = defaultdict(deque)
+    for r in mine:
+        if r.event == "send" and r.peer_addr is not None:
+            sends[(r.rank, by_addr.get(r.peer_addr, r.peer_addr), r.msg)].append(r)
+    steps: list[tuple[float, str, str]] = []  # (time, lane of a note or "" for an arrow, text)
+    for r in mine:
+        at = _ms(r.t - start)
+        if r.event == "recv" and r.peer is not None:
+            queue = sends.get((r.peer, r.rank, r.msg))
+            sent = queue.popleft() if queue else None
+            flight = "" if sent is None else f" (sent {_ms(sent.t - start)})"
+            text = f"{lanes[r.peer]}->>{lanes[r.rank]}: {at} {mermaid_text(r.msg or '?')}{flight}"
+            steps.append((r.t, "", text))
+        elif r.event == "state" and r.state:
+            steps.append((r.t, lanes[r.rank], r.state))
+        elif r.event == "finished" and r.state == "Failed":
+            steps.append((r.t, lanes[r.rank], f"cause {r.detail or '?'}"))
+        elif r.event == "write":
+            steps.append((r.t, lanes[r.rank], f"submit {r.detail or ''}"))
+        elif r.event == "release":
+            steps.append((r.t, lanes[r.rank], f"pages released ({r.detail})"))
+        elif r.event == "log" and r.level in ("WARNING", "ERROR", "CRITICAL"):
+            steps.append((r.t, lanes.setdefault(r.rank, f"R{len(lanes)}"), f"{r.level}: {_clip(r.text)}"))
+    # Sent and never received (lost, or the receiver's log is missing): drawn at their send time.
+    for (sender, receiver, msg), queue in sends.items():
+        for r in queue:
+            label = f"{_ms(r.t - start)} {mermaid_text(msg or '?')} (no receive logged)"
+            text = f"{lanes[sender]}-x{lanes[receiver]}: {label}"
+            steps.append((r.t, "", text))
+    steps.sort(key=lambda step: step[0])
+    lines = ["---", f"title: room {room}", "---", "sequenceDiagram"]
+    lines += [f"  participant {lane} as {mermaid_text(rank)}" for rank, lane in lanes.items()]
+    i = 0
+    while i < len(steps):
+        t, lane, text = steps[i]
+        if not lane:
+            lines.append(f"  {text}")
+            i += 1
+            continue
+        notes = [text]
+        i += 1
+        while i < len(steps) and steps[i][1] == lane:  # one note per lane until something else happens
+            notes.append(steps[i][2])
+            i += 1
+        lines.append(f"  Note over {lane}: {_ms(t - start)} {'<br/>'.join(mermaid_text(n) for n in notes)}")
+    return "\n".join(lines) + "\n"
+
+
+def _as_rank(record: Record, ranks_of_proc: dict[str, set[str]]) -> Record:
+    ranks = ranks_of_proc.get(record.proc, set())
+    if record.event == "log" and len(ranks) == 1:
+        return attrs.evolve(record, rank=next(iter(ranks)))
+    return record
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1000:.1f} ms"
+
+
+def _lane_order(rank: str) -> tuple[int, str]:
+    return (0 if "decode" in rank else 1, rank)
+
+
+def _clip(text: str, limit: int = 120) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def main(room: int | None, paths: Sequence[str]) -> int:
+    """``pdkv trace``: print the room's diagram; with no room, list the rooms the logs mention."""
+    import sys
+
+    try:
+        logs = read_logs(paths)
+        if room is None:
+            for r in rooms(logs):
+                print(r)
+            return 0
+        print(render(room, logs), end="")
+    except TraceError as exc:
+        print(f"pdkv trace: {exc}", file=sys.stderr)
+        return 1
+    return 0

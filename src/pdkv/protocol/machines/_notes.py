@@ -1,0 +1,56 @@
+"""Edge notes: the guard and the effects of a machine's edges, written beside its table, for reviews.
+
+Owns: ``EdgeNote`` (one edge's guard and effects, as short review text) and ``EdgeNotes`` (a
+machine's notes, keyed by ``(trigger, dest)``, checked against its table when built). The machines
+never read them: ``fire()`` and the endpoints do not depend on this module, so a note can never
+change behaviour. ``pdkv diagram`` finds every ``EdgeNotes`` of a machine module and writes its
+edges as ``trigger [guard] / effect, effect``; an edge without a note shows its trigger only.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from typing import Generic, TypeVar
+
+import attrs
+
+from pdkv.protocol.machines._base import MachineSpec
+
+S = TypeVar("S", bound=enum.Enum)
+T = TypeVar("T", bound=enum.Enum)
+
+
+@attrs.frozen(kw_only=True)
+class EdgeNote:
+    """What must hold for the edge (``guard``) and what the endpoint does as it fires (``effects``)."""
+
+    guard: str = ""
+    effects: tuple[str, ...] = ()
+
+    def label(self, trigger: str) -> str:
+        """``trigger [guard] / effect, effect`` (parts left out when empty)."""
+        text = trigger
+        if self.guard:
+            text += f" [{self.guard}]"
+        if self.effects:
+            text += " / " + ", ".join(self.effects)
+        return text
+
+
+@attrs.frozen
+class EdgeNotes(Generic[S, T]):
+    """The notes of one machine; every key must name an edge of its table (``(trigger, dest)``)."""
+
+    spec: MachineSpec[S, T]
+    notes: Mapping[tuple[T, S], EdgeNote]
+
+    def __attrs_post_init__(self) -> None:
+        rows = {(edge.trigger, edge.dest) for edge in self.spec.edges}
+        stale = [f"{t.value} -> {d.name}" for (t, d) in self.notes if (t, d) not in rows]
+        if stale:
+            raise ValueError(f"{self.spec.name}: notes for edges the table does not have: {stale}")
+
+    def label(self, trigger: T, dest: S) -> str:
+        note = self.notes.get((trigger, dest))
+        return trigger.value if note is None else note.label(trigger.value)

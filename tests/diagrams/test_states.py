@@ -1,0 +1,82 @@
+"""State diagrams: edge labels from the notes beside a table, found without a registry."""
+
+from __future__ import annotations
+
+import enum
+
+import pytest
+
+from pdkv.diagrams.states import notes_for, render
+from pdkv.protocol.machines import ALL_MACHINES
+from pdkv.protocol.machines._base import MachineSpec, edges
+from pdkv.protocol.machines._notes import EdgeNote, EdgeNotes
+
+
+class Lamp(enum.Enum):
+    OFF = "off"
+    ON = "on"
+    BROKEN = "broken"
+
+
+class Switch(enum.Enum):
+    PRESS = "press"
+    BREAK = "break"
+
+
+LAMP = MachineSpec(
+    name="Lamp",
+    states=Lamp,
+    triggers=Switch,
+    initial=Lamp.OFF,
+    edges=(
+        edges(Switch.PRESS, [Lamp.OFF], Lamp.ON),
+        edges(Switch.PRESS, [Lamp.ON], Lamp.OFF),
+        edges(Switch.BREAK, [Lamp.OFF, Lamp.ON], Lamp.BROKEN),
+    ),
+)
+# Beside the table, as in pdkv's machine modules: only one PRESS row and the BREAK row annotated.
+LAMP_NOTES = EdgeNotes(
+    LAMP,
+    {
+        (Switch.PRESS, Lamp.ON): EdgeNote(guard="power present", effects=("light", "start timer")),
+        (Switch.BREAK, Lamp.BROKEN): EdgeNote(effects=("call the electrician",)),
+    },
+)
+
+
+def test_a_new_machine_renders_its_notes_and_bare_triggers_without_code_changes() -> None:
+    assert notes_for(LAMP) is LAMP_NOTES
+    mermaid = render(LAMP, "mermaid")
+    assert "  OFF --> ON: press [power present] / light, start timer\n" in mermaid
+    assert "  ON --> OFF: press\n" in mermaid  # a row without a note: its trigger only
+    assert "  OFF --> BROKEN: break / call the electrician\n" in mermaid
+    assert "  ON --> BROKEN: break / call the electrician\n" in mermaid
+    assert "  [*] --> OFF\n" in mermaid and "  BROKEN --> [*]\n" in mermaid
+    dot = render(LAMP, "graphviz")
+    assert '  OFF -> ON [label="press\\l[power present]\\l/ light, start timer\\l"];' in dot
+    assert '  ON -> OFF [label="press"];' in dot
+    assert '  OFF -> BROKEN [label="break\\l/ call the electrician\\l"];' in dot
+    assert '  BROKEN [label="BROKEN", peripheries=2];' in dot
+
+
+def test_notes_for_an_edge_the_table_lacks_are_refused() -> None:
+    with pytest.raises(
+        ValueError, match=r"Lamp: notes for edges the table does not have: \['break -> OFF'\]"
+    ):
+        EdgeNotes(LAMP, {(Switch.BREAK, Lamp.OFF): EdgeNote(guard="never")})
+
+
+def test_every_pdkv_machine_has_notes_for_every_edge() -> None:
+    for spec in ALL_MACHINES:
+        notes = notes_for(spec)
+        assert notes is not None, spec.name
+        missing = [
+            (e.trigger.value, e.dest.name) for e in spec.edges if (e.trigger, e.dest) not in notes.notes
+        ]
+        assert missing == [], spec.name
+
+
+def test_mermaid_special_characters_are_escaped_once() -> None:
+    from pdkv.diagrams._mermaid import mermaid_text
+
+    assert mermaid_text("a;b #1") == "a#59;b #35;1"
