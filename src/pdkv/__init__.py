@@ -52,6 +52,7 @@ from pdkv.engine.mooncake import (
 )
 from pdkv.errors import (
     ConfigError,
+    DiagramScenarioError,
     EngineUnavailableError,
     InvalidArgumentError,
     LayoutMismatchError,
@@ -62,6 +63,7 @@ from pdkv.errors import (
     RegistryError,
     RemoteProtocolError,
     RouteUnavailableError,
+    TraceLogError,
     TransferError,
     TransportClosedError,
 )
@@ -121,6 +123,7 @@ __all__ = [
     "ControlTimeoutError",
     "DecodeConfig",
     "DecodeTransport",
+    "DiagramScenarioError",
     "DoubleFreeError",
     "EngineInitError",
     "EngineUnavailableError",
@@ -169,6 +172,7 @@ __all__ = [
     "StateIndices",
     "Timeouts",
     "TopologyError",
+    "TraceLogError",
     "TransferBackend",
     "TransferError",
     "TransportClosedError",

@@ -8,7 +8,7 @@ exchange, and the committed diagrams then differ (``pdkv diagram --check``).
 
 Must not change the endpoints' behaviour: the recorder only looks (public queries, the effects the
 harness carries out). Each scenario checks that its room ended as the story says
-(``ScenarioError`` otherwise), so a diagram never shows a story that no longer happens.
+(``pdkv.DiagramScenarioError`` otherwise), so a diagram never shows a story that no longer happens.
 
 Reading a diagram: ``->>`` a control message, ``-x`` one lost on the wire, ``-->>`` the KV
 writes of a chunk (data plane) as they start; notes are state changes of the room (R), its abort
@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 import attrs
 
 from pdkv.diagrams._mermaid import mermaid_text
-from pdkv.errors import PdkvError
+from pdkv.errors import DiagramScenarioError
 from pdkv.protocol.config import Timeouts
 from pdkv.protocol.effects import Effect, FailureCause, ForgetPeer, ReleasePages, Send
 from pdkv.protocol.ids import Endpoint, RoomId
@@ -39,12 +39,9 @@ ROOM = RoomId(7)
 _QUIET = (Heartbeat, HeartbeatAck)
 
 
-class ScenarioError(PdkvError):
-    """A scenario did not end as its story says: the protocol changed, or the script did."""
-
-    def __init__(self, scenario: str, what: str) -> None:
-        super().__init__(f"scenario {scenario!r}: {what}")
-        self.scenario = scenario
+def _failed(scenario: str, what: str) -> DiagramScenarioError:
+    """``DiagramScenarioError`` naming the scenario and what went otherwise than its story."""
+    return DiagramScenarioError(f"scenario {scenario!r}: {what}", scenario=scenario)
 
 
 @attrs.frozen(kw_only=True)
@@ -252,7 +249,7 @@ def _registered(r: Recorder) -> Recorder:
     r.connect()
     r.run(until=0.1)
     if not all(r.decode.peer_ready(t) for t in r.targets()):
-        raise ScenarioError("set-up", "the ranks did not register")
+        raise _failed("set-up", "the ranks did not register")
     r.recording = True
     return r
 
@@ -260,11 +257,11 @@ def _registered(r: Recorder) -> Recorder:
 def _settle(r: Recorder, name: str, *, expect: KVPoll, safe: bool | None = None) -> Recorder:
     r.settle(limit=120.0)
     if r.decode.poll(ROOM) is not expect:
-        raise ScenarioError(name, f"decode ended {r.decode.poll(ROOM).name}, expected {expect.name}")
+        raise _failed(name, f"decode ended {r.decode.poll(ROOM).name}, expected {expect.name}")
     if safe is not None and r.decode.release_was_safe(ROOM) is not safe:
-        raise ScenarioError(name, f"release safe={not safe}, expected safe={safe}")
+        raise _failed(name, f"release safe={not safe}, expected safe={safe}")
     if r.violations:
-        raise ScenarioError(name, f"abort safety violated: {r.violations}")
+        raise _failed(name, f"abort safety violated: {r.violations}")
     return r
 
 
@@ -312,7 +309,7 @@ def lost_abort_ack() -> Recorder:
     r.add_room(RoomPlan(room=ROOM, num_pages=4, chunk_pages=(4,), abort_decode_at=start + 0.005))
     r = _settle(r, "lost_abort_ack", expect=KVPoll.Failed, safe=True)
     if not lost:
-        raise ScenarioError("lost_abort_ack", "no AbortAck was dropped")
+        raise _failed("lost_abort_ack", "no AbortAck was dropped")
     return r
 
 
@@ -338,7 +335,7 @@ def silent_decode() -> Recorder:
     r.run(until=6.0)
     p = r.prefills[0]
     if p.poll(ROOM) is not KVPoll.Failed or p.in_flight(ROOM):
-        raise ScenarioError("silent_decode", f"prefill room {p.poll(ROOM).name}, expected Failed and idle")
+        raise _failed("silent_decode", f"prefill room {p.poll(ROOM).name}, expected Failed and idle")
     return r
 
 
@@ -452,4 +449,4 @@ def file_stem(scenario: Scenario) -> str:
     return f"seq_{scenario.name}"
 
 
-__all__ = ["ROOM", "SCENARIOS", "Scenario", "ScenarioError", "file_stem", "render"]
+__all__ = ["ROOM", "SCENARIOS", "Recorder", "Scenario", "file_stem", "render"]

@@ -23,15 +23,7 @@ from pathlib import Path
 import attrs
 
 from pdkv.diagrams._mermaid import mermaid_text
-from pdkv.errors import PdkvError
-
-
-class TraceError(PdkvError):
-    """The logs hold nothing for the room asked for (or could not be read)."""
-
-    def __init__(self, message: str, *, room: int | None = None) -> None:
-        super().__init__(message)
-        self.room = room
+from pdkv.errors import TraceLogError
 
 
 @attrs.frozen(kw_only=True)
@@ -86,7 +78,7 @@ def _files(paths: Iterable[str | Path]) -> list[Path]:
         elif path.exists():
             out.append(path)
         else:
-            raise TraceError(f"no such log file or folder: {path}")
+            raise TraceLogError(f"no such log file or folder: {path}")
     return out
 
 
@@ -144,15 +136,21 @@ def rooms(logs: Logs) -> list[int]:
 
 
 def render(room: int, logs: Logs) -> str:
-    """The Mermaid ``sequenceDiagram`` of ``room``; ``TraceError`` if no record names it."""
+    """The Mermaid ``sequenceDiagram`` of ``room``; ``TraceLogError`` if no record names it."""
     ranks_of_proc: dict[str, set[str]] = defaultdict(set)
     for r in logs.records:
         if r.event != "log":
             ranks_of_proc[r.proc].add(r.rank)
     # A plain log line names its process; a process with one rank is that rank's lane.
-    mine = [_as_rank(r, ranks_of_proc) for r in logs.records if r.room == room and r.event != "notice"]
+    # The host also logs each notice as a plain line: keep the traced one, which names its rank.
+    noticed = {(r.proc, r.text) for r in logs.records if r.event == "notice"}
+    mine = [
+        _as_rank(r, ranks_of_proc)
+        for r in logs.records
+        if r.room == room and not (r.event == "log" and (r.proc, r.text) in noticed)
+    ]
     if not mine:
-        raise TraceError(
+        raise TraceLogError(
             f"no record of room {room} in the logs ({len(logs.records)} records read)", room=room
         )
     start = mine[0].t
@@ -182,7 +180,7 @@ def render(room: int, logs: Logs) -> str:
             steps.append((r.t, lanes[r.rank], f"submit {r.detail or ''}"))
         elif r.event == "release":
             steps.append((r.t, lanes[r.rank], f"pages released ({r.detail})"))
-        elif r.event == "log" and r.level in ("WARNING", "ERROR", "CRITICAL"):
+        elif r.event in ("log", "notice") and r.level in ("WARNING", "ERROR", "CRITICAL"):
             steps.append((r.t, lanes.setdefault(r.rank, f"R{len(lanes)}"), f"{r.level}: {_clip(r.text)}"))
     # Sent and never received (lost, or the receiver's log is missing): drawn at their send time.
     for (sender, receiver, msg), queue in sends.items():
@@ -202,11 +200,15 @@ def render(room: int, logs: Logs) -> str:
             continue
         notes = [text]
         i += 1
-        while i < len(steps) and steps[i][1] == lane:  # one note per lane until something else happens
+        # One note for what a lane did at once (within _MERGE_S) while nothing else happened.
+        while i < len(steps) and steps[i][1] == lane and steps[i][0] - steps[i - 1][0] <= _MERGE_S:
             notes.append(steps[i][2])
             i += 1
         lines.append(f"  Note over {lane}: {_ms(t - start)} {'<br/>'.join(mermaid_text(n) for n in notes)}")
     return "\n".join(lines) + "\n"
+
+
+_MERGE_S = 0.001
 
 
 def _as_rank(record: Record, ranks_of_proc: dict[str, set[str]]) -> Record:
@@ -239,7 +241,7 @@ def main(room: int | None, paths: Sequence[str]) -> int:
                 print(r)
             return 0
         print(render(room, logs), end="")
-    except TraceError as exc:
+    except TraceLogError as exc:
         print(f"pdkv trace: {exc}", file=sys.stderr)
         return 1
     return 0

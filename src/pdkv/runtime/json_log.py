@@ -26,6 +26,7 @@ from pdkv.protocol.effects import (
     Effect,
     ForgetPeer,
     Notice,
+    NoticeLevel,
     ReleasePages,
     RoomFinished,
     Send,
@@ -52,6 +53,11 @@ FIELDS = ("event", "room", "rank", "epoch", "addr", "peer", "peer_addr", "msg", 
 """The fields a record may carry, as ``extra={"pdkv": {...}}`` (one key: no clash with the
 attributes of a ``LogRecord``); ``JsonFormatter`` writes those present beside the record's own."""
 
+_NOTICE_LEVELS = {
+    NoticeLevel.DEBUG: logging.DEBUG,
+    NoticeLevel.INFO: logging.INFO,
+    NoticeLevel.WARNING: logging.WARNING,
+}
 _STATES_KEPT = 65536
 """Rooms whose last logged state a trace remembers (a forgotten room may log its state again)."""
 
@@ -220,7 +226,7 @@ class MessageTrace:
         rooms: list[RoomId] = [] if self._pending is None else [self._pending]
         self._pending = None
         for effect in effects:
-            room = getattr(effect, "room", None)
+            room = room_of(effect.message) if isinstance(effect, Send) else getattr(effect, "room", None)
             if isinstance(room, int) and room not in rooms:
                 rooms.append(RoomId(room))
         for room in rooms:
@@ -258,8 +264,9 @@ class MessageTrace:
             extra = self._fields(event="release", room=effect.room, detail=detail)
             _trace.debug("room %s: pages released (%s)", effect.room, detail, extra=extra)
         elif isinstance(effect, Notice) and effect.room is not None:
-            extra = self._fields(event="notice", room=effect.room, detail=effect.text)
-            _trace.debug("room %s: %s", effect.room, effect.text, extra=extra)
+            # At the notice's own level, with its text as the host logs it (a reader can pair them).
+            extra = self._fields(event="notice", room=effect.room)
+            _trace.log(_NOTICE_LEVELS[effect.level], "%s", effect.text, extra=extra)
         elif isinstance(effect, ForgetPeer | DropLayers):
             extra = self._fields(event="forget" if isinstance(effect, ForgetPeer) else "drop_layers")
             _trace.debug("%s", effect, extra=extra)
