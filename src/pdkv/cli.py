@@ -1,4 +1,4 @@
-"""Command line: ``pdkv demo | bench NAME | diagram [--check] [--svg] | trace [ROOM] LOGS... | registry``.
+"""Command line: ``pdkv demo | bench NAME | diagram [--check] [--image FMT] | trace ROOM LOGS... | registry``.
 
 Owns: argument parsing and dispatch only; the work lives in the modules it calls.
 """
@@ -25,12 +25,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     diagram.add_argument("--check", action="store_true", help="exit 1 if the committed files differ")
     diagram.add_argument("--out", default=None, help="output folder (default: specs/diagrams)")
     diagram.add_argument(
-        "--svg", action="store_true", help="also draw each .dot as .svg (needs Graphviz's dot)"
+        "--image",
+        choices=("svg", "png"),
+        default=None,
+        help="also draw each .dot file (needs Graphviz's dot)",
     )
     trace = sub.add_parser(
         "trace", help="one room of a run as a Mermaid sequence diagram, from JSON logs (PDKV_LOG_JSON)"
     )
     trace.add_argument("room", help="the room id; 'list': the rooms the logs mention")
+    trace.add_argument("--dot", action="store_true", help="Graphviz DOT instead of Mermaid")
+    trace.add_argument("--image", choices=("svg", "png"), default=None, help="draw it (needs Graphviz's dot)")
+    trace.add_argument("--out", default=None, help="write to this file instead of stdout")
     trace.add_argument(
         "logs", nargs="+", help="JSON log files, or folders of *.jsonl (e.g. a demo's --log-dir)"
     )
@@ -55,13 +61,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if ns.command == "diagram":
         from pdkv.diagrams import main as diagram_main
 
-        return diagram_main(check=bool(ns.check), out=ns.out, draw_svg=bool(ns.svg))
+        return diagram_main(check=bool(ns.check), out=ns.out, image=ns.image)
     if ns.command == "trace":
         from pdkv.diagrams.trace import main as trace_main
 
         if ns.room != "list" and not ns.room.isdigit():
             parser.error(f"trace: ROOM must be a room id or 'list', not {ns.room!r}")
-        return trace_main(None if ns.room == "list" else int(ns.room), ns.logs)
+        room = None if ns.room == "list" else int(ns.room)
+        return trace_main(room, ns.logs, dot=bool(ns.dot), image=ns.image, out=ns.out)
     parser.print_help()
     return 2
 

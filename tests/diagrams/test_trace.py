@@ -98,3 +98,16 @@ def test_cli_prints_the_diagram_and_lists_rooms(tmp_path: Path, capsys: pytest.C
     assert capsys.readouterr().out == "9\n10\n"
     assert cli_main(["trace", "12", str(folder)]) == 1
     assert "no record of room 12" in capsys.readouterr().err
+
+
+def test_cli_writes_dot_and_refuses_an_image_without_graphviz(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    folder = write_logs(tmp_path)
+    out = tmp_path / "room9.dot"
+    assert cli_main(["trace", "9", str(folder), "--dot", "--out", str(out)]) == 0
+    dot = out.read_text()
+    assert dot.startswith("digraph room_9 {") and 'label="30.0 ms AbortAck (sent 29.0 ms)"' in dot
+    monkeypatch.setattr("shutil.which", lambda name: None)
+    assert cli_main(["trace", "9", str(folder), "--image", "svg"]) == 1
+    assert "needs Graphviz's `dot`" in capsys.readouterr().err

@@ -4,9 +4,9 @@ Owns: the set of generated files and the marked blocks of ``specs/protocol.md`` 
 of ``pdkv.protocol.machines.ALL_MACHINES`` as a state diagram (``<machine>.mmd`` / ``.dot``, edges
 with guard and effects, ``pdkv.diagrams.states``) and every scenario of
 ``pdkv.diagrams.sequences.SCENARIOS`` as a sequence diagram recorded from an execution
-(``seq_<name>.mmd``) — and ``--check``, which reports any difference between those files and the
-code (CI runs it through a test). ``--svg`` also draws each DOT file as SVG when Graphviz's ``dot``
-binary is installed (never checked: its output depends on the Graphviz version).
+(``seq_<name>.mmd`` / ``.dot``) — and ``--check``, which reports any difference between those
+files and the code (CI runs it through a test). ``--image svg|png`` also draws each DOT file when
+Graphviz's ``dot`` binary is installed (never checked: its output depends on the Graphviz version).
 ``pdkv.diagrams.trace`` (``pdkv trace``) draws one room of real runs from the transports' JSON logs.
 """
 
@@ -38,7 +38,9 @@ def expected_files(out: Path) -> dict[Path, str]:
         files[out / f"{stem}.mmd"] = render(spec, "mermaid")
         files[out / f"{stem}.dot"] = render(spec, "graphviz")
     for scenario in sequences.SCENARIOS:
-        files[out / f"{sequences.file_stem(scenario)}.mmd"] = sequences.render(scenario)
+        chart = sequences.chart(scenario)
+        files[out / f"{sequences.file_stem(scenario)}.mmd"] = chart.mermaid()
+        files[out / f"{sequences.file_stem(scenario)}.dot"] = chart.dot()
     return files
 
 
@@ -65,18 +67,24 @@ def _mermaid_by_name(files: dict[Path, str] | None = None) -> dict[str, str]:
     return {path.stem: text for path, text in files.items() if path.suffix == ".mmd"}
 
 
-def svg(dot_source: str) -> bytes | None:
-    """The DOT text drawn as SVG by Graphviz's ``dot``, or None when ``dot`` is not installed."""
+IMAGE_FORMATS = ("svg", "png")
+
+
+def draw(dot_source: str, image_format: str) -> bytes | None:
+    """The DOT text drawn by Graphviz's ``dot`` (``svg`` or ``png``), or None when ``dot`` is not
+    installed. A DOT text ``dot`` refuses raises ``subprocess.CalledProcessError`` with its stderr."""
+    if image_format not in IMAGE_FORMATS:
+        raise ValueError(f"image format {image_format!r}: one of {IMAGE_FORMATS}")
     dot = shutil.which("dot")
     if dot is None:
         return None
     done = subprocess.run(
-        [dot, "-Tsvg"], input=dot_source.encode(), capture_output=True, timeout=60, check=True
+        [dot, f"-T{image_format}"], input=dot_source.encode(), capture_output=True, timeout=60, check=True
     )
     return done.stdout
 
 
-def main(*, check: bool = False, out: str | None = None, draw_svg: bool = False) -> int:
+def main(*, check: bool = False, out: str | None = None, image: str | None = None) -> int:
     root = Path.cwd()
     folder = Path(out) if out is not None else root / "specs" / "diagrams"
     files = expected_files(folder)
@@ -84,16 +92,13 @@ def main(*, check: bool = False, out: str | None = None, draw_svg: bool = False)
     if protocol_md.exists():
         files[protocol_md] = embed(protocol_md.read_text(), _mermaid_by_name(files))
     stale = [path for path, text in files.items() if not path.exists() or path.read_text() != text]
-    unknown = (
-        sorted(p for p in folder.glob("*") if p.suffix in (".mmd", ".dot") and p not in files)
-        if folder.exists()
-        else []
-    )
+    generated = sorted(folder.glob("*.mmd")) + sorted(folder.glob("*.dot")) if folder.exists() else []
+    unknown = [path for path in generated if path not in files]
     if check:
         for path in stale:
             print(f"out of date: {path} (run `pdkv diagram`)", file=sys.stderr)
         for path in unknown:
-            print(f"not generated any more: {path} (remove it)", file=sys.stderr)
+            print(f"not generated any more: {path} (remove it, or run `pdkv diagram`)", file=sys.stderr)
         return 1 if stale or unknown else 0
     folder.mkdir(parents=True, exist_ok=True)
     for path in stale:
@@ -102,20 +107,19 @@ def main(*, check: bool = False, out: str | None = None, draw_svg: bool = False)
     for path in unknown:
         path.unlink()
         print(f"removed {path} (no longer generated)", file=sys.stderr)
-    if draw_svg:
+    if image is not None:
         if shutil.which("dot") is None:
             print(
-                "--svg: Graphviz's `dot` is not installed (Debian: graphviz); text written only",
+                f"--image {image}: Graphviz's `dot` is not installed (Debian: graphviz); text only",
                 file=sys.stderr,
             )
             return 0
         for path, text in files.items():
-            if path.suffix == ".dot":
-                image = svg(text)
-                if image is not None:
-                    path.with_suffix(".svg").write_bytes(image)
-                    print(f"drew {path.with_suffix('.svg')}", file=sys.stderr)
+            drawn = draw(text, image) if path.suffix == ".dot" else None
+            if drawn is not None:
+                path.with_suffix(f".{image}").write_bytes(drawn)
+                print(f"drew {path.with_suffix(f'.{image}')}", file=sys.stderr)
     return 0
 
 
-__all__ = ["embed", "expected_files", "file_stem", "main", "render", "svg"]
+__all__ = ["IMAGE_FORMATS", "draw", "embed", "expected_files", "file_stem", "main", "render"]

@@ -10,7 +10,8 @@ Must not change the endpoints' behaviour: the recorder only looks (public querie
 harness carries out). Each scenario checks that its room ended as the story says
 (``pdkv.DiagramScenarioError`` otherwise), so a diagram never shows a story that no longer happens.
 
-Reading a diagram: ``->>`` a control message, ``-x`` one lost on the wire, ``-->>`` the KV
+Reading a diagram (Mermaid; the DOT form of ``pdkv.diagrams._chart`` draws the same steps):
+``->>`` a control message, ``-x`` one lost on the wire, ``-->>`` the KV
 writes of a chunk (data plane) as they start; notes are state changes of the room (R), its abort
 handshake (A) and its chunks (C<n>); times are fake-clock seconds when the event happened.
 """
@@ -22,7 +23,7 @@ from collections.abc import Callable, Sequence
 
 import attrs
 
-from pdkv.diagrams._mermaid import mermaid_text
+from pdkv.diagrams._chart import Chart, Step, StepKind
 from pdkv.errors import DiagramScenarioError
 from pdkv.protocol.config import Timeouts
 from pdkv.protocol.effects import Effect, FailureCause, ForgetPeer, ReleasePages, Send
@@ -413,17 +414,19 @@ SCENARIOS: tuple[Scenario, ...] = (
 )
 
 
-def render(scenario: Scenario) -> str:
-    """Run ``scenario`` and return its Mermaid ``sequenceDiagram``."""
+def chart(scenario: Scenario) -> Chart:
+    """Run ``scenario`` and return what happened as a ``Chart`` (notes of one lane at one instant
+    merged into one note)."""
     recorder = scenario.script()
-    lines = ["---", f"title: {scenario.title}", "---", "sequenceDiagram"]
-    lines += [f"  participant {lane} as {label}" for lane, label in recorder.participants()]
+    steps: list[Step] = []
     pending: list[NoteEvent] = []
 
     def flush() -> None:
         if pending:
-            text = "<br/>".join(_pretty(n.text) for n in pending)
-            lines.append(f"  Note over {pending[0].who}: {_stamp(pending[0].time)} {mermaid_text(text)}")
+            lines = tuple(_pretty(n.text) for n in pending)
+            steps.append(
+                Step(kind=StepKind.NOTE, lane=pending[0].who, time=_stamp(pending[0].time), lines=lines)
+            )
             pending.clear()
 
     for event in recorder.events:
@@ -433,12 +436,19 @@ def render(scenario: Scenario) -> str:
             pending.append(event)
             continue
         flush()
-        arrow = {"control": "->>", "lost": "-x", "data": "-->>"}[event.kind]
-        lines.append(
-            f"  {event.sender}{arrow}{event.receiver}: {_stamp(event.time)} {mermaid_text(event.text)}"
+        kind = {"control": StepKind.MESSAGE, "lost": StepKind.LOST, "data": StepKind.DATA}[event.kind]
+        steps.append(
+            Step(
+                kind=kind, lane=event.sender, to=event.receiver, time=_stamp(event.time), lines=(event.text,)
+            )
         )
     flush()
-    return "\n".join(lines) + "\n"
+    return Chart(title=scenario.title, lanes=tuple(recorder.participants()), steps=tuple(steps))
+
+
+def render(scenario: Scenario) -> str:
+    """Run ``scenario`` and return its Mermaid ``sequenceDiagram``."""
+    return chart(scenario).mermaid()
 
 
 def _stamp(time: float) -> str:
@@ -449,4 +459,4 @@ def file_stem(scenario: Scenario) -> str:
     return f"seq_{scenario.name}"
 
 
-__all__ = ["ROOM", "SCENARIOS", "Recorder", "Scenario", "file_stem", "render"]
+__all__ = ["ROOM", "SCENARIOS", "Recorder", "Scenario", "chart", "file_stem", "render"]

@@ -5,7 +5,8 @@ skipped and counted) and drawing the records of one room as a Mermaid ``sequence
 lane per rank, a message arrow at the time it was received (sender to receiver, with its time of
 flight), a lost arrow for one sent and never received, notes for state changes, chunk submissions,
 page releases and the room's warnings. Times are milliseconds since the room's first record.
-Must not need anything but the log files (no running transport, no ``pdkv.testing``).
+Must not need anything but the log files (no running transport). ``--dot`` / ``--image`` give
+the same steps as Graphviz DOT, or drawn by ``dot`` when it is installed.
 
 Clocks: each record carries its process's wall clock; ranks on one host share it. For ranks on
 several hosts the times (and a message received "before" it was sent) are as good as their clock
@@ -16,13 +17,14 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from collections import defaultdict, deque
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import attrs
 
-from pdkv.diagrams._mermaid import mermaid_text
+from pdkv.diagrams._chart import Chart, Step, StepKind
 from pdkv.errors import TraceLogError
 
 
@@ -137,6 +139,11 @@ def rooms(logs: Logs) -> list[int]:
 
 def render(room: int, logs: Logs) -> str:
     """The Mermaid ``sequenceDiagram`` of ``room``; ``TraceLogError`` if no record names it."""
+    return chart(room, logs).mermaid()
+
+
+def chart(room: int, logs: Logs) -> Chart:
+    """The steps of ``room`` across its ranks; ``TraceLogError`` if no record names it."""
     ranks_of_proc: dict[str, set[str]] = defaultdict(set)
     for r in logs.records:
         if r.event != "log":
@@ -163,49 +170,65 @@ def render(room: int, logs: Logs) -> str:
     for r in mine:
         if r.event == "send" and r.peer_addr is not None:
             sends[(r.rank, by_addr.get(r.peer_addr, r.peer_addr), r.msg)].append(r)
-    steps: list[tuple[float, str, str]] = []  # (time, lane of a note or "" for an arrow, text)
+    timed: list[tuple[float, Step]] = []
+
+    def note(t: float, lane: str, text: str) -> None:
+        timed.append((t, Step(kind=StepKind.NOTE, lane=lane, time=_ms(t - start), lines=(text,))))
+
     for r in mine:
-        at = _ms(r.t - start)
         if r.event == "recv" and r.peer is not None:
             queue = sends.get((r.peer, r.rank, r.msg))
             sent = queue.popleft() if queue else None
             flight = "" if sent is None else f" (sent {_ms(sent.t - start)})"
-            text = f"{lanes[r.peer]}->>{lanes[r.rank]}: {at} {mermaid_text(r.msg or '?')}{flight}"
-            steps.append((r.t, "", text))
+            step = Step(
+                kind=StepKind.MESSAGE,
+                lane=lanes[r.peer],
+                to=lanes[r.rank],
+                time=_ms(r.t - start),
+                lines=(f"{r.msg or '?'}{flight}",),
+            )
+            timed.append((r.t, step))
         elif r.event == "state" and r.state:
-            steps.append((r.t, lanes[r.rank], r.state))
+            note(r.t, lanes[r.rank], r.state)
         elif r.event == "finished" and r.state == "Failed":
-            steps.append((r.t, lanes[r.rank], f"cause {r.detail or '?'}"))
+            note(r.t, lanes[r.rank], f"cause {r.detail or '?'}")
         elif r.event == "write":
-            steps.append((r.t, lanes[r.rank], f"submit {r.detail or ''}"))
+            note(r.t, lanes[r.rank], f"submit {r.detail or ''}")
         elif r.event == "release":
-            steps.append((r.t, lanes[r.rank], f"pages released ({r.detail})"))
+            note(r.t, lanes[r.rank], f"pages released ({r.detail})")
         elif r.event in ("log", "notice") and r.level in ("WARNING", "ERROR", "CRITICAL"):
-            steps.append((r.t, lanes.setdefault(r.rank, f"R{len(lanes)}"), f"{r.level}: {_clip(r.text)}"))
+            note(r.t, lanes.setdefault(r.rank, f"R{len(lanes)}"), f"{r.level}: {_clip(r.text)}")
     # Sent and never received (lost, or the receiver's log is missing): drawn at their send time.
     for (sender, receiver, msg), queue in sends.items():
         for r in queue:
-            label = f"{_ms(r.t - start)} {mermaid_text(msg or '?')} (no receive logged)"
-            text = f"{lanes[sender]}-x{lanes[receiver]}: {label}"
-            steps.append((r.t, "", text))
-    steps.sort(key=lambda step: step[0])
-    lines = ["---", f"title: room {room}", "---", "sequenceDiagram"]
-    lines += [f"  participant {lane} as {mermaid_text(rank)}" for rank, lane in lanes.items()]
-    i = 0
-    while i < len(steps):
-        t, lane, text = steps[i]
-        if not lane:
-            lines.append(f"  {text}")
-            i += 1
-            continue
-        notes = [text]
-        i += 1
+            step = Step(
+                kind=StepKind.LOST,
+                lane=lanes[sender],
+                to=lanes[receiver],
+                time=_ms(r.t - start),
+                lines=(f"{msg or '?'} (no receive logged)",),
+            )
+            timed.append((r.t, step))
+    timed.sort(key=lambda item: item[0])
+    steps: list[Step] = []
+    for i, (t, step) in enumerate(timed):
+        previous = steps[-1] if steps else None
         # One note for what a lane did at once (within _MERGE_S) while nothing else happened.
-        while i < len(steps) and steps[i][1] == lane and steps[i][0] - steps[i - 1][0] <= _MERGE_S:
-            notes.append(steps[i][2])
-            i += 1
-        lines.append(f"  Note over {lane}: {_ms(t - start)} {'<br/>'.join(mermaid_text(n) for n in notes)}")
-    return "\n".join(lines) + "\n"
+        if (
+            previous is not None
+            and step.kind is StepKind.NOTE
+            and previous.kind is StepKind.NOTE
+            and previous.lane == step.lane
+            and t - timed[i - 1][0] <= _MERGE_S
+        ):
+            steps[-1] = attrs.evolve(previous, lines=previous.lines + step.lines)
+        else:
+            steps.append(step)
+    return Chart(
+        title=f"room {room}",
+        lanes=tuple((lane, rank) for rank, lane in lanes.items()),
+        steps=tuple(steps),
+    )
 
 
 _MERGE_S = 0.001
@@ -230,18 +253,40 @@ def _clip(text: str, limit: int = 120) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def main(room: int | None, paths: Sequence[str]) -> int:
-    """``pdkv trace``: print the room's diagram; with no room, list the rooms the logs mention."""
-    import sys
+def main(
+    room: int | None,
+    paths: Sequence[str],
+    *,
+    dot: bool = False,
+    image: str | None = None,
+    out: str | None = None,
+) -> int:
+    """``pdkv trace``: the room's diagram (Mermaid, DOT, or drawn by Graphviz) on stdout or in
+    ``out``; with no room, list the rooms the logs mention."""
+    from pdkv.diagrams import draw
 
     try:
         logs = read_logs(paths)
         if room is None:
-            for r in rooms(logs):
-                print(r)
+            print("\n".join(str(r) for r in rooms(logs)))
             return 0
-        print(render(room, logs), end="")
+        drawing = chart(room, logs)
     except TraceLogError as exc:
         print(f"pdkv trace: {exc}", file=sys.stderr)
         return 1
+    text = drawing.dot() if dot or image is not None else drawing.mermaid()
+    if image is not None:
+        picture = draw(text, image)
+        if picture is None:
+            print(f"pdkv trace: --image {image} needs Graphviz's `dot` (Debian: graphviz)", file=sys.stderr)
+            return 1
+        if out is None:
+            sys.stdout.buffer.write(picture)
+        else:
+            Path(out).write_bytes(picture)
+        return 0
+    if out is None:
+        print(text, end="")
+    else:
+        Path(out).write_text(text)
     return 0
