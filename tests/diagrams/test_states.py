@@ -59,21 +59,25 @@ def test_a_new_machine_renders_its_notes_and_bare_triggers_without_code_changes(
     assert '  BROKEN [label="BROKEN", peripheries=2];' in dot
 
 
-def test_notes_for_an_edge_the_table_lacks_are_refused() -> None:
+def test_notes_for_an_edge_the_table_lacks_are_refused_when_drawn(monkeypatch: pytest.MonkeyPatch) -> None:
+    stale = EdgeNotes(LAMP, {(Switch.BREAK, Lamp.OFF): EdgeNote(guard="never")})  # builds: imports never fail
+    assert stale.stale() == ["break -> OFF"]
+    monkeypatch.setattr(f"{__name__}.LAMP_NOTES", stale)
     with pytest.raises(
         ValueError, match=r"Lamp: notes for edges the table does not have: \['break -> OFF'\]"
     ):
-        EdgeNotes(LAMP, {(Switch.BREAK, Lamp.OFF): EdgeNote(guard="never")})
+        render(LAMP, "mermaid")
 
 
-def test_every_pdkv_machine_has_notes_for_every_edge() -> None:
+def test_the_protocol_machines_have_notes_and_none_is_stale() -> None:
+    # Notes are optional per row (a new row or machine draws its trigger only until annotated);
+    # these machines were annotated edge by edge, and a note must never outlive its edge.
+    annotated = {"SenderRoom", "ReceiverRoom", "Chunk", "DecodeAbort", "PrefillAbort", "PerLayer", "Peer"}
     for spec in ALL_MACHINES:
         notes = notes_for(spec)
-        assert notes is not None, spec.name
-        missing = [
-            (e.trigger.value, e.dest.name) for e in spec.edges if (e.trigger, e.dest) not in notes.notes
-        ]
-        assert missing == [], spec.name
+        if spec.name in annotated:
+            assert notes is not None and notes.notes, spec.name
+        assert notes is None or notes.stale() == [], spec.name
 
 
 def test_mermaid_special_characters_are_escaped_once() -> None:

@@ -38,6 +38,8 @@ def notes_for(spec: MachineSpec[Any, Any]) -> EdgeNotes[Any, Any] | None:
     )
     if len(found) > 1:
         raise ValueError(f"{spec.name}: {len(found)} EdgeNotes in {spec.states.__module__}; keep one")
+    if found and found[0].stale():
+        raise ValueError(f"{spec.name}: notes for edges the table does not have: {found[0].stale()}")
     return found[0] if found else None
 
 

@@ -1,7 +1,7 @@
 """Edge notes: the guard and the effects of a machine's edges, written beside its table, for reviews.
 
 Owns: ``EdgeNote`` (one edge's guard and effects, as short review text) and ``EdgeNotes`` (a
-machine's notes, keyed by ``(trigger, dest)``, checked against its table when built). The machines
+machine's notes, keyed by ``(trigger, dest)``, checked against its table when drawn). The machines
 never read them: ``fire()`` and the endpoints do not depend on this module, so a note can never
 change behaviour. ``pdkv diagram`` finds every ``EdgeNotes`` of a machine module and writes its
 edges as ``trigger [guard] / effect, effect``; an edge without a note shows its trigger only.
@@ -40,16 +40,17 @@ class EdgeNote:
 
 @attrs.frozen
 class EdgeNotes(Generic[S, T]):
-    """The notes of one machine; every key must name an edge of its table (``(trigger, dest)``)."""
+    """The notes of one machine, keyed by the ``(trigger, dest)`` of an edge of its table."""
 
     spec: MachineSpec[S, T]
     notes: Mapping[tuple[T, S], EdgeNote]
 
-    def __attrs_post_init__(self) -> None:
+    def stale(self) -> list[str]:
+        """Notes whose edge the table no longer has (``pdkv diagram`` refuses to draw with any).
+
+        Checked there, not here: a stale note must never stop the protocol from importing."""
         rows = {(edge.trigger, edge.dest) for edge in self.spec.edges}
-        stale = [f"{t.value} -> {d.name}" for (t, d) in self.notes if (t, d) not in rows]
-        if stale:
-            raise ValueError(f"{self.spec.name}: notes for edges the table does not have: {stale}")
+        return [f"{t.value} -> {d.name}" for (t, d) in self.notes if (t, d) not in rows]
 
     def label(self, trigger: T, dest: S) -> str:
         note = self.notes.get((trigger, dest))
