@@ -1,10 +1,11 @@
 """Sequence diagrams of the protocol's scenarios, recorded from executions on the fake clock.
 
 Owns: ``SCENARIOS`` (each a short script over ``pdkv.testing.EndpointPair``: the real endpoints,
-the real codec, a loss-free link unless the story drops a message) and ``record`` / ``render``,
-which run one and write what crossed the wire and what changed on each rank as a Mermaid
-``sequenceDiagram``. Nothing here is drawn by hand: a change to the protocol changes the recorded
-exchange, and the committed diagrams then differ (``pdkv diagram --check``).
+the real codec, a loss-free link unless the story drops a message), the ``Recorder`` that watches
+one run, and ``chart`` / ``render``, which run a scenario and write what crossed the wire and what
+changed on each rank as a sequence chart (Mermaid ``sequenceDiagram``, or DOT). Nothing here is
+drawn by hand: a change to the protocol changes the recorded exchange, and the committed
+diagrams then differ (``pdkv diagram --check``).
 
 Must not change the endpoints' behaviour: the recorder only looks (public queries, the effects the
 harness carries out). Each scenario checks that its room ended as the story says
@@ -13,7 +14,8 @@ harness carries out). Each scenario checks that its room ended as the story says
 Reading a diagram (Mermaid; the DOT form of ``pdkv.diagrams._chart`` draws the same steps):
 ``->>`` a control message, ``-x`` one lost on the wire, ``-->>`` the KV
 writes of a chunk (data plane) as they start; notes are state changes of the room (R), its abort
-handshake (A) and its chunks (C<n>); times are fake-clock seconds when the event happened.
+handshake (A), its chunks (C<n>) and the per-layer contexts of the harness (L @<token>); times are
+fake-clock seconds when the event happened.
 """
 
 from __future__ import annotations
@@ -51,8 +53,8 @@ class Arrow:
     sender: str
     receiver: str
     text: str
-    kind: str
-    """``control``, ``lost`` or ``data``."""
+    kind: StepKind
+    """``MESSAGE``, ``LOST`` or ``DATA``."""
 
 
 @attrs.frozen(kw_only=True)
@@ -135,7 +137,7 @@ class Recorder(EndpointPair):
                         sender=self._lane(who),
                         receiver=receiver,
                         text=describe(effect.message) + (" (lost)" if lost else ""),
-                        kind="lost" if lost else "control",
+                        kind=StepKind.LOST if lost else StepKind.MESSAGE,
                     )
                 )
             elif isinstance(effect, ReleasePages) and effect.room == ROOM:
@@ -175,7 +177,7 @@ class Recorder(EndpointPair):
                             sender=self._lane(who),
                             receiver="D",
                             text=line[2:],
-                            kind="data",
+                            kind=StepKind.DATA,
                         )
                     )
                 else:
@@ -436,10 +438,13 @@ def chart(scenario: Scenario) -> Chart:
             pending.append(event)
             continue
         flush()
-        kind = {"control": StepKind.MESSAGE, "lost": StepKind.LOST, "data": StepKind.DATA}[event.kind]
         steps.append(
             Step(
-                kind=kind, lane=event.sender, to=event.receiver, time=_stamp(event.time), lines=(event.text,)
+                kind=event.kind,
+                lane=event.sender,
+                to=event.receiver,
+                time=_stamp(event.time),
+                lines=(event.text,),
             )
         )
     flush()
