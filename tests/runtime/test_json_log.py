@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from pdkv.diagrams.trace import read_logs, render
+from pdkv.errors import ConfigError
 from pdkv.protocol.ids import RoomId
 from pdkv.protocol.poll import KVPoll
 from pdkv.runtime import json_log
@@ -35,6 +36,12 @@ def test_env_variable_turns_it_on_for_a_folder(tmp_path: Path, monkeypatch: pyte
     assert not logging.getLogger(json_log.TRACE_LOGGER).isEnabledFor(logging.DEBUG)
     records = [json.loads(x) for x in (tmp_path / f"pdkv-{os.getpid()}.jsonl").read_text().splitlines()]
     assert [(r["level"], r["text"]) for r in records] == [("WARNING", "room 42: something odd")]
+
+
+def test_an_unwritable_path_is_a_config_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(json_log.ENV, str(tmp_path / "no such folder" / "x.jsonl"))
+    with pytest.raises(ConfigError, match=r"PDKV_LOG_JSON=.*no such folder.*cannot write the JSON log"):
+        json_log.install_from_env()
 
 
 def test_a_room_aborted_by_decode_traced_across_real_transports(

@@ -1,7 +1,8 @@
 """Structured log of the transports: one JSON object per line, the input of ``pdkv trace``.
 
 Owns: ``describe`` (one message as a short label, shared with the generated sequence diagrams),
-``JsonFormatter`` (a ``logging.Formatter`` writing a record and its ``extra=`` fields as JSON),
+``JsonFormatter`` (a ``logging.Formatter`` writing a record, and the fields a caller passed as
+``extra={"pdkv": {...}}``, as one JSON object),
 ``MessageTrace`` (what a transport's host hands it: each message received, each effect carried
 out, and each room state change, logged on ``pdkv.trace`` at DEBUG with room, rank, message and
 state as fields) and ``install`` / ``install_from_env`` (a JSON file handler; ``PDKV_LOG_JSON=PATH``
@@ -21,6 +22,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+from pdkv.errors import ConfigError
 from pdkv.protocol.effects import (
     DropLayers,
     Effect,
@@ -156,9 +158,15 @@ def uninstall(handler: logging.Handler) -> None:
 
 
 def install_from_env() -> logging.Handler | None:
-    """``install(os.environ["PDKV_LOG_JSON"])`` when it is set (every transport calls this)."""
+    """``install(os.environ["PDKV_LOG_JSON"])`` when it is set (every transport calls this);
+    ``ConfigError`` naming the variable when that path cannot be written."""
     path = os.environ.get(ENV)
-    return install(path) if path else None
+    if not path:
+        return None
+    try:
+        return install(path)
+    except OSError as exc:
+        raise ConfigError(f"{ENV}={path!r}: cannot write the JSON log there: {exc}") from exc
 
 
 class TracedEndpoint(Protocol):
