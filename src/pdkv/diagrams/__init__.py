@@ -16,6 +16,7 @@ import re
 import shutil
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 from pdkv.diagrams import sequences
@@ -56,7 +57,7 @@ def embed(markdown: str, rendered: dict[str, str] | None = None) -> str:
         if key not in rendered:
             known = sorted(k for k in rendered if k.startswith("seq_") == (kind == "sequence"))
             raise KeyError(f"protocol.md embeds unknown {kind} {name!r}; known: {known}")
-        story = f"{_STORIES[name]}\n\n" if kind == "sequence" else ""
+        story = f"{textwrap.fill(_STORIES[name], width=100)}\n\n" if kind == "sequence" else ""
         return f"{match.group(1)}{story}```mermaid\n{rendered[key]}```\n{match.group(5)}"
 
     return _BLOCK.sub(replace, markdown)
