@@ -96,8 +96,8 @@ def test_edges_carry_guard_and_effects() -> None:
     by_name = {spec.name: spec for spec in ALL_MACHINES}
     sender = render(by_name["SenderRoom"], "mermaid")
     assert (
-        "TRANSFERRING --> SUCCESS: last_chunk_done [last chunk queued, every chunk Done, no layer write "
-        "left] / send TransferStatus(Success) to each real destination" in sender
+        "TRANSFERRING --> SUCCESS: last_chunk_done<br/>[last chunk queued, every chunk Done, no layer "
+        "write left]<br/>/ send TransferStatus(Success) to each real destination\n" in sender
     )
     prefill_abort = render(by_name["PrefillAbort"], "graphviz")
     assert (

@@ -47,10 +47,10 @@ LAMP_NOTES = EdgeNotes(
 def test_a_new_machine_renders_its_notes_and_bare_triggers_without_code_changes() -> None:
     assert notes_for(LAMP) is LAMP_NOTES
     mermaid = render(LAMP, "mermaid")
-    assert "  OFF --> ON: press [power present] / light, start timer\n" in mermaid
+    assert "  OFF --> ON: press<br/>[power present]<br/>/ light, start timer\n" in mermaid
     assert "  ON --> OFF: press\n" in mermaid  # a row without a note: its trigger only
-    assert "  OFF --> BROKEN: break / call the electrician\n" in mermaid
-    assert "  ON --> BROKEN: break / call the electrician\n" in mermaid
+    assert "  OFF --> BROKEN: break<br/>/ call the electrician\n" in mermaid
+    assert "  ON --> BROKEN: break<br/>/ call the electrician\n" in mermaid
     assert "  [*] --> OFF\n" in mermaid and "  BROKEN --> [*]\n" in mermaid
     dot = render(LAMP, "graphviz")
     assert '  OFF -> ON [label="press\\l[power present]\\l/ light, start timer\\l"];' in dot

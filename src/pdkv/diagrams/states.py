@@ -43,13 +43,14 @@ def notes_for(spec: MachineSpec[Any, Any]) -> EdgeNotes[Any, Any] | None:
     return found[0] if found else None
 
 
-def edge_rows(spec: MachineSpec[Any, Any]) -> list[tuple[enum.Enum, enum.Enum, str]]:
-    """``(source, dest, label)`` per table row and source, in table order."""
+def edge_rows(spec: MachineSpec[Any, Any]) -> list[tuple[enum.Enum, enum.Enum, tuple[str, ...]]]:
+    """``(source, dest, label lines)`` per table row and source, in table order; the lines are the
+    trigger, then ``[guard]`` and ``/ effects`` when the row's note has them."""
     notes = notes_for(spec)
-    rows: list[tuple[enum.Enum, enum.Enum, str]] = []
+    rows: list[tuple[enum.Enum, enum.Enum, tuple[str, ...]]] = []
     for edge in spec.edges:
-        label = edge.trigger.value if notes is None else notes.label(edge.trigger, edge.dest)
-        rows.extend((source, edge.dest, label) for source in edge.sources)
+        parts = (edge.trigger.value,) if notes is None else notes.parts(edge.trigger, edge.dest)
+        rows.extend((source, edge.dest, parts) for source in edge.sources)
     return rows
 
 
@@ -66,8 +67,9 @@ def _mermaid(spec: MachineSpec[Any, Any]) -> str:
     lines = ["---", f"title: {spec.name}", "---", "stateDiagram-v2", "  direction LR"]
     lines += [f'  state "{s.name}" as {s.name}' for s in spec.states]
     lines.append(f"  [*] --> {spec.initial.name}")
-    for source, dest, label in edge_rows(spec):
-        lines.append(f"  {source.name} --> {dest.name}: {mermaid_text(label)}")
+    for source, dest, parts in edge_rows(spec):
+        label = "<br/>".join(mermaid_text(part) for part in parts)
+        lines.append(f"  {source.name} --> {dest.name}: {label}")
     lines += [f"  {s.name} --> [*]" for s in spec.states if s in spec.terminal]
     return "\n".join(lines) + "\n"
 
@@ -84,16 +86,15 @@ def _dot(spec: MachineSpec[Any, Any]) -> str:
         extra = ", peripheries=2" if s in spec.terminal else ""
         lines.append(f'  {s.name} [label="{s.name}"{extra}];')
     lines.append(f"  __initial__ -> {spec.initial.name};")
-    for source, dest, label in edge_rows(spec):
-        lines.append(f"  {source.name} -> {dest.name} [label={_dot_label(label)}];")
+    for source, dest, parts in edge_rows(spec):
+        lines.append(f"  {source.name} -> {dest.name} [label={_dot_label(parts)}];")
     lines.append("}")
     return "\n".join(lines) + "\n"
 
 
-def _dot_label(text: str) -> str:
-    """A quoted DOT label, broken before the guard and the effects (left-aligned lines)."""
-    escaped = text.replace("\\", "\\\\").replace('"', '\\"')
-    escaped = escaped.replace(" [", "\\l[", 1).replace("] / ", "]\\l/ ", 1)
-    if "\\l" not in escaped:
-        escaped = escaped.replace(" / ", "\\l/ ", 1)
-    return f'"{escaped}\\l"' if "\\l" in escaped else f'"{escaped}"'
+def _dot_label(parts: tuple[str, ...]) -> str:
+    """A quoted DOT label: one left-aligned line per part (a bare trigger stays centred)."""
+    escaped = [part.replace("\\", "\\\\").replace('"', '\\"') for part in parts]
+    if len(escaped) == 1:
+        return f'"{escaped[0]}"'
+    return '"' + "".join(f"{line}\\l" for line in escaped) + '"'

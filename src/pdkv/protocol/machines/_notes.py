@@ -28,14 +28,14 @@ class EdgeNote:
     guard: str = ""
     effects: tuple[str, ...] = ()
 
-    def label(self, trigger: str) -> str:
-        """``trigger [guard] / effect, effect`` (parts left out when empty)."""
-        text = trigger
+    def parts(self, trigger: str) -> tuple[str, ...]:
+        """``(trigger, "[guard]", "/ effect, effect")``, the empty ones left out: the lines of a label."""
+        parts = [trigger]
         if self.guard:
-            text += f" [{self.guard}]"
+            parts.append(f"[{self.guard}]")
         if self.effects:
-            text += " / " + ", ".join(self.effects)
-        return text
+            parts.append("/ " + ", ".join(self.effects))
+        return tuple(parts)
 
 
 @attrs.frozen
@@ -52,6 +52,7 @@ class EdgeNotes(Generic[S, T]):
         rows = {(edge.trigger, edge.dest) for edge in self.spec.edges}
         return [f"{t.value} -> {d.name}" for (t, d) in self.notes if (t, d) not in rows]
 
-    def label(self, trigger: T, dest: S) -> str:
+    def parts(self, trigger: T, dest: S) -> tuple[str, ...]:
+        """The label lines of the edge ``trigger`` -> ``dest``: its trigger alone when it has no note."""
         note = self.notes.get((trigger, dest))
-        return trigger.value if note is None else note.label(trigger.value)
+        return (trigger.value,) if note is None else note.parts(trigger.value)
