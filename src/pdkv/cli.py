@@ -6,6 +6,7 @@ Owns: argument parsing and dispatch only; the work lives in the modules it calls
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -38,7 +39,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     trace.add_argument("--image", choices=("svg", "png"), default=None, help="draw it (needs Graphviz's dot)")
     trace.add_argument("--out", default=None, help="write to this file instead of stdout")
     trace.add_argument(
-        "logs", nargs="+", help="JSON log files, or folders of *.jsonl (e.g. a demo's --log-dir)"
+        "logs",
+        nargs="*",
+        help="JSON log files, or folders of *.jsonl (e.g. a demo's --log-dir); default: $PDKV_LOG_JSON",
     )
     registry = sub.add_parser(
         "registry", help="run the bootstrap registry of a prefill instance until stopped"
@@ -67,8 +70,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         if ns.room != "list" and not ns.room.isdigit():
             parser.error(f"trace: ROOM must be a room id or 'list', not {ns.room!r}")
+        default = os.environ.get("PDKV_LOG_JSON")
+        logs = ns.logs or ([default] if default else [])
+        if not logs:
+            parser.error("trace: name the JSON logs (files or folders), or set PDKV_LOG_JSON")
         room = None if ns.room == "list" else int(ns.room)
-        return trace_main(room, ns.logs, dot=bool(ns.dot), image=ns.image, out=ns.out)
+        return trace_main(room, logs, dot=bool(ns.dot), image=ns.image, out=ns.out)
     parser.print_help()
     return 2
 

@@ -111,3 +111,15 @@ def test_cli_writes_dot_and_refuses_an_image_without_graphviz(
     monkeypatch.setattr("shutil.which", lambda name: None)
     assert cli_main(["trace", "9", str(folder), "--image", "svg"]) == 1
     assert "needs Graphviz's `dot`" in capsys.readouterr().err
+
+
+def test_cli_reads_pdkv_log_json_when_no_log_is_named(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PDKV_LOG_JSON", str(write_logs(tmp_path)))
+    assert cli_main(["trace", "list"]) == 0
+    assert capsys.readouterr().out == "9\n10\n"
+    monkeypatch.delenv("PDKV_LOG_JSON")
+    with pytest.raises(SystemExit):
+        cli_main(["trace", "9"])
+    assert "set PDKV_LOG_JSON" in capsys.readouterr().err
