@@ -53,6 +53,7 @@ from pdkv.engine.mooncake import (
 from pdkv.engine.sockets import ConnectionCutUnavailableError
 from pdkv.errors import (
     ConfigError,
+    DiagramScenarioError,
     EngineUnavailableError,
     InvalidArgumentError,
     LayoutMismatchError,
@@ -63,6 +64,7 @@ from pdkv.errors import (
     RegistryError,
     RemoteProtocolError,
     RouteUnavailableError,
+    TraceLogError,
     TransferError,
     TransportClosedError,
 )
@@ -123,6 +125,7 @@ __all__ = [
     "ControlTimeoutError",
     "DecodeConfig",
     "DecodeTransport",
+    "DiagramScenarioError",
     "DoubleFreeError",
     "EngineInitError",
     "EngineUnavailableError",
@@ -171,6 +174,7 @@ __all__ = [
     "StateIndices",
     "Timeouts",
     "TopologyError",
+    "TraceLogError",
     "TransferBackend",
     "TransferError",
     "TransportClosedError",

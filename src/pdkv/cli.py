@@ -1,4 +1,4 @@
-"""Command line: ``pdkv demo | bench NAME | diagram [--check] | registry``.
+"""Command line: ``pdkv demo | bench NAME | diagram [--check] [--image FMT] | trace ROOM LOGS... | registry``.
 
 Owns: argument parsing and dispatch only; the work lives in the modules it calls.
 """
@@ -6,6 +6,7 @@ Owns: argument parsing and dispatch only; the work lives in the modules it calls
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -19,9 +20,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     bench = sub.add_parser("bench", help="run a benchmark: pdkv bench NAME [args] (NAME 'list' or 'all')")
     bench.add_argument("name")
-    diagram = sub.add_parser("diagram", help="write the state diagrams into specs/diagrams/")
+    diagram = sub.add_parser(
+        "diagram", help="write the state and sequence diagrams into specs/diagrams/ and specs/protocol.md"
+    )
     diagram.add_argument("--check", action="store_true", help="exit 1 if the committed files differ")
     diagram.add_argument("--out", default=None, help="output folder (default: specs/diagrams)")
+    diagram.add_argument(
+        "--image",
+        choices=("svg", "png"),
+        default=None,
+        help="also draw each .dot file (needs Graphviz's dot)",
+    )
+    trace = sub.add_parser(
+        "trace", help="one room of a run as a Mermaid sequence diagram, from JSON logs (PDKV_LOG_JSON)"
+    )
+    trace.add_argument("room", help="the room id; 'list': the rooms the logs mention")
+    trace.add_argument("--dot", action="store_true", help="Graphviz DOT instead of Mermaid")
+    trace.add_argument("--image", choices=("svg", "png"), default=None, help="draw it (needs Graphviz's dot)")
+    trace.add_argument("--out", default=None, help="write to this file instead of stdout")
+    trace.add_argument(
+        "logs",
+        nargs="*",
+        help="JSON log files, or folders of *.jsonl (e.g. a demo's --log-dir); default: $PDKV_LOG_JSON",
+    )
     registry = sub.add_parser(
         "registry", help="run the bootstrap registry of a prefill instance until stopped"
     )
@@ -43,7 +64,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     if ns.command == "diagram":
         from pdkv.diagrams import main as diagram_main
 
-        return diagram_main(check=bool(ns.check), out=ns.out)
+        return diagram_main(check=bool(ns.check), out=ns.out, image=ns.image)
+    if ns.command == "trace":
+        from pdkv.diagrams.trace import main as trace_main
+
+        if ns.room != "list" and not ns.room.isdigit():
+            parser.error(f"trace: ROOM must be a room id or 'list', not {ns.room!r}")
+        default = os.environ.get("PDKV_LOG_JSON")
+        logs = ns.logs or ([default] if default else [])
+        if not logs:
+            parser.error("trace: name the JSON logs (files or folders), or set PDKV_LOG_JSON")
+        room = None if ns.room == "list" else int(ns.room)
+        return trace_main(room, logs, dot=bool(ns.dot), image=ns.image, out=ns.out)
     parser.print_help()
     return 2
 

@@ -15,6 +15,8 @@ Owns: exception classes only. Must not import anything from pdkv (it is the bott
       RouteUnavailableError    the bootstrap registry did not answer, or its route table is unusable
         RegistryError          ... the registry refused an announcement or a query
       TransportClosedError     a call on a transport after close() (or before start())
+      DiagramScenarioError     a scenario drawn by ``pdkv diagram`` did not end as its story says
+      TraceLogError            ``pdkv trace``: the logs are missing or hold nothing for the room
 """
 
 from __future__ import annotations
@@ -86,3 +88,19 @@ class RouteUnavailableError(PdkvError):
 
 class RegistryError(RouteUnavailableError):
     """The bootstrap registry refused an announcement or a query (the reason is in the message)."""
+
+
+class DiagramScenarioError(PdkvError):
+    """A scenario that ``pdkv diagram`` records did not end as its story says (the protocol changed)."""
+
+    def __init__(self, message: str, *, scenario: str) -> None:
+        super().__init__(message)
+        self.scenario = scenario
+
+
+class TraceLogError(PdkvError):
+    """``pdkv trace``: a log file is missing, or the logs hold no record of the room asked for."""
+
+    def __init__(self, message: str, *, room: int | None = None) -> None:
+        super().__init__(message)
+        self.room = room

@@ -38,6 +38,7 @@ import attrs
 from pdkv.mapping import AttentionKind, Topology, TopologyError
 from pdkv.protocol.ids import RoomId
 from pdkv.protocol.poll import KVPoll
+from pdkv.runtime import json_log
 from pdkv.testing.cluster import AbortPlan, Cluster, ClusterSpec, RankReport, RequestPlan, RoomOutcome
 from pdkv.testing.synthetic import Capacity, ModelSpec
 
@@ -335,6 +336,7 @@ def main(argv: Sequence[str] = ()) -> int:
     progress = _Progress(len(plans), decode_ranks=args.decode_tp)
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="pdkv-demo-")
     os.makedirs(log_dir, exist_ok=True)
+    os.environ.setdefault(json_log.ENV, log_dir)  # every rank's JSON log lands there: `pdkv trace ROOM DIR`
     print(f"  starting registry and rank processes (rank logs: {log_dir}) ...", file=sys.stderr, flush=True)
     with Cluster(spec, log_level=logging.INFO, log_dir=log_dir) as cluster:
         ready = time.monotonic()

@@ -22,10 +22,11 @@ from pdkv.errors import TransportClosedError
 from pdkv.metrics import TransportMetrics
 from pdkv.protocol.effects import Effect, ForgetPeer, Notice, NoticeLevel
 from pdkv.protocol.ids import RoomId
-from pdkv.protocol.messages import Message
+from pdkv.protocol.messages import Message, Origin
 from pdkv.protocol.poll import KVPoll
 from pdkv.runtime._accounting import Accounting
 from pdkv.runtime._loop import ControlLoop, MessageChannel
+from pdkv.runtime.json_log import MessageTrace
 
 _T = TypeVar("_T")
 
@@ -44,6 +45,8 @@ def log_notice(logger: logging.Logger, notice: Notice) -> None:
 class Endpoint(Protocol):
     """The part of ``PrefillEndpoint`` / ``DecodeEndpoint`` the host drives, and the room queries
     both scheduler handles answer from."""
+
+    origin: Origin
 
     def receive(self, message: Message, now: float) -> list[Effect]: ...
 
@@ -87,6 +90,7 @@ class EndpointHost(Generic[E]):
         self._loop = ControlLoop(
             channel, name=thread_name, on_message=self._on_message, on_tick=self._on_tick, clock=clock
         )
+        self._trace = MessageTrace(endpoint, lambda: self._loop.channel.address)  # PDKV_LOG_JSON
 
     @property
     def address(self) -> str:
@@ -128,6 +132,7 @@ class EndpointHost(Generic[E]):
     def _on_message(self, message: Message, now: float) -> None:
         with self._lock:
             self._accounting.received(message)
+            self._trace.received(message)
             self._apply(self._endpoint.receive(message, now))
 
     def _on_tick(self, now: float) -> float | None:
@@ -146,6 +151,7 @@ class EndpointHost(Generic[E]):
     # ------------------------------------------------------------------ effects (lock held)
 
     def _apply(self, effects: Sequence[Effect]) -> None:
+        self._trace.effects(effects)
         self._accounting.effects(effects)
         for effect in effects:
             if isinstance(effect, Notice):

@@ -168,10 +168,13 @@ class RoomPlan:
     per_layer: bool = False
     """Each chunk's KV also goes layer by layer: a per-layer context starts writing when the chunk is
     queued and ends ``layer_time`` later (after the chunk's own write), as a forward that overlaps."""
+    prefix_pages: int = 0
+    """Positions the decode side already holds (a cached prefix): the chunks cover the rest."""
 
     def __attrs_post_init__(self) -> None:
-        if sum(self.chunk_pages) != self.num_pages or not self.chunk_pages:
-            raise ValueError(f"chunks {self.chunk_pages} do not cover {self.num_pages} pages")
+        if self.prefix_pages + sum(self.chunk_pages) != self.num_pages or not self.chunk_pages:
+            covered = f"prefix {self.prefix_pages} and chunks {self.chunk_pages}"
+            raise ValueError(f"{covered} do not cover {self.num_pages} pages")
 
 
 @attrs.define(eq=False)
@@ -372,7 +375,12 @@ class EndpointPair:
             self._apply(
                 "decode",
                 self.decode.open_room(
-                    plan.room, targets=self.targets(), dst_pages=dst, dst_aux_row=plan.room % 8, now=now
+                    plan.room,
+                    targets=self.targets(),
+                    dst_pages=dst,
+                    dst_aux_row=plan.room % 8,
+                    prefix_pages=plan.prefix_pages,
+                    now=now,
                 ),
             )
 
@@ -720,7 +728,7 @@ class EndpointPair:
     def _queue_next_chunk(self, prog: _Progress, now: float) -> None:
         plan = prog.plan
         index = prog.next_chunk
-        start = sum(plan.chunk_pages[:index])
+        start = plan.prefix_pages + sum(plan.chunk_pages[:index])
         spec = ChunkSpec(
             pages=np.arange(start, start + plan.chunk_pages[index], dtype=np.int64),
             start_token=start * self.layout.page_size,

@@ -23,6 +23,7 @@ from __future__ import annotations
 import enum
 
 from pdkv.protocol.machines._base import MachineSpec, StateMachine, edges
+from pdkv.protocol.machines._notes import EdgeNote, EdgeNotes
 
 
 class DecodeAbortState(enum.Enum):
@@ -78,6 +79,35 @@ PREFILL_ABORT = MachineSpec(
     ),
 )
 
+
+# Guards and effects of the edges, for the diagrams only (the endpoints decide and act).
+DECODE_ABORT_NOTES = EdgeNotes(
+    DECODE_ABORT,
+    {
+        (DecodeAbortTrigger.ALL_ACKED, DecodeAbortState.ACKED): EdgeNote(
+            guard="AbortAck from every rank told the destinations (+ settle time if quarantined)",
+            effects=("ReleasePages(safe)",),
+        ),
+        (DecodeAbortTrigger.ACK_TIMEOUT, DecodeAbortState.QUARANTINED): EdgeNote(
+            guard="abort_ack passed, an ack missing", effects=("pages held", "Abort still resent")
+        ),
+        (DecodeAbortTrigger.QUARANTINE_TIMEOUT, DecodeAbortState.TIMED_OUT): EdgeNote(
+            guard="quarantine passed", effects=("ReleasePages(unsafe), counted and logged",)
+        ),
+    },
+)
+
+PREFILL_ABORT_NOTES = EdgeNotes(
+    PREFILL_ABORT,
+    {
+        (PrefillAbortTrigger.DRAIN, PrefillAbortState.DRAINING): EdgeNote(
+            guard="Abort from a registered decode rank", effects=("fail the room", "skip queued chunks")
+        ),
+        (PrefillAbortTrigger.DRAINED, PrefillAbortState.ACKED): EdgeNote(
+            guard="no write of the room in flight", effects=("send AbortAck to every asking rank",)
+        ),
+    },
+)
 
 class DecodeAbortMachine(StateMachine[DecodeAbortState, DecodeAbortTrigger]):
     def __init__(self, label: str) -> None:

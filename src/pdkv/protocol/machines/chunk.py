@@ -13,6 +13,7 @@ from __future__ import annotations
 import enum
 
 from pdkv.protocol.machines._base import MachineSpec, StateMachine, edges
+from pdkv.protocol.machines._notes import EdgeNote, EdgeNotes
 
 
 class ChunkState(enum.Enum):
@@ -46,6 +47,21 @@ CHUNK = MachineSpec(
     ),
 )
 
+
+# Guards and effects of the edges, for the diagrams only (the endpoint decides and acts).
+CHUNK_NOTES = EdgeNotes(
+    CHUNK,
+    {
+        (_T.START, _S.TRANSFERRING): EdgeNote(guard="room not failed", effects=("worker writes",)),
+        (_T.COMPLETE, _S.DONE): EdgeNote(
+            guard="every write completed", effects=("room Success if last and all Done",)
+        ),
+        (_T.FAIL, _S.FAILED): EdgeNote(
+            guard="engine failure, writes ended", effects=("fail the room", "AbortAck if draining")
+        ),
+        (_T.SKIP, _S.SKIPPED): EdgeNote(guard="room failed before start", effects=("write nothing",)),
+    },
+)
 
 class ChunkMachine(StateMachine[ChunkState, ChunkTrigger]):
     def __init__(self, label: str) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import enum
 
 from pdkv.protocol.machines._base import MachineSpec, StateMachine, edges
+from pdkv.protocol.machines._notes import EdgeNote, EdgeNotes
 
 
 class PeerState(enum.Enum):
@@ -58,6 +59,32 @@ PEER = MachineSpec(
     ),
 )
 
+
+# Guards and effects of the edges, for the diagrams only (the endpoints decide and act).
+PEER_NOTES = EdgeNotes(
+    PEER,
+    {
+        (_T.ACKNOWLEDGED, _S.READY): EdgeNote(
+            guard="layouts equal, nothing draining",
+            effects=("prefill: send RegisterAck", "decode: send held requests and aborts"),
+        ),
+        (_T.REFUSED, _S.REJECTED): EdgeNote(
+            guard="layouts differ", effects=("prefill: send RegisterReject naming the difference",)
+        ),
+        (_T.SILENCE, _S.REGISTERING): EdgeNote(
+            guard="nothing heard for heartbeat_timeout",
+            effects=("ForgetPeer", "fail its rooms", "send Register"),
+        ),
+        (_T.FORGET, _S.FORGOTTEN): EdgeNote(
+            guard="silent for heartbeat_timeout, or a newer epoch",
+            effects=("ForgetPeer", "fail its rooms (TransferStatus Failed)"),
+        ),
+        (_T.REGISTERED_WHILE_DRAINING, _S.DRAINING): EdgeNote(
+            guard="writes to the old incarnation in flight", effects=("hold RegisterAck",)
+        ),
+        (_T.DRAINED, _S.READY): EdgeNote(guard="those writes ended", effects=("send RegisterAck",)),
+    },
+)
 
 class PeerMachine(StateMachine[PeerState, PeerTrigger]):
     def __init__(self, label: str) -> None:

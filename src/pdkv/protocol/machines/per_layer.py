@@ -25,6 +25,7 @@ from __future__ import annotations
 import enum
 
 from pdkv.protocol.machines._base import MachineSpec, StateMachine, edges
+from pdkv.protocol.machines._notes import EdgeNote, EdgeNotes
 
 
 class PerLayerState(enum.Enum):
@@ -64,6 +65,28 @@ PER_LAYER = MachineSpec(
     ),
 )
 
+
+# Guards and effects of the edges, for the diagrams only (pdkv.runtime.per_layer decides and acts).
+PER_LAYER_NOTES = EdgeNotes(
+    PER_LAYER,
+    {
+        (_T.ALL_LAYERS_SUBMITTED, _S.LAYERS_SUBMITTED): EdgeNote(guard="last layer submitted before send()"),
+        (_T.ALL_LAYERS_SUBMITTED, _S.COMPLETING): EdgeNote(
+            guard="last layer submitted after send()", effects=("wake the finisher",)
+        ),
+        (_T.FINISH, _S.AWAITING_LAYERS): EdgeNote(
+            guard="send() before the last layer", effects=("finisher waits, bounded",)
+        ),
+        (_T.FINISH, _S.COMPLETING): EdgeNote(guard="send() after every layer"),
+        (_T.COMPLETE, _S.DONE): EdgeNote(guard="every write completed", effects=("chunk_done",)),
+        (_T.FAIL, _S.FAILED): EdgeNote(
+            guard="a write failed or finish deadline", effects=("await submitted writes", "chunk_failed")
+        ),
+        (_T.DROP, _S.DROPPED): EdgeNote(
+            guard="room failed or aborted", effects=("await submitted writes", "layer_writes_ended")
+        ),
+    },
+)
 
 class PerLayerMachine(StateMachine[PerLayerState, PerLayerTrigger]):
     def __init__(self, label: str) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import enum
 
 from pdkv.protocol.machines._base import MachineSpec, StateMachine, edges
+from pdkv.protocol.machines._notes import EdgeNote, EdgeNotes
 
 
 class ReceiverRoomState(enum.Enum):
@@ -47,6 +48,25 @@ RECEIVER_ROOM = MachineSpec(
     ),
 )
 
+
+# Guards and effects of the edges, for the diagrams only (the endpoint decides and acts).
+RECEIVER_ROOM_NOTES = EdgeNotes(
+    RECEIVER_ROOM,
+    {
+        (_T.REQUESTS_SENT, _S.WAITING_FOR_INPUT): EdgeNote(
+            guard="every target registered",
+            effects=("send TransferRequest to each target", "arm waiting deadline"),
+        ),
+        (_T.PROGRESS, _S.TRANSFERRING): EdgeNote(
+            guard="Success from a required rank, others missing", effects=("arm transfer deadline",)
+        ),
+        (_T.ALL_SUCCEEDED, _S.SUCCESS): EdgeNote(guard="Success from every required rank"),
+        (_T.FAIL, _S.FAILED): EdgeNote(
+            guard="status Failed, abort, deadline, peer lost or restarted",
+            effects=("send Abort to each ready target", "start DecodeAbort"),
+        ),
+    },
+)
 
 class ReceiverRoomMachine(StateMachine[ReceiverRoomState, ReceiverRoomTrigger]):
     def __init__(self, label: str) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import enum
 
 from pdkv.protocol.machines._base import MachineSpec, StateMachine, edges
+from pdkv.protocol.machines._notes import EdgeNote, EdgeNotes
 
 
 class SenderRoomState(enum.Enum):
@@ -47,6 +48,27 @@ SENDER_ROOM = MachineSpec(
     ),
 )
 
+
+# Guards and effects of the edges, for the diagrams only (the endpoint decides and acts).
+SENDER_ROOM_NOTES = EdgeNotes(
+    SENDER_ROOM,
+    {
+        (_T.ALL_REQUESTS_IN, _S.WAITING_FOR_INPUT): EdgeNote(
+            guard="required_dst_info_num valid requests in", effects=("arm inflight deadline",)
+        ),
+        (_T.QUEUE_CHUNK, _S.TRANSFERRING): EdgeNote(
+            guard="chunk keeps the page contract", effects=("SubmitChunk to every real destination",)
+        ),
+        (_T.LAST_CHUNK_DONE, _S.SUCCESS): EdgeNote(
+            guard="last chunk queued, every chunk Done, no layer write left",
+            effects=("send TransferStatus(Success) to each real destination",),
+        ),
+        (_T.FAIL, _S.FAILED): EdgeNote(
+            guard="abort, engine error, bad request, deadline, peer lost",
+            effects=("skip Registered chunks", "send TransferStatus(Failed), resent until Abort"),
+        ),
+    },
+)
 
 class SenderRoomMachine(StateMachine[SenderRoomState, SenderRoomTrigger]):
     def __init__(self, label: str) -> None:
