@@ -22,6 +22,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+from pdkv import config
 from pdkv.errors import ConfigError
 from pdkv.protocol.effects import (
     DropLayers,
@@ -50,7 +51,9 @@ from pdkv.protocol.messages import (
 from pdkv.protocol.poll import KVPoll
 
 TRACE_LOGGER = "pdkv.trace"
-ENV = "PDKV_LOG_JSON"
+ENV = config.declare(
+    "PDKV_LOG_JSON", "A file or folder: one JSON line per message, state change and release (pdkv trace)"
+).name
 FIELDS = ("event", "room", "rank", "epoch", "addr", "peer", "peer_addr", "msg", "state", "detail")
 """The fields a record may carry, as ``extra={"pdkv": {...}}`` (one key: no clash with the
 attributes of a ``LogRecord``); ``JsonFormatter`` writes those present beside the record's own."""
