@@ -28,7 +28,7 @@ import attrs
 from pdkv.diagrams._chart import Chart, Step, StepKind
 from pdkv.errors import DiagramScenarioError
 from pdkv.protocol.config import Timeouts
-from pdkv.protocol.effects import Effect, FailureCause, ForgetPeer, ReleasePages, Send
+from pdkv.protocol.effects import Effect, FailureCause, ForgetPeer, ReleasePages, Send, SubmitFence
 from pdkv.protocol.ids import Endpoint, RoomId
 from pdkv.protocol.messages import AbortAck, Heartbeat, HeartbeatAck, Message
 from pdkv.protocol.poll import KVPoll
@@ -82,9 +82,14 @@ class Recorder(EndpointPair):
         timeouts: Timeouts,
         transfer_time: float,
         show: Sequence[type[Message]] = (),
+        fail_write: Callable[[RoomId, int, int], bool] | None = None,
     ) -> None:
         super().__init__(
-            cp_size=cp_size, timeouts=timeouts, transfer_time=transfer_time, faults=LinkFaults(latency=0.001)
+            cp_size=cp_size,
+            timeouts=timeouts,
+            transfer_time=transfer_time,
+            faults=LinkFaults(latency=0.001),
+            fail_write=fail_write,
         )
         self.events: list[Event] = []
         self.recording = True
@@ -138,6 +143,16 @@ class Recorder(EndpointPair):
                         receiver=receiver,
                         text=describe(effect.message) + (" (lost)" if lost else ""),
                         kind=StepKind.LOST if lost else StepKind.MESSAGE,
+                    )
+                )
+            elif isinstance(effect, SubmitFence) and effect.room == ROOM:
+                self.events.append(
+                    Arrow(
+                        time=self.clock.now,
+                        sender=self._lane(who),
+                        receiver="D",
+                        text="fence: a block of the failed write, through the same engine queue",
+                        kind=StepKind.DATA,
                     )
                 )
             elif isinstance(effect, ReleasePages) and effect.room == ROOM:
@@ -242,8 +257,15 @@ def _pair(
     timeouts: Timeouts | None = None,
     transfer_time: float = 0.01,
     show: Sequence[type[Message]] = (),
+    fail_write: Callable[[RoomId, int, int], bool] | None = None,
 ) -> Recorder:
-    return Recorder(cp_size=cp, timeouts=timeouts or Timeouts(), transfer_time=transfer_time, show=show)
+    return Recorder(
+        cp_size=cp,
+        timeouts=timeouts or Timeouts(),
+        transfer_time=transfer_time,
+        show=show,
+        fail_write=fail_write,
+    )
 
 
 def _registered(r: Recorder) -> Recorder:
@@ -313,6 +335,15 @@ def lost_abort_ack() -> Recorder:
     r = _settle(r, "lost_abort_ack", expect=KVPoll.Failed, safe=True)
     if not lost:
         raise _failed("lost_abort_ack", "no AbortAck was dropped")
+    return r
+
+
+def failed_write_fenced() -> Recorder:
+    r = _registered(_pair(transfer_time=0.02, fail_write=lambda room, chunk, rank: chunk == 0))
+    r.add_room(RoomPlan(room=ROOM, num_pages=8, chunk_pages=(4, 4)))
+    r = _settle(r, "failed_write_fenced", expect=KVPoll.Failed, safe=True)
+    if r.fences_completed != 1:
+        raise _failed("failed_write_fenced", f"{r.fences_completed} fences completed, expected 1")
     return r
 
 
@@ -388,6 +419,16 @@ SCENARIOS: tuple[Scenario, ...] = (
         "the Abort after `abort_resend` (1 s); the prefill rank, already acked, answers again at once; "
         "only then are the pages released.",
         script=lost_abort_ack,
+    ),
+    Scenario(
+        name="failed_write_fenced",
+        title="A failed write is fenced before the AbortAck",
+        story="The engine fails chunk 0's write: the prefill rank fails the room and says so; the "
+        "decode rank answers with Abort. Bytes of a failed batch may still sit in the engine's queue, "
+        "so before acknowledging, the prefill rank writes one block of it again through the same "
+        "queue (a fence) and sends AbortAck only once that write completed; then the pages are "
+        "released (safe).",
+        script=failed_write_fenced,
     ),
     Scenario(
         name="restarted_prefill",
