@@ -139,3 +139,14 @@ def test_a_scenario_that_no_longer_ends_as_its_story_says_is_an_error(
     monkeypatch.setattr(sequences, "_pair", failing_pair)
     with pytest.raises(DiagramScenarioError, match="'happy_path_cp2': decode ended Failed, expected Success"):
         render(_BY_NAME["happy_path_cp2"])
+
+
+def test_failed_write_is_fenced_then_acknowledged_then_released() -> None:
+    lines = lines_of("failed_write_fenced")
+    failed = index(lines, r"P0->>D: .* TransferStatus\(Failed\)$")
+    abort = index(lines, r"D->>P0: .* Abort$", failed)
+    fence = index(lines, r"P0-->>D: .* fence: ", abort)
+    ack = index(lines, r"P0->>D: .* AbortAck$", fence)
+    assert time_of(lines[ack]) > time_of(lines[fence])  # the ack waited for the fence write
+    index(lines, r"Note over D: .*ReleasePages\(safe\)", ack)
+    assert not any("ReleasePages" in line for line in lines[:ack])
