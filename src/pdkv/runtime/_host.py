@@ -15,14 +15,15 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Generic, Protocol, TypeVar
 
 from pdkv.errors import TransportClosedError
 from pdkv.metrics import TransportMetrics
 from pdkv.protocol.effects import Effect, ForgetPeer, Notice, NoticeLevel
-from pdkv.protocol.ids import RoomId
-from pdkv.protocol.messages import Message, Origin
+from pdkv.protocol.ids import Epoch, RoomId
+from pdkv.protocol.messages import Message, Origin, RankCoord
 from pdkv.protocol.poll import KVPoll
 from pdkv.runtime._accounting import Accounting
 from pdkv.runtime._loop import ControlLoop, MessageChannel
@@ -35,6 +36,16 @@ _LEVELS = {
     NoticeLevel.INFO: logging.INFO,
     NoticeLevel.WARNING: logging.WARNING,
 }
+
+
+def new_epoch() -> Epoch:
+    """A fresh incarnation number: larger than any earlier one of this host's processes."""
+    return Epoch(time.time_ns())
+
+
+def peer_name(instance: str, rank: RankCoord) -> str:
+    """How a peer is named in metrics: ``instance:tpN/cpM``."""
+    return f"{instance}:{rank}"
 
 
 def log_notice(logger: logging.Logger, notice: Notice) -> None:

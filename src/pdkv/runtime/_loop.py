@@ -44,6 +44,10 @@ class MessageChannel(Protocol):
     def statistics(self) -> ChannelStatistics: ...
 
 
+ChannelFactory = Callable[[str], MessageChannel]
+"""Builds a rank's control channel bound on the given host (``pdkv.runtime.channels`` by default)."""
+
+
 class ControlLoop:
     """Runs ``on_message`` for each received message and ``on_tick`` at the endpoint's deadlines.
 

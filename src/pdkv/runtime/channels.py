@@ -27,9 +27,8 @@ from pdkv.protocol.messages import (
     RouteTable,
 )
 from pdkv.protocol.registry import RouteBook
-from pdkv.runtime._host import log_notice
-from pdkv.runtime._loop import MessageChannel
-from pdkv.runtime.prefill import ChannelFactory, new_epoch
+from pdkv.runtime._host import log_notice, new_epoch
+from pdkv.runtime._loop import ChannelFactory, MessageChannel
 
 log = logging.getLogger(__name__)
 

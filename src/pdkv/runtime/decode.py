@@ -50,8 +50,9 @@ from pdkv.protocol.messages import (
     TransferMetricData,
 )
 from pdkv.protocol.poll import KVPoll
-from pdkv.runtime._host import EndpointHost, RoomHandle
-from pdkv.runtime.prefill import ChannelFactory, _default_channel_factory, _peer_name, new_epoch
+from pdkv.runtime._host import EndpointHost, RoomHandle, new_epoch, peer_name
+from pdkv.runtime._loop import ChannelFactory
+from pdkv.runtime.channels import query_registry, zmq_channel_factory
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +119,7 @@ class DecodeTransport(EndpointHost[DecodeEndpoint]):
     ) -> None:
         self.config = config
         self.backend = backend
-        factory = channel_factory if channel_factory is not None else _default_channel_factory()
+        factory = channel_factory if channel_factory is not None else zmq_channel_factory()
         channel = factory(config.host)
         endpoint = DecodeEndpoint(
             origin=config.origin,
@@ -343,7 +344,7 @@ class DecodeTransport(EndpointHost[DecodeEndpoint]):
             if effect.poll is KVPoll.Success:
                 log.debug("room %s succeeded on decode %s", effect.room, self.config.rank)
                 for (instance, rank), data in self._endpoint.metric(effect.room).items():
-                    self._accounting.reported(effect.room, _peer_name(instance, rank), data)
+                    self._accounting.reported(effect.room, peer_name(instance, rank), data)
         elif isinstance(effect, CutConnections):
             # Off the lock: a cut waits until the kernel dropped the sockets (their readers closed them).
             threading.Thread(
@@ -451,8 +452,6 @@ def _close(endpoint: DecodeEndpoint, room: RoomId, now: float) -> list[Effect]:
 
 def _default_query() -> Query:
     """Registry queries signed with ``PDKV_AUTH_KEY`` when set (read once, here: not per retry)."""
-    from pdkv.runtime.channels import query_registry
-
     return functools.partial(query_registry, auth=Authenticator.from_env())
 
 

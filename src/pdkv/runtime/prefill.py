@@ -82,8 +82,9 @@ from pdkv.protocol.messages import (
 )
 from pdkv.protocol.poll import KVPoll
 from pdkv.protocol.prefill import PrefillEndpoint, PrefillStatistics
-from pdkv.runtime._host import EndpointHost, RoomHandle
-from pdkv.runtime._loop import MessageChannel
+from pdkv.runtime._host import EndpointHost, RoomHandle, new_epoch, peer_name
+from pdkv.runtime._loop import ChannelFactory
+from pdkv.runtime.channels import announce_to_registry, zmq_channel_factory
 from pdkv.runtime.chunk_plan import fence_of, plan_chunk
 from pdkv.runtime.executor import ExecutorConfig, TransferExecutor
 from pdkv.runtime.per_layer import (
@@ -100,14 +101,6 @@ PARTITION_DUMP = config.declare(
 )
 
 _T = TypeVar("_T")
-
-ChannelFactory = Callable[[str], MessageChannel]
-"""Builds a rank's control channel bound on the given host (``pdkv.control`` by default)."""
-
-
-def new_epoch() -> Epoch:
-    """A fresh incarnation number: larger than any earlier one of this host's processes."""
-    return Epoch(time.time_ns())
 
 
 @attrs.frozen(kw_only=True)
@@ -187,7 +180,7 @@ class PrefillTransport(EndpointHost[PrefillEndpoint]):
     ) -> None:
         self.config = config
         self.backend = backend
-        factory = channel_factory if channel_factory is not None else _default_channel_factory()
+        factory = channel_factory if channel_factory is not None else zmq_channel_factory()
         super().__init__(
             PrefillEndpoint(origin=config.origin, layout=config.layout, timeouts=config.timeouts),
             factory(config.host),
@@ -513,7 +506,7 @@ class PrefillTransport(EndpointHost[PrefillEndpoint]):
             with self._lock:
                 self._accounting.wrote(
                     submit.room,
-                    _peer_name(destination.peer.instance, destination.peer.rank),
+                    peer_name(destination.peer.instance, destination.peer.rank),
                     landed,
                     room_finished=self._room_finished(submit.room),
                 )
@@ -581,7 +574,7 @@ class PrefillTransport(EndpointHost[PrefillEndpoint]):
         with self._lock:
             self._accounting.wrote(
                 submit.room,
-                _peer_name(destination.peer.instance, destination.peer.rank),
+                peer_name(destination.peer.instance, destination.peer.rank),
                 landed,
                 room_finished=self._room_finished(submit.room),
             )
@@ -681,11 +674,6 @@ def chunk_spec(
     return ChunkSpec(pages=pages, start_token=token, last=is_last, state=states)
 
 
-def _peer_name(instance: str, rank: RankCoord) -> str:
-    """How a peer is named in metrics: ``instance:tpN/cpM``."""
-    return f"{instance}:{rank}"
-
-
 def _close(endpoint: PrefillEndpoint, room: RoomId, now: float) -> list[Effect]:
     endpoint.close_room(room, now)
     return []
@@ -728,14 +716,6 @@ def _dump_partition(
     )
 
 
-def _default_channel_factory() -> ChannelFactory:
-    from pdkv.runtime.channels import zmq_channel_factory
-
-    return zmq_channel_factory()
-
-
 def _default_announce() -> Callable[[str, RankAnnounce, float], object]:
     """Announcements signed with ``PDKV_AUTH_KEY`` when set (read once, here)."""
-    from pdkv.runtime.channels import announce_to_registry
-
     return functools.partial(announce_to_registry, auth=Authenticator.from_env())

@@ -44,8 +44,7 @@ from pdkv.mapping.layout import TensorLike
 from pdkv.protocol import codec
 from pdkv.protocol.ids import Epoch, InstanceId
 from pdkv.protocol.messages import Heartbeat, Message, Origin, RankCoord
-from pdkv.runtime._loop import MessageChannel
-from pdkv.runtime.prefill import ChannelFactory
+from pdkv.runtime._loop import ChannelFactory, MessageChannel
 
 log = logging.getLogger(__name__)
 

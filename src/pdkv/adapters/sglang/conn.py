@@ -635,8 +635,8 @@ def _start_registry(instance: InstanceId, host: str, port: int) -> Any:
     from pdkv.control.auth import Authenticator
     from pdkv.control.bootstrap import RegistryService
     from pdkv.protocol.registry import RouteBook
+    from pdkv.runtime._host import new_epoch
     from pdkv.runtime.channels import CODEC
-    from pdkv.runtime.prefill import new_epoch
 
     book = RouteBook(Origin(instance=instance, epoch=Epoch(new_epoch()), rank=RankCoord(tp=0)))
 

@@ -109,6 +109,7 @@ PREFILL_ABORT_NOTES = EdgeNotes(
     },
 )
 
+
 class DecodeAbortMachine(StateMachine[DecodeAbortState, DecodeAbortTrigger]):
     def __init__(self, label: str) -> None:
         super().__init__(DECODE_ABORT, label)

@@ -63,6 +63,7 @@ CHUNK_NOTES = EdgeNotes(
     },
 )
 
+
 class ChunkMachine(StateMachine[ChunkState, ChunkTrigger]):
     def __init__(self, label: str) -> None:
         super().__init__(CHUNK, label)

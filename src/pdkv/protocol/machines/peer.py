@@ -86,6 +86,7 @@ PEER_NOTES = EdgeNotes(
     },
 )
 
+
 class PeerMachine(StateMachine[PeerState, PeerTrigger]):
     def __init__(self, label: str) -> None:
         super().__init__(PEER, label)

@@ -88,6 +88,7 @@ PER_LAYER_NOTES = EdgeNotes(
     },
 )
 
+
 class PerLayerMachine(StateMachine[PerLayerState, PerLayerTrigger]):
     def __init__(self, label: str) -> None:
         super().__init__(PER_LAYER, label)

@@ -68,6 +68,7 @@ RECEIVER_ROOM_NOTES = EdgeNotes(
     },
 )
 
+
 class ReceiverRoomMachine(StateMachine[ReceiverRoomState, ReceiverRoomTrigger]):
     def __init__(self, label: str) -> None:
         super().__init__(RECEIVER_ROOM, label)

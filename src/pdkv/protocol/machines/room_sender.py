@@ -70,6 +70,7 @@ SENDER_ROOM_NOTES = EdgeNotes(
     },
 )
 
+
 class SenderRoomMachine(StateMachine[SenderRoomState, SenderRoomTrigger]):
     def __init__(self, label: str) -> None:
         super().__init__(SENDER_ROOM, label)
