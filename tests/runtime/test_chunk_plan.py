@@ -95,8 +95,10 @@ def run_request(
                 destinations=(Destination(peer=peer, request=request),),
             )
             plan = plan_chunk(
-                submit,
+                submit.room,
+                submit.spec,
                 submit.destinations[0],
+                src_aux_row=submit.src_aux_row,
                 src_layout=prefill[rank].layout,
                 cp_rank=rank,
                 policy=policy,
@@ -181,8 +183,10 @@ def test_state_kind_without_destination_is_a_mapping_error() -> None:
     )
     with pytest.raises(MappingError, match="names no destination slots"):
         plan_chunk(
-            submit,
+            submit.room,
+            submit.spec,
             submit.destinations[0],
+            src_aux_row=submit.src_aux_row,
             src_layout=memory.layout,
             cp_rank=0,
             policy=PageInterleaved(cp_size=1),
@@ -281,8 +285,10 @@ def run_tp_request(
                     destinations=(Destination(peer=peer, request=request),),
                 )
                 plan = plan_chunk(
-                    submit,
+                    submit.room,
+                    submit.spec,
                     submit.destinations[0],
+                    src_aux_row=submit.src_aux_row,
                     src_layout=prefill[(target.tp, target.cp)].layout,
                     cp_rank=target.cp,
                     policy=policy,

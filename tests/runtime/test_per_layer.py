@@ -33,7 +33,7 @@ from pdkv.mapping import (
     TransferBlocks,
     cp_owned,
 )
-from pdkv.protocol.effects import ChunkSpec, DecodePeer, Destination, SubmitChunk
+from pdkv.protocol.effects import ChunkSpec, DecodePeer, Destination
 from pdkv.protocol.ids import Endpoint, Epoch, InstanceId, RoomId, SessionId
 from pdkv.protocol.machines import PerLayerState
 from pdkv.protocol.messages import Origin, RankCoord, StateIndices, TransferRequest
@@ -454,15 +454,10 @@ def test_layers_and_resident_pages_are_exactly_the_monolithic_plan(
             chunk = logical[start_page:]
             # The reference: the monolithic plan of the same chunk for the expected memory's layout.
             reference = plan_chunk(
-                SubmitChunk(
-                    room=RoomId(1),
-                    chunk=0,
-                    spec=ChunkSpec(pages=chunk, start_token=start_page * 16, last=False),
-                    num_pages=total,
-                    src_aux_row=None,
-                    destinations=(attrs_evolve_layout(destination, expected.layout),),
-                ),
+                RoomId(1),
+                ChunkSpec(pages=chunk, start_token=start_page * 16, last=False),
                 attrs_evolve_layout(destination, expected.layout),
+                src_aux_row=None,
                 src_layout=source.layout,
                 cp_rank=rank,
                 policy=policy,

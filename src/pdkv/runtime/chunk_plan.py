@@ -1,7 +1,7 @@
 """What one prefill rank writes for one chunk to one destination: pages -> byte blocks.
 
-Owns: ``plan_chunk`` (pure: mapping calls only, no I/O), the glue between a protocol
-``SubmitChunk`` and the mapping functions. It decides, per chunk and destination:
+Owns: ``plan_chunk`` (pure: mapping calls only, no I/O), the glue between a chunk (its spec, the
+room's aux row, one destination) and the mapping functions, and ``fence_of``. It decides, per chunk and destination:
 
 - KV: the pages this CP rank owns, at their absolute positions (``map_chunk``: ``chunk_page_start``
   + ``cp_owned`` + the exact position -> destination contract), coalesced into runs, then blocks in
@@ -33,8 +33,8 @@ from pdkv.mapping import (
     map_chunk,
     state_blocks,
 )
-from pdkv.protocol.effects import Destination, FenceWrite, SubmitChunk
-from pdkv.protocol.ids import SessionId
+from pdkv.protocol.effects import ChunkSpec, Destination, FenceWrite
+from pdkv.protocol.ids import RoomId, SessionId
 
 FENCE_BYTES = 64
 """How much of a failed batch's first block a fence write repeats (it only has to pass the engine's queue)."""
@@ -96,20 +96,23 @@ def writes_extras_to(src_layout: BufferLayout, dst_layout: BufferLayout) -> bool
 
 
 def plan_chunk(
-    submit: SubmitChunk,
+    room: RoomId,
+    spec: ChunkSpec,
     destination: Destination,
     *,
+    src_aux_row: int | None,
     src_layout: BufferLayout,
     cp_rank: int,
     policy: OwnershipPolicy | None,
     writes_extras: bool,
 ) -> ChunkPlan:
-    """Map ``submit``'s chunk for ``destination``; MappingError/LayoutMismatchError on a broken contract.
+    """Map chunk ``spec`` of ``room`` for ``destination``; MappingError/LayoutMismatchError on a
+    broken contract. Plain values in: the monolithic path, the per-layer path and tests call it alike.
 
+    ``src_aux_row``: the room's aux row on this rank (written with the last chunk's extras).
     ``writes_extras``: this rank may write the room's extras (its CP rank 0); on the last chunk they
     are written when, in addition, ``writes_extras_to`` names this rank for the destination.
     """
-    spec = submit.spec
     request = destination.request
     dst_layout = destination.peer.layout
     mapped = map_chunk(
@@ -128,7 +131,7 @@ def plan_chunk(
         for src_state in spec.state:
             if src_state.kind not in wanted:
                 raise MappingError(
-                    f"room {submit.room}: prefill sends {src_state.kind.value} state but the decode request "
+                    f"room {room}: prefill sends {src_state.kind.value} state but the decode request "
                     f"names no destination slots for it (kinds: {sorted(k.value for k in wanted)})"
                 )
             clipped = clip_state(src_state.indices, wanted[src_state.kind])
@@ -136,8 +139,8 @@ def plan_chunk(
                 notes.append(f"{src_state.kind.value} state: {clipped.describe()}")
             parts.append(state_blocks(src_state.kind, clipped.src, clipped.dst, src_layout, dst_layout))
             state_slots += len(clipped.src)
-        if submit.src_aux_row is not None and request.dst_aux_row is not None:
-            parts.append(aux_blocks(submit.src_aux_row, request.dst_aux_row, src_layout, dst_layout))
+        if src_aux_row is not None and request.dst_aux_row is not None:
+            parts.append(aux_blocks(src_aux_row, request.dst_aux_row, src_layout, dst_layout))
             aux_rows = 1
     return ChunkPlan(
         blocks=TransferBlocks.concat(parts),

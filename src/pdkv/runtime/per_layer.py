@@ -79,7 +79,7 @@ from pdkv.mapping import (
     TransferBlocks,
 )
 from pdkv.protocol import arguments
-from pdkv.protocol.effects import ChunkSpec, Destination, FenceWrite, SubmitChunk
+from pdkv.protocol.effects import ChunkSpec, Destination, FenceWrite
 from pdkv.protocol.ids import RoomId
 from pdkv.protocol.machines import PerLayerMachine, PerLayerState, PerLayerTrigger
 from pdkv.protocol.messages import IntArray
@@ -681,19 +681,12 @@ class PerLayerTransferManager:
     def _plan_pages(
         self, room: RoomId, pages: IntArray, start_token: int, destination: Destination
     ) -> _Planned:
-        # A non-last chunk without extras: exactly the KV blocks send() would produce for these pages
-        # (the chunk index plays no part in planning).
-        submit = SubmitChunk(
-            room=room,
-            chunk=0,
-            spec=ChunkSpec(pages=pages, start_token=start_token, last=False),
-            num_pages=int(destination.request.dst_pages.size),
-            src_aux_row=None,
-            destinations=(destination,),
-        )
+        # A non-last chunk without extras: exactly the KV blocks send() would produce for these pages.
         plan = plan_chunk(
-            submit,
+            room,
+            ChunkSpec(pages=pages, start_token=start_token, last=False),
             destination,
+            src_aux_row=None,
             src_layout=self._layout,
             cp_rank=self._cp_rank,
             policy=self._policy,

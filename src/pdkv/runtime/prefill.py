@@ -462,8 +462,10 @@ class PrefillTransport(EndpointHost[PrefillEndpoint]):
         for destination in submit.destinations:
             try:
                 plan = plan_chunk(
-                    submit,
+                    submit.room,
+                    submit.spec,
                     destination,
+                    src_aux_row=submit.src_aux_row,
                     src_layout=self.config.layout,
                     cp_rank=self.config.rank.cp,
                     policy=self.config.policy,
@@ -529,13 +531,13 @@ class PrefillTransport(EndpointHost[PrefillEndpoint]):
         if submit.spec.last and self.config.rank.cp == 0:
             # State and aux rows ride on the last chunk, after its KV (as on the monolithic path);
             # planned for no pages, plan_chunk yields exactly those blocks.
-            extras_only = attrs.evolve(
-                submit, spec=attrs.evolve(submit.spec, pages=np.zeros(0, dtype=np.int64))
-            )
+            extras_only = attrs.evolve(submit.spec, pages=np.zeros(0, dtype=np.int64))
             try:
                 plan = plan_chunk(
+                    submit.room,
                     extras_only,
                     destination,
+                    src_aux_row=submit.src_aux_row,
                     src_layout=self.config.layout,
                     cp_rank=self.config.rank.cp,
                     policy=self.config.policy,
