@@ -1,7 +1,8 @@
 """What one prefill rank writes for one chunk to one destination: pages -> byte blocks.
 
 Owns: ``plan_chunk`` (pure: mapping calls only, no I/O), the glue between a chunk (its spec, the
-room's aux row, one destination) and the mapping functions, and ``fence_of``. It decides, per chunk and destination:
+room's aux row, one destination) and the mapping functions, and ``fence_of``. It decides, per chunk
+and destination:
 
 - KV: the pages this CP rank owns, at their absolute positions (``map_chunk``: ``chunk_page_start``
   + ``cp_owned`` + the exact position -> destination contract), coalesced into runs, then blocks in
