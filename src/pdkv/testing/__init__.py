@@ -5,7 +5,10 @@
 - ``backend_conformance``: the suite every ``TransferBackend`` must pass;
 - ``faults``: fault-injecting control channel and transfer backend wrappers (``FaultyChannel``,
   ``FaultyBackend``), frame-level attacks, and network namespaces joined by veth (``veth_namespaces``)
-  for partitions, used by ``pdkv.testing.cluster`` rank processes.
+  for partitions, used by ``pdkv.testing.cluster`` rank processes;
+- ``transport_pair``: ``TransportPair``, the real prefill and decode transports wired through in-memory
+  channels, an in-memory registry and the loopback engine (no ports, no sleeps): what an embedder
+  tests its scheduler against.
 
 Must not be imported by library code below it (runtime, protocol, ...).
 """
@@ -31,6 +34,7 @@ from pdkv.testing.faults import (
     RankFaults,
     veth_namespaces,
 )
+from pdkv.testing.transport_pair import MemoryHub, TransportPair
 
 __all__ = [
     "BackendFaults",
@@ -43,11 +47,13 @@ __all__ = [
     "FaultyLink",
     "LinkFaults",
     "LinkStatistics",
+    "MemoryHub",
     "MessageRule",
     "NetnsLayout",
     "RankFaults",
     "RoomPlan",
     "SafetyViolation",
+    "TransportPair",
     "default_layout",
     "veth_namespaces",
 ]
