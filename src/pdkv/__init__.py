@@ -78,6 +78,7 @@ from pdkv.metrics.errors import (
     PrometheusUnavailableError,
 )
 from pdkv.protocol import KVPoll, RoomId, Timeouts, room_id
+from pdkv.protocol.effects import Failure, FailureCause
 from pdkv.protocol.ids import InstanceId
 from pdkv.protocol.messages import RankCoord, StateIndices
 from pdkv.runtime import (
@@ -140,6 +141,8 @@ __all__ = [
     "InvalidFreeError",
     "JobFinishedError",
     "KVPoll",
+    "Failure",
+    "FailureCause",
     "KVReceiver",
     "KVSender",
     "KVTransferMetric",

@@ -260,10 +260,10 @@ def test_layer_that_never_ends_fails_the_room_after_its_writes(rig_factory: Call
     # Writes were in flight when the finish deadline passed; all had ended when the room failed.
     assert max(seen_in_flight) > 0
     assert rig.batches_in_flight() == 0
-    failure = room.senders[0].failure() or ""
+    failure = str(room.senders[0].failure() or "")
     assert "1 of 4 layers never ended within 0.3 s (first: draft:0)" in failure
     wait_for(lambda: room.receivers[0].poll() is KVPoll.Failed)
-    assert "never ended" in (room.receivers[0].failure() or "")
+    assert "never ended" in str(room.receivers[0].failure() or "")
     stats = rig.prefills[0].statistics().per_layer
     assert stats.failed == 1 and stats.open_contexts == 0
     wait_for(room.receivers[0].release_ready)

@@ -152,7 +152,7 @@ def test_close_fails_open_rooms_tells_peers_and_refuses_later_calls(rig_factory:
     sender, receiver = _ready_room(s, prefill, ROOM, 2)
     s.prefills[0].close()
     wait_for(lambda: receiver.poll() is KVPoll.Failed)
-    assert "prefill transport closed" in (receiver.failure() or "")
+    assert "prefill transport closed" in str(receiver.failure() or "")
     assert sender.poll() is KVPoll.Failed
     calls: list[Callable[[], object]] = [
         lambda: sender.send([1, 2], start_token=0, last=True),
@@ -181,7 +181,7 @@ def test_decode_close_fails_its_rooms_and_the_prefill_hears_of_it(rig_factory: C
     assert receiver.poll() is KVPoll.Failed
     assert not s.decode.stuck_writes  # the prefill acknowledged: memory could go
     wait_for(lambda: sender.poll() is KVPoll.Failed)
-    assert "decode transport closed" in (sender.failure() or "")
+    assert "decode transport closed" in str(sender.failure() or "")
 
 
 def _prefill_alone(registry: str) -> tuple[PrefillTransport, LoopbackBackend]:

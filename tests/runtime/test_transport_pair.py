@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from pdkv import Failure, FailureCause, KVTransferMetric, RankCoord
 from pdkv.engine import sockets
 from pdkv.protocol.ids import RoomId
 from pdkv.protocol.messages import StateIndices
@@ -62,3 +63,27 @@ def test_a_decode_abort_is_acknowledged_and_releases_the_pages() -> None:
         wait_for(receiver.release_ready)
         assert receiver.release_was_safe()
         assert pair.prefills[0].statistics().endpoint.aborts_received == 1
+
+
+def test_failures_are_typed_with_cause_reason_and_peer_and_metrics_are_public() -> None:
+    with TransportPair(model=MODEL) as pair:
+        room = RoomId(11)
+        receiver = pair.decode.receiver(room, pair.prefill_instance)
+        receiver.init(np.array([1, 2]), None)
+        sender = pair.prefills[0].sender(room)
+        sender.init(2, None)
+        wait_for(lambda: sender.poll() is KVPoll.WaitingForInput)
+        assert sender.failure() is None and receiver.failure() is None
+        receiver.abort("client went away")
+        wait_for(lambda: sender.poll() is KVPoll.Failed)
+        here, there = receiver.failure(), sender.failure()
+        assert isinstance(here, Failure) and isinstance(there, Failure)
+        assert (here.cause, here.peer) == (FailureCause.ABORTED_HERE, None)
+        assert "client went away" in str(here)
+        # The prefill side names the decode rank whose Abort failed the room.
+        assert there.cause is FailureCause.ABORTED_BY_PEER
+        assert there.peer == f"{pair.decode_instance}:{RankCoord(tp=0)}"
+        assert "client went away" in there.reason
+        for metric in (sender.metric(), receiver.metric()):
+            assert isinstance(metric, KVTransferMetric) and metric.room == room
+            assert (metric.pages, metric.bytes) == (0, 0) and metric.seconds >= 0

@@ -106,7 +106,7 @@ def test_layout_mismatch_is_raised_by_connect_with_the_difference(rig_factory: C
     receiver = s.decode.receiver(RoomId(5), s.prefill_instance)
     receiver.init(np.arange(2), None)
     wait_for(lambda: receiver.poll() is KVPoll.Failed)
-    assert "target kv layer ids differ: [0, 1, 2] vs [0, 1, 2, 3]" in (receiver.failure() or "")
+    assert "target kv layer ids differ: [0, 1, 2] vs [0, 1, 2, 3]" in str(receiver.failure() or "")
 
 
 def test_out_of_range_destination_is_refused_at_the_call_and_creates_nothing(

@@ -415,7 +415,7 @@ def _decode_rank(args: _DecodeArgs, conn: Connection) -> None:
                     aux_dst=aux_row,
                 )
                 verified = not mismatches
-            failure = receiver.failure() or ""
+            failure = str(receiver.failure() or "")
             deadline = time.monotonic() + 60
             while poll is KVPoll.Failed and not receiver.release_ready() and time.monotonic() < deadline:
                 time.sleep(args.poll_s)

@@ -46,6 +46,7 @@ from pdkv.protocol.config import Timeouts
 from pdkv.protocol.effects import (
     CutConnections,
     Effect,
+    Failure,
     FailureCause,
     ForgetPeer,
     Notice,
@@ -186,6 +187,7 @@ class _ReceiverRoom:
     metric: dict[PeerKey, TransferMetricData] = attrs.Factory(dict)
     failure: str | None = None
     cause: FailureCause | None = None
+    failure_peer: PeerKey | None = None
     abort: DecodeAbortMachine | None = None
     must_ack: set[PeerKey] = attrs.Factory(set)
     acked: set[PeerKey] = attrs.Factory(set)
@@ -339,6 +341,7 @@ class DecodeEndpoint:
                 _clip(f"aborted by prefill {message.origin}: {message.reason}"),
                 FailureCause.ABORTED_BY_PEER,
                 now,
+                by=peer.key,
             )
         if isinstance(message, Heartbeat):
             return [Send(to=peer.endpoint, message=HeartbeatAck(origin=self.origin, seq=message.seq))]
@@ -402,6 +405,7 @@ class DecodeEndpoint:
                     _clip(f"registration rejected by {peer.key[0]}:{peer.key[1]}: {reason}"),
                     FailureCause.INVALID,
                     now,
+                    by=peer.key,
                 )
         return effects
 
@@ -413,7 +417,11 @@ class DecodeEndpoint:
             return self._late(msg, msg.room)
         if msg.outcome is Outcome.FAILED:
             return self._fail(
-                r, _clip(f"prefill {msg.origin} failed: {msg.reason}"), FailureCause.ABORTED_BY_PEER, now
+                r,
+                _clip(f"prefill {msg.origin} failed: {msg.reason}"),
+                FailureCause.ABORTED_BY_PEER,
+                now,
+                by=peer.key,
             )
         if peer.key not in r.required:
             # A dummy target has nothing to report; its success message is harmless but unexpected.
@@ -615,6 +623,13 @@ class DecodeEndpoint:
     def failure_cause(self, room: RoomId) -> FailureCause | None:
         r = self._rooms.get(room)
         return None if r is None else r.cause
+
+    def failure_record(self, room: RoomId) -> Failure | None:
+        """The room's failure as the scheduler reads it (None unless it failed)."""
+        r = self._rooms.get(room)
+        if r is None or r.failure is None or r.cause is None:
+            return None
+        return Failure(cause=r.cause, reason=r.failure, peer=_peer_text(r.failure_peer))
 
     def release_ready(self, room: RoomId) -> bool:
         """True when no prefill rank can still write into the room's pages (or the ack wait timed out);
@@ -840,11 +855,15 @@ class DecodeEndpoint:
         self._set_deadline(r, now + self.timeouts.waiting)
         return effects
 
-    def _fail(self, r: _ReceiverRoom, reason: str, cause: FailureCause, now: float) -> list[Effect]:
-        """Fail the room and start the abort handshake with every prefill rank of the room."""
+    def _fail(
+        self, r: _ReceiverRoom, reason: str, cause: FailureCause, now: float, *, by: PeerKey | None = None
+    ) -> list[Effect]:
+        """Fail the room and start the abort handshake with every prefill rank of the room (``by``:
+        the prefill rank the failure came from or concerns, for the scheduler's ``Failure``)."""
         r.machine.fire(ReceiverRoomTrigger.FAIL)
         r.failure = reason
         r.cause = cause
+        r.failure_peer = by
         self._counters.rooms_failed += 1
         r.abort = DecodeAbortMachine(f"room {r.room}")
         # Only a rank that was told the destinations can write; dummies never write.
@@ -954,7 +973,7 @@ class DecodeEndpoint:
         ]
         for r in list(self._rooms.values()):
             if not r.terminal and any(t.key == peer.key for t in r.targets):
-                effects += self._fail(r, reason, FailureCause.PEER_SILENT, now)
+                effects += self._fail(r, reason, FailureCause.PEER_SILENT, now, by=peer.key)
         peer.machine.fire(PeerTrigger.SILENCE)
         effects += self._send_register(peer, now)
         return effects
@@ -970,7 +989,7 @@ class DecodeEndpoint:
         effects: list[Effect] = [Notice(level=NoticeLevel.WARNING, text=reason)]
         for r in list(self._rooms.values()):
             if not r.terminal and any(t.key == key for t in r.targets):
-                effects += self._fail(r, reason, FailureCause.PEER_RESTART, now)
+                effects += self._fail(r, reason, FailureCause.PEER_RESTART, now, by=key)
         return effects
 
     def _late(self, msg: Message, room: RoomId) -> list[Effect]:
@@ -1009,3 +1028,7 @@ def _host_of(session: SessionId) -> str:
     """The host of an engine session ``host:port`` (``[v6]:port`` too)."""
     host = session.rsplit(":", 1)[0] if ":" in session else session
     return host[1:-1] if host.startswith("[") and host.endswith("]") else host
+
+
+def _peer_text(key: PeerKey | None) -> str | None:
+    return None if key is None else f"{key[0]}:{key[1]}"

@@ -131,6 +131,22 @@ class FailureCause(enum.Enum):
 
 
 @attrs.frozen(kw_only=True)
+class Failure:
+    """Why a room failed, as a scheduler reads it (``sender.failure()``, ``receiver.failure()``).
+
+    ``peer`` names the other side's rank the failure came from or concerns (``instance:tpN/cpM``:
+    the rank that aborted, reported a failure, went silent or restarted), None when the failure is
+    this side's own (its scheduler aborted, a deadline passed). ``str(failure)`` is the reason."""
+
+    cause: FailureCause
+    reason: str
+    peer: str | None = None
+
+    def __str__(self) -> str:
+        return self.reason
+
+
+@attrs.frozen(kw_only=True)
 class RoomFinished:
     """A room reached a terminal state on this rank (for logs and metrics)."""
 

@@ -58,6 +58,7 @@ from pdkv.protocol.effects import (
     Destination,
     DropLayers,
     Effect,
+    Failure,
     FailureCause,
     FenceWrite,
     ForgetPeer,
@@ -201,6 +202,7 @@ class _SenderRoom:
     src_pages: list[np.ndarray] = attrs.Factory(list)  # every queued chunk's pages, for duplicates
     failure: str | None = None
     cause: FailureCause | None = None
+    failure_peer: PeerKey | None = None
     pages: int = 0
     bytes: int = 0
     seconds: float = 0.0
@@ -426,7 +428,7 @@ class PrefillEndpoint:
         for r in list(self._rooms.values()):
             if key in r.requests:
                 if not r.terminal:
-                    effects += self._fail(r, reason, FailureCause.PEER_RESTART, notify=False)
+                    effects += self._fail(r, reason, FailureCause.PEER_RESTART, notify=False, by=key)
                 # The old incarnation's pages are gone: nothing to acknowledge to it.
                 r.requests.pop(key)
         return effects
@@ -473,7 +475,7 @@ class PrefillEndpoint:
                     )
                 ]
             return self._fail(
-                r, f"conflicting TransferRequests from {msg.origin}", FailureCause.INVALID, now=now
+                r, f"conflicting TransferRequests from {msg.origin}", FailureCause.INVALID, now=now, by=key
             )
         if r.state is SenderRoomState.SUCCESS:
             # Another decode rank (or a restarted one) asks for a finished room: the room stays
@@ -496,10 +498,11 @@ class PrefillEndpoint:
                 f"unexpected extra TransferRequest from {msg.origin} in state {r.state.name}",
                 FailureCause.INVALID,
                 now=now,
+                by=key,
             )
         problem = self._validate(msg, peer, r)
         if problem is not None:
-            return self._fail(r, problem, FailureCause.INVALID, now=now)
+            return self._fail(r, problem, FailureCause.INVALID, now=now, by=key)
         prefixes = {q.prefix_pages for q in r.real_requests}
         if len(prefixes) > 1:
             return self._fail(
@@ -594,6 +597,7 @@ class PrefillEndpoint:
                 _clip(f"aborted by decode {msg.origin}: {msg.reason}"),
                 FailureCause.ABORTED_BY_PEER,
                 notify=False,
+                by=key,
             )
         if peer is None:
             return effects
@@ -631,7 +635,7 @@ class PrefillEndpoint:
         effects: list[Effect] = []
         for r in list(self._rooms.values()):
             if key in r.requests and not r.terminal:
-                effects += self._fail(r, reason, cause, now=now)
+                effects += self._fail(r, reason, cause, now=now, by=key)
         return effects
 
     def _drop_peer(self, key: PeerKey) -> None:
@@ -841,6 +845,18 @@ class PrefillEndpoint:
             return r.failure
         tomb = self._tombstones.get(room)
         return None if tomb is None else tomb.reason
+
+    def failure_record(self, room: RoomId) -> Failure | None:
+        """The room's failure as the scheduler reads it (None unless it failed; a cleared room's
+        tombstone answers with its reason)."""
+        r = self._rooms.get(room)
+        if r is not None:
+            if r.failure is None or r.cause is None:
+                return None
+            peer = None if r.failure_peer is None else f"{r.failure_peer[0]}:{r.failure_peer[1]}"
+            return Failure(cause=r.cause, reason=r.failure, peer=peer)
+        tomb = self._tombstones.get(room)
+        return None if tomb is None else Failure(cause=tomb.cause, reason=tomb.reason)
 
     def failure_cause(self, room: RoomId) -> FailureCause | None:
         r = self._rooms.get(room)
@@ -1169,10 +1185,14 @@ class PrefillEndpoint:
         *,
         notify: bool = True,
         now: float | None = None,
+        by: PeerKey | None = None,
     ) -> list[Effect]:
+        """Fail the room (``by``: the decode rank the failure came from or concerns, for the
+        scheduler's ``Failure``), skip its queued chunks and tell its decode ranks (``notify``)."""
         r.machine.fire(SenderRoomTrigger.FAIL)
         r.failure = reason
         r.cause = cause
+        r.failure_peer = by
         r.deadline = None
         self._counters.rooms_failed += 1
         if not r.opened:

@@ -21,7 +21,7 @@ from typing import Generic, Protocol, TypeVar
 
 from pdkv.errors import TransportClosedError
 from pdkv.metrics import TransportMetrics
-from pdkv.protocol.effects import Effect, ForgetPeer, Notice, NoticeLevel
+from pdkv.protocol.effects import Effect, Failure, ForgetPeer, Notice, NoticeLevel
 from pdkv.protocol.ids import Epoch, RoomId
 from pdkv.protocol.messages import Message, Origin, RankCoord
 from pdkv.protocol.poll import KVPoll
@@ -67,7 +67,7 @@ class Endpoint(Protocol):
 
     def poll(self, room: RoomId) -> KVPoll: ...
 
-    def failure(self, room: RoomId) -> str | None: ...
+    def failure_record(self, room: RoomId) -> Failure | None: ...
 
     def abort_room(self, room: RoomId, reason: str, now: float) -> list[Effect]: ...
 
@@ -194,5 +194,7 @@ class RoomHandle(Generic[E]):
     def abort(self, reason: str) -> None:
         self.transport._call(lambda e, now: e.abort_room(self.room, reason, now))
 
-    def failure(self) -> str | None:
-        return self.transport._query(lambda e: e.failure(self.room))
+    def failure(self) -> Failure | None:
+        """Why the room failed (cause, reason, the peer when there is one); None unless it failed.
+        ``str(failure)`` is the reason text."""
+        return self.transport._query(lambda e: e.failure_record(self.room))

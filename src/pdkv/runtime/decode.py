@@ -25,7 +25,7 @@ from pdkv.control.errors import ControlError
 from pdkv.engine.backend import Registration, TransferBackend
 from pdkv.errors import ConfigError, LayoutMismatchError, PdkvError, RouteUnavailableError
 from pdkv.mapping import BufferLayout, Topology, decode_fanout, layout_kv_heads
-from pdkv.metrics import TransportCounter, TransportGauge, TransportMetricsSnapshot
+from pdkv.metrics import KVTransferMetric, TransportCounter, TransportGauge, TransportMetricsSnapshot
 from pdkv.protocol import arguments
 from pdkv.protocol.config import Timeouts
 from pdkv.protocol.decode import DecodeEndpoint, DecodeStatistics
@@ -431,13 +431,14 @@ class KVReceiver(RoomHandle[DecodeEndpoint]):
         """False when the pages were released after the abort-ack timeout: a late write may still land."""
         return self.transport._query(lambda e: e.release_was_safe(self.room))
 
-    def metric(self) -> TransferMetricData:
+    def metric(self) -> KVTransferMetric:
         """The room's totals as reported by its prefill ranks (pages, bytes, slowest rank's seconds)."""
         parts = self.transport._query(lambda e: e.metric(self.room))
-        return TransferMetricData(
+        return KVTransferMetric(
+            room=self.room,
             pages=sum(m.pages for m in parts.values()),
             bytes=sum(m.bytes for m in parts.values()),
-            seconds=max((m.seconds for m in parts.values()), default=0.0),
+            seconds=max(0.0, max((m.seconds for m in parts.values()), default=0.0)),
         )
 
     def clear(self) -> None:

@@ -638,8 +638,12 @@ class KVSender(RoomHandle[PrefillEndpoint]):
             lambda e, now: e.queue_chunk(self.room, spec, now), what=f"sender.send of room {self.room}"
         )
 
-    def metric(self) -> TransferMetricData:
-        return self.transport._query(lambda e: e.metric(self.room))
+    def metric(self) -> KVTransferMetric:
+        """What this rank actually wrote for the room so far (pages, bytes, engine seconds)."""
+        data = self.transport._query(lambda e: e.metric(self.room))
+        return KVTransferMetric(
+            room=self.room, pages=data.pages, bytes=data.bytes, seconds=max(0.0, data.seconds)
+        )
 
     def decode_prefix_pages(self) -> int | None:
         """The first positions the decode side already holds (its prefix cache): the first chunk

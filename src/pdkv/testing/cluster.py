@@ -490,7 +490,7 @@ def _prefill_rank(args: _RankArgs, conn: Connection) -> None:
                     _prefill_chunk(args, memory, transport, room, sender, progress)
                 elif poll in (KVPoll.Success, KVPoll.Failed) and (not grouped or key in agreed):
                     final = min(poll, agreed.pop(key, poll))
-                    failure = sender.failure() or ""
+                    failure = str(sender.failure() or "")
                     if final is KVPoll.Failed and not failure:
                         failure = "rank consensus: another prefill rank failed the room"
                     metric = sender.metric()
@@ -745,7 +745,7 @@ def _decode_rank(args: _RankArgs, conn: Connection) -> None:
                             side="decode",
                             rank=name,
                             poll=int(poll),
-                            failure=receiver.failure() or "",
+                            failure=str(receiver.failure() or ""),
                             seconds=elapsed,
                             bytes_checked=checked,
                             mismatches=tuple(bad),
