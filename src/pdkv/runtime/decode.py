@@ -47,7 +47,6 @@ from pdkv.protocol.messages import (
     RouteQuery,
     RouteTable,
     StateIndices,
-    TransferMetricData,
 )
 from pdkv.protocol.poll import KVPoll
 from pdkv.runtime._host import EndpointHost, RoomHandle, new_epoch, peer_name
