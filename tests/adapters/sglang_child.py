@@ -43,6 +43,7 @@ PAGE = 64
 KV_LORA_RANK = 512
 ROPE_DIM = 64
 SENTINEL = 0xA5
+PREFIX_MARK = 0x3C
 TERMINAL = (KVPoll.Success, KVPoll.Failed)
 
 
@@ -178,7 +179,7 @@ def scenario_plugin(plan: dict[str, Any]) -> dict[str, Any]:
         for key, value in kv_changes.items():
             setattr(kv_args, key, value)
         try:
-            manager_cls(kv_args, DisaggregationMode(mode), args, True)
+            manager_cls(kv_args, DisaggregationMode(mode), args, True).close()
             refusals[label] = "accepted"
         except Exception as exc:
             refusals[label] = f"{type(exc).__name__}: {exc}"
@@ -226,6 +227,7 @@ def scenario_prefill(plan: dict[str, Any]) -> dict[str, Any]:
     first_polls = {room: int(s.poll()) for room, s in senders.items()}
     outcome: dict[int, dict[str, Any]] = {}
     started: set[int] = set()
+    prefix_tokens: dict[int, int] = {}
     # Rooms the decode aborts may stay Bootstrapping here (pdkv answers Bootstrapping for a room this side
     # never opened, even once the decode's Abort tombstoned it): they get a grace period once the others
     # are done, then this side aborts them itself, as SGLang's prefill does on its bootstrap timeout.
@@ -247,7 +249,8 @@ def scenario_prefill(plan: dict[str, Any]) -> dict[str, Any]:
                 row = int(spec["prefill_row"])
                 metadata.bootstrap_room[row, 0] = room
                 metadata.output_ids[row, 0] = room % 50_000
-                src = list(spec["src_pages"])
+                src = list(spec["src_pages"])  # the pages after the decode's prefix, as SGLang sends
+                prefix_tokens[room] = int(sender.pop_decode_prefix_len())
                 sender.init(len(src), row)
                 offset = 0
                 for size in spec["chunks"]:
@@ -287,6 +290,7 @@ def scenario_prefill(plan: dict[str, Any]) -> dict[str, Any]:
         "timing": timing,
         "first_polls": first_polls,
         "rooms": outcome,
+        "prefix_tokens": prefix_tokens,
         "stub_calls_during_transfer": list(gpu_stubs.calls_outside_import()[calls_before:]),
         "stub_calls_outside_import": list(gpu_stubs.calls_outside_import()),
     }
@@ -307,8 +311,11 @@ def scenario_decode(plan: dict[str, Any]) -> dict[str, Any]:
     load_plugins()
     pool = make_pool(plan, int(plan["decode_pages"]))
     layers = int(plan["layers"])
+    prefix_held = [p for spec in plan["rooms"] for p in spec.get("decode_prefix_dst", [])]
     for layer in range(layers):
         pool.kv_buffer[layer].view(torch.uint8).fill_(SENTINEL)
+        # pages of the decode's radix cache (a request's cached prefix): no transfer may touch them
+        layer_pages(pool, layer)[torch.tensor(prefix_held, dtype=torch.int64)] = PREFIX_MARK
     metadata = MetadataBuffers(
         size=8, hidden_size=16, hidden_states_dtype=torch.bfloat16, max_sampling_mask_tokens=0
     )
@@ -334,8 +341,10 @@ def scenario_decode(plan: dict[str, Any]) -> dict[str, Any]:
         if spec.get("decode_abort") == "before_metadata":
             receiver.abort()
         else:
+            # SGLang's decode names the pages after its cached prefix and the prefix's length in tokens
             pages = torch.tensor(spec["dst_pages"], dtype=torch.int32).numpy()
-            receiver.send_metadata(pages, int(spec["decode_row"]), None)
+            prefix_len = len(spec.get("decode_prefix_dst", [])) * PAGE
+            receiver.send_metadata(pages, int(spec["decode_row"]), None, decode_prefix_len=prefix_len)
             if spec.get("decode_abort") == "after_metadata":
                 receiver.abort()
         receivers[room] = receiver
@@ -402,7 +411,11 @@ def verify(
     written = torch.zeros(int(plan["decode_pages"]) + 1, dtype=torch.bool)
     for spec in successful.values():
         written[torch.tensor(spec["dst_pages"])] = True
-    written[0] = True  # SGLang's padding page is never a destination
+    prefix_held = torch.tensor(
+        [p for spec in rooms.values() for p in spec.get("decode_prefix_dst", [])], dtype=torch.int64
+    )
+    prefix_intact = True
+    written[prefix_held] = True  # checked against their own mark below
     dirty = torch.zeros_like(written)
     others = torch.nonzero(~written).reshape(-1)
     for layer in range(layers):
@@ -416,6 +429,7 @@ def verify(
             if not torch.equal(want, got):
                 mismatched[room] += int((want != got).any(dim=1).sum())
         dirty[others] |= (got_all[others] != SENTINEL).any(dim=1)
+        prefix_intact &= bool((got_all[prefix_held] == PREFIX_MARK).all())
     report: dict[str, Any] = {}
     for room, spec in successful.items():
         row = int(spec["decode_row"])
@@ -425,6 +439,8 @@ def verify(
             "aux_room": int(metadata.bootstrap_room[row, 0].item()),
             "aux_token": int(metadata.output_ids[row, 0].item()),
         }
+    report["prefix_pages_intact"] = prefix_intact
+    report["prefix_pages_checked"] = int(prefix_held.numel())
     report["dirty_pages"] = [int(p) for p in torch.nonzero(dirty).reshape(-1)]
     report["untouched_pages"] = int((~written).sum()) - len(report["dirty_pages"])
     return report

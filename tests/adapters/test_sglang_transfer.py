@@ -3,7 +3,9 @@
 Each side uses SGLang's real CPU KV pool (``MLATokenToKVPool(device="cpu")``, 61 MLA layers),
 ``MetadataBuffers`` and KVArgs filled as SGLang's bootstrap queues fill them; every transfer class
 comes from SGLang's ``get_kv_class`` after SGLang's ``load_plugins()``. Rooms of 1, 16 and 128 pages
-(the last one 576 MB, with Mooncake's default TCP queue), chunked; aborts by the decode before and
+(the last one 576 MB, with Mooncake's default TCP queue), chunked; rooms with a decode prefix (SGLang's
+decode radix cache: the prefill sends only the pages after it, the decode's prefix pages stay untouched);
+aborts by the decode before and
 after its metadata and by the prefill. The decode compares the digest of the source pages with the
 digest of its destination pages, checks every other page still holds its sentinel and that the aux
 ``bootstrap_room`` row landed; neither side called a GPU stub outside module import.
@@ -55,6 +57,31 @@ ROOMS.append(
         "decode_row": 7,
     }
 )
+
+PREFIXED: list[dict[str, Any]] = [
+    # SGLang's decode radix cache holds the first 3 pages (192 tokens): it names the 10 pages after them,
+    # the prefill sends only those, in two chunks; the decode's own prefix pages stay untouched
+    {
+        "room": 107,
+        "decode_prefix_dst": [27, 28, 29],
+        "src_pages": [*range(40, 50)],
+        "dst_pages": [*range(13, 20), 168, 169, 170],
+        "chunks": [4, 6],
+        "prefill_row": 7,
+        "decode_row": 1,
+    },
+    # a one-page prefix and one page to send
+    {
+        "room": 108,
+        "decode_prefix_dst": [4],
+        "src_pages": [50],
+        "dst_pages": [1],
+        "chunks": [1],
+        "prefill_row": 0,
+        "decode_row": 0,
+    },
+]
+ROOMS.extend(PREFIXED)
 
 ABORTS: list[dict[str, Any]] = [
     # the decode aborts right after send_metadata: both sides fail, pages reusable only after the acks
@@ -113,6 +140,10 @@ def test_two_processes_move_bytes_exactly(tmp_path: Path) -> None:
         assert prefill.wait(120) == 0, prefill.log_tail()
         got_prefill, got_decode = prefill.result(), decode.result()
 
+    for room in PREFIXED:
+        # the prefill learnt the decode's prefix (in tokens, as SGLang's pop_decode_prefix_len answers)
+        assert got_prefill["prefix_tokens"][str(room["room"])] == 64 * len(room["decode_prefix_dst"])
+    assert got_prefill["prefix_tokens"]["102"] == 0
     for room in ROOMS:
         key = str(room["room"])
         assert got_prefill["first_polls"][key] == BOOTSTRAPPING
@@ -157,7 +188,13 @@ def test_two_processes_move_bytes_exactly(tmp_path: Path) -> None:
     maybe_written = {p for room in (ABORTS[0], ABORTS[2]) for p in room["dst_pages"]}
     verified = got_decode["verified"]
     assert set(verified["dirty_pages"]) <= maybe_written, verified["dirty_pages"]
-    assert verified["untouched_pages"] + len(verified["dirty_pages"]) == DECODE_PAGES - len(succeeded)
+    prefix_held = {p for room in PREFIXED for p in room["decode_prefix_dst"]}
+    assert verified["prefix_pages_checked"] == len(prefix_held) == 4
+    assert verified["prefix_pages_intact"] is True
+    # every page of the pool (its padding page 0 too) is a destination, a held prefix page, or checked
+    assert verified["untouched_pages"] + len(verified["dirty_pages"]) == (
+        DECODE_PAGES + 1 - len(succeeded) - len(prefix_held)
+    )
     assert got_decode["prefill_info"] == {"dp_size": 1, "follow_bootstrap_room": True}
     for side in (got_prefill, got_decode):
         assert side["stub_calls_outside_import"] == []

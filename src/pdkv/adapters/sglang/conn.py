@@ -9,14 +9,18 @@ bootstrap registry on SGLang's bootstrap port), and the translation of SGLang's 
 - ``failure_exception()`` raises SGLang's ``KVTransferError`` carrying pdkv's failure cause and reason;
 - the sender decides the last chunk itself (pages sent == ``num_kv_indices`` given to ``init``);
 - ``get_transfer_metric()`` stays valid after ``clear()``;
+- the decode radix cache: the decode names only the pages after its cached prefix and the prefix in
+  tokens (``decode_prefix_len``); pdkv's request carries the prefix in pages (placeholder destinations for
+  the prefix positions, never written) and the prefill's ``pop_decode_prefix_len()`` reads it back, so
+  SGLang's prefill sends from the prefix on;
 - deferred decode KV release: pages are safe once pdkv says every prefill rank acked the abort
   (``is_abort_release_safe``); SGLang's own 30 s bound is pdkv's abort-ack timeout;
 - timeouts come from SGLang's ``SGLANG_DISAGGREGATION_*`` variables (then ``PDKV_*`` ones, see README).
 
 Refused at manager init with a ``ConfigError`` naming the feature (pdkv cannot do it, or this adapter does
 not wire it yet): pipeline parallelism, DP attention / prefill DP-rank routing, attention context
-parallelism, multi-node instances, PD role switch, the decode radix cache (decode-side prefix), state
-types other than SWA and DSA/NSA, compressed-MLA pools. Host destinations are declined through
+parallelism, multi-node instances, PD role switch, state types other than SWA and DSA/NSA,
+compressed-MLA pools. Host destinations are declined through
 ``supports_host_destination``; MHA with a prefill TP different from the decode TP is refused when the
 decode first meets that prefill.
 
@@ -52,9 +56,15 @@ from sglang.srt.environ import envs
 from sglang.srt.server_args import ServerArgs
 
 from pdkv.adapters.sglang.layout import layout_from_kv_args, state_kind_for
-from pdkv.adapters.sglang.translate import ChunkCursor, describe_failure, state_indices_for
+from pdkv.adapters.sglang.translate import (
+    ChunkCursor,
+    describe_failure,
+    destinations_with_prefix,
+    prefix_pages_of,
+    state_indices_for,
+)
 from pdkv.engine import MooncakeBackend, MooncakeConfig
-from pdkv.errors import ConfigError, LocalProtocolError, PdkvError
+from pdkv.errors import ConfigError, LocalProtocolError, MappingError, PdkvError
 from pdkv.mapping import AttentionKind, BufferLayout
 from pdkv.protocol import RoomId, Timeouts, room_id
 from pdkv.protocol.ids import Epoch, InstanceId
@@ -112,12 +122,6 @@ def refuse_unsupported(server_args: ServerArgs, mode: DisaggregationMode) -> Non
         (
             bool(getattr(server_args, "enable_pd_role_switch", False)),
             "PD role switch (--enable-pd-role-switch)",
-        ),
-        (
-            mode is DisaggregationMode.DECODE
-            and bool(getattr(server_args, "disaggregation_decode_enable_radix_cache", False)),
-            "the decode radix cache (--disaggregation-decode-enable-radix-cache): pdkv's TransferRequest "
-            "carries no decode prefix, so the prefill could not skip the pages the decode already holds",
         ),
     ]
     for refused, what in checks:
@@ -391,11 +395,32 @@ class PdkvKVSender(BaseKVSender):
         self._cursor: ChunkCursor | None = None
         self._concluded: int | None = None
         self._metric: KVTransferMetric | None = None
+        self._prefix: int | None = None
+
+    def pop_decode_prefix_len(self) -> int:
+        """Tokens the decode already holds (its radix cache); SGLang's prefill sends from there on.
+
+        Known once the decode's requests are in (SGLang asks on WaitingForInput); 0 before that. Unlike
+        Mooncake's, asking twice gives the same answer.
+        """
+        return self._prefix_pages() * self.kv_mgr.page_size
+
+    def _prefix_pages(self) -> int:
+        if self._prefix is None:
+            pages = self._sender.decode_prefix_pages()
+            if pages is None:
+                return 0
+            self._prefix = int(pages)
+        return self._prefix
 
     def init(self, num_kv_indices: int, aux_index: int | None = None) -> None:
-        """The request has ``num_kv_indices`` pages to send in all; its metadata row is ``aux_index``."""
-        self._cursor = ChunkCursor(self.bootstrap_room, int(num_kv_indices))
-        self._sender.init(self._cursor.num_pages, None if aux_index is None else int(aux_index))
+        """``num_kv_indices`` pages to send, those after the decode's prefix; the metadata row ``aux_index``.
+
+        pdkv counts the whole request (prefix included) and the first chunk starts after the prefix.
+        """
+        prefix = self._prefix_pages()
+        self._cursor = ChunkCursor(self.bootstrap_room, int(num_kv_indices), first=prefix)
+        self._sender.init(prefix + self._cursor.num_pages, None if aux_index is None else int(aux_index))
 
     def should_send_kv_chunk(self, num_pages: int, last_chunk: bool) -> bool:
         return num_pages > 0 and not (self._cursor is not None and self._cursor.finished)
@@ -511,17 +536,17 @@ class PdkvKVReceiver(BaseKVReceiver):
         if str(getattr(destination, "value", destination)) != KVTransferDestination.DEVICE.value:
             self._fail_locally(f"destination {destination!r}: pdkv writes device (registered) memory only")
             return
-        if decode_prefix_len:
-            self._fail_locally(
-                f"decode prefix of {decode_prefix_len} tokens: pdkv cannot skip the pages the decode "
-                "already holds"
-            )
+        try:
+            prefix = prefix_pages_of(self.bootstrap_room, decode_prefix_len, self.kv_mgr.page_size)
+        except MappingError as exc:
+            self._fail_locally(str(exc))
             return
         state = state_indices_for(self.kv_mgr.state_kinds, state_indices) or ()
         self._receiver.init(
-            np.asarray(kv_indices, dtype=np.int64).reshape(-1),
+            destinations_with_prefix(prefix, kv_indices),
             None if aux_index is None else int(aux_index),
             state,
+            prefix_pages=prefix,
         )
         self._metadata_sent = True
 
