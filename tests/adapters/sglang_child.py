@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -43,6 +44,7 @@ PAGE = 64
 KV_LORA_RANK = 512
 ROPE_DIM = 64
 SENTINEL = 0xA5
+ROWS = 12  # metadata rows per side
 PREFIX_MARK = 0x3C
 TERMINAL = (KVPoll.Success, KVPoll.Failed)
 
@@ -212,8 +214,17 @@ def scenario_prefill(plan: dict[str, Any]) -> dict[str, Any]:
     layers = int(plan["layers"])
     for layer in range(layers):
         layer_pages(pool, layer).copy_(layer_bytes(layer, int(plan["prefill_pages"])))
+    # Pages a "forward" is still writing when their chunk is sent: zero until their event completes.
+    unwritten = {
+        room: spec["src_pages"][: spec["chunks"][0]]
+        for room, spec in ((int(r["room"]), r) for r in plan["rooms"])
+        if spec.get("early_send_event_s")
+    }
+    for pages in unwritten.values():
+        for layer in range(layers):
+            layer_pages(pool, layer)[torch.tensor(pages)] = 0
     metadata = MetadataBuffers(
-        size=8, hidden_size=16, hidden_states_dtype=torch.bfloat16, max_sampling_mask_tokens=0
+        size=ROWS, hidden_size=16, hidden_states_dtype=torch.bfloat16, max_sampling_mask_tokens=0
     )
     kv_args = make_kv_args(pool, metadata, engine_rank=0)
     mgr = kv_class(KVClassType.MANAGER)(
@@ -228,6 +239,10 @@ def scenario_prefill(plan: dict[str, Any]) -> dict[str, Any]:
     outcome: dict[int, dict[str, Any]] = {}
     started: set[int] = set()
     prefix_tokens: dict[int, int] = {}
+    events: dict[int, list[HostEvent]] = {}
+    handed: dict[int, list[float]] = {}
+    send_s: dict[int, float] = {}
+    scheduler_thread = threading.get_ident()
     # Rooms the decode aborts may stay Bootstrapping here (pdkv answers Bootstrapping for a room this side
     # never opened, even once the decode's Abort tombstoned it): they get a grace period once the others
     # are done, then this side aborts them itself, as SGLang's prefill does on its bootstrap timeout.
@@ -253,10 +268,31 @@ def scenario_prefill(plan: dict[str, Any]) -> dict[str, Any]:
                 prefix_tokens[room] = int(sender.pop_decode_prefix_len())
                 sender.init(len(src), row)
                 offset = 0
-                for size in spec["chunks"]:
-                    chunk = torch.tensor(src[offset : offset + size], dtype=torch.int32).numpy()
+                events[room] = []
+                if spec.get("early_send_event_s") or spec.get("indices_event_s"):
+                    handed[room] = watch_pdkv_sends(sender)
+                for index, size in enumerate(spec["chunks"]):
+                    chunk: Any = torch.tensor(src[offset : offset + size], dtype=torch.int32).numpy()
+                    kwargs: dict[str, Any] = {}
+                    if index == 0 and spec.get("early_send_event_s"):
+                        # SGLang's early send under overlap: the forward still writes these pages
+                        event = HostEvent(
+                            float(spec["early_send_event_s"]),
+                            written(pool, src[:size], int(plan["prefill_pages"])),
+                        )
+                        sender._early_send_wait_event = event
+                        events[room].append(event)
+                    if index == 0 and spec.get("indices_event_s"):
+                        # SGLang's host-tensor ids: a pinned tensor the D2H copy fills later
+                        want = torch.tensor(src[offset : offset + size], dtype=torch.int64)
+                        chunk = want + 1  # stale ids: the copy has not landed yet
+                        event = HostEvent(float(spec["indices_event_s"]), copied(chunk, want))
+                        kwargs["indices_event"] = event
+                        events[room].append(event)
                     if sender.should_send_kv_chunk(len(chunk), offset + size == len(src)):
-                        sender.send(chunk)
+                        t_send = time.monotonic()
+                        sender.send(chunk, **kwargs)
+                        send_s[room] = max(send_s.get(room, 0.0), time.monotonic() - t_send)
                     offset += size
                 if spec.get("prefill_abort"):
                     sender.abort()
@@ -272,6 +308,19 @@ def scenario_prefill(plan: dict[str, Any]) -> dict[str, Any]:
                 record["bytes"] = metric.transfer_total_bytes
                 record["latency_s"] = metric.transfer_latency_s
                 record["poll_after_clear"] = int(sender.poll())
+                record["deferred_chunks"] = sender.deferred_chunks
+                record["longest_send_s"] = send_s.get(room, 0.0)
+                record["events"] = [
+                    {
+                        "asked": bool(e.asked_from),
+                        "asked_on_scheduler_thread": scheduler_thread in e.asked_from,
+                        # every chunk of the room reached pdkv after the event completed
+                        "pdkv_sends_after_complete": bool(handed.get(room))
+                        and e.complete_at is not None
+                        and min(handed[room]) >= e.complete_at,
+                    }
+                    for e in events.get(room, [])
+                ]
                 outcome[room] = record
         time.sleep(0.002)
     for room in sorted(unreachable - set(outcome)):
@@ -306,6 +355,63 @@ def scenario_prefill(plan: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
+class HostEvent:
+    """A stand-in for a CUDA event on CPU: completes ``delay_s`` after creation, on a timer thread, once
+    ``on_complete`` ran (what the GPU stream would have finished: KV pages, copied page ids). Records the
+    threads that asked whether it completed."""
+
+    def __init__(self, delay_s: float, on_complete: Any) -> None:
+        self._done = threading.Event()
+        self.asked_from: set[int] = set()
+        self.complete_at: float | None = None
+
+        def fire() -> None:
+            on_complete()
+            self.complete_at = time.monotonic()
+            self._done.set()
+
+        self._timer = threading.Timer(delay_s, fire)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def query(self) -> bool:
+        self.asked_from.add(threading.get_ident())
+        return self._done.is_set()
+
+    def synchronize(self) -> None:
+        self.asked_from.add(threading.get_ident())
+        self._done.wait()
+
+
+def watch_pdkv_sends(sender: Any) -> list[float]:
+    """When each of the adapter's calls to pdkv's ``KVSender.send`` for this room happened."""
+    times: list[float] = []
+    inner = sender._sender.send
+
+    def send(*args: Any, **kwargs: Any) -> None:
+        times.append(time.monotonic())
+        inner(*args, **kwargs)
+
+    sender._sender.send = send
+    return times
+
+
+def written(pool: MLATokenToKVPool, pages: list[int], pool_pages: int) -> Any:
+    """What a forward's completion means for ``pages``: every layer holds its bytes."""
+
+    def write() -> None:
+        index = torch.tensor(pages)
+        for layer in range(len(pool.kv_buffer)):
+            layer_pages(pool, layer)[index] = layer_bytes(layer, pool_pages)[index]
+
+    return write
+
+
+def copied(target: torch.Tensor, ids: torch.Tensor) -> Any:
+    """What a D2H copy's completion means: the host tensor holds the page ids."""
+    return lambda: target.copy_(ids)
+
+
 def scenario_decode(plan: dict[str, Any]) -> dict[str, Any]:
     """A decode rank: manager + one receiver per room; verifies every byte against the prefill's pattern."""
     load_plugins()
@@ -317,7 +423,7 @@ def scenario_decode(plan: dict[str, Any]) -> dict[str, Any]:
         # pages of the decode's radix cache (a request's cached prefix): no transfer may touch them
         layer_pages(pool, layer)[torch.tensor(prefix_held, dtype=torch.int64)] = PREFIX_MARK
     metadata = MetadataBuffers(
-        size=8, hidden_size=16, hidden_states_dtype=torch.bfloat16, max_sampling_mask_tokens=0
+        size=ROWS, hidden_size=16, hidden_states_dtype=torch.bfloat16, max_sampling_mask_tokens=0
     )
     kv_args = make_kv_args(pool, metadata, engine_rank=0)
     mgr = kv_class(KVClassType.MANAGER)(kv_args, DisaggregationMode.DECODE, server_args(plan, "decode"), True)

@@ -5,7 +5,8 @@ Each side uses SGLang's real CPU KV pool (``MLATokenToKVPool(device="cpu")``, 61
 comes from SGLang's ``get_kv_class`` after SGLang's ``load_plugins()``. Rooms of 1, 16 and 128 pages
 (the last one 576 MB, with Mooncake's default TCP queue), chunked; rooms with a decode prefix (SGLang's
 decode radix cache: the prefill sends only the pages after it, the decode's prefix pages stay untouched);
-aborts by the decode before and
+chunks with SGLang's CUDA events (stand-ins that complete later: pages or page ids written only then)
+waited for off the scheduler thread; aborts by the decode before and
 after its metadata and by the prefill. The decode compares the digest of the source pages with the
 digest of its destination pages, checks every other page still holds its sentinel and that the aux
 ``bootstrap_room`` row landed; neither side called a GPU stub outside module import.
@@ -42,7 +43,7 @@ ROOMS: list[dict[str, Any]] = [
 
 LAYERS = 61  # DeepSeek-V3's layer count: one MLA buffer of 73,728 B per page per layer
 PREFILL_PAGES = 160
-DECODE_PAGES = 170
+DECODE_PAGES = 180
 PAGE_BYTES = 64 * 576 * 2
 _BLOCKS = [list(range(30 + 8 * i, 38 + 8 * i)) for i in range(16)]
 ROOMS.append(
@@ -82,6 +83,33 @@ PREFIXED: list[dict[str, Any]] = [
     },
 ]
 ROOMS.extend(PREFIXED)
+
+EVENTS: list[dict[str, Any]] = [
+    # SGLang's early send under overlap scheduling: the first chunk's pages are still being written by
+    # the forward (zero on the prefill until its event completes, 0.3 s later); its second chunk queues
+    # behind it. Sent before the wait, the decode would get zeros.
+    {
+        "room": 109,
+        "src_pages": [158, 159, 160, 9, 19],
+        "dst_pages": [171, 172, 173, 174, 175],
+        "chunks": [2, 3],
+        "prefill_row": 8,
+        "decode_row": 8,
+        "early_send_event_s": 0.3,
+    },
+    # host-tensor page ids (supports_host_tensor_indices): the ids land in the tensor when the copy's
+    # event completes; read earlier, they would name the wrong pages
+    {
+        "room": 110,
+        "src_pages": [60, 61, 62],
+        "dst_pages": [176, 177, 178],
+        "chunks": [3],
+        "prefill_row": 9,
+        "decode_row": 9,
+        "indices_event_s": 0.2,
+    },
+]
+ROOMS.extend(EVENTS)
 
 ABORTS: list[dict[str, Any]] = [
     # the decode aborts right after send_metadata: both sides fail, pages reusable only after the acks
@@ -144,6 +172,18 @@ def test_two_processes_move_bytes_exactly(tmp_path: Path) -> None:
         # the prefill learnt the decode's prefix (in tokens, as SGLang's pop_decode_prefix_len answers)
         assert got_prefill["prefix_tokens"][str(room["room"])] == 64 * len(room["decode_prefix_dst"])
     assert got_prefill["prefix_tokens"]["102"] == 0
+    for room in EVENTS:
+        record = got_prefill["rooms"][str(room["room"])]
+        # the chunk waited for its event off the scheduler thread, which did not wait (send returned
+        # well before the event completed); the room's later chunks queued behind it
+        assert record["events"] == [
+            {"asked": True, "asked_on_scheduler_thread": False, "pdkv_sends_after_complete": True}
+        ], record
+        assert record["deferred_chunks"] == len(room["chunks"]), record
+        assert record["longest_send_s"] < 0.15, record
+    for room in ROOMS:
+        if room not in EVENTS:  # no event: nothing waited, every chunk went to pdkv at once
+            assert got_prefill["rooms"][str(room["room"])]["deferred_chunks"] == 0
     for room in ROOMS:
         key = str(room["room"])
         assert got_prefill["first_polls"][key] == BOOTSTRAPPING

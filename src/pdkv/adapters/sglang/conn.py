@@ -15,7 +15,9 @@ bootstrap registry on SGLang's bootstrap port), and the translation of SGLang's 
   SGLang's prefill sends from the prefix on;
 - deferred decode KV release: pages are safe once pdkv says every prefill rank acked the abort
   (``is_abort_release_safe``); SGLang's own 30 s bound is pdkv's abort-ack timeout;
-- timeouts come from SGLang's ``SGLANG_DISAGGREGATION_*`` variables (then ``PDKV_*`` ones, see README).
+- timeouts come from SGLang's ``SGLANG_DISAGGREGATION_*`` variables (then ``PDKV_*`` ones, see README);
+- SGLang's CUDA events for a chunk (the early-send wait event, ``indices_event``) are waited for on the
+  manager's ready thread (``ready.py``), never on the scheduler thread; without one nothing waits.
 
 Refused at manager init with a ``ConfigError`` naming the feature (pdkv cannot do it, or this adapter does
 not wire it yet): pipeline parallelism, DP attention / prefill DP-rank routing, attention context
@@ -32,6 +34,7 @@ yet), and must not change behaviour for any other SGLang backend.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import socket
@@ -56,6 +59,7 @@ from sglang.srt.environ import envs
 from sglang.srt.server_args import ServerArgs
 
 from pdkv.adapters.sglang.layout import layout_from_kv_args, state_kind_for
+from pdkv.adapters.sglang.ready import DeferredChunk, ReadyWaiter
 from pdkv.adapters.sglang.translate import (
     ChunkCursor,
     describe_failure,
@@ -216,6 +220,9 @@ class PdkvKVManager(BaseKVManager):
         self._lock = threading.Lock()
         self._deferred: dict[int, KVReceiver] = {}
         self._to_clear: list[KVReceiver] = []
+        self.ready_waiter = ReadyWaiter(self.timeouts.waiting)
+        """Chunks whose GPU event has not completed yet wait here (its thread starts on first use)."""
+        self.enable_all_cp_ranks_for_transfer = False  # read by SGLang's prefill before host-tensor sends
         backend = MooncakeBackend(_mooncake_config(args, self.host))
         self._prefill: PrefillTransport | None = None
         self._decode: DecodeTransport | None = None
@@ -258,6 +265,7 @@ class PdkvKVManager(BaseKVManager):
 
     def close(self) -> None:
         """Stop the transport (unregisters memory, closes sockets); the manager is unusable afterwards."""
+        self.ready_waiter.close()
         for transport in (self._prefill, self._decode):
             if transport is not None:
                 transport.close()
@@ -354,6 +362,13 @@ class PdkvKVManager(BaseKVManager):
                 log.debug("pdkv room %d not cleared: %s", item.room, exc)
 
 
+@functools.cache
+def _cuda_available() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
 def _release_ready(receiver: KVReceiver) -> bool:
     try:
         return receiver.release_ready()
@@ -396,6 +411,11 @@ class PdkvKVSender(BaseKVSender):
         self._concluded: int | None = None
         self._metric: KVTransferMetric | None = None
         self._prefix: int | None = None
+        self._early_send_wait_event: object | None = None  # set by SGLang's scheduler before a send
+        self._local_failure: str | None = None
+        self._aborted = False
+        self.deferred_chunks = 0
+        """Chunks that waited for a GPU event (or queued behind one) before going to pdkv."""
 
     def pop_decode_prefix_len(self) -> int:
         """Tokens the decode already holds (its radix cache); SGLang's prefill sends from there on.
@@ -425,31 +445,85 @@ class PdkvKVSender(BaseKVSender):
     def should_send_kv_chunk(self, num_pages: int, last_chunk: bool) -> bool:
         return num_pages > 0 and not (self._cursor is not None and self._cursor.finished)
 
+    @property
+    def supports_host_tensor_indices(self) -> bool:
+        """SGLang then hands each chunk's page ids as a pinned host tensor still being copied, with the
+        copy's CUDA event (``indices_event``): pdkv reads the ids off the scheduler thread once it
+        completed, so the scheduler does not wait for the copy. Only where CUDA runs."""
+        return _cuda_available()
+
     def send(
         self,
         kv_indices: Any,
         state_indices: list[Any] | None = None,
         num_kv_tokens: int | None = None,
+        indices_event: object | None = None,
     ) -> None:
-        """Queue one chunk's pages; the chunk that completes ``num_kv_indices`` pages is the last one."""
+        """Queue one chunk's pages; the chunk that completes ``num_kv_indices`` pages is the last one.
+
+        With a CUDA event (SGLang's early-send wait event set on this sender, or ``indices_event``) the
+        chunk waits for it on the manager's ready thread and goes to pdkv from there; later chunks of
+        the room queue behind it. Without one (always on CPU) it goes to pdkv now and nothing waits.
+        """
+        events = tuple(e for e in (self._early_send_wait_event, indices_event) if e is not None)
+        self._early_send_wait_event = None  # it belongs to this chunk only
         if self._cursor is None:
             raise LocalProtocolError(
                 f"room {self.bootstrap_room}: send() before init()", machine="sglang-sender", trigger="send"
             )
-        pages = np.asarray(kv_indices, dtype=np.int64).reshape(-1)
-        if self._cursor.finished and pages.size == 0:
+        # Ids still being copied are read after their event; their count is known already.
+        count = len(kv_indices) if indices_event is not None else int(np.size(kv_indices))
+        if self._cursor.finished and count == 0:
             return
-        start, last = self._cursor.advance(int(pages.size))
+        start, last = self._cursor.advance(count)
         state = state_indices_for(self.kv_mgr.state_kinds, state_indices) if last else None
-        self._sender.send(pages, start_token=start * self.kv_mgr.page_size, last=last, state_indices=state)
+        start_token = start * self.kv_mgr.page_size
+        waiter = self.kv_mgr.ready_waiter
+        if not events and not waiter.pending(self.bootstrap_room):
+            self._send_now(kv_indices, start_token, last, state)
+            return
+        self.deferred_chunks += 1
+        waiter.submit(
+            DeferredChunk(
+                room=self.bootstrap_room,
+                events=events,
+                send=lambda: self._send_now(kv_indices, start_token, last, state),
+                fail=self._fail_deferred,
+                cancelled=self._deferred_cancelled,
+            )
+        )
+
+    def _send_now(self, kv_indices: Any, start_token: int, last: bool, state: Any) -> None:
+        pages = np.asarray(kv_indices, dtype=np.int64).reshape(-1)
+        self._sender.send(pages, start_token=start_token, last=last, state_indices=state)
+
+    def _fail_deferred(self, reason: str) -> None:
+        """A waited chunk could not go (its event timed out or raised, or pdkv refused it): the room
+        fails here and pdkv tells the decode."""
+        self._local_failure = reason
+        try:
+            self._sender.abort(reason)
+        except PdkvError as exc:
+            log.debug("room %d: abort after a deferred chunk failed: %s", self.bootstrap_room, exc)
+
+    def _deferred_cancelled(self) -> bool:
+        if self._aborted or self._local_failure is not None:
+            return True
+        try:
+            return int(self._sender.poll()) == KVPoll.Failed
+        except PdkvError:
+            return True
 
     def poll(self) -> int:
         if self._concluded is not None:
             return self._concluded
+        if self._local_failure is not None:
+            return int(KVPoll.Failed)
         return int(self._sender.poll())
 
     def failure_exception(self) -> None:
-        raise KVTransferError(self.bootstrap_room, f"pdkv: {describe_failure(self._sender.failure())}")
+        reason = self._local_failure or describe_failure(self._sender.failure())
+        raise KVTransferError(self.bootstrap_room, f"pdkv: {reason}")
 
     def get_transfer_metric(self) -> KVTransferMetric:
         if self._metric is None:
@@ -470,7 +544,7 @@ class PdkvKVSender(BaseKVSender):
     def clear(self) -> None:
         if self._concluded is not None:
             return
-        state = int(self._sender.poll())
+        state = self.poll()
         if state in (KVPoll.Success, KVPoll.Failed):
             self._metric = self._read_metric()
         try:
@@ -480,6 +554,7 @@ class PdkvKVSender(BaseKVSender):
         self._concluded = state
 
     def abort(self) -> None:
+        self._aborted = True  # chunks still waiting for their GPU event are dropped
         self._sender.abort(ABORT_BY_PREFILL)
 
 
