@@ -10,7 +10,9 @@ both. Transfer classes come only from ``get_kv_class`` after SGLang's ``load_plu
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import json
 import sys
 import threading
@@ -125,14 +127,56 @@ def server_args(plan: dict[str, Any], mode: str, **extra: Any) -> ServerArgs:
 # --------------------------------------------------------------------------- scenarios
 
 
+REFUSAL_CASES: tuple[tuple[str, str, tuple[str, ...], dict[str, object]], ...] = (
+    # label, --disaggregation-mode, further command-line flags, KVArgs changes
+    ("pp", "prefill", ("--pp-size", "2"), {}),
+    ("dp_attention", "prefill", ("--enable-dp-attention", "--dp-size", "2", "--tp-size", "2"), {}),
+    ("attn_dp", "prefill", ("--attn-dp-size", "2", "--tp-size", "2"), {}),
+    ("role_switch", "prefill", ("--enable-pd-role-switch",), {}),
+    ("attn_cp", "prefill", ("--attn-cp-size", "2", "--tp-size", "2"), {}),
+    ("dcp", "decode", ("--dcp-size", "2", "--tp-size", "2"), {}),
+    ("nnodes", "decode", ("--nnodes", "2", "--node-rank", "0", "--dist-init-addr", "127.0.0.1:5000"), {}),
+    ("allocation_policy", "decode", ("--disaggregation-decode-allocation-policy", "prefill_complete"), {}),
+    ("decode_radix", "decode", ("--disaggregation-decode-enable-radix-cache",), {}),
+    (
+        "mamba_state",
+        "prefill",
+        (),
+        {
+            "state_types": ["mamba"],
+            "state_data_ptrs": [[4096]],
+            "state_data_lens": [[64]],
+            "state_item_lens": [[64]],
+        },
+    ),
+)
+
+
+def parse_cli(argv: list[str]) -> tuple[ServerArgs | None, str]:
+    """SGLang's own command-line parsing (``prepare_server_args``, as ``sglang serve`` and
+    ``launch_server`` call it after ``load_plugins()``): the arguments, or None and argparse's error."""
+    from sglang.srt.server_args import prepare_server_args
+
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            return prepare_server_args(argv), ""
+    except SystemExit as exc:
+        lines = [line for line in err.getvalue().splitlines() if "error:" in line]
+        return None, f"exit {exc.code}: {' '.join(lines)}"
+
+
 def scenario_plugin(plan: dict[str, Any]) -> dict[str, Any]:
-    """Registration: Enum member, CLI choice, get_kv_class everywhere SGLang calls it; refusals."""
+    """Registration: Enum member, CLI choice, get_kv_class everywhere SGLang calls it; the README's
+    launch flags and the refusals, both through SGLang's real command-line parser."""
     import sglang.srt.disaggregation.decode as decode_mod
     import sglang.srt.disaggregation.prefill as prefill_mod
     import sglang.srt.managers.disagg_service as service_mod
     from sglang.srt.arg_groups.choices import DISAGG_TRANSFER_BACKEND_CHOICES
-    from sglang.srt.server_args import prepare_server_args
 
+    readme = [list(argv) for argv in plan.get("readme_commands", [])]
+    # Before the plugin loads, SGLang's parser does not know the backend.
+    _, before_plugins = parse_cli(readme[0] if readme else ["--disaggregation-transfer-backend", "pdkv"])
     load_plugins()
     load_plugins()  # idempotent, as SGLang calls it in several places
     from pdkv.adapters.sglang import conn, plugin
@@ -146,7 +190,30 @@ def scenario_plugin(plan: dict[str, Any]) -> dict[str, Any]:
             cls = module.get_kv_class(backend, kind)
             found[name][kind.value] = None if cls is None else f"{cls.__module__}.{cls.__qualname__}"
     mooncake = get_kv_class(TransferBackend.MOONCAKE, KVClassType.SENDER)
-    parsed = prepare_server_args(["--model-path", "dummy", "--disaggregation-transfer-backend", "pdkv"])
+    parsed, _ = parse_cli(["--model-path", "dummy", "--disaggregation-transfer-backend", "pdkv"])
+    launch: list[dict[str, Any]] = []
+    for argv in readme:
+        args, error = parse_cli(argv)
+        if args is None:
+            launch.append({"error": error})
+            continue
+        try:
+            conn.refuse_unsupported(args, DisaggregationMode(args.disaggregation_mode))
+            verdict = "served"
+        except Exception as exc:
+            verdict = f"{type(exc).__name__}: {exc}"
+        launch.append(
+            {
+                "mode": args.disaggregation_mode,
+                "backend": args.disaggregation_transfer_backend,
+                "host": args.host,
+                "port": args.port,
+                "bootstrap_port": args.disaggregation_bootstrap_port,
+                "ib_device": args.disaggregation_ib_device,
+                "decode_radix_cache": args.disaggregation_decode_enable_radix_cache,
+                "verdict": verdict,
+            }
+        )
     # Refusals go through the manager class SGLang gets, before any transport or engine exists.
     manager_cls = kv_class(KVClassType.MANAGER)
     pool = make_pool({**plan, "layers": 2}, 4)
@@ -154,29 +221,21 @@ def scenario_plugin(plan: dict[str, Any]) -> dict[str, Any]:
         size=2, hidden_size=16, hidden_states_dtype=torch.bfloat16, max_sampling_mask_tokens=0
     )
     refusals: dict[str, str] = {}
-    cases: tuple[tuple[str, str, dict[str, object], dict[str, object]], ...] = (
-        ("pp", "prefill", {"pp_size": 2}, {}),
-        ("dp_attention", "prefill", {"dp_size": 2, "enable_dp_attention": True}, {}),
-        ("role_switch", "prefill", {"enable_pd_role_switch": True}, {}),
-        ("attn_cp", "prefill", {"attn_cp_size": 2}, {}),
-        ("nnodes", "decode", {"nnodes": 2}, {}),
-        ("decode_radix", "decode", {"disaggregation_decode_enable_radix_cache": True}, {}),
-        (
-            "mamba_state",
-            "prefill",
-            {},
-            {
-                "state_types": ["mamba"],
-                "state_data_ptrs": [[4096]],
-                "state_data_lens": [[64]],
-                "state_item_lens": [[64]],
-            },
-        ),
-    )
-    for label, mode, changes, kv_changes in cases:
-        args = server_args(plan, mode)
-        for key, value in changes.items():
-            setattr(args, key, value)
+    base = [
+        "--model-path",
+        "dummy",
+        "--disaggregation-transfer-backend",
+        "pdkv",
+        "--host",
+        "127.0.0.1",
+        "--disaggregation-bootstrap-port",
+        str(plan["bootstrap_port"]),
+    ]
+    for label, mode, flags, kv_changes in REFUSAL_CASES:
+        args, error = parse_cli([*base, "--disaggregation-mode", mode, *flags])
+        if args is None:
+            refusals[label] = f"not parsed: {error}"
+            continue
         kv_args = make_kv_args(pool, metadata, engine_rank=0)
         for key, value in kv_changes.items():
             setattr(kv_args, key, value)
@@ -191,7 +250,9 @@ def scenario_plugin(plan: dict[str, Any]) -> dict[str, Any]:
         "members": [m.value for m in TransferBackend],
         "in_choices": DISAGG_TRANSFER_BACKEND_CHOICES.count("pdkv"),
         "server_args_backend": server_args(plan, "prefill").disaggregation_transfer_backend,
-        "cli_backend": parsed.disaggregation_transfer_backend,
+        "cli_backend": None if parsed is None else parsed.disaggregation_transfer_backend,
+        "before_plugins": before_plugins,
+        "launch": launch,
         "classes": found,
         "mooncake_sender": f"{mooncake.__module__}.{mooncake.__qualname__}" if mooncake else None,
         "hooked": hasattr(prefill_mod.get_kv_class, "__wrapped__"),

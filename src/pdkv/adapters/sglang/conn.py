@@ -20,9 +20,10 @@ bootstrap registry on SGLang's bootstrap port), and the translation of SGLang's 
   manager's ready thread (``ready.py``), never on the scheduler thread; without one nothing waits.
 
 Refused at manager init with a ``ConfigError`` naming the feature (pdkv cannot do it, or this adapter does
-not wire it yet): pipeline parallelism, DP attention / prefill DP-rank routing, attention context
-parallelism, multi-node instances, PD role switch, state types other than SWA and DSA/NSA,
-compressed-MLA pools. Host destinations are declined through
+not wire it yet): pipeline parallelism, DP attention / prefill DP-rank routing (``--dp-size``,
+``--attn-dp-size``), attention and decode context parallelism, multi-node instances, PD role switch, the
+``prefill_complete`` decode allocation policy, state types other than SWA and DSA/NSA, compressed-MLA
+pools. Host destinations are declined through
 ``supports_host_destination``; MHA with a prefill TP different from the decode TP is refused when the
 decode first meets that prefill.
 
@@ -111,12 +112,22 @@ def refuse_unsupported(server_args: ServerArgs, mode: DisaggregationMode) -> Non
         (int(getattr(server_args, "pp_size", 1)) > 1, "pipeline parallelism (--pp-size > 1)"),
         (
             bool(getattr(server_args, "enable_dp_attention", False))
-            or int(getattr(server_args, "dp_size", 1)) > 1,
-            "data parallelism / DP attention (prefill DP-rank routing)",
+            or int(getattr(server_args, "dp_size", 1)) > 1
+            or int(getattr(server_args, "attn_dp_size", 1)) > 1,
+            "data parallelism / DP attention (--dp-size, --attn-dp-size > 1: prefill DP-rank routing)",
         ),
         (
             int(getattr(server_args, "attn_cp_size", 1)) > 1,
             "attention context parallelism (--attn-cp-size > 1)",
+        ),
+        (
+            int(getattr(server_args, "dcp_size", 1)) > 1,
+            "decode context parallelism (--dcp-size > 1)",
+        ),
+        (
+            str(getattr(server_args, "disaggregation_decode_allocation_policy", "early")) != "early",
+            "--disaggregation-decode-allocation-policy other than 'early' (the sender's "
+            "mark_prefill_complete() is not implemented)",
         ),
         (
             int(getattr(server_args, "nnodes", 1)) > 1,
