@@ -19,6 +19,7 @@ import threading
 import time
 import traceback
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from tests.adapters import gpu_stubs
@@ -416,6 +417,170 @@ def scenario_prefill(plan: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
+def scenario_prefill_queues(plan: dict[str, Any]) -> dict[str, Any]:
+    """A prefill rank driven by SGLang's own prefill code: ``PrefillBootstrapQueue`` (add, pop_bootstrapped,
+    finalize_bootstrap: ``pop_decode_prefix_len`` then ``init``), the scheduler mixin's ``send_kv_chunk``
+    (chunked; it computes the page ids from ``req_to_token`` from ``start_send_idx`` on), and SGLang's
+    poll all-reduce over a one-rank gloo group; then ``clear()`` and the metric as the inflight queue does.
+
+    Stand-ins only where SGLang needs a live model: the scheduler object (the attributes those paths
+    read) and the "forward" (the pages are filled with the test pattern before the request arrives).
+    """
+    from array import array
+
+    import torch.distributed as dist
+    from sglang.srt.disaggregation.prefill import PrefillBootstrapQueue, SchedulerDisaggregationPrefillMixin
+    from sglang.srt.disaggregation.utils import (
+        ReqToMetadataIdxAllocator,
+        poll_and_all_reduce_attn_cp_tp_group,
+    )
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+    from sglang.srt.runtime_context import SpawnRanks, publish
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    load_plugins()
+    args = server_args(plan, "prefill", page_size=PAGE)
+    publish(args, role="scheduler", ranks=SpawnRanks(world_rank=0, gpu_id=0))
+    store = dist.HashStore()  # type: ignore[attr-defined]  # exported by torch.distributed at runtime
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    group = dist.group.WORLD
+    server = kv_class(KVClassType.BOOTSTRAP_SERVER)("127.0.0.1", int(plan["bootstrap_port"]))
+    pages = int(plan["prefill_pages"])
+    pool = make_pool(plan, pages)
+    for layer in range(int(plan["layers"])):
+        layer_pages(pool, layer).copy_(layer_bytes(layer, pages))
+    metadata = MetadataBuffers(
+        size=ROWS, hidden_size=16, hidden_states_dtype=torch.bfloat16, max_sampling_mask_tokens=0
+    )
+    allocator = PagedTokenToKVPoolAllocator(
+        size=pages * PAGE, page_size=PAGE, dtype=torch.bfloat16, device="cpu", kvcache=pool, need_sort=False
+    )
+    req_to_token = ReqToTokenPool(
+        size=4, max_context_len=pages * PAGE, device="cpu", enable_memory_saver=False
+    )
+
+    class Scheduler(SchedulerDisaggregationPrefillMixin):
+        """What ``send_kv_chunk`` and the bootstrap queue read from SGLang's scheduler."""
+
+        def __init__(self) -> None:
+            self.server_args = args
+            self.tp_worker = SimpleNamespace(
+                model_runner=SimpleNamespace(
+                    effective_logical_max_total_num_tokens=pages * PAGE, kv_cache_dtype_str="bfloat16"
+                )
+            )
+            self.kv_shard_widening = 1
+            self.token_to_kv_pool_allocator = allocator
+            self.req_to_token_pool = req_to_token
+            self.rust_server = None
+            self.model_config = SimpleNamespace(
+                hf_text_config=SimpleNamespace(), num_hidden_layers=int(plan["layers"])
+            )
+            self.attn_cp_cpu_group = group
+            self.attn_tp_cpu_group = group
+            self.processed_tokens_counter = 0
+            self.disagg_metadata_buffers = metadata
+            self.enable_staging = False
+            self.disagg_prefill_pending_chunk_rids: set[str] = set()
+            self.disagg_prefill_bootstrap_queue: Any = None
+
+    scheduler = Scheduler()
+    queue = PrefillBootstrapQueue(
+        pool,
+        None,
+        ReqToMetadataIdxAllocator(ROWS),
+        metadata,
+        0,
+        int(plan["bootstrap_port"]),
+        pages * PAGE,
+        scheduler,
+        None,
+        TransferBackend("pdkv"),
+    )
+    scheduler.disagg_prefill_bootstrap_queue = queue
+    calls_before = len(gpu_stubs.calls_outside_import())
+    reqs = {}
+    room_of: dict[str, int] = {}
+    for slot, spec in enumerate(plan["rooms"]):
+        room = int(spec["room"])
+        # The request's pages by position: the decode's prefix first (this side computed them too).
+        by_position = [*spec["prefill_prefix_pages"], *spec["src_pages"]]
+        tokens = len(by_position) * PAGE
+        req = Req(
+            rid=f"req-{room}",
+            origin_input_text="",
+            origin_input_ids=array("q", range(tokens)),
+            sampling_params=SamplingParams(max_new_tokens=8),
+            bootstrap_host="127.0.0.1",
+            bootstrap_port=int(plan["bootstrap_port"]),
+            bootstrap_room=room,
+            disagg_mode=DisaggregationMode.PREFILL,
+        )
+        req.kv.req_pool_idx = slot
+        token_ids = torch.tensor(by_position, dtype=torch.int64)[:, None] * PAGE + torch.arange(PAGE)
+        req_to_token.req_to_token[slot, :tokens] = token_ids.reshape(-1).to(req_to_token.req_to_token.dtype)
+        req.output_ids.append(room % 50_000)  # the first token the "forward" sampled
+        queue.add(req, num_kv_heads=1)
+        reqs[room] = req
+        room_of[req.rid] = room
+    record: dict[int, dict[str, Any]] = {}
+    waiting = dict(reqs)
+    deadline = time.monotonic() + float(plan.get("timeout_s", 60))
+    while waiting and time.monotonic() < deadline:
+        for req in queue.pop_bootstrapped():  # finalize_bootstrap ran: pop_decode_prefix_len + init
+            room = room_of[req.rid]
+            spec = next(r for r in plan["rooms"] if int(r["room"]) == room)
+            record[room] = {"start_send_idx": int(req.start_send_idx), "pending": bool(req.pending_bootstrap)}
+            end = int(req.start_send_idx)
+            for size in spec["chunks"][:-1]:
+                end += size * PAGE
+                scheduler.send_kv_chunk(req, last_chunk=False, end_idx=end)
+            req.extend_end = len(req.origin_input_ids)
+            scheduler.send_kv_chunk(req, last_chunk=True)
+            waiting.pop(room)
+        time.sleep(0.005)
+    inflight = [reqs[room] for room in record]
+    outcome: dict[int, dict[str, Any]] = {}
+    while inflight and time.monotonic() < deadline:
+        polls = poll_and_all_reduce_attn_cp_tp_group(
+            [r.disagg_kv_sender for r in inflight], scheduler.attn_cp_cpu_group, scheduler.attn_tp_cpu_group
+        )
+        for req, state in zip(list(inflight), polls, strict=True):
+            if state not in TERMINAL:
+                continue
+            room = room_of[req.rid]
+            entry = {**record[room], "state": int(state)}
+            if state == KVPoll.Failed:
+                try:
+                    req.disagg_kv_sender.failure_exception()
+                except Exception as exc:
+                    entry["error"] = f"{type(exc).__name__}: {exc}"
+            req.disagg_kv_sender.clear()
+            metric = req.disagg_kv_sender.get_transfer_metric()
+            entry["bytes"] = metric.transfer_total_bytes
+            entry["observed"] = req.time_stats.compute_and_observe_kv_transfer_metrics(metric) is not None
+            outcome[room] = entry
+            inflight.remove(req)
+        time.sleep(0.005)
+    for room in reqs:
+        outcome.setdefault(room, {**record.get(room, {}), "unfinished": True})
+    result = {
+        "rooms": outcome,
+        "stub_calls_during_transfer": list(gpu_stubs.calls_outside_import()[calls_before:]),
+    }
+    write_result(plan, result)
+    stop = Path(plan["stop_file"])
+    stop_deadline = time.monotonic() + float(plan.get("timeout_s", 60))
+    while not stop.exists() and time.monotonic() < stop_deadline:
+        time.sleep(0.05)
+    queue.kv_manager.close()
+    server.close()
+    dist.destroy_process_group()
+    return result
+
+
 class HostEvent:
     """A stand-in for a CUDA event on CPU: completes ``delay_s`` after creation, on a timer thread, once
     ``on_complete`` ran (what the GPU stream would have finished: KV pages, copied page ids). Records the
@@ -620,7 +785,12 @@ def write_result(plan: dict[str, Any], result: dict[str, Any]) -> None:
     tmp.replace(path)
 
 
-SCENARIOS = {"plugin": scenario_plugin, "prefill": scenario_prefill, "decode": scenario_decode}
+SCENARIOS = {
+    "plugin": scenario_plugin,
+    "prefill": scenario_prefill,
+    "prefill_queues": scenario_prefill_queues,
+    "decode": scenario_decode,
+}
 
 
 def main() -> int:
