@@ -581,6 +581,160 @@ def scenario_prefill_queues(plan: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
+def scenario_decode_queues(plan: dict[str, Any]) -> dict[str, Any]:
+    """A decode rank driven by SGLang's own decode code: ``DecodePreallocQueue`` (add, the prefill-info
+    handshake, ``pop_preallocated``: real page allocation then ``send_metadata``) and
+    ``DecodeTransferQueue`` (``pop_transferred``: the poll all-reduce, the aux ``bootstrap_room`` gate,
+    the first token committed from the metadata row). A real (disabled) ``RadixCache`` and SGLang's page
+    allocator; a stand-in scheduler object with what those paths read. Verifies the bytes as the
+    hand-driven decode does, at the pages SGLang allocated."""
+    from array import array
+
+    import torch.distributed as dist
+    from sglang.srt.disaggregation.decode import DecodePreallocQueue, DecodeTransferQueue
+    from sglang.srt.disaggregation.utils import ReqToMetadataIdxAllocator
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+    from sglang.srt.mem_cache.radix_cache import RadixCache
+    from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish
+    from sglang.srt.sampling.sampling_params import SamplingParams
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    load_plugins()
+    args = server_args(plan, "decode", page_size=PAGE)
+    publish(args, role="scheduler", ranks=SpawnRanks(world_rank=0, gpu_id=0))
+    store = dist.HashStore()  # type: ignore[attr-defined]  # exported by torch.distributed at runtime
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    group = dist.group.WORLD
+    # What SGLang's group setup would have written (one rank: the world group is the attention TP group).
+    get_parallel().override_permanently(attn_tp_group=SimpleNamespace(cpu_group=group, world_size=1))
+    pages = int(plan["decode_pages"])
+    pool = make_pool(plan, pages)
+    for layer in range(int(plan["layers"])):
+        pool.kv_buffer[layer].view(torch.uint8).fill_(SENTINEL)
+    metadata = MetadataBuffers(
+        size=ROWS, hidden_size=16, hidden_states_dtype=torch.bfloat16, max_sampling_mask_tokens=0
+    )
+    allocator = PagedTokenToKVPoolAllocator(
+        size=pages * PAGE, page_size=PAGE, dtype=torch.bfloat16, device="cpu", kvcache=pool, need_sort=False
+    )
+    req_to_token = ReqToTokenPool(
+        size=4, max_context_len=pages * PAGE, device="cpu", enable_memory_saver=False
+    )
+    tree = RadixCache(
+        CacheInitParams(
+            disable=True, req_to_token_pool=req_to_token, token_to_kv_pool_allocator=allocator, page_size=PAGE
+        )
+    )
+    committed: dict[str, int] = {}
+    streamed: list[str] = []
+    scheduler = SimpleNamespace(
+        server_args=args,
+        tp_worker=SimpleNamespace(
+            is_hybrid_swa=False, model_runner=SimpleNamespace(kv_cache_dtype_str="bfloat16")
+        ),
+        model_config=SimpleNamespace(hf_text_config=SimpleNamespace(), num_hidden_layers=int(plan["layers"])),
+        spec_algorithm=SpeculativeAlgorithm.from_string(None),
+        tree_cache=tree,
+        enable_hisparse=False,
+        enable_decode_hicache=False,
+        enable_lora=False,
+        enable_priority_scheduling=False,
+        enable_overlap=False,
+        random_seed=0,
+        running_batch=SimpleNamespace(reqs=[]),
+        waiting_queue=[],
+        last_batch=None,
+        sliding_window_size=None,
+        kv_checksum_computer=None,
+        metrics_collector=None,
+        metrics_reporter=SimpleNamespace(enable_metrics=False),
+        schedule_low_priority_values_first=False,
+        disagg_decode_prealloc_queue=None,
+        # the handoff token (from the prefill's metadata row) and streamed aborts, as the scheduler sees them
+        batch_result_processor=SimpleNamespace(
+            _maybe_update_reasoning_tokens=lambda req, token: committed.__setitem__(req.rid, int(token))
+        ),
+        output_streamer=SimpleNamespace(
+            stream_output=lambda reqs, *a, **k: streamed.extend(r.rid for r in reqs)
+        ),
+    )
+    rows = ReqToMetadataIdxAllocator(ROWS)
+    transfer = DecodeTransferQueue(rows, metadata, scheduler, tree)
+    prealloc = DecodePreallocQueue(
+        req_to_token,
+        allocator,
+        None,
+        rows,
+        metadata,
+        scheduler,
+        transfer,
+        tree,
+        0,
+        int(plan["bootstrap_port"]),
+        pages * PAGE,
+        0,
+        TransferBackend("pdkv"),
+    )
+    scheduler.disagg_decode_prealloc_queue = prealloc
+    calls_before = len(gpu_stubs.calls_outside_import())
+    rooms = {int(r["room"]): r for r in plan["rooms"]}
+    reqs: dict[int, Any] = {}
+    room_of: dict[str, int] = {}
+    for room, spec in rooms.items():
+        tokens = len(spec["src_pages"]) * PAGE
+        req = Req(
+            rid=f"req-{room}",
+            origin_input_text="",
+            origin_input_ids=array("q", range(tokens)),
+            sampling_params=SamplingParams(max_new_tokens=8),
+            bootstrap_host="127.0.0.1",
+            bootstrap_port=int(plan["bootstrap_port"]),
+            bootstrap_room=room,
+            disagg_mode=DisaggregationMode.DECODE,
+        )
+        prealloc.add(req)
+        reqs[room] = req
+        room_of[req.rid] = room
+    rows_of: dict[int, int] = {}
+    done: dict[int, Any] = {}
+    failed: list[str] = []
+    deadline = time.monotonic() + float(plan.get("timeout_s", 60))
+    while len(done) + len(failed) < len(reqs) and time.monotonic() < deadline:
+        ready, refused = prealloc.pop_preallocated()
+        failed.extend(d.req.rid for d in refused)
+        for decode_req in ready:
+            rows_of[room_of[decode_req.req.rid]] = int(decode_req.metadata_buffer_index)
+        transfer.extend(ready)
+        for req in transfer.pop_transferred():
+            done[room_of[req.rid]] = req
+        time.sleep(0.005)
+    outcome: dict[int, dict[str, Any]] = {}
+    specs: dict[int, dict[str, Any]] = {}
+    for room, req in reqs.items():
+        if room not in done:
+            outcome[room] = {"state": int(KVPoll.Failed), "unfinished": True}
+            continue
+        row = req_to_token.req_to_token[req.kv.req_pool_idx, : len(req.origin_input_ids) : PAGE]
+        dst = [int(t) // PAGE for t in row]
+        outcome[room] = {"state": int(KVPoll.Success), "dst_pages": dst, "output_ids": list(req.output_ids)}
+        specs[room] = {**rooms[room], "dst_pages": dst, "decode_row": rows_of[room]}
+    verified = verify(plan, pool, metadata, {**rooms, **specs}, outcome)
+    result = {
+        "rooms": outcome,
+        "committed": committed,
+        "streamed": streamed,
+        "failed": failed,
+        "verified": verified,
+        "stub_calls_during_transfer": list(gpu_stubs.calls_outside_import()[calls_before:]),
+    }
+    prealloc.kv_manager.close()
+    dist.destroy_process_group()
+    return result
+
+
 class HostEvent:
     """A stand-in for a CUDA event on CPU: completes ``delay_s`` after creation, on a timer thread, once
     ``on_complete`` ran (what the GPU stream would have finished: KV pages, copied page ids). Records the
@@ -789,6 +943,7 @@ SCENARIOS = {
     "plugin": scenario_plugin,
     "prefill": scenario_prefill,
     "prefill_queues": scenario_prefill_queues,
+    "decode_queues": scenario_decode_queues,
     "decode": scenario_decode,
 }
 

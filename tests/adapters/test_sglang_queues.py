@@ -1,14 +1,14 @@
-"""SGLang's own prefill code drives pdkv: ``PrefillBootstrapQueue`` and the scheduler's ``send_kv_chunk``.
+"""SGLang's own scheduler-side code drives pdkv on CPU: its prefill and decode queue classes.
 
 The prefill process runs SGLang 0.5.23's real ``PrefillBootstrapQueue`` (sender creation, the poll
-all-reduce, ``finalize_bootstrap``: ``pop_decode_prefix_len`` then ``init``) and the scheduler mixin's
-``send_kv_chunk`` (page ids from ``req_to_token``, from ``start_send_idx`` on, chunked, the metadata
-row written by ``MetadataBuffers.set_buf``), with a stand-in scheduler object carrying what those paths
-read. The decode process is the adapter test's decode rank (receivers driven as ``decode.py`` does), one
-request with a decode prefix. Bytes are verified as in the transfer test.
-
-SGLang's decode queues (``DecodePreallocQueue`` / ``DecodeTransferQueue``) are not driven: see
-``sglang_child.scenario_prefill_queues`` and the README for what stops them on CPU.
+all-reduce over a one-rank gloo group, ``finalize_bootstrap``: ``pop_decode_prefix_len`` then ``init``)
+and the scheduler mixin's ``send_kv_chunk`` (page ids from ``req_to_token``, from ``start_send_idx`` on,
+chunked, the metadata row written by ``MetadataBuffers.set_buf``). The decode process is either the
+hand-driven decode rank of the transfer test (to give the prefill a decode prefix: SGLang's radix cache
+would need a cached request to match) or SGLang's real ``DecodePreallocQueue`` / ``DecodeTransferQueue``
+(prefill-info handshake, page allocation by SGLang's allocator, ``send_metadata`` once the receiver
+polls WaitingForInput, the aux-row gate, the first token committed). Stand-ins only for the scheduler
+object (the attributes these paths read) and the model forward (pages hold the test pattern).
 """
 
 from __future__ import annotations
@@ -88,3 +88,51 @@ def test_sglang_prefill_queue_and_send_kv_chunk_move_bytes_exactly(tmp_path: Pat
     assert verified["prefix_pages_intact"] is True and verified["prefix_pages_checked"] == 3
     assert verified["dirty_pages"] == []
     assert got_prefill["stub_calls_during_transfer"] == []
+
+
+BOTH_ROOMS: list[dict[str, Any]] = [
+    # SGLang allocates the decode pages; the prefill sends in two chunks (2 + 3 pages)
+    {"room": 203, "prefill_prefix_pages": [], "src_pages": [*range(10, 15)], "chunks": [2, 3]},
+    {"room": 204, "prefill_prefix_pages": [], "src_pages": [30], "chunks": [1]},
+]
+
+
+def test_sglang_prefill_and_decode_queues_move_bytes_exactly(tmp_path: Path) -> None:
+    """Both sides SGLang's own queue code: the decode's DecodePreallocQueue allocates the pages and sends
+    the metadata only after the receiver polled WaitingForInput, DecodeTransferQueue hands the request
+    over once the aux row landed, with the prefill's first token."""
+    stop_file = tmp_path / "stop"
+    base: dict[str, Any] = {
+        "bootstrap_port": free_port(),
+        "http_port": free_port(),
+        "layers": 8,
+        "prefill_pages": 40,
+        "decode_pages": 40,
+        "rooms": BOTH_ROOMS,
+        "timeout_s": 60,
+        "stop_file": str(stop_file),
+    }
+    with children() as started:
+        prefill = Child("prefill_queues", {**base, "result": str(tmp_path / "prefill.json")}, tmp_path)
+        started.append(prefill)
+        decode = Child("decode_queues", {**base, "result": str(tmp_path / "decode.json")}, tmp_path)
+        started.append(decode)
+        assert decode.wait(150) == 0, decode.log_tail()
+        stop_file.touch()
+        assert prefill.wait(90) == 0, prefill.log_tail()
+        got_prefill, got_decode = prefill.result(), decode.result()
+
+    assert got_decode["failed"] == [] and got_decode["streamed"] == []
+    for room in BOTH_ROOMS:
+        key = str(room["room"])
+        assert got_prefill["rooms"][key]["state"] == SUCCESS, got_prefill["rooms"][key]
+        received = got_decode["rooms"][key]
+        assert received["state"] == SUCCESS, received
+        assert len(received["dst_pages"]) == len(room["src_pages"])
+        # the first token came through the metadata row, committed by SGLang's transfer queue
+        assert received["output_ids"] == [room["room"] % 50_000]
+        assert got_decode["committed"][f"req-{key}"] == room["room"] % 50_000
+        check = got_decode["verified"][key]
+        assert check["digests_equal"] and check["mismatched_pages"] == 0, check
+    assert got_decode["verified"]["dirty_pages"] == []
+    assert got_prefill["stub_calls_during_transfer"] == [] and got_decode["stub_calls_during_transfer"] == []

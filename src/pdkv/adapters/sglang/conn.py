@@ -573,7 +573,8 @@ class PdkvKVSender(BaseKVSender):
 
 
 class PdkvKVReceiver(BaseKVReceiver):
-    """One request on a decode rank. Polls Bootstrapping until ``send_metadata`` opened the pdkv room."""
+    """One request on a decode rank. Polls Bootstrapping until ``init`` resolved the prefill, then
+    WaitingForInput until ``send_metadata`` opened the pdkv room, then the room's state."""
 
     def __init__(self, mgr: BaseKVManager, bootstrap_addr: str, bootstrap_room: int | None = None) -> None:
         if not isinstance(mgr, PdkvKVManager):
@@ -641,8 +642,12 @@ class PdkvKVReceiver(BaseKVReceiver):
             return self.conclude_state
         if self._local_failure is not None:
             return KVPoll.Failed
-        if self._receiver is None or not (self._metadata_sent or self.abort_notified):
+        if self._receiver is None:
             return KVPoll.Bootstrapping
+        if not (self._metadata_sent or self.abort_notified):
+            # init() resolved the prefill: SGLang's decode now allocates pages and calls send_metadata
+            # only once it polls WaitingForInput (DecodePreallocQueue's handshake waiters).
+            return KVPoll.WaitingForInput
         return int(self._receiver.poll())
 
     def failure_exception(self) -> None:
