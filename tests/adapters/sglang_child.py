@@ -417,6 +417,13 @@ def scenario_prefill(plan: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
+def prompt(room: int, tokens: int) -> Any:
+    """The token ids of a room's prompt: distinct per room (a radix cache must not match across rooms)."""
+    from array import array
+
+    return array("q", range(room * 100_000, room * 100_000 + tokens))
+
+
 def scenario_prefill_queues(plan: dict[str, Any]) -> dict[str, Any]:
     """A prefill rank driven by SGLang's own prefill code: ``PrefillBootstrapQueue`` (add, pop_bootstrapped,
     finalize_bootstrap: ``pop_decode_prefix_len`` then ``init``), the scheduler mixin's ``send_kv_chunk``
@@ -426,7 +433,6 @@ def scenario_prefill_queues(plan: dict[str, Any]) -> dict[str, Any]:
     Stand-ins only where SGLang needs a live model: the scheduler object (the attributes those paths
     read) and the "forward" (the pages are filled with the test pattern before the request arrives).
     """
-    from array import array
 
     import torch.distributed as dist
     from sglang.srt.disaggregation.prefill import PrefillBootstrapQueue, SchedulerDisaggregationPrefillMixin
@@ -511,7 +517,7 @@ def scenario_prefill_queues(plan: dict[str, Any]) -> dict[str, Any]:
         req = Req(
             rid=f"req-{room}",
             origin_input_text="",
-            origin_input_ids=array("q", range(tokens)),
+            origin_input_ids=prompt(room, tokens),
             sampling_params=SamplingParams(max_new_tokens=8),
             bootstrap_host="127.0.0.1",
             bootstrap_port=int(plan["bootstrap_port"]),
@@ -588,22 +594,23 @@ def scenario_decode_queues(plan: dict[str, Any]) -> dict[str, Any]:
     the first token committed from the metadata row). A real (disabled) ``RadixCache`` and SGLang's page
     allocator; a stand-in scheduler object with what those paths read. Verifies the bytes as the
     hand-driven decode does, at the pages SGLang allocated."""
-    from array import array
 
     import torch.distributed as dist
     from sglang.srt.disaggregation.decode import DecodePreallocQueue, DecodeTransferQueue
     from sglang.srt.disaggregation.utils import ReqToMetadataIdxAllocator
     from sglang.srt.managers.schedule_batch import Req
     from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.base_prefix_cache import InsertParams
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
-    from sglang.srt.mem_cache.radix_cache import RadixCache
+    from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
     from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish
     from sglang.srt.sampling.sampling_params import SamplingParams
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
     load_plugins()
-    args = server_args(plan, "decode", page_size=PAGE)
+    radix = any(spec.get("prefill_prefix_pages") for spec in plan["rooms"])
+    args = server_args(plan, "decode", page_size=PAGE, disaggregation_decode_enable_radix_cache=radix)
     publish(args, role="scheduler", ranks=SpawnRanks(world_rank=0, gpu_id=0))
     store = dist.HashStore()  # type: ignore[attr-defined]  # exported by torch.distributed at runtime
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
@@ -625,7 +632,10 @@ def scenario_decode_queues(plan: dict[str, Any]) -> dict[str, Any]:
     )
     tree = RadixCache(
         CacheInitParams(
-            disable=True, req_to_token_pool=req_to_token, token_to_kv_pool_allocator=allocator, page_size=PAGE
+            disable=not radix,
+            req_to_token_pool=req_to_token,
+            token_to_kv_pool_allocator=allocator,
+            page_size=PAGE,
         )
     )
     committed: dict[str, int] = {}
@@ -683,12 +693,23 @@ def scenario_decode_queues(plan: dict[str, Any]) -> dict[str, Any]:
     rooms = {int(r["room"]): r for r in plan["rooms"]}
     reqs: dict[int, Any] = {}
     room_of: dict[str, int] = {}
+    held: dict[int, list[int]] = {}
     for room, spec in rooms.items():
-        tokens = len(spec["src_pages"]) * PAGE
+        cached = len(spec.get("prefill_prefix_pages", []))
+        tokens = (cached + len(spec["src_pages"])) * PAGE
+        if cached:
+            # An earlier request left the first pages in the decode's radix cache: SGLang's allocator
+            # gave them, they hold this side's mark, the tree maps the prompt's first tokens to them.
+            slots = allocator.alloc(cached * PAGE)
+            assert slots is not None
+            held[room] = [int(t) // PAGE for t in slots[::PAGE]]
+            for layer in range(int(plan["layers"])):
+                layer_pages(pool, layer)[torch.tensor(held[room])] = PREFIX_MARK
+            tree.insert(InsertParams(key=RadixKey(prompt(room, cached * PAGE)), value=slots))
         req = Req(
             rid=f"req-{room}",
             origin_input_text="",
-            origin_input_ids=array("q", range(tokens)),
+            origin_input_ids=prompt(room, tokens),
             sampling_params=SamplingParams(max_new_tokens=8),
             bootstrap_host="127.0.0.1",
             bootstrap_port=int(plan["bootstrap_port"]),
@@ -718,9 +739,22 @@ def scenario_decode_queues(plan: dict[str, Any]) -> dict[str, Any]:
             outcome[room] = {"state": int(KVPoll.Failed), "unfinished": True}
             continue
         row = req_to_token.req_to_token[req.kv.req_pool_idx, : len(req.origin_input_ids) : PAGE]
-        dst = [int(t) // PAGE for t in row]
-        outcome[room] = {"state": int(KVPoll.Success), "dst_pages": dst, "output_ids": list(req.output_ids)}
-        specs[room] = {**rooms[room], "dst_pages": dst, "decode_row": rows_of[room]}
+        by_position = [int(t) // PAGE for t in row]
+        cached = len(held.get(room, []))
+        dst = by_position[cached:]  # the pages the prefill wrote: after the cached prefix
+        outcome[room] = {
+            "state": int(KVPoll.Success),
+            "dst_pages": dst,
+            "prefix_pages": by_position[:cached],
+            "held_pages": held.get(room, []),
+            "output_ids": list(req.output_ids),
+        }
+        specs[room] = {
+            **rooms[room],
+            "dst_pages": dst,
+            "decode_row": rows_of[room],
+            "decode_prefix_dst": held.get(room, []),
+        }
     verified = verify(plan, pool, metadata, {**rooms, **specs}, outcome)
     result = {
         "rooms": outcome,

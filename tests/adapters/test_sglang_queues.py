@@ -4,10 +4,10 @@ The prefill process runs SGLang 0.5.23's real ``PrefillBootstrapQueue`` (sender 
 all-reduce over a one-rank gloo group, ``finalize_bootstrap``: ``pop_decode_prefix_len`` then ``init``)
 and the scheduler mixin's ``send_kv_chunk`` (page ids from ``req_to_token``, from ``start_send_idx`` on,
 chunked, the metadata row written by ``MetadataBuffers.set_buf``). The decode process is either the
-hand-driven decode rank of the transfer test (to give the prefill a decode prefix: SGLang's radix cache
-would need a cached request to match) or SGLang's real ``DecodePreallocQueue`` / ``DecodeTransferQueue``
-(prefill-info handshake, page allocation by SGLang's allocator, ``send_metadata`` once the receiver
-polls WaitingForInput, the aux-row gate, the first token committed). Stand-ins only for the scheduler
+hand-driven decode rank of the transfer test (a decode prefix it names itself) or SGLang's real ``DecodePreallocQueue`` / ``DecodeTransferQueue``
+(prefill-info handshake, page allocation by SGLang's allocator, a decode radix-cache hit turned into
+``decode_prefix_len``, ``send_metadata`` once the receiver polls WaitingForInput, the aux-row gate, the
+first token committed). Stand-ins only for the scheduler
 object (the attributes these paths read) and the model forward (pages hold the test pattern).
 """
 
@@ -94,6 +94,9 @@ BOTH_ROOMS: list[dict[str, Any]] = [
     # SGLang allocates the decode pages; the prefill sends in two chunks (2 + 3 pages)
     {"room": 203, "prefill_prefix_pages": [], "src_pages": [*range(10, 15)], "chunks": [2, 3]},
     {"room": 204, "prefill_prefix_pages": [], "src_pages": [30], "chunks": [1]},
+    # the decode's radix cache holds the first 2 pages of this prompt: SGLang's decode names the 3 pages
+    # after them with decode_prefix_len = 128 tokens, SGLang's prefill sends those (1 + 2 pages)
+    {"room": 205, "prefill_prefix_pages": [1, 2], "src_pages": [20, 21, 22], "chunks": [1, 2]},
 ]
 
 
@@ -134,5 +137,11 @@ def test_sglang_prefill_and_decode_queues_move_bytes_exactly(tmp_path: Path) -> 
         assert got_decode["committed"][f"req-{key}"] == room["room"] % 50_000
         check = got_decode["verified"][key]
         assert check["digests_equal"] and check["mismatched_pages"] == 0, check
+        # the prefix positions map to the pages the radix cache held, which kept their own bytes
+        assert received["prefix_pages"] == received["held_pages"]
+        assert len(received["held_pages"]) == len(room["prefill_prefix_pages"])
+        assert got_prefill["rooms"][key]["start_send_idx"] == PAGE * len(room["prefill_prefix_pages"])
+    assert got_decode["verified"]["prefix_pages_checked"] == 2
+    assert got_decode["verified"]["prefix_pages_intact"] is True
     assert got_decode["verified"]["dirty_pages"] == []
     assert got_prefill["stub_calls_during_transfer"] == [] and got_decode["stub_calls_during_transfer"] == []
