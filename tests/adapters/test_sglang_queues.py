@@ -4,11 +4,11 @@ The prefill process runs SGLang 0.5.23's real ``PrefillBootstrapQueue`` (sender 
 all-reduce over a one-rank gloo group, ``finalize_bootstrap``: ``pop_decode_prefix_len`` then ``init``)
 and the scheduler mixin's ``send_kv_chunk`` (page ids from ``req_to_token``, from ``start_send_idx`` on,
 chunked, the metadata row written by ``MetadataBuffers.set_buf``). The decode process is either the
-hand-driven decode rank of the transfer test (a decode prefix it names itself) or SGLang's real ``DecodePreallocQueue`` / ``DecodeTransferQueue``
-(prefill-info handshake, page allocation by SGLang's allocator, a decode radix-cache hit turned into
-``decode_prefix_len``, ``send_metadata`` once the receiver polls WaitingForInput, the aux-row gate, the
-first token committed). Stand-ins only for the scheduler
-object (the attributes these paths read) and the model forward (pages hold the test pattern).
+hand-driven decode rank of the transfer test (a decode prefix it names itself) or SGLang's real
+``DecodePreallocQueue`` / ``DecodeTransferQueue`` (prefill-info handshake, page allocation by SGLang's
+allocator, a decode radix-cache hit turned into ``decode_prefix_len``, ``send_metadata`` once the
+receiver polls WaitingForInput, the aux-row gate, the first token committed). Stand-ins only for the
+scheduler object (the attributes these paths read) and the model forward (pages hold the test pattern).
 """
 
 from __future__ import annotations
