@@ -87,7 +87,7 @@ def test_sglang_prefill_queue_and_send_kv_chunk_move_bytes_exactly(tmp_path: Pat
     verified = got_decode["verified"]
     assert verified["prefix_pages_intact"] is True and verified["prefix_pages_checked"] == 3
     assert verified["dirty_pages"] == []
-    assert got_prefill["stub_calls_during_transfer"] == []
+    assert got_prefill["stub_calls_outside_import"] == []
 
 
 BOTH_ROOMS: list[dict[str, Any]] = [
@@ -144,4 +144,5 @@ def test_sglang_prefill_and_decode_queues_move_bytes_exactly(tmp_path: Path) -> 
     assert got_decode["verified"]["prefix_pages_checked"] == 2
     assert got_decode["verified"]["prefix_pages_intact"] is True
     assert got_decode["verified"]["dirty_pages"] == []
-    assert got_prefill["stub_calls_during_transfer"] == [] and got_decode["stub_calls_during_transfer"] == []
+    for side in (got_prefill, got_decode):  # no GPU stub ran, building the queues included
+        assert side["stub_calls_outside_import"] == []
