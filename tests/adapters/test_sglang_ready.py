@@ -12,6 +12,7 @@ from collections.abc import Callable
 import pytest
 
 from pdkv.adapters.sglang.ready import DeferredChunk, ReadyWaiter, wait_ready
+from pdkv.errors import InvalidArgumentError, TransportClosedError
 
 
 class Event:
@@ -80,7 +81,7 @@ def test_wait_ready_accepts_synchronize_only_and_callables() -> None:
 
     assert wait_ready(SyncOnly(), 1.0) and wait_ready(lambda: calls.append("call"), 1.0)
     assert calls == ["sync", "call"]
-    with pytest.raises(TypeError, match="not a ready event"):
+    with pytest.raises(InvalidArgumentError, match="not a ready event"):
         wait_ready(object(), 1.0)
 
 
@@ -149,5 +150,5 @@ def test_close_fails_what_is_still_queued() -> None:
     closer.join(5)
     assert log.failed == ["the SGLang manager closed before the chunk's GPU event completed"]
     assert log.sent == ["waiting"]
-    with pytest.raises(RuntimeError, match="closed"):
+    with pytest.raises(TransportClosedError, match=r"room 8: send\(\) after the SGLang manager closed"):
         waiter.submit(log.chunk(8, "late"))

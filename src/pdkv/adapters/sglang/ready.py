@@ -29,6 +29,8 @@ from typing import Final
 
 import attrs
 
+from pdkv.errors import InvalidArgumentError, TransportClosedError
+
 log = logging.getLogger(__name__)
 
 _FIRST_SLEEP_S: Final = 20e-6
@@ -58,7 +60,9 @@ def wait_ready(event: object, timeout_s: float) -> bool:
     if callable(event):
         event()
         return True
-    raise TypeError(f"not a ready event (no query(), synchronize() or call): {event!r}")
+    raise InvalidArgumentError(
+        f"not a ready event (no query(), synchronize() or call): {event!r}", argument="event", value=event
+    )
 
 
 @attrs.frozen(kw_only=True)
@@ -100,7 +104,7 @@ class ReadyWaiter:
     def submit(self, chunk: DeferredChunk) -> None:
         with self._cond:
             if self._closed:
-                raise RuntimeError("the ready waiter is closed")
+                raise TransportClosedError(f"room {chunk.room}: send() after the SGLang manager closed")
             self._queue.append(chunk)
             self._pending[chunk.room] = self._pending.get(chunk.room, 0) + 1
             if self._thread is None:
