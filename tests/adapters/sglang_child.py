@@ -854,10 +854,12 @@ def scenario_decode(plan: dict[str, Any]) -> dict[str, Any]:
     rooms = {int(r["room"]): r for r in plan["rooms"]}
     receivers = {}
     first_polls = {}
+    polls_after_init: dict[int, int] = {}
     for room, spec in rooms.items():
         receiver = receiver_cls(mgr, addr, room)
         first_polls[room] = int(receiver.poll())
         receiver.init(0)
+        polls_after_init[room] = int(receiver.poll())  # SGLang allocates pages only on WaitingForInput
         if spec.get("decode_abort") == "before_metadata":
             receiver.abort()
         else:
@@ -907,6 +909,7 @@ def scenario_decode(plan: dict[str, Any]) -> dict[str, Any]:
         },
         "prefill_info": {"dp_size": info.dp_size, "follow_bootstrap_room": info.follow_bootstrap_room},
         "first_polls": first_polls,
+        "polls_after_init": polls_after_init,
         "rooms": outcome,
         "verified": verified,
         "stub_calls_during_transfer": list(gpu_stubs.calls_outside_import()[calls_before:]),

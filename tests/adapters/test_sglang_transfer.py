@@ -24,7 +24,7 @@ from tests.adapters.helpers import Child, children, requires_sglang
 
 pytestmark = [requires_sglang, pytest.mark.slow]
 
-SUCCESS, FAILED, BOOTSTRAPPING = 4, 0, 1
+SUCCESS, FAILED, BOOTSTRAPPING, WAITING_FOR_INPUT = 4, 0, 1, 2
 
 ROOMS: list[dict[str, Any]] = [
     # one page, one chunk
@@ -188,6 +188,7 @@ def test_two_processes_move_bytes_exactly(tmp_path: Path) -> None:
         key = str(room["room"])
         assert got_prefill["first_polls"][key] == BOOTSTRAPPING
         assert got_decode["first_polls"][key] == BOOTSTRAPPING
+        assert got_decode["polls_after_init"][key] == WAITING_FOR_INPUT  # the prefill is resolved
         assert got_prefill["rooms"][key]["state"] == SUCCESS, got_prefill["rooms"][key]
         assert got_decode["rooms"][key]["state"] == SUCCESS, got_decode["rooms"][key]
         check = got_decode["verified"][key]
