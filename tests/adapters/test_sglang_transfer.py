@@ -3,7 +3,10 @@
 Each side uses SGLang's real CPU KV pool (``MLATokenToKVPool(device="cpu")``, 61 MLA layers),
 ``MetadataBuffers`` and KVArgs filled as SGLang's bootstrap queues fill them; every transfer class
 comes from SGLang's ``get_kv_class`` after SGLang's ``load_plugins()``. Rooms of 1, 16 and 128 pages
-(the last one 576 MB, with Mooncake's default TCP queue), chunked; aborts by the decode before and
+(the last one 576 MB, with Mooncake's default TCP queue), chunked; rooms with a decode prefix (SGLang's
+decode radix cache: the prefill sends only the pages after it, the decode's prefix pages stay untouched);
+chunks with SGLang's CUDA events (stand-ins that complete later: pages or page ids written only then)
+waited for off the scheduler thread; aborts by the decode before and
 after its metadata and by the prefill. The decode compares the digest of the source pages with the
 digest of its destination pages, checks every other page still holds its sentinel and that the aux
 ``bootstrap_room`` row landed; neither side called a GPU stub outside module import.
@@ -21,7 +24,7 @@ from tests.adapters.helpers import Child, children, requires_sglang
 
 pytestmark = [requires_sglang, pytest.mark.slow]
 
-SUCCESS, FAILED, BOOTSTRAPPING = 4, 0, 1
+SUCCESS, FAILED, BOOTSTRAPPING, WAITING_FOR_INPUT = 4, 0, 1, 2
 
 ROOMS: list[dict[str, Any]] = [
     # one page, one chunk
@@ -40,7 +43,7 @@ ROOMS: list[dict[str, Any]] = [
 
 LAYERS = 61  # DeepSeek-V3's layer count: one MLA buffer of 73,728 B per page per layer
 PREFILL_PAGES = 160
-DECODE_PAGES = 170
+DECODE_PAGES = 180
 PAGE_BYTES = 64 * 576 * 2
 _BLOCKS = [list(range(30 + 8 * i, 38 + 8 * i)) for i in range(16)]
 ROOMS.append(
@@ -55,6 +58,58 @@ ROOMS.append(
         "decode_row": 7,
     }
 )
+
+PREFIXED: list[dict[str, Any]] = [
+    # SGLang's decode radix cache holds the first 3 pages (192 tokens): it names the 10 pages after them,
+    # the prefill sends only those, in two chunks; the decode's own prefix pages stay untouched
+    {
+        "room": 107,
+        "decode_prefix_dst": [27, 28, 29],
+        "src_pages": [*range(40, 50)],
+        "dst_pages": [*range(13, 20), 168, 169, 170],
+        "chunks": [4, 6],
+        "prefill_row": 7,
+        "decode_row": 1,
+    },
+    # a one-page prefix and one page to send
+    {
+        "room": 108,
+        "decode_prefix_dst": [4],
+        "src_pages": [50],
+        "dst_pages": [1],
+        "chunks": [1],
+        "prefill_row": 0,
+        "decode_row": 0,
+    },
+]
+ROOMS.extend(PREFIXED)
+
+EVENTS: list[dict[str, Any]] = [
+    # SGLang's early send under overlap scheduling: the first chunk's pages are still being written by
+    # the forward (zero on the prefill until its event completes, 0.3 s later); its second chunk queues
+    # behind it. Sent before the wait, the decode would get zeros.
+    {
+        "room": 109,
+        "src_pages": [158, 159, 160, 9, 19],
+        "dst_pages": [171, 172, 173, 174, 175],
+        "chunks": [2, 3],
+        "prefill_row": 8,
+        "decode_row": 8,
+        "early_send_event_s": 0.3,
+    },
+    # host-tensor page ids (supports_host_tensor_indices): the ids land in the tensor when the copy's
+    # event completes; read earlier, they would name the wrong pages
+    {
+        "room": 110,
+        "src_pages": [60, 61, 62],
+        "dst_pages": [176, 177, 178],
+        "chunks": [3],
+        "prefill_row": 9,
+        "decode_row": 9,
+        "indices_event_s": 0.2,
+    },
+]
+ROOMS.extend(EVENTS)
 
 ABORTS: list[dict[str, Any]] = [
     # the decode aborts right after send_metadata: both sides fail, pages reusable only after the acks
@@ -113,10 +168,27 @@ def test_two_processes_move_bytes_exactly(tmp_path: Path) -> None:
         assert prefill.wait(120) == 0, prefill.log_tail()
         got_prefill, got_decode = prefill.result(), decode.result()
 
+    for room in PREFIXED:
+        # the prefill learnt the decode's prefix (in tokens, as SGLang's pop_decode_prefix_len answers)
+        assert got_prefill["prefix_tokens"][str(room["room"])] == 64 * len(room["decode_prefix_dst"])
+    assert got_prefill["prefix_tokens"]["102"] == 0
+    for room in EVENTS:
+        record = got_prefill["rooms"][str(room["room"])]
+        # the chunk waited for its event off the scheduler thread, which did not wait (send returned
+        # well before the event completed); the room's later chunks queued behind it
+        assert record["events"] == [
+            {"asked": True, "asked_on_scheduler_thread": False, "pdkv_sends_after_complete": True}
+        ], record
+        assert record["deferred_chunks"] == len(room["chunks"]), record
+        assert record["longest_send_s"] < 0.15, record
+    for room in ROOMS:
+        if room not in EVENTS:  # no event: nothing waited, every chunk went to pdkv at once
+            assert got_prefill["rooms"][str(room["room"])]["deferred_chunks"] == 0
     for room in ROOMS:
         key = str(room["room"])
         assert got_prefill["first_polls"][key] == BOOTSTRAPPING
         assert got_decode["first_polls"][key] == BOOTSTRAPPING
+        assert got_decode["polls_after_init"][key] == WAITING_FOR_INPUT  # the prefill is resolved
         assert got_prefill["rooms"][key]["state"] == SUCCESS, got_prefill["rooms"][key]
         assert got_decode["rooms"][key]["state"] == SUCCESS, got_decode["rooms"][key]
         check = got_decode["verified"][key]
@@ -157,7 +229,13 @@ def test_two_processes_move_bytes_exactly(tmp_path: Path) -> None:
     maybe_written = {p for room in (ABORTS[0], ABORTS[2]) for p in room["dst_pages"]}
     verified = got_decode["verified"]
     assert set(verified["dirty_pages"]) <= maybe_written, verified["dirty_pages"]
-    assert verified["untouched_pages"] + len(verified["dirty_pages"]) == DECODE_PAGES - len(succeeded)
+    prefix_held = {p for room in PREFIXED for p in room["decode_prefix_dst"]}
+    assert verified["prefix_pages_checked"] == len(prefix_held) == 4
+    assert verified["prefix_pages_intact"] is True
+    # every page of the pool (its padding page 0 too) is a destination, a held prefix page, or checked
+    assert verified["untouched_pages"] + len(verified["dirty_pages"]) == (
+        DECODE_PAGES + 1 - len(succeeded) - len(prefix_held)
+    )
     assert got_decode["prefill_info"] == {"dp_size": 1, "follow_bootstrap_room": True}
     for side in (got_prefill, got_decode):
         assert side["stub_calls_outside_import"] == []

@@ -7,7 +7,13 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from pdkv.adapters.sglang.translate import ChunkCursor, describe_failure, state_indices_for
+from pdkv.adapters.sglang.translate import (
+    ChunkCursor,
+    describe_failure,
+    destinations_with_prefix,
+    prefix_pages_of,
+    state_indices_for,
+)
 from pdkv.errors import MappingError
 from pdkv.mapping import BufferKind
 
@@ -37,6 +43,38 @@ def test_pages_after_the_last_chunk_are_refused() -> None:
     cursor.advance(2)
     with pytest.raises(MappingError, match="after the last chunk"):
         cursor.advance(1)
+
+
+def test_cursor_after_a_decode_prefix_starts_there_and_counts_only_the_pages_sent() -> None:
+    cursor = ChunkCursor(room=5, num_pages=6, first=3)  # decode holds positions 0..2
+    assert cursor.advance(2) == (3, False)
+    assert cursor.advance(4) == (5, True)
+    assert cursor.sent == 6
+    with pytest.raises(MappingError, match="after the last chunk"):
+        cursor.advance(1)
+
+
+def test_prefix_tokens_become_whole_pages() -> None:
+    assert prefix_pages_of(1, None, 64) == 0
+    assert prefix_pages_of(1, 0, 64) == 0
+    assert prefix_pages_of(1, 192, 64) == 3
+    assert prefix_pages_of(1, np.int64(128), 64) == 2
+    with pytest.raises(MappingError, match="room 4: decode prefix of 100 tokens is not a whole number of 64"):
+        prefix_pages_of(4, 100, 64)
+    with pytest.raises(MappingError, match="int >= 0"):
+        prefix_pages_of(4, -64, 64)
+
+
+def test_prefix_positions_get_distinct_placeholders_outside_the_real_destinations() -> None:
+    after = np.array([0, 7, 2, 9], dtype=np.int32)  # SGLang's pages after the prefix
+    full = destinations_with_prefix(3, after)
+    assert full.tolist() == [1, 3, 4, 0, 7, 2, 9]  # placeholders: smallest ids not among `after`
+    assert full.dtype == np.int64
+    assert destinations_with_prefix(0, after).tolist() == [0, 7, 2, 9]
+    # however dense the real pages, the placeholders never repeat nor exceed prefix + pages - 1
+    dense = np.arange(5)
+    assert destinations_with_prefix(2, dense).tolist() == [5, 6, 0, 1, 2, 3, 4]
+    assert destinations_with_prefix(2, []).tolist() == [0, 1]
 
 
 @pytest.mark.parametrize("bad", [-1, True, 2.0])

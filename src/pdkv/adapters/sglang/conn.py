@@ -9,14 +9,21 @@ bootstrap registry on SGLang's bootstrap port), and the translation of SGLang's 
 - ``failure_exception()`` raises SGLang's ``KVTransferError`` carrying pdkv's failure cause and reason;
 - the sender decides the last chunk itself (pages sent == ``num_kv_indices`` given to ``init``);
 - ``get_transfer_metric()`` stays valid after ``clear()``;
+- the decode radix cache: the decode names only the pages after its cached prefix and the prefix in
+  tokens (``decode_prefix_len``); pdkv's request carries the prefix in pages (placeholder destinations for
+  the prefix positions, never written) and the prefill's ``pop_decode_prefix_len()`` reads it back, so
+  SGLang's prefill sends from the prefix on;
 - deferred decode KV release: pages are safe once pdkv says every prefill rank acked the abort
   (``is_abort_release_safe``); SGLang's own 30 s bound is pdkv's abort-ack timeout;
-- timeouts come from SGLang's ``SGLANG_DISAGGREGATION_*`` variables (then ``PDKV_*`` ones, see README).
+- timeouts come from SGLang's ``SGLANG_DISAGGREGATION_*`` variables (then ``PDKV_*`` ones, see README);
+- SGLang's CUDA events for a chunk (the early-send wait event, ``indices_event``) are waited for on the
+  manager's ready thread (``ready.py``), never on the scheduler thread; without one nothing waits.
 
 Refused at manager init with a ``ConfigError`` naming the feature (pdkv cannot do it, or this adapter does
-not wire it yet): pipeline parallelism, DP attention / prefill DP-rank routing, attention context
-parallelism, multi-node instances, PD role switch, the decode radix cache (decode-side prefix), state
-types other than SWA and DSA/NSA, compressed-MLA pools. Host destinations are declined through
+not wire it yet): pipeline parallelism, DP attention / prefill DP-rank routing (``--dp-size``,
+``--attn-dp-size``), attention and decode context parallelism, multi-node instances, PD role switch, the
+``prefill_complete`` decode allocation policy, state types other than SWA and DSA/NSA, compressed-MLA
+pools. Host destinations are declined through
 ``supports_host_destination``; MHA with a prefill TP different from the decode TP is refused when the
 decode first meets that prefill.
 
@@ -28,6 +35,7 @@ yet), and must not change behaviour for any other SGLang backend.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import socket
@@ -52,9 +60,16 @@ from sglang.srt.environ import envs
 from sglang.srt.server_args import ServerArgs
 
 from pdkv.adapters.sglang.layout import layout_from_kv_args, state_kind_for
-from pdkv.adapters.sglang.translate import ChunkCursor, describe_failure, state_indices_for
+from pdkv.adapters.sglang.ready import DeferredChunk, ReadyWaiter
+from pdkv.adapters.sglang.translate import (
+    ChunkCursor,
+    describe_failure,
+    destinations_with_prefix,
+    prefix_pages_of,
+    state_indices_for,
+)
 from pdkv.engine import MooncakeBackend, MooncakeConfig
-from pdkv.errors import ConfigError, LocalProtocolError, PdkvError
+from pdkv.errors import ConfigError, LocalProtocolError, MappingError, PdkvError
 from pdkv.mapping import AttentionKind, BufferLayout
 from pdkv.protocol import RoomId, Timeouts, room_id
 from pdkv.protocol.ids import Epoch, InstanceId
@@ -97,12 +112,22 @@ def refuse_unsupported(server_args: ServerArgs, mode: DisaggregationMode) -> Non
         (int(getattr(server_args, "pp_size", 1)) > 1, "pipeline parallelism (--pp-size > 1)"),
         (
             bool(getattr(server_args, "enable_dp_attention", False))
-            or int(getattr(server_args, "dp_size", 1)) > 1,
-            "data parallelism / DP attention (prefill DP-rank routing)",
+            or int(getattr(server_args, "dp_size", 1)) > 1
+            or int(getattr(server_args, "attn_dp_size", 1)) > 1,
+            "data parallelism / DP attention (--dp-size, --attn-dp-size > 1: prefill DP-rank routing)",
         ),
         (
             int(getattr(server_args, "attn_cp_size", 1)) > 1,
             "attention context parallelism (--attn-cp-size > 1)",
+        ),
+        (
+            int(getattr(server_args, "dcp_size", 1)) > 1,
+            "decode context parallelism (--dcp-size > 1)",
+        ),
+        (
+            str(getattr(server_args, "disaggregation_decode_allocation_policy", "early")) != "early",
+            "--disaggregation-decode-allocation-policy other than 'early' (the sender's "
+            "mark_prefill_complete() is not implemented)",
         ),
         (
             int(getattr(server_args, "nnodes", 1)) > 1,
@@ -112,12 +137,6 @@ def refuse_unsupported(server_args: ServerArgs, mode: DisaggregationMode) -> Non
         (
             bool(getattr(server_args, "enable_pd_role_switch", False)),
             "PD role switch (--enable-pd-role-switch)",
-        ),
-        (
-            mode is DisaggregationMode.DECODE
-            and bool(getattr(server_args, "disaggregation_decode_enable_radix_cache", False)),
-            "the decode radix cache (--disaggregation-decode-enable-radix-cache): pdkv's TransferRequest "
-            "carries no decode prefix, so the prefill could not skip the pages the decode already holds",
         ),
     ]
     for refused, what in checks:
@@ -212,6 +231,9 @@ class PdkvKVManager(BaseKVManager):
         self._lock = threading.Lock()
         self._deferred: dict[int, KVReceiver] = {}
         self._to_clear: list[KVReceiver] = []
+        self.ready_waiter = ReadyWaiter(self.timeouts.waiting)
+        """Chunks whose GPU event has not completed yet wait here (its thread starts on first use)."""
+        self.enable_all_cp_ranks_for_transfer = False  # read by SGLang's prefill before host-tensor sends
         backend = MooncakeBackend(_mooncake_config(args, self.host))
         self._prefill: PrefillTransport | None = None
         self._decode: DecodeTransport | None = None
@@ -254,6 +276,7 @@ class PdkvKVManager(BaseKVManager):
 
     def close(self) -> None:
         """Stop the transport (unregisters memory, closes sockets); the manager is unusable afterwards."""
+        self.ready_waiter.close()
         for transport in (self._prefill, self._decode):
             if transport is not None:
                 transport.close()
@@ -350,6 +373,13 @@ class PdkvKVManager(BaseKVManager):
                 log.debug("pdkv room %d not cleared: %s", item.room, exc)
 
 
+@functools.cache
+def _cuda_available() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
 def _release_ready(receiver: KVReceiver) -> bool:
     try:
         return receiver.release_ready()
@@ -409,40 +439,120 @@ class PdkvKVSender(BaseKVSender):
         self._cursor: ChunkCursor | None = None
         self._concluded: int | None = None
         self._metric: KVTransferMetric | None = None
+        self._prefix: int | None = None
+        self._early_send_wait_event: object | None = None  # set by SGLang's scheduler before a send
+        self._local_failure: str | None = None
+        self._aborted = False
+        self.deferred_chunks = 0
+        """Chunks that waited for a GPU event (or queued behind one) before going to pdkv."""
+
+    def pop_decode_prefix_len(self) -> int:
+        """Tokens the decode already holds (its radix cache); SGLang's prefill sends from there on.
+
+        Known once the decode's requests are in (SGLang asks on WaitingForInput); 0 before that. Unlike
+        Mooncake's, asking twice gives the same answer.
+        """
+        return self._prefix_pages() * self.kv_mgr.page_size
+
+    def _prefix_pages(self) -> int:
+        if self._prefix is None:
+            pages = self._sender.decode_prefix_pages()
+            if pages is None:
+                return 0
+            self._prefix = int(pages)
+        return self._prefix
 
     def init(self, num_kv_indices: int, aux_index: int | None = None) -> None:
-        """The request has ``num_kv_indices`` pages to send in all; its metadata row is ``aux_index``."""
-        self._cursor = ChunkCursor(self.bootstrap_room, int(num_kv_indices))
-        self._sender.init(self._cursor.num_pages, None if aux_index is None else int(aux_index))
+        """``num_kv_indices`` pages to send, those after the decode's prefix; the metadata row ``aux_index``.
+
+        pdkv counts the whole request (prefix included) and the first chunk starts after the prefix.
+        """
+        prefix = self._prefix_pages()
+        self._cursor = ChunkCursor(self.bootstrap_room, int(num_kv_indices), first=prefix)
+        self._sender.init(prefix + self._cursor.num_pages, None if aux_index is None else int(aux_index))
 
     def should_send_kv_chunk(self, num_pages: int, last_chunk: bool) -> bool:
         return num_pages > 0 and not (self._cursor is not None and self._cursor.finished)
+
+    @property
+    def supports_host_tensor_indices(self) -> bool:
+        """SGLang then hands each chunk's page ids as a pinned host tensor still being copied, with the
+        copy's CUDA event (``indices_event``): pdkv reads the ids off the scheduler thread once it
+        completed, so the scheduler does not wait for the copy. Only where CUDA runs."""
+        return _cuda_available()
 
     def send(
         self,
         kv_indices: Any,
         state_indices: list[Any] | None = None,
         num_kv_tokens: int | None = None,
+        indices_event: object | None = None,
     ) -> None:
-        """Queue one chunk's pages; the chunk that completes ``num_kv_indices`` pages is the last one."""
+        """Queue one chunk's pages; the chunk that completes ``num_kv_indices`` pages is the last one.
+
+        With a CUDA event (SGLang's early-send wait event set on this sender, or ``indices_event``) the
+        chunk waits for it on the manager's ready thread and goes to pdkv from there; later chunks of
+        the room queue behind it. Without one (always on CPU) it goes to pdkv now and nothing waits.
+        """
+        events = tuple(e for e in (self._early_send_wait_event, indices_event) if e is not None)
+        self._early_send_wait_event = None  # it belongs to this chunk only
         if self._cursor is None:
             raise LocalProtocolError(
                 f"room {self.bootstrap_room}: send() before init()", machine="sglang-sender", trigger="send"
             )
-        pages = np.asarray(kv_indices, dtype=np.int64).reshape(-1)
-        if self._cursor.finished and pages.size == 0:
+        # Ids still being copied are read after their event; their count is known already.
+        count = len(kv_indices) if indices_event is not None else int(np.size(kv_indices))
+        if self._cursor.finished and count == 0:
             return
-        start, last = self._cursor.advance(int(pages.size))
+        start, last = self._cursor.advance(count)
         state = state_indices_for(self.kv_mgr.state_kinds, state_indices) if last else None
-        self._sender.send(pages, start_token=start * self.kv_mgr.page_size, last=last, state_indices=state)
+        start_token = start * self.kv_mgr.page_size
+        waiter = self.kv_mgr.ready_waiter
+        if not events and not waiter.pending(self.bootstrap_room):
+            self._send_now(kv_indices, start_token, last, state)
+            return
+        self.deferred_chunks += 1
+        waiter.submit(
+            DeferredChunk(
+                room=self.bootstrap_room,
+                events=events,
+                send=lambda: self._send_now(kv_indices, start_token, last, state),
+                fail=self._fail_deferred,
+                cancelled=self._deferred_cancelled,
+            )
+        )
+
+    def _send_now(self, kv_indices: Any, start_token: int, last: bool, state: Any) -> None:
+        pages = np.asarray(kv_indices, dtype=np.int64).reshape(-1)
+        self._sender.send(pages, start_token=start_token, last=last, state_indices=state)
+
+    def _fail_deferred(self, reason: str) -> None:
+        """A waited chunk could not go (its event timed out or raised, or pdkv refused it): the room
+        fails here and pdkv tells the decode."""
+        self._local_failure = reason
+        try:
+            self._sender.abort(reason)
+        except PdkvError as exc:
+            log.debug("room %d: abort after a deferred chunk failed: %s", self.bootstrap_room, exc)
+
+    def _deferred_cancelled(self) -> bool:
+        if self._aborted or self._local_failure is not None:
+            return True
+        try:
+            return int(self._sender.poll()) == KVPoll.Failed
+        except PdkvError:
+            return True
 
     def poll(self) -> int:
         if self._concluded is not None:
             return self._concluded
+        if self._local_failure is not None:
+            return int(KVPoll.Failed)
         return int(self._sender.poll())
 
     def failure_exception(self) -> None:
-        raise KVTransferError(self.bootstrap_room, f"pdkv: {describe_failure(self._sender.failure())}")
+        reason = self._local_failure or describe_failure(self._sender.failure())
+        raise KVTransferError(self.bootstrap_room, f"pdkv: {reason}")
 
     def get_transfer_metric(self) -> KVTransferMetric:
         if self._metric is None:
@@ -463,7 +573,7 @@ class PdkvKVSender(BaseKVSender):
     def clear(self) -> None:
         if self._concluded is not None:
             return
-        state = int(self._sender.poll())
+        state = self.poll()
         if state in (KVPoll.Success, KVPoll.Failed):
             self._metric = self._read_metric()
         try:
@@ -473,6 +583,7 @@ class PdkvKVSender(BaseKVSender):
         self._concluded = state
 
     def abort(self) -> None:
+        self._aborted = True  # chunks still waiting for their GPU event are dropped
         self._sender.abort(ABORT_BY_PREFILL)
 
 
@@ -480,7 +591,8 @@ class PdkvKVSender(BaseKVSender):
 
 
 class PdkvKVReceiver(BaseKVReceiver):
-    """One request on a decode rank. Polls Bootstrapping until ``send_metadata`` opened the pdkv room."""
+    """One request on a decode rank. Polls Bootstrapping until ``init`` resolved the prefill, then
+    WaitingForInput until ``send_metadata`` opened the pdkv room, then the room's state."""
 
     def __init__(self, mgr: BaseKVManager, bootstrap_addr: str, bootstrap_room: int | None = None) -> None:
         if not isinstance(mgr, PdkvKVManager):
@@ -529,17 +641,17 @@ class PdkvKVReceiver(BaseKVReceiver):
         if str(getattr(destination, "value", destination)) != KVTransferDestination.DEVICE.value:
             self._fail_locally(f"destination {destination!r}: pdkv writes device (registered) memory only")
             return
-        if decode_prefix_len:
-            self._fail_locally(
-                f"decode prefix of {decode_prefix_len} tokens: pdkv cannot skip the pages the decode "
-                "already holds"
-            )
+        try:
+            prefix = prefix_pages_of(self.bootstrap_room, decode_prefix_len, self.kv_mgr.page_size)
+        except MappingError as exc:
+            self._fail_locally(str(exc))
             return
         state = state_indices_for(self.kv_mgr.state_kinds, state_indices) or ()
         self._receiver.init(
-            np.asarray(kv_indices, dtype=np.int64).reshape(-1),
+            destinations_with_prefix(prefix, kv_indices),
             None if aux_index is None else int(aux_index),
             state,
+            prefix_pages=prefix,
         )
         self._metadata_sent = True
 
@@ -548,8 +660,12 @@ class PdkvKVReceiver(BaseKVReceiver):
             return self.conclude_state
         if self._local_failure is not None:
             return KVPoll.Failed
-        if self._receiver is None or not (self._metadata_sent or self.abort_notified):
+        if self._receiver is None:
             return KVPoll.Bootstrapping
+        if not (self._metadata_sent or self.abort_notified):
+            # init() resolved the prefill: SGLang's decode now allocates pages and calls send_metadata
+            # only once it polls WaitingForInput (DecodePreallocQueue's handshake waiters).
+            return KVPoll.WaitingForInput
         return int(self._receiver.poll())
 
     def failure_exception(self) -> None:

@@ -1,0 +1,3 @@
+class SamplingParams:
+    max_new_tokens: int
+    def __init__(self, *, max_new_tokens: int = 128) -> None: ...

@@ -1,0 +1,3 @@
+class SpeculativeAlgorithm:
+    @classmethod
+    def from_string(cls, name: str | None) -> SpeculativeAlgorithm: ...
