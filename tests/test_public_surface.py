@@ -69,6 +69,13 @@ def test_every_pdkv_error_the_package_raises_is_importable_from_pdkv() -> None:
         f"{name} ({module})" for name, module in defined.items() if getattr(pdkv, name, None) is None
     )
     assert missing == []
+    # ... and every one of them lives under pdkv.errors (the other modules only re-export them).
+    elsewhere = sorted(
+        f"{name} ({module})"
+        for name, module in defined.items()
+        if module != "pdkv.errors" and not module.startswith("pdkv.errors.")
+    )
+    assert elsewhere == []
     assert isinstance(
         pdkv.InstanceId("prefill-0"), str
     )  # the README's PrefillConfig(instance=...) type-checks

@@ -39,60 +39,18 @@ from typing import Protocol
 
 import attrs
 
-from pdkv.errors import TransferError
+from pdkv.errors.engine import BackendClosedError as BackendClosedError
+from pdkv.errors.engine import BatchFailedError as BatchFailedError
+from pdkv.errors.engine import BatchTimedOutError as BatchTimedOutError
+from pdkv.errors.engine import ForeignHandleError as ForeignHandleError
+from pdkv.errors.engine import InvalidBatchError as InvalidBatchError
+from pdkv.errors.engine import RegistrationError as RegistrationError
+from pdkv.errors.engine import UnregisteredMemoryError as UnregisteredMemoryError
 from pdkv.mapping.blocks import TransferBlocks
 from pdkv.mapping.layout import TensorLike
 
 # ----------------------------------------------------------------------------------------- errors
-
-
-class RegistrationError(TransferError, ValueError):
-    """A memory region could not be registered or unregistered (overlap, zero length, engine refusal)."""
-
-
-class UnregisteredMemoryError(RegistrationError):
-    """A block's local source range lies outside every region registered with this backend."""
-
-    def __init__(self, message: str, *, block: int, address: int, length: int) -> None:
-        super().__init__(message)
-        self.block = block
-        self.address = address
-        self.length = length
-
-
-class InvalidBatchError(TransferError, ValueError):
-    """The batch or peer given to ``submit_write`` is malformed (a caller bug; nothing was submitted)."""
-
-
-class BackendClosedError(TransferError):
-    """The backend was closed; it accepts no more registrations or batches."""
-
-
-class ForeignHandleError(TransferError, ValueError):
-    """A handle or registration made by another backend was passed to this one."""
-
-
-class BatchFailedError(TransferError):
-    """A batch ended FAILED (raised by the synchronous ``write`` and ``WaitResult.raise_for_status``)."""
-
-    def __init__(self, outcome: BatchOutcome) -> None:
-        super().__init__(
-            f"batch {outcome.handle.serial} to {outcome.handle.peer!r} "
-            f"({outcome.handle.entries} blocks, {outcome.handle.total_bytes} B) failed: {outcome.reason}"
-        )
-        self.outcome = outcome
-
-
-class BatchTimedOutError(TransferError):
-    """A batch did not finish in time; it may still be in flight (see the module docstring)."""
-
-    def __init__(self, outcome: BatchOutcome) -> None:
-        super().__init__(
-            f"batch {outcome.handle.serial} to {outcome.handle.peer!r} "
-            f"({outcome.handle.entries} blocks, {outcome.handle.total_bytes} B) timed out: {outcome.reason}"
-        )
-        self.outcome = outcome
-
+# Defined in ``pdkv.errors.engine`` (every pdkv error lives under ``pdkv.errors``), importable here.
 
 # ---------------------------------------------------------------------------------------- records
 

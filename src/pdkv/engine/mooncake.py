@@ -57,6 +57,7 @@ from pdkv.engine._pacing import CompletionPacer, PacingConfig
 from pdkv.engine._threaded import PieceFailed, PieceJob, WorkerThreadBackend
 from pdkv.engine.backend import MemoryRegion, RegistrationError
 from pdkv.errors import ConfigError, EngineUnavailableError, TransferError
+from pdkv.errors.engine import EngineInitError as EngineInitError
 
 if TYPE_CHECKING:
     from mooncake.engine import TransferEngine
@@ -100,10 +101,6 @@ class MooncakeEngineApi(Protocol):
         /,
     ) -> int: ...
     def get_batch_transfer_status(self, batch_ids: list[int], /) -> int: ...
-
-
-class EngineInitError(TransferError):
-    """``TransferEngine.initialize`` (or another setup call) returned a failure code."""
 
 
 class MooncakeProtocol(enum.Enum):

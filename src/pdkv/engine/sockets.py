@@ -31,6 +31,7 @@ from typing import Final
 import attrs
 
 from pdkv.errors import TransferError
+from pdkv.errors.engine import ConnectionCutUnavailableError as ConnectionCutUnavailableError
 
 _NETLINK_SOCK_DIAG: Final = 4
 _SOCK_DIAG_BY_FAMILY: Final = 20
@@ -50,11 +51,6 @@ _SOCKID_TAIL: Final = struct.Struct("=I8s")  # interface, cookie (host order, op
 _MSG_HEAD: Final = struct.Struct("=BBBB")  # family, state, timer, retrans
 _MSG_TAIL: Final = struct.Struct("=IIIII")  # expires, rqueue, wqueue, uid, inode
 _SOCKID_LEN: Final = _SOCKID.size + _SOCKID_TAIL.size  # 48
-
-
-class ConnectionCutUnavailableError(TransferError):
-    """Sockets cannot be destroyed here (no ``CAP_NET_ADMIN``, a kernel without ``INET_DIAG_DESTROY``,
-    not Linux): nothing was cut; the caller must fall back to a time bound."""
 
 
 @attrs.frozen

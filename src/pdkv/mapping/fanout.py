@@ -26,12 +26,8 @@ from __future__ import annotations
 
 import attrs
 
-from pdkv.errors import MappingError
+from pdkv.errors.mapping import TopologyError as TopologyError
 from pdkv.mapping.layout import AttentionKind
-
-
-class TopologyError(MappingError):
-    """A prefill/decode parallel layout that pdkv cannot (or does not yet) map."""
 
 
 def _positive(_: object, attribute: attrs.Attribute[int], value: int) -> None:

@@ -13,12 +13,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from pdkv.errors import PdkvError
+from pdkv.errors.runtime import ConsensusError as ConsensusError
 from pdkv.protocol.poll import KVPoll
-
-
-class ConsensusError(PdkvError):
-    """Ranks disagree on what they are reducing (different room counts)."""
 
 
 def all_reduce_polls(

@@ -46,6 +46,7 @@ from pdkv import config
 from pdkv.config import positive_int, positive_seconds
 from pdkv.engine.backend import BatchHandle, BatchOutcome, BatchStatus, TransferBackend
 from pdkv.errors import ConfigError, TransferError
+from pdkv.errors.runtime import JobFinishedError as JobFinishedError
 from pdkv.mapping import TransferBlocks, shape_batches
 
 log = logging.getLogger(__name__)
@@ -132,10 +133,6 @@ class TransferResult:
     @property
     def ok(self) -> bool:
         return self.status is JobStatus.COMPLETED
-
-
-class JobFinishedError(TransferError):
-    """``submit`` was called on a job whose ``finish`` already ran."""
 
 
 @attrs.frozen

@@ -69,6 +69,7 @@ import numpy as np
 from pdkv import config
 from pdkv.config import positive_int, positive_seconds
 from pdkv.errors import LocalProtocolError, MappingError, PdkvError, TransportClosedError
+from pdkv.errors.runtime import UnknownLayerError as UnknownLayerError
 from pdkv.mapping import (
     AttentionKind,
     BufferKind,
@@ -112,10 +113,6 @@ class PerLayerConfig:
 
 
 ENV_VARS: Final[Mapping[str, str]] = config.env_vars(PerLayerConfig)
-
-
-class UnknownLayerError(MappingError):
-    """``on_layer_end`` named a layer the rank's layout has no KV buffer for (a wiring bug)."""
 
 
 class PerLayerMode(enum.Enum):

@@ -1,6 +1,9 @@
 """The error hierarchy of pdkv: one small tree, every error carries what an operator needs to act.
 
-Owns: exception classes only. Must not import anything from pdkv (it is the bottom layer).
+Owns: exception classes only: the base tree here, and each area's branch in a submodule
+(``pdkv.errors.alloc``, ``.control``, ``.engine``, ``.mapping``, ``.metrics``, ``.runtime``), which the
+areas re-export where they raise them. Every error pdkv raises is defined under this package and
+importable from ``pdkv``. Must not import anything from pdkv (it is the bottom layer).
 
     PdkvError
       ProtocolError            a rule of the protocol was broken
