@@ -30,7 +30,9 @@ MAX_RANKS: Final = 4096
 MAX_INDEX: Final = 2**62  # page / row / slot indices are non-negative and below this
 
 
-class Side(enum.Enum):
+class Side(enum.StrEnum):
+    """Which side of the transfer a rank is on (a ``str``: it compares equal to its value)."""
+
     PREFILL = "prefill"
     DECODE = "decode"
 

@@ -11,6 +11,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
+from pdkv.protocol.messages import Side
 from pdkv.testing.cluster.spec import ClusterSpec
 from pdkv.testing.faults import (
     BackendFaults,
@@ -28,7 +29,7 @@ log = logging.getLogger(__name__)
 
 @attrs.frozen(kw_only=True)
 class _RankArgs:
-    side: str
+    side: Side
     tp: int
     cp: int
     spec: ClusterSpec

@@ -17,9 +17,10 @@ import numpy.typing as npt
 
 from pdkv.alloc import PagePool
 from pdkv.protocol.ids import InstanceId
-from pdkv.protocol.messages import RankCoord, StateIndices
+from pdkv.protocol.messages import RankCoord, Side, StateIndices
 from pdkv.protocol.poll import KVPoll
 from pdkv.testing.cluster._rank import _channel_factory, _fault_counts, _make_backend, _RankArgs
+from pdkv.testing.cluster.messages import RankFinal, RankReady, RoomResult, RunRoom, Stop
 from pdkv.testing.cluster.spec import ClusterError, RankReport, RoomOutcome, _DecodeRoom
 from pdkv.testing.faults import (
     FaultyChannel,
@@ -42,15 +43,15 @@ def _decode_rank(args: _RankArgs, conn: Connection) -> None:
     spec = args.spec
     cap = spec.decode_capacity
     memory = RankMemory(spec.model, cap, tp_size=spec.decode_tp, tp_rank=args.tp)
-    channel_faults, backend_faults = wrap_for_rank(spec.faults, "decode", args.tp, args.cp)
-    backend = _make_backend(backend_faults, spec.host("decode"), spec)
+    channel_faults, backend_faults = wrap_for_rank(spec.faults, Side.DECODE, args.tp, args.cp)
+    backend = _make_backend(backend_faults, spec.host(Side.DECODE), spec)
     channels: list[FaultyChannel] = []
     config = DecodeConfig(
         instance=InstanceId("decode-0"),
         rank=RankCoord(tp=args.tp),
         tp_size=spec.decode_tp,
         layout=memory.layout,
-        host=spec.host("decode"),
+        host=spec.host(Side.DECODE),
         timeouts=spec.timeouts,
     )
     transport = DecodeTransport(
@@ -70,16 +71,17 @@ def _decode_rank(args: _RankArgs, conn: Connection) -> None:
         prefill = transport.connect(args.registry, timeout_s=spec.startup_timeout_s)
         if not transport.wait_registered(prefill, timeout_s=spec.startup_timeout_s):
             raise ClusterError("prefill ranks did not acknowledge registration")
-        conn.send(("ready", name, transport.address))
+        conn.send(RankReady(name=name, address=transport.address))
         active: dict[int, tuple[_DecodeRoom, Any, IntArray, IntArray, IntArray, float]] = {}
         stopping = False
         while not stopping or active:
             while conn.poll(0 if active else 0.05):
                 command = conn.recv()
-                if command[0] == "stop":
+                if isinstance(command, Stop):
                     stopping = True
                     break
-                room: _DecodeRoom = command[1]
+                assert isinstance(command, RunRoom) and isinstance(command.room, _DecodeRoom)
+                room = command.room
                 dst = pages.allocate(room.num_pages)
                 for buffer_key in spec.model.kv_keys():
                     memory.view(buffer_key)[dst] = 0  # reused pages: start from "untouched"
@@ -127,11 +129,10 @@ def _decode_rank(args: _RankArgs, conn: Connection) -> None:
                 aux_rows.free(aux)
                 metric = receiver.metric()
                 conn.send(
-                    (
-                        "result",
-                        RoomOutcome(
+                    RoomResult(
+                        outcome=RoomOutcome(
                             room=room.room,
-                            side="decode",
+                            side=Side.DECODE,
                             rank=name,
                             poll=int(poll),
                             failure=str(receiver.failure() or ""),
@@ -157,10 +158,9 @@ def _decode_rank(args: _RankArgs, conn: Connection) -> None:
             pages.free(dst)
         stats = transport.statistics()
         conn.send(
-            (
-                "final",
-                RankReport(
-                    side="decode",
+            RankFinal(
+                report=RankReport(
+                    side=Side.DECODE,
                     rank=name,
                     rooms=stats.endpoint.rooms_succeeded + stats.endpoint.rooms_failed,
                     canary_violations=canary_violations,

@@ -18,9 +18,10 @@ import numpy.typing as npt
 
 from pdkv.mapping import ModelRole, cp_owned
 from pdkv.protocol.ids import InstanceId
-from pdkv.protocol.messages import RankCoord, StateIndices
+from pdkv.protocol.messages import RankCoord, Side, StateIndices
 from pdkv.protocol.poll import KVPoll
 from pdkv.testing.cluster._rank import _channel_factory, _fault_counts, _make_backend, _RankArgs
+from pdkv.testing.cluster.messages import RankFinal, RankReady, RoomResult, RunRoom, Stop
 from pdkv.testing.cluster.spec import RankReport, RoomOutcome, _PrefillRoom
 from pdkv.testing.faults import (
     FaultyChannel,
@@ -80,8 +81,8 @@ def _prefill_rank(args: _RankArgs, conn: Connection) -> None:
     spec = args.spec
     memory = RankMemory(spec.model, spec.prefill_capacity, tp_size=spec.prefill_tp, tp_rank=args.tp)
     memory.fill_prefill(cp_rank=args.cp, policy=spec.policy)
-    channel_faults, backend_faults = wrap_for_rank(spec.faults, "prefill", args.tp, args.cp)
-    backend = _make_backend(backend_faults, spec.host("prefill"), spec)
+    channel_faults, backend_faults = wrap_for_rank(spec.faults, Side.PREFILL, args.tp, args.cp)
+    backend = _make_backend(backend_faults, spec.host(Side.PREFILL), spec)
     channels: list[FaultyChannel] = []
     config = PrefillConfig(
         instance=InstanceId("prefill-0"),
@@ -90,7 +91,7 @@ def _prefill_rank(args: _RankArgs, conn: Connection) -> None:
         cp_size=spec.prefill_cp,
         layout=memory.layout,
         registry=args.registry,
-        host=spec.host("prefill"),
+        host=spec.host(Side.PREFILL),
         timeouts=spec.timeouts,
     )
     transport = PrefillTransport(
@@ -108,7 +109,7 @@ def _prefill_rank(args: _RankArgs, conn: Connection) -> None:
                 world=spec.prefill_tp * spec.prefill_cp,
                 timeout_s=spec.consensus_timeout_s,
             )
-        conn.send(("ready", name, transport.address))
+        conn.send(RankReady(name=name, address=transport.address))
         active: dict[int, tuple[_PrefillRoom, Any, _Progress]] = {}
         order: list[int] = []  # rooms in arrival order (the same on every rank) not yet retired by consensus
         agreed: dict[int, KVPoll] = {}  # the consensus of retired rooms still finishing here
@@ -116,10 +117,11 @@ def _prefill_rank(args: _RankArgs, conn: Connection) -> None:
         while True:
             while conn.poll(0 if active else 0.05):
                 command = conn.recv()
-                if command[0] == "stop":
+                if isinstance(command, Stop):
                     stopping = True
                     break
-                room: _PrefillRoom = command[1]
+                assert isinstance(command, RunRoom) and isinstance(command.room, _PrefillRoom)
+                room = command.room
                 sender = transport.sender(room.room)
                 sender.init(room.num_pages, room.aux_src)
                 active[room.room] = (room, sender, _Progress(started=time.monotonic()))
@@ -143,11 +145,10 @@ def _prefill_rank(args: _RankArgs, conn: Connection) -> None:
                     metric = sender.metric()
                     modes = progress.modes
                     conn.send(
-                        (
-                            "result",
-                            RoomOutcome(
+                        RoomResult(
+                            outcome=RoomOutcome(
                                 room=room.room,
-                                side="prefill",
+                                side=Side.PREFILL,
                                 rank=name,
                                 poll=int(final),
                                 failure=failure,
@@ -168,10 +169,9 @@ def _prefill_rank(args: _RankArgs, conn: Connection) -> None:
                 time.sleep(0.0005)
         stats = transport.statistics()
         conn.send(
-            (
-                "final",
-                RankReport(
-                    side="prefill",
+            RankFinal(
+                report=RankReport(
+                    side=Side.PREFILL,
                     rank=name,
                     rooms=stats.endpoint.rooms_succeeded + stats.endpoint.rooms_failed,
                     canary_violations=0,

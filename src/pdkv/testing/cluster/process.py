@@ -24,8 +24,18 @@ import numpy.typing as npt
 
 from pdkv.alloc import PagePool
 from pdkv.protocol.ids import InstanceId
+from pdkv.protocol.messages import Side
 from pdkv.testing.cluster._rank import _RankArgs
 from pdkv.testing.cluster.decode_rank import _decode_rank
+from pdkv.testing.cluster.messages import (
+    FromRank,
+    RankCrashed,
+    RankFinal,
+    RankReady,
+    RoomResult,
+    RunRoom,
+    Stop,
+)
 from pdkv.testing.cluster.prefill_rank import _prefill_rank
 from pdkv.testing.cluster.spec import (
     AbortPlan,
@@ -61,18 +71,18 @@ def _rank_main(args: _RankArgs, conn: Connection) -> None:
         format=f"%(asctime)s {args.side}{args.tp}.{args.cp} %(levelname)s %(name)s: %(message)s",
     )
     try:
-        if args.side == "prefill":
+        if args.side is Side.PREFILL:
             _prefill_rank(args, conn)
         else:
             _decode_rank(args, conn)
     except BaseException:
-        conn.send(("error", traceback.format_exc()))
+        conn.send(RankCrashed(traceback=traceback.format_exc()))
         raise
 
 
 @attrs.define(eq=False)
 class _RankProcess:
-    side: str
+    side: Side
     tp: int
     cp: int
     name: str
@@ -95,17 +105,17 @@ def _registry_main(spec: ClusterSpec, conn: Connection) -> None:
     """The bootstrap registry in its own process, inside the prefill namespace."""
     from pdkv.runtime.channels import start_registry
 
-    namespace = spec.namespace("prefill")
+    namespace = spec.namespace(Side.PREFILL)
     if namespace is not None:
         enter_netns(namespace)
     service = start_registry(
         instance=InstanceId("prefill-0"),
         tp_size=spec.prefill_tp,
         cp_size=spec.prefill_cp,
-        host=spec.host("prefill"),
+        host=spec.host(Side.PREFILL),
     )
     try:
-        conn.send(("ready", service.address))
+        conn.send(RankReady(name="registry", address=service.address))
         conn.recv()  # any message (or EOF) means stop
     except EOFError:
         pass
@@ -125,14 +135,18 @@ class _RegistryProcess:
             if time.monotonic() > deadline or not self._proc.is_alive():
                 self.stop()
                 raise ClusterError("the registry process did not start")
-        self.address: str = self._conn.recv()[1]
+        ready = self._conn.recv()
+        if not isinstance(ready, RankReady):
+            self.stop()
+            raise ClusterError(f"the registry process answered {ready!r}")
+        self.address: str = ready.address
 
     def statistics(self) -> Any:
         raise ClusterError("registry statistics are not available from a registry in another namespace")
 
     def stop(self) -> None:
         with contextlib.suppress(OSError, BrokenPipeError):
-            self._conn.send(("stop",))
+            self._conn.send(Stop())
         self._proc.join(10)
         if self._proc.is_alive():
             self._proc.kill()
@@ -170,11 +184,11 @@ class Cluster:
 
     @property
     def prefill_conns(self) -> list[Connection]:
-        return [r.conn for r in self._ranks if r.side == "prefill" and not r.killed]
+        return [r.conn for r in self._ranks if r.side is Side.PREFILL and not r.killed]
 
     @property
     def decode_conns(self) -> list[Connection]:
-        return [r.conn for r in self._ranks if r.side == "decode" and not r.killed]
+        return [r.conn for r in self._ranks if r.side is Side.DECODE and not r.killed]
 
     @property
     def registry_address(self) -> str:
@@ -184,14 +198,15 @@ class Cluster:
         """The bootstrap registry's counters (``RegistryStatistics``)."""
         return self._registry.statistics()
 
-    def address(self, side: str, tp: int = 0, cp: int = 0) -> str:
+    def address(self, side: Side | str, tp: int = 0, cp: int = 0) -> str:
         """The control address of a rank (``tcp://host:port``)."""
         return self._rank(side, tp, cp).address
 
-    def pid(self, side: str, tp: int = 0, cp: int = 0) -> int:
+    def pid(self, side: Side | str, tp: int = 0, cp: int = 0) -> int:
         return int(self._rank(side, tp, cp).proc.pid)
 
-    def _rank(self, side: str, tp: int, cp: int) -> _RankProcess:
+    def _rank(self, side: Side | str, tp: int, cp: int) -> _RankProcess:
+        side = Side(side)
         for r in self._ranks:
             if (r.side, r.tp, r.cp) == (side, tp, cp):
                 return r
@@ -209,16 +224,16 @@ class Cluster:
             self._registry = _RegistryProcess(self._ctx, spec, time.monotonic() + spec.startup_timeout_s)
         if spec.consensus and spec.prefill_tp * spec.prefill_cp > 1:
             self._consensus_address = f"tcp://127.0.0.1:{free_port()}"
-        ranks = [("prefill", tp, cp) for tp in range(spec.prefill_tp) for cp in range(spec.prefill_cp)]
-        ranks += [("decode", tp, 0) for tp in range(spec.decode_tp)]
+        ranks = [(Side.PREFILL, tp, cp) for tp in range(spec.prefill_tp) for cp in range(spec.prefill_cp)]
+        ranks += [(Side.DECODE, tp, 0) for tp in range(spec.decode_tp)]
         for side, tp, cp in ranks:
-            port = free_port() if side == "prefill" and spec.stable_addresses else 0
+            port = free_port() if side is Side.PREFILL and spec.stable_addresses else 0
             self._ranks.append(self._spawn(side, tp, cp, port))
         deadline = time.monotonic() + spec.startup_timeout_s
         for rank in self._ranks:
             self._await_ready(rank, deadline)
 
-    def _spawn(self, side: str, tp: int, cp: int, port: int) -> _RankProcess:
+    def _spawn(self, side: Side, tp: int, cp: int, port: int) -> _RankProcess:
         parent, child = self._ctx.Pipe()
         args = _RankArgs(
             side=side,
@@ -228,7 +243,7 @@ class Cluster:
             registry=self._registry.address,
             log_level=self.log_level,
             log_dir=self.log_dir,
-            consensus_address=self._consensus_address if side == "prefill" else None,
+            consensus_address=self._consensus_address if side is Side.PREFILL else None,
             control_port=port,
         )
         proc = self._ctx.Process(
@@ -236,16 +251,18 @@ class Cluster:
         )
         proc.start()
         child.close()
-        name = f"prefill tp{tp}/cp{cp}" if side == "prefill" else f"decode tp{tp}"
+        name = f"prefill tp{tp}/cp{cp}" if side is Side.PREFILL else f"decode tp{tp}"
         return _RankProcess(side=side, tp=tp, cp=cp, name=name, proc=proc, conn=parent, control_port=port)
 
     def _await_ready(self, rank: _RankProcess, deadline: float) -> None:
         message = self._recv(rank.conn, rank.proc, deadline)
-        if message[0] != "ready":
-            raise ClusterError(f"{rank.side} rank failed to start:\n{message[1]}")
-        rank.address = str(message[2])
+        if isinstance(message, RankCrashed):
+            raise ClusterError(f"{rank.side} rank failed to start:\n{message.traceback}")
+        if not isinstance(message, RankReady):
+            raise ClusterError(f"{rank.side} rank sent {type(message).__name__} before it was ready")
+        rank.address = message.address
 
-    def kill(self, side: str, tp: int = 0, cp: int = 0) -> None:
+    def kill(self, side: Side | str, tp: int = 0, cp: int = 0) -> None:
         """SIGKILL one rank process (no goodbye to anyone); its unfinished rooms are no longer awaited."""
         rank = self._rank(side, tp, cp)
         rank.killed = True
@@ -257,14 +274,15 @@ class Cluster:
             if not self._pending[room]:
                 del self._pending[room]
 
-    def restart(self, side: str, tp: int = 0, cp: int = 0) -> None:
+    def restart(self, side: Side | str, tp: int = 0, cp: int = 0) -> None:
         """Kill a rank and start it again (a new epoch) behind the same control address; new rooms go
         to the new incarnation. Needs ``stable_addresses`` for a prefill rank, and no consensus group
         (a gloo group cannot take a rank back)."""
+        side = Side(side)
         rank = self._rank(side, tp, cp)
-        if side == "prefill" and not rank.control_port:
+        if side is Side.PREFILL and not rank.control_port:
             raise ClusterError("restart behind the same address needs ClusterSpec(stable_addresses=True)")
-        if side == "prefill" and self._consensus_address is not None:
+        if side is Side.PREFILL and self._consensus_address is not None:
             raise ClusterError("a rank of a consensus group cannot be restarted")
         if not rank.killed:
             self.kill(side, tp, cp)
@@ -300,9 +318,8 @@ class Cluster:
             while next_room < len(plans) and len(self._pending) < max_active:
                 live = [r for r in self._ranks if not r.killed]
                 for r in live:
-                    r.conn.send(
-                        ("room", prefill_rooms[next_room] if r.side == "prefill" else decode_rooms[next_room])
-                    )
+                    room = prefill_rooms[next_room] if r.side is Side.PREFILL else decode_rooms[next_room]
+                    r.conn.send(RunRoom(room=room))
                 self._pending[int(plans[next_room].room)] = {r.name for r in live}
                 next_room += 1
             self._collect(results, deadline)
@@ -329,10 +346,10 @@ class Cluster:
                 message = conn.recv()
             except (EOFError, OSError):
                 continue  # a rank that died; reported below
-            if message[0] == "result":
-                results.put(message[1])
-            elif message[0] == "error":
-                raise ClusterError(f"a rank failed:\n{message[1]}")
+            if isinstance(message, RoomResult):
+                results.put(message.outcome)
+            elif isinstance(message, RankCrashed):
+                raise ClusterError(f"a rank failed:\n{message.traceback}")
         if time.monotonic() > deadline:
             raise ClusterError(f"rooms did not finish in time: {sorted(self._pending)}")
         for r in live:
@@ -345,7 +362,7 @@ class Cluster:
         for r in self._ranks:
             if r.proc.is_alive():
                 with contextlib.suppress(BrokenPipeError, OSError):
-                    r.conn.send(("stop",))
+                    r.conn.send(Stop())
         for r in self._ranks:
             try:
                 while r.proc.is_alive() or r.conn.poll(0):
@@ -354,8 +371,8 @@ class Cluster:
                             break
                         continue
                     message = r.conn.recv()
-                    if message[0] == "final":
-                        self.reports.append(message[1])
+                    if isinstance(message, RankFinal):
+                        self.reports.append(message.report)
                         break
             except (EOFError, OSError):
                 pass
@@ -374,10 +391,10 @@ class Cluster:
             self._registry = None
         return self.reports
 
-    def _recv(self, conn: Connection, proc: Any, deadline: float) -> tuple[Any, ...]:
+    def _recv(self, conn: Connection, proc: Any, deadline: float) -> FromRank:
         while time.monotonic() < deadline:
             if conn.poll(0.2):
-                message: tuple[Any, ...] = conn.recv()
+                message: FromRank = conn.recv()
                 return message
             if not proc.is_alive():
                 raise ClusterError(

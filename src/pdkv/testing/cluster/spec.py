@@ -16,6 +16,7 @@ from pdkv.alloc import PagePool
 from pdkv.mapping import BufferKind, OwnershipPolicy, PageInterleaved, chunk_page_start
 from pdkv.protocol.config import Timeouts
 from pdkv.protocol.ids import RoomId
+from pdkv.protocol.messages import Side
 from pdkv.testing.faults import (
     FaultCounts,
     NetnsLayout,
@@ -67,16 +68,16 @@ class ClusterSpec:
     """Run prefill ranks (and the registry) in one network namespace and decode ranks in another,
     joined by a veth pair, so a test can partition them (``NetnsLayout.partition``)."""
 
-    def host(self, side: str) -> str:
+    def host(self, side: Side) -> str:
         """The address ranks of ``side`` bind and advertise."""
         if self.netns is None:
             return "127.0.0.1"
-        return self.netns.prefill_ip if side == "prefill" else self.netns.decode_ip
+        return self.netns.prefill_ip if side is Side.PREFILL else self.netns.decode_ip
 
-    def namespace(self, side: str) -> str | None:
+    def namespace(self, side: Side) -> str | None:
         if self.netns is None:
             return None
-        return self.netns.prefill_ns if side == "prefill" else self.netns.decode_ns
+        return self.netns.prefill_ns if side is Side.PREFILL else self.netns.decode_ns
 
     @property
     def policy(self) -> OwnershipPolicy:
@@ -85,7 +86,7 @@ class ClusterSpec:
 
 @attrs.frozen(kw_only=True)
 class AbortPlan:
-    side: str  # "decode" or "prefill"
+    side: Side = attrs.field(converter=Side)
     after_chunks: int = 1  # abort once this many chunks were sent (prefill) / seen sent (decode: seconds)
     after_s: float = 0.0  # decode side: seconds after init
     after_layers: int | None = None  # prefill side: abort in the middle of that chunk's forward instead
@@ -147,7 +148,7 @@ class RoomOutcome:
     """One room on one rank."""
 
     room: int
-    side: str
+    side: Side = attrs.field(converter=Side)
     rank: str
     poll: int
     failure: str
@@ -166,7 +167,7 @@ class RoomOutcome:
 
 @attrs.frozen(kw_only=True)
 class RankReport:
-    side: str
+    side: Side = attrs.field(converter=Side)
     rank: str
     rooms: int
     canary_violations: int
@@ -237,9 +238,11 @@ def plan_requests(
                 state_src=state_src,
                 aux_src=aux_src,
                 abort_before_chunk=abort.after_chunks
-                if abort is not None and abort.side == "prefill"
+                if abort is not None and abort.side is Side.PREFILL
                 else None,
-                abort_after_layers=None if abort is None or abort.side != "prefill" else abort.after_layers,
+                abort_after_layers=None
+                if abort is None or abort.side is not Side.PREFILL
+                else abort.after_layers,
                 forward_s=plan.forward_s,
                 layer_compute_s=plan.layer_compute_s,
                 per_layer=spec.per_layer if plan.per_layer is None else plan.per_layer,
@@ -254,7 +257,7 @@ def plan_requests(
                 logical_ids=logical,
                 state_src=state_src,
                 aux_src=aux_src,
-                abort_after_s=abort.after_s if abort is not None and abort.side == "decode" else None,
+                abort_after_s=abort.after_s if abort is not None and abort.side is Side.DECODE else None,
             )
         )
     return prefill_rooms, decode_rooms, allocations
