@@ -1,3 +1,4 @@
+from contextlib import AbstractContextManager
 from typing import Any
 
 class ModelConfig:
@@ -70,3 +71,5 @@ class VllmConfig:
         device_config: DeviceConfig = ...,
         parallel_config: ParallelConfig = ...,
     ) -> None: ...
+
+def set_current_vllm_config(vllm_config: VllmConfig) -> AbstractContextManager[None]: ...

@@ -11,6 +11,7 @@ class KVConnectorOutput:
     ) -> None: ...
 
 class ModelRunnerOutput:
+    kv_connector_output: KVConnectorOutput | None
     def __init__(
         self,
         *,

@@ -9,5 +9,6 @@ class NewRequestData:
 class SchedulerOutput:
     scheduled_new_reqs: list[NewRequestData]
     num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
     finished_req_ids: set[str]
     kv_connector_metadata: KVConnectorMetadata | None
