@@ -7,5 +7,6 @@ class SamplingParams:
         max_tokens: int | None = ...,
         temperature: float = ...,
         ignore_eos: bool = ...,
+        detokenize: bool = ...,
         extra_args: dict[str, Any] | None = ...,
     ) -> None: ...
