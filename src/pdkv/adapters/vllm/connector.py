@@ -499,6 +499,8 @@ class WorkerSide:
         self._out: dict[RoomId, _Outgoing] = {}
         self._in: dict[str, _Incoming] = {}
         self._layered_now: list[RoomId] = []  # rooms whose layers this step's forward reports
+        self._layers_reported: set[int] = set()
+        self._caches: dict[str, torch.Tensor] = {}
         self._errors: set[int] = set()
         self._routes: dict[str, InstanceId | PdkvError] = {}
         self._connecting: set[str] = set()
@@ -511,6 +513,7 @@ class WorkerSide:
         if first is None:
             raise ConfigError("register_kv_caches got no KV cache tensors")
         num_blocks = self.num_blocks or _num_blocks(first)
+        self._caches = dict(kv_caches)
         layout, self.layer_ids = layout_from_kv_caches(
             kv_caches, num_blocks=num_blocks, block_size=self.block_size
         )
@@ -587,18 +590,30 @@ class WorkerSide:
         """A layer's attention wrote its KV: submit it for this forward's per-layer rooms."""
         if not self._layered_now or self.prefill is None:
             return
-        ready: torch.cuda.Event | None = None
-        if kv_layer.is_cuda:
-            ready = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
-            ready.record()
-        self.prefill.per_layer.on_layer_end(self.layer_ids[layer_name], ready)
+        layer = self.layer_ids[layer_name]
+        if layer in self._layers_reported:
+            return  # a second forward in the step (a drafter): the layer's KV is already on its way
+        self._layers_reported.add(layer)
+        self.prefill.per_layer.on_layer_end(layer, _ready_event(kv_layer))
 
     def after_forward(self) -> None:
-        """``wait_for_save``: the per-layer rooms of this forward send (they wait for their layers)."""
+        """``wait_for_save``: the per-layer rooms of this forward send (they wait for their layers).
+
+        Layers the forward did not report (attention without vLLM's ``maybe_transfer_kv_layer`` hook, a
+        CUDA graph that skips it) are reported now that the forward is over, so the rooms never wait
+        for them until their deadline: those layers simply go after the forward instead of during it.
+        """
+        if self._layered_now and self.prefill is not None:
+            missing = sorted(set(self.layer_ids.values()) - self._layers_reported)
+            if missing:
+                log.debug("pdkv: layers %s were not reported during the forward", missing[:8])
+                ready = _ready_event(next(iter(self._caches.values())))
+                for layer in missing:
+                    self.prefill.per_layer.on_layer_end(layer, ready)
         for room in self._layered_now:
-            out = self._out[room]
-            self._send(room, out)
+            self._send(room, self._out[room])
         self._layered_now = []
+        self._layers_reported = set()
 
     def poll_finished(self) -> tuple[set[str], set[str]]:
         """Sends that are terminal and loads whose blocks vLLM may use or reuse."""
@@ -749,6 +764,15 @@ class WorkerSide:
             out.sender.abort(abort.reason)
             out.finished = True
             out.req_id = abort.req_id
+
+
+def _ready_event(tensor: torch.Tensor) -> torch.cuda.Event | None:
+    """What completes a layer's KV write: nothing on CPU (the write is done), a CUDA event on a GPU."""
+    if not tensor.is_cuda:
+        return None
+    event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
+    event.record()
+    return event
 
 
 def _num_blocks(tensor: torch.Tensor) -> int:
