@@ -261,6 +261,38 @@ def producer_abort_before_the_forward_frees_at_once() -> None:
 
 
 @scenario
+def producer_preemption_fails_the_layered_room_before_its_blocks_are_reused() -> None:
+    s = env.scheduler(config("kv_producer"), num_blocks=16)
+    y = env.request("y", list(range(600, 660)), None, max_tokens=300)
+    x = env.request(
+        "x", list(range(700, 760)), {"do_remote_decode": True, "transfer_id": "t-x"}, max_tokens=300
+    )
+    requests = {"x": x, "y": y}
+    s.add_request(y)
+    s.add_request(x)
+    out = s.schedule()
+    assert [save.req_id for save in meta(out).layer_saves] == ["x"]
+    preempted: tuple[AbortSpec, ...] = ()
+    for _ in range(200):  # both decode until 16 blocks run out and vLLM preempts the later request
+        s.update_from_output(out, env.runner_output(out, requests))
+        out = s.schedule()
+        preempted = meta(out).preempted
+        if preempted:
+            break
+    reason = "preempted by the vLLM prefill scheduler (its blocks were freed)"
+    assert preempted == (AbortSpec(req_id="x", room=expected_room("t-x"), reason=reason),), preempted
+    assert out.preempted_req_ids == {"x"}
+    s.update_from_output(out, env.runner_output(out, requests))
+    s.finish_requests(["x", "y"], RequestStatus.FINISHED_ABORTED)
+    out = s.schedule()
+    # the failed room is reported by the worker once its sender is terminal: x's blocks wait for it
+    assert [a.req_id for a in meta(out).aborts] == ["x"] and meta(out).sends == ()
+    assert s.has_requests()
+    s.update_from_output(out, env.runner_output(out, requests, finished_sending={"x"}))
+    assert not s.has_requests()
+
+
+@scenario
 def both_roles_load_and_send_in_one_scheduler() -> None:
     s = env.scheduler(config("kv_both"))
     d = env.request("b1", PROMPT, consumer_params("t-b1"))

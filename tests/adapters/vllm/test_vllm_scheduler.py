@@ -23,6 +23,7 @@ SCENARIOS = [
     "producer_chunked_prefill_sends_the_whole_request_at_finish",
     "producer_abort_after_the_forward_aborts_the_room",
     "producer_abort_before_the_forward_frees_at_once",
+    "producer_preemption_fails_the_layered_room_before_its_blocks_are_reused",
     "both_roles_load_and_send_in_one_scheduler",
     "refusals_at_construction",
 ]

@@ -107,7 +107,7 @@ def vllm_config(
     return config
 
 
-def kv_cache_config(*, groups: int = 1, sliding_window: bool = False) -> Any:
+def kv_cache_config(*, groups: int = 1, sliding_window: bool = False, num_blocks: int = NUM_BLOCKS) -> Any:
     import torch
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
@@ -132,19 +132,20 @@ def kv_cache_config(*, groups: int = 1, sliding_window: bool = False) -> Any:
     names = layer_names()
     per_group = [names[i::groups] for i in range(groups)]
     return KVCacheConfig(
-        num_blocks=NUM_BLOCKS,
+        num_blocks=num_blocks,
         kv_cache_tensors=[],
         kv_cache_groups=[KVCacheGroupSpec(layer_names=g, kv_cache_spec=spec) for g in per_group],
     )
 
 
-def scheduler(config: Any) -> Any:
+def scheduler(config: Any, *, num_blocks: int = NUM_BLOCKS) -> Any:
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.structured_output import StructuredOutputManager
 
+    config.cache_config.num_gpu_blocks = num_blocks
     return Scheduler(
         vllm_config=config,
-        kv_cache_config=kv_cache_config(),
+        kv_cache_config=kv_cache_config(num_blocks=num_blocks),
         structured_output_manager=StructuredOutputManager(config),
         block_size=BLOCK_SIZE,
         log_stats=True,

@@ -33,6 +33,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Final
 
 import attrs
@@ -80,6 +81,7 @@ log = logging.getLogger(__name__)
 ROLES: Final = ("kv_producer", "kv_consumer", "kv_both")
 ABORT_BY_DECODE: Final = "aborted by the vLLM decode scheduler"
 ABORT_BY_PREFILL: Final = "aborted by the vLLM prefill scheduler"
+PREEMPTED: Final = "preempted by the vLLM prefill scheduler (its blocks were freed)"
 _NORMAL_FINISH: Final = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED})
 
 
@@ -137,6 +139,8 @@ class PdkvConnectorMetadata(KVConnectorMetadata):
     layer_saves: tuple[LayerSaveSpec, ...] = ()
     sends: tuple[SendSpec, ...] = ()
     aborts: tuple[AbortSpec, ...] = ()
+    preempted: tuple[AbortSpec, ...] = ()
+    """Prefill rooms whose blocks vLLM frees for reuse this step: their writes must end first."""
 
 
 # --------------------------------------------------------------------------- construction checks
@@ -273,6 +277,10 @@ class PdkvConnector(KVConnectorBase_V1):
         if isinstance(connector_metadata, PdkvConnectorMetadata):
             self._worker().before_forward(connector_metadata)
 
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        if isinstance(kv_connector_metadata, PdkvConnectorMetadata) and kv_connector_metadata.preempted:
+            self._worker().preempt(kv_connector_metadata.preempted)
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         return None  # loads start at bind time (before the forward); pdkv moves them asynchronously
 
@@ -314,6 +322,7 @@ class SchedulerSide:
         self.consumer = consumer
         self._producing: dict[str, str | int] = {}  # req_id -> transfer id (do_remote_decode requests)
         self._layered: set[str] = set()  # prefill requests whose worker may hold a sender already
+        self._preempted: set[str] = set()  # layered requests preempted since: their rooms were failed
         self._loading: dict[str, LoadSpec] = {}  # decode loads handed to the worker, not yet finished
         self._awaiting: set[str] = set()  # held blocks the worker has yet to report (sends, aborted loads)
         self._loads: list[LoadSpec] = []
@@ -399,11 +408,20 @@ class SchedulerSide:
                 )
             )
             self._layered.add(new.req_id)
+        preempted: list[AbortSpec] = []
+        for req_id in sorted(scheduler_output.preempted_req_ids or ()):
+            if req_id in self._layered:
+                # its prompt's blocks go back to the pool while layer writes may still read them
+                self._layered.discard(req_id)
+                self._preempted.add(req_id)
+                room = room_for(self._producing[req_id])
+                preempted.append(AbortSpec(req_id=req_id, room=room, reason=PREEMPTED))
         meta = PdkvConnectorMetadata(
             loads=tuple(self._loads),
             layer_saves=tuple(layer_saves),
             sends=tuple(self._sends),
             aborts=tuple(self._aborts),
+            preempted=tuple(preempted),
         )
         self._loads, self._sends, self._aborts = [], [], []
         return meta
@@ -422,11 +440,14 @@ class SchedulerSide:
             return False, None
         room = room_for(transfer_id)
         layered = req_id in self._layered
+        preempted = req_id in self._preempted
         self._layered.discard(req_id)
+        self._preempted.discard(req_id)
         pages = self.pages_for(request.num_prompt_tokens)
-        if request.status not in _NORMAL_FINISH or len(block_ids) < pages:
-            if not layered:
+        if preempted or request.status not in _NORMAL_FINISH or len(block_ids) < pages:
+            if not (layered or preempted):
                 return False, None  # the worker never opened the room: nothing can read these blocks
+            # the worker reports the (failed) room once its sender is terminal: hold until then
             self._aborts.append(AbortSpec(req_id=req_id, room=room, reason=ABORT_BY_PREFILL))
             self._awaiting.add(req_id)
             return True, None
@@ -585,6 +606,16 @@ class WorkerSide:
                     continue
             out.finished = True
             out.req_id = send.req_id
+
+    def preempt(self, rooms: Iterable[AbortSpec]) -> None:
+        """Before vLLM overwrites a preempted request's blocks: fail its room and wait until no layer
+        write reads them any more (the decode recomputes; a later finish reports the failed room)."""
+        for spec in rooms:
+            out = self._out.get(spec.room)
+            if out is None or self.prefill is None:
+                continue
+            out.sender.abort(spec.reason)
+            self.prefill.per_layer.drop(spec.room, spec.reason)
 
     def layer_saved(self, layer_name: str, kv_layer: torch.Tensor) -> None:
         """A layer's attention wrote its KV: submit it for this forward's per-layer rooms."""
@@ -761,7 +792,10 @@ class WorkerSide:
             return
         out = self._out.get(abort.room)
         if out is not None:
-            out.sender.abort(abort.reason)
+            try:
+                out.sender.abort(abort.reason)
+            except PdkvError as exc:  # already terminal (a preempted room)
+                log.debug("pdkv room %s: abort after it ended: %s", abort.room, exc)
             out.finished = True
             out.req_id = abort.req_id
 

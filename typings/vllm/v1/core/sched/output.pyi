@@ -11,4 +11,5 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[str, int]
     total_num_scheduled_tokens: int
     finished_req_ids: set[str]
+    preempted_req_ids: set[str] | None
     kv_connector_metadata: KVConnectorMetadata | None
