@@ -18,7 +18,8 @@ pytestmark = [requires_vllm, pytest.mark.slow]
 
 def test_vllm_0_33_worker_side_over_mooncake_tcp(tmp_path: Path) -> None:
     plan = tmp_path / "plan.json"
-    plan.write_text(json.dumps({"registry_port": free_port(), "dist_ports": [free_port(), free_port()]}))
+    ports = {"registry_port": free_port(), "dist_ports": [free_port(), free_port()], "dead_port": free_port()}
+    plan.write_text(json.dumps(ports))
     children = [
         Child(VLLM_PYTHON, "tests.adapters.vllm.worker_child", [role, str(plan)], tmp_path, role)
         for role in ("prefill", "decode")
@@ -41,8 +42,9 @@ def test_vllm_0_33_worker_side_over_mooncake_tcp(tmp_path: Path) -> None:
     )
     # every block of A and B holds the prefill's bytes, no other block of the decode was written
     assert decode["checked"] == {"A": [], "B": []} and decode["stray_blocks"] == []
-    # A and B computed only their last prompt token; E's failed room was recomputed whole (100 tokens)
-    assert decode["scheduled"] == {"A": [1, 1], "B": [1, 1], "E": [100, 1]}
+    # A and B computed only their last prompt token; E's failed room was recomputed whole (100 tokens),
+    # so was F's (40 tokens), whose prefill registry never answered
+    assert decode["scheduled"] == {"A": [1, 1], "B": [1, 1], "E": [100, 1], "F": [40, 1]}
     assert decode["e_pages_reported_invalid"]
     # C, aborted while loading, kept its blocks until pdkv released them; all blocks came back
     assert decode["held_after_abort"] and decode["free_blocks_back"]

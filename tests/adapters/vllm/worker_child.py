@@ -13,7 +13,8 @@ Requests (files in the work dir order the two processes):
   sent whole when the decode asks;
 - C: the decode aborts it while loading: blocks come back only after pdkv releases them;
 - E: the router gave the decode a longer prompt than the prefill's: the room fails, its blocks are
-  reported as load errors and vLLM recomputes the prompt.
+  reported as load errors and vLLM recomputes the prompt;
+- F: its prefill registry does not answer: the load fails after ``connect_timeout_s`` and is recomputed.
 The decode checks every block of A and B against the pattern and that no other block was written.
 """
 
@@ -55,6 +56,7 @@ PROMPTS = {
     "B": list(range(200, 270)),
     "C": list(range(300, 340)),
     "E": list(range(400, 500)),
+    "F": list(range(600, 640)),
 }
 PREFILL_PROMPTS = {**PROMPTS, "E": PROMPTS["E"][:40]}  # the router's mistake: the decode's E is longer
 
@@ -200,7 +202,7 @@ def run_prefill(plan: dict[str, Any], work: Path) -> dict[str, Any]:
 
 def run_decode(plan: dict[str, Any], work: Path) -> dict[str, Any]:
     registry = f"tcp://127.0.0.1:{plan['registry_port']}"
-    e = Engine("kv_consumer", {"prefill_registry": registry}, plan["dist_ports"][1])
+    e = Engine("kv_consumer", {"prefill_registry": registry, "connect_timeout_s": 3.0}, plan["dist_ports"][1])
     checked: dict[str, list[int]] = {}
     loads: dict[str, tuple[int, ...]] = {}
 
@@ -244,11 +246,14 @@ def run_decode(plan: dict[str, Any], work: Path) -> dict[str, Any]:
     e.add("E", PROMPTS["E"], {"do_remote_prefill": True, "transfer_id": "t-E"}, 2)
     e.run_until(lambda: asked("E"), 30, False, "E's receiver to ask")
     e_pages = set(loads["E"])
+    # F: its prefill registry does not answer: after connect_timeout_s the load fails and is recomputed
+    dead = f"tcp://127.0.0.1:{plan['dead_port']}"
+    e.add("F", PROMPTS["F"], {"do_remote_prefill": True, "transfer_id": "t-F", "remote_registry": dead}, 2)
     e.run_until(
-        lambda: {"A", "B"} <= set(e.outputs) and {"C", "E"} <= e.recving and "E" in e.outputs,
+        lambda: {"A", "B", "E", "F"} <= set(e.outputs) and {"C", "E", "F"} <= e.recving,
         90,
         False,
-        "A and B to finish, C to be released, E to be recomputed",
+        "A and B to finish, C to be released, E and F to be recomputed",
     )
     written = {b for req in ("A", "B") for b in loads[req]}
     stray = [
@@ -265,7 +270,7 @@ def run_decode(plan: dict[str, Any], work: Path) -> dict[str, Any]:
         "held_after_abort": held_after_abort,
         "free_blocks_back": int(e.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()) == start_free,
         "e_pages_reported_invalid": e_pages <= e.invalid and bool(e_pages),
-        "scheduled": {r: e.scheduled.get(r, []) for r in ("A", "B", "E")},
+        "scheduled": {r: e.scheduled.get(r, []) for r in ("A", "B", "E", "F")},
     }
 
 

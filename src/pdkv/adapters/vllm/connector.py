@@ -33,6 +33,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
+import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Final
 
@@ -82,6 +83,8 @@ ROLES: Final = ("kv_producer", "kv_consumer", "kv_both")
 ABORT_BY_DECODE: Final = "aborted by the vLLM decode scheduler"
 ABORT_BY_PREFILL: Final = "aborted by the vLLM prefill scheduler"
 PREEMPTED: Final = "preempted by the vLLM prefill scheduler (its blocks were freed)"
+_RECONNECT_AFTER_S: Final = 5.0
+"""How long a consumer keeps failing requests for a prefill registry it could not reach before retrying."""
 _NORMAL_FINISH: Final = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED})
 
 
@@ -523,7 +526,7 @@ class WorkerSide:
         self._layers_reported: set[int] = set()
         self._caches: dict[str, torch.Tensor] = {}
         self._errors: set[int] = set()
-        self._routes: dict[str, InstanceId | PdkvError] = {}
+        self._routes: dict[str, InstanceId | tuple[PdkvError, float]] = {}
         self._connecting: set[str] = set()
         self._lock = threading.Lock()
 
@@ -664,7 +667,7 @@ class WorkerSide:
                 del self._out[room]
         recving: set[str] = set()
         for req_id, incoming in list(self._in.items()):
-            if incoming.receiver is None:
+            if incoming.receiver is None and not incoming.aborted and incoming.failure is None:
                 self._open(incoming)
             if self._load_done(incoming):
                 recving.add(req_id)
@@ -731,9 +734,17 @@ class WorkerSide:
         incoming.receiver = receiver
 
     def _route(self, registry: str) -> InstanceId | PdkvError | None:
+        """The prefill instance behind ``registry``, its connection error, or None while connecting.
+        An error stands for ``_RECONNECT_AFTER_S``: later requests try again (the prefill may be back)."""
         with self._lock:
             route = self._routes.get(registry)
-            if route is not None or registry in self._connecting:
+            if registry in self._connecting:
+                return None
+            if isinstance(route, tuple):
+                error, since = route
+                if time.monotonic() - since < _RECONNECT_AFTER_S:
+                    return error
+            elif route is not None:
                 return route
             self._connecting.add(registry)
         threading.Thread(
@@ -743,14 +754,14 @@ class WorkerSide:
 
     def _connect(self, registry: str) -> None:
         assert self.decode is not None
-        result: InstanceId | PdkvError
+        result: InstanceId | tuple[PdkvError, float]
         try:
             instance = self.decode.connect(registry, timeout_s=self.settings.connect_timeout_s)
             self.decode.wait_registered(instance, timeout_s=self.settings.connect_timeout_s)
             result = instance
         except PdkvError as exc:
             log.warning("pdkv: prefill registry %s unavailable: %s", registry, exc)
-            result = exc
+            result = (exc, time.monotonic())
         with self._lock:
             self._routes[registry] = result
             self._connecting.discard(registry)
