@@ -35,16 +35,18 @@ def test_vllm_0_33_worker_side_over_mooncake_tcp(tmp_path: Path) -> None:
             child.stop()
     # A went layer by layer during the prefill's forward (2 layers), B whole when the decode asked
     assert (prefill["per_layer_registered"], prefill["layers_submitted"]) == (1, 2)
-    assert prefill["sending"] == ["A", "B", "E"]  # every held block set came back to vLLM
+    assert prefill["sending"] == ["A", "B", "E", "G"]  # every held block set came back to vLLM
     assert (
         prefill["b_params"]["remote_registry"]
         == f"tcp://127.0.0.1:{json.loads(plan.read_text())['registry_port']}"
     )
     # every block of A and B holds the prefill's bytes, no other block of the decode was written
-    assert decode["checked"] == {"A": [], "B": []} and decode["stray_blocks"] == []
+    assert decode["checked"] == {"A": [], "B": [], "G": []} and decode["stray_blocks"] == []
+    # G: 4 blocks from the decode's prefix cache (A's, left as they were), 2 from the prefill
+    assert decode["g_prefix_pages"] == 4 and decode["g_shares_a_blocks"]
     # A and B computed only their last prompt token; E's failed room was recomputed whole (100 tokens),
     # so was F's (40 tokens), whose prefill registry never answered
-    assert decode["scheduled"] == {"A": [1, 1], "B": [1, 1], "E": [100, 1], "F": [40, 1]}
+    assert decode["scheduled"] == {"A": [1, 1], "B": [1, 1], "E": [100, 1], "F": [40, 1], "G": [1, 1]}
     assert decode["e_pages_reported_invalid"]
     # C, aborted while loading, kept its blocks until pdkv released them; all blocks came back
     assert decode["held_after_abort"] and decode["free_blocks_back"]

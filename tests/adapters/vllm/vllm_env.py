@@ -158,7 +158,22 @@ def request(req_id: str, prompt: list[int], params: dict[str, Any] | None, *, ma
 
     extra = {"kv_transfer_params": dict(params)} if params is not None else None
     sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, extra_args=extra)
-    return Request(req_id, prompt, sampling, None)
+    return Request(req_id, prompt, sampling, None, block_hasher=_block_hasher())
+
+
+_HASHER: list[Any] = []
+
+
+def _block_hasher() -> Any:
+    """vLLM's prefix-cache block hasher, as its engine core builds it (so local prefix hits happen)."""
+    if not _HASHER:
+        from vllm.utils.hashing import get_hash_fn_by_name
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+        hash_fn = get_hash_fn_by_name("sha256")
+        init_none_hash(hash_fn)
+        _HASHER.append(get_request_block_hasher(BLOCK_SIZE, hash_fn))
+    return _HASHER[0]
 
 
 def runner_output(

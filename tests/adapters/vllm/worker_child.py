@@ -14,7 +14,9 @@ Requests (files in the work dir order the two processes):
 - C: the decode aborts it while loading: blocks come back only after pdkv releases them;
 - E: the router gave the decode a longer prompt than the prefill's: the room fails, its blocks are
   reported as load errors and vLLM recomputes the prompt;
-- F: its prefill registry does not answer: the load fails after ``connect_timeout_s`` and is recomputed.
+- F: its prefill registry does not answer: the load fails after ``connect_timeout_s`` and is recomputed;
+- G: its first 64 tokens are in the decode's prefix cache (A's blocks, marked after A finished): only the
+  last two blocks come over (the prefill starts at the decode's prefix) and A's blocks keep the marker.
 The decode checks every block of A and B against the pattern and that no other block was written.
 """
 
@@ -24,6 +26,7 @@ import json
 import sys
 import time
 import traceback
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -50,25 +53,30 @@ from pdkv import KVPoll  # noqa: E402
 from pdkv.adapters.vllm.connector import PdkvConnector, WorkerSide  # noqa: E402
 
 SENTINEL = -1.0
-SEEDS = {"A": 1, "B": 2, "E": 5}
 PROMPTS = {
     "A": list(range(1, 101)),
     "B": list(range(200, 270)),
     "C": list(range(300, 340)),
     "E": list(range(400, 500)),
     "F": list(range(600, 640)),
+    "G": list(range(1, 65)) + list(range(800, 826)),  # A's first 64 tokens, then its own
 }
 PREFILL_PROMPTS = {**PROMPTS, "E": PROMPTS["E"][:40]}  # the router's mistake: the decode's E is longer
 
 
-def pattern(seed: int, layer: int, position: int) -> torch.Tensor:
-    """What the stand-in forward writes into the block at ``position`` of a request (K and V differ)."""
+def pattern(prompt: list[int], layer: int, position: int) -> torch.Tensor:
+    """What the stand-in forward writes into the block at ``position``: like a model's KV, a function of
+    the tokens up to that block's end (a shared prefix gives equal blocks); K and V differ."""
+    seed = zlib.crc32(repr(prompt[: (position + 1) * env.BLOCK_SIZE]).encode()) % 9973
     block = torch.full(
-        (2, env.HEADS, env.BLOCK_SIZE, env.HEAD_DIM), float(seed * 10000 + layer * 100 + position)
+        (2, env.HEADS, env.BLOCK_SIZE, env.HEAD_DIM), float(seed * 100 + layer * 10 + position)
     )
-    block[1] += 50.0
+    block[1] += 5.0
     block.view(-1)[:64] += torch.arange(64, dtype=torch.float32)
     return block
+
+
+MARKER = 777.0
 
 
 class Engine:
@@ -151,7 +159,7 @@ class Engine:
                     first = (end - n) // env.BLOCK_SIZE
                     last = (end - 1) // env.BLOCK_SIZE
                     for position in range(first, last + 1):
-                        self.caches[name][blocks[position]] = pattern(SEEDS[req_id], layer, position)
+                        self.caches[name][blocks[position]] = pattern(r.prompt_token_ids, layer, position)
             self.connector.save_kv_layer(name, self.caches[name], None)
 
     def run_until(self, done: Callable[[], bool], timeout_s: float, write_kv: bool, what: str) -> None:
@@ -180,7 +188,8 @@ def run_prefill(plan: dict[str, Any], work: Path) -> dict[str, Any]:
     (work / "prefill-ready").touch()
     # B: computed before the decode asks; its response goes to the decode as a router would pass it
     e.add("B", PREFILL_PROMPTS["B"], {"do_remote_decode": True, "transfer_id": "t-B"}, 1)
-    e.run_until(lambda: "B" in e.outputs, 30, True, "B to finish")
+    e.add("G", PREFILL_PROMPTS["G"], {"do_remote_decode": True, "transfer_id": "t-G"}, 1)
+    e.run_until(lambda: {"B", "G"} <= set(e.outputs), 30, True, "B and G to finish")
     (work / "B-params.json").write_text(json.dumps(e.outputs["B"].kv_transfer_params))
     # A: the decode asked first, so the forward sends it layer by layer
     wait_file(work / "asked-A", 60, e, True)
@@ -188,7 +197,7 @@ def run_prefill(plan: dict[str, Any], work: Path) -> dict[str, Any]:
     before = e.worker.prefill.statistics().per_layer if e.worker.prefill else None
     e.add("A", PREFILL_PROMPTS["A"], {"do_remote_decode": True, "transfer_id": "t-A"}, 1)
     e.add("E", PREFILL_PROMPTS["E"], {"do_remote_decode": True, "transfer_id": "t-E"}, 1)
-    e.run_until(lambda: {"A", "B", "E"} <= e.sending, 60, True, "A, B and E to be sent (or fail)")
+    e.run_until(lambda: {"A", "B", "E", "G"} <= e.sending, 90, True, "A, B, E and G to be sent (or fail)")
     assert e.worker.prefill is not None and before is not None
     after = e.worker.prefill.statistics().per_layer
     wait_file(work / "decode-done", 120, e, True)
@@ -208,14 +217,20 @@ def run_decode(plan: dict[str, Any], work: Path) -> dict[str, Any]:
 
     def on_recv(req_id: str) -> None:
         # right when the worker reports the load: the blocks hold the prefill's KV
-        if req_id not in ("A", "B"):
+        if req_id not in ("A", "B", "G"):
             return
         pages = loads[req_id]
+        # G's first 4 blocks are the decode's own (A's, marked after A finished): pdkv must not write them
         bad = [
             position
             for layer, name in enumerate(env.layer_names())
             for position, block in enumerate(pages)
-            if not torch.equal(e.caches[name][block], pattern(SEEDS[req_id], layer, position))
+            if not torch.equal(
+                e.caches[name][block],
+                torch.full_like(e.caches[name][block], MARKER)
+                if req_id == "G" and position < 4
+                else pattern(PROMPTS[req_id], layer, position),
+            )
         ]
         checked[req_id] = bad
 
@@ -255,7 +270,15 @@ def run_decode(plan: dict[str, Any], work: Path) -> dict[str, Any]:
         False,
         "A and B to finish, C to be released, E and F to be recomputed",
     )
-    written = {b for req in ("A", "B") for b in loads[req]}
+    # G: its first 64 tokens are in the decode's prefix cache (A's blocks): only the rest comes over
+    for name in env.layer_names():
+        for block in loads["A"][:4]:
+            e.caches[name][block] = MARKER
+    e.add("G", PROMPTS["G"], {"do_remote_prefill": True, "transfer_id": "t-G"}, 2)
+    e.run_until(lambda: asked("G"), 30, False, "G's receiver to ask")
+    g_prefix = e.worker._in["G"].spec.prefix_pages if "G" in e.worker._in else -1
+    e.run_until(lambda: "G" in e.outputs, 60, False, "G to finish")
+    written = {b for req in ("A", "B", "G") for b in loads[req]}
     stray = [
         (name, block)
         for name in env.layer_names()
@@ -270,7 +293,9 @@ def run_decode(plan: dict[str, Any], work: Path) -> dict[str, Any]:
         "held_after_abort": held_after_abort,
         "free_blocks_back": int(e.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()) == start_free,
         "e_pages_reported_invalid": e_pages <= e.invalid and bool(e_pages),
-        "scheduled": {r: e.scheduled.get(r, []) for r in ("A", "B", "E", "F")},
+        "scheduled": {r: e.scheduled.get(r, []) for r in ("A", "B", "E", "F", "G")},
+        "g_prefix_pages": g_prefix,
+        "g_shares_a_blocks": loads["G"][:4] == loads["A"][:4],
     }
 
 

@@ -1,4 +1,5 @@
 import enum
+from collections.abc import Callable
 from typing import Any
 
 from vllm.sampling_params import SamplingParams
@@ -27,5 +28,7 @@ class Request:
         prompt_token_ids: list[int] | None,
         sampling_params: SamplingParams | None,
         pooling_params: object | None,
+        *,
+        block_hasher: Callable[[Request], list[Any]] | None = ...,
     ) -> None: ...
     def is_finished(self) -> bool: ...

@@ -21,7 +21,9 @@ Flows (roles: ``kv_producer`` = prefill, ``kv_consumer`` = decode, ``kv_both``):
   (``per_layer.register`` before the forward, ``on_layer_end`` from ``save_kv_layer``, ``send`` at
   ``wait_for_save``); otherwise the whole request is sent when the decode asks. ``request_finished``
   keeps the blocks (delayed free) until the sender is terminal, and returns the decode's
-  ``kv_transfer_params``.
+  ``kv_transfer_params``. A request preempted after its per-layer forward fails its room, and
+  ``handle_preemptions`` waits for the layer writes already submitted before vLLM reuses the blocks.
+  Layers the forward did not report through ``save_kv_layer`` are sent at ``wait_for_save``.
 
 Refused at construction with a ``ConfigError``: hybrid (several) KV cache groups, cache specs other than
 full attention and MLA, tensor / pipeline / data / decode-context parallelism above 1, speculative decoding
@@ -698,15 +700,21 @@ class WorkerSide:
         out = self._out.get(save.room) or self._outgoing(save.room, save.pages, save.req_id)
         if out is None or out.sender.poll() != KVPoll.WaitingForInput:
             return  # the decode has not asked yet: the whole request goes when it does
+        skip = out.sender.decode_prefix_pages() or 0  # the decode's own prefix cache: never written
         mode = self.prefill.per_layer.register(
-            save.room, list(save.pages), start_token=0, resident_pages=save.resident_pages
+            save.room,
+            list(save.pages[skip:]),
+            start_token=skip * self.block_size,
+            resident_pages=max(0, save.resident_pages - skip),
         )
         if mode == PerLayerMode.PER_LAYER:
             self._layered_now.append(save.room)
 
     def _send(self, room: RoomId, out: _Outgoing) -> None:
+        """The request's pages from the first one the decode lacks (its prefix cache holds the others)."""
         try:
-            out.sender.send(list(out.spec_pages), start_token=0, last=True)
+            skip = out.sender.decode_prefix_pages() or 0
+            out.sender.send(list(out.spec_pages[skip:]), start_token=skip * self.block_size, last=True)
             out.sent = True
         except PdkvError as exc:
             log.warning("pdkv room %s of request %s: send failed: %s", room, out.req_id, exc)
