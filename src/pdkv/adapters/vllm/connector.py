@@ -226,7 +226,7 @@ class PdkvConnector(KVConnectorBase_V1):
         self.worker_side: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler_side = SchedulerSide(
-                settings, block_size=block_size, producer=producer, consumer=consumer, engine_id=engine_id
+                settings, block_size=block_size, producer=producer, consumer=consumer
             )
         else:
             self.worker_side = WorkerSide(
@@ -318,9 +318,7 @@ class PdkvConnector(KVConnectorBase_V1):
 class SchedulerSide:
     """Which requests load (decode) or send (prefill); lives in vLLM's scheduler process, moves no bytes."""
 
-    def __init__(
-        self, settings: AdapterSettings, *, block_size: int, producer: bool, consumer: bool, engine_id: str
-    ) -> None:
+    def __init__(self, settings: AdapterSettings, *, block_size: int, producer: bool, consumer: bool) -> None:
         self.settings = settings
         self.block_size = block_size
         self.producer = producer
@@ -528,6 +526,7 @@ class WorkerSide:
         self._layers_reported: set[int] = set()
         self._caches: dict[str, torch.Tensor] = {}
         self._errors: set[int] = set()
+        self._unsendable: set[str] = set()  # finished requests whose room could not be opened
         self._routes: dict[str, InstanceId | tuple[PdkvError, float]] = {}
         self._connecting: set[str] = set()
         self._lock = threading.Lock()
@@ -608,6 +607,7 @@ class WorkerSide:
             if out is None:
                 out = self._outgoing(send.room, send.pages, send.req_id)
                 if out is None:
+                    self._unsendable.add(send.req_id)  # vLLM holds its blocks until we report it
                     continue
             out.finished = True
             out.req_id = send.req_id
@@ -619,7 +619,10 @@ class WorkerSide:
             out = self._out.get(spec.room)
             if out is None or self.prefill is None:
                 continue
-            out.sender.abort(spec.reason)
+            try:
+                out.sender.abort(spec.reason)
+            except PdkvError as exc:  # already terminal: only the writes remain to wait for
+                log.debug("pdkv room %s: abort at preemption: %s", spec.room, exc)
             self.prefill.per_layer.drop(spec.room, spec.reason)
 
     def layer_saved(self, layer_name: str, kv_layer: torch.Tensor) -> None:
@@ -653,7 +656,7 @@ class WorkerSide:
 
     def poll_finished(self) -> tuple[set[str], set[str]]:
         """Sends that are terminal and loads whose blocks vLLM may use or reuse."""
-        sending: set[str] = set()
+        sending, self._unsendable = self._unsendable, set()
         for room, out in list(self._out.items()):
             state = out.sender.poll()
             if state == KVPoll.WaitingForInput and not out.sent and out.finished:
