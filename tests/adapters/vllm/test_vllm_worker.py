@@ -1,6 +1,7 @@
 """vLLM 0.33.0 (official wheel, .venv-vllm): two processes, each a model-less vLLM engine (real Scheduler,
 real worker glue and connector factory, CPU KV tensors in the CPU backend's layout), move KV through the
-pdkv connector over real Mooncake TCP on 127.0.0.1. See ``worker_child`` for the four requests.
+pdkv connector over real Mooncake TCP on 127.0.0.1; the decode side runs as ``kv_both``. See
+``worker_child`` for the requests.
 """
 
 from __future__ import annotations
@@ -18,7 +19,12 @@ pytestmark = [requires_vllm, pytest.mark.slow]
 
 def test_vllm_0_33_worker_side_over_mooncake_tcp(tmp_path: Path) -> None:
     plan = tmp_path / "plan.json"
-    ports = {"registry_port": free_port(), "dist_ports": [free_port(), free_port()], "dead_port": free_port()}
+    ports = {
+        "registry_port": free_port(),
+        "both_registry_port": free_port(),
+        "dist_ports": [free_port(), free_port()],
+        "dead_port": free_port(),
+    }
     plan.write_text(json.dumps(ports))
     children = [
         Child(VLLM_PYTHON, "tests.adapters.vllm.worker_child", [role, str(plan)], tmp_path, role)

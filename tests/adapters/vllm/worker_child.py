@@ -1,4 +1,5 @@
-"""One side (prefill or decode) of the two-process worker test, run in .venv-vllm (vLLM 0.33.0).
+"""One side (prefill or decode) of the two-process worker test, run in .venv-vllm (vLLM 0.33.0); the
+decode runs in ``kv_both`` role (its worker holds a prefill transport too, on the same KV memory).
 
 ``python -m tests.adapters.vllm.worker_child prefill|decode PLAN.json``. Each process is a small vLLM
 engine without a model: vLLM's real ``Scheduler`` (which builds the connector's scheduler side), vLLM's
@@ -211,7 +212,13 @@ def run_prefill(plan: dict[str, Any], work: Path) -> dict[str, Any]:
 
 def run_decode(plan: dict[str, Any], work: Path) -> dict[str, Any]:
     registry = f"tcp://127.0.0.1:{plan['registry_port']}"
-    e = Engine("kv_consumer", {"prefill_registry": registry, "connect_timeout_s": 3.0}, plan["dist_ports"][1])
+    # kv_both: the decode also runs a prefill transport (and registry) on the same memory and engine
+    extra = {
+        "prefill_registry": registry,
+        "connect_timeout_s": 3.0,
+        "registry_port": plan["both_registry_port"],
+    }
+    e = Engine("kv_both", extra, plan["dist_ports"][1])
     checked: dict[str, list[int]] = {}
     loads: dict[str, tuple[int, ...]] = {}
 
