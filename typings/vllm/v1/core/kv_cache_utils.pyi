@@ -1,0 +1,9 @@
+from collections.abc import Callable
+from typing import Any
+
+from vllm.v1.request import Request
+
+def init_none_hash(hash_fn: Callable[[Any], bytes]) -> None: ...
+def get_request_block_hasher(
+    hash_block_size: int, caching_hash_fn: Callable[[Any], bytes], num_hash_lookahead_tokens: int = ...
+) -> Callable[[Request], list[Any]]: ...
