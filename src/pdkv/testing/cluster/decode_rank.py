@@ -83,8 +83,9 @@ def _decode_rank(args: _RankArgs, conn: Connection) -> None:
                 assert isinstance(command, RunRoom) and isinstance(command.room, _DecodeRoom)
                 room = command.room
                 dst = pages.allocate(room.num_pages)
-                for buffer_key in spec.model.kv_keys():
-                    memory.view(buffer_key)[dst] = 0  # reused pages: start from "untouched"
+                if spec.verify_bytes:
+                    for buffer_key in spec.model.kv_keys():
+                        memory.view(buffer_key)[dst] = 0  # reused pages: start from "untouched"
                 slots = state_slots.allocate(spec.state_slots_per_room)
                 aux = aux_rows.allocate(1)
                 receiver = transport.receiver(room.room, prefill)
@@ -106,7 +107,9 @@ def _decode_rank(args: _RankArgs, conn: Connection) -> None:
                 if poll is KVPoll.Failed and not receiver.release_ready():
                     continue
                 checked, bad = 0, []
-                if poll is KVPoll.Success:
+                if poll is KVPoll.Success and not spec.verify_bytes:
+                    pages.free(dst)
+                elif poll is KVPoll.Success:
                     checked, mismatches = verify_room(
                         memory,
                         logical_ids=room.logical_ids,

@@ -49,6 +49,9 @@ class ClusterSpec:
     """Default transfer mode of a request (``RequestPlan.per_layer`` overrides it per request)."""
     forward_writes_kv: bool = False
     """The simulated forward zeroes the pages it computes and writes each layer's KV as it ends."""
+    verify_bytes: bool = True
+    """Decode ranks zero each room's pages before it and check every byte after Success. Off only for
+    control-plane benchmarks of tiny rooms, where that check would be most of the decode's work."""
     consensus: bool = True
     """Prefill ranks MIN-reduce their room polls over a gloo group (only with more than one rank)."""
     consensus_timeout_s: float = 30.0
