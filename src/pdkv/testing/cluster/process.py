@@ -38,7 +38,6 @@ from pdkv.testing.cluster.messages import (
 )
 from pdkv.testing.cluster.prefill_rank import _prefill_rank
 from pdkv.testing.cluster.spec import (
-    AbortPlan,
     ClusterError,
     ClusterSpec,
     RankReport,
@@ -403,14 +402,4 @@ class Cluster:
         raise ClusterError(f"rank process {proc.name} did not start within {self.spec.startup_timeout_s:g} s")
 
 
-__all__ = [
-    "AbortPlan",
-    "Cluster",
-    "ClusterError",
-    "ClusterSpec",
-    "RankReport",
-    "RequestPlan",
-    "RoomOutcome",
-    "TimedAction",
-    "free_port",
-]
+__all__ = ["Cluster", "TimedAction"]
