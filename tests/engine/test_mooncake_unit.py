@@ -6,6 +6,7 @@ whose methods take positional arguments only (as older bindings do) and return c
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -348,3 +349,30 @@ def test_an_rdma_device_this_host_lacks_fails_at_start_naming_it(tmp_path: Path)
 
 def _no_engine() -> Any:
     raise AssertionError("the engine must not be created for a device that does not exist")
+
+
+@attrs.define
+class NoisyEngine(FakeEngine):
+    """Writes what the real engine's start-up writes to fd 2 (glog), plus one real error."""
+
+    def initialize(self, hostname: str, metadata: str, protocol: str, device: str, /) -> int:
+        os.write(2, b"WARNING: Logging before InitGoogleLogging() is written to STDERR\n")
+        os.write(2, b"W1130 12:00:00.000000 1 topology.cpp:201] No RDMA devices found, check your device\n")
+        os.write(2, b"E1130 12:00:00.000001 1 metadata.cpp:1098] Local segment descriptor not found\n")
+        os.write(2, b"E1130 12:00:00.000002 1 tcp_transport.cpp:77] Failed to bind data port: in use\n")
+        return super().initialize(hostname, metadata, protocol, device)
+
+
+def test_expected_engine_startup_lines_go_to_debug_and_real_errors_stay(
+    capfd: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG, logger="pdkv.engine.mooncake")
+    with MooncakeBackend(MooncakeConfig(), engine_class=NoisyEngine):
+        pass
+    err = capfd.readouterr().err
+    assert "Failed to bind data port: in use" in err  # the engine's real error is not hidden
+    for noise in ("Local segment descriptor not found", "No RDMA devices found", "InitGoogleLogging"):
+        assert noise not in err
+        assert any(noise in record.getMessage() for record in caplog.records)
+    print("after", file=sys.stderr)  # fd 2 is back where it was
+    assert "after" in capfd.readouterr().err

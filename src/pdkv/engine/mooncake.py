@@ -39,13 +39,15 @@ reports TIMED_OUT without cancelling anything (see ``pdkv.engine.backend``).
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import importlib
 import logging
 import os
+import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from types import ModuleType
 from typing import TYPE_CHECKING, Final, Protocol
 
@@ -73,6 +75,56 @@ def _listening_ports() -> frozenset[int]:
         return sockets.listening_ports()
     except (sockets.ConnectionCutUnavailableError, OSError):
         return frozenset()
+
+
+# What every engine start prints although nothing is wrong (glog to fd 2, some at ERROR level): the
+# P2P handshake looks its own descriptor up before it publishes it, a TCP engine notes that it found no
+# RDMA device and that it uses plain malloc. Logged at DEBUG instead; every other line passes through.
+_STARTUP_NOISE: Final = (
+    "Logging before InitGoogleLogging() is written to STDERR",
+    "Local segment descriptor not found",
+    "Using default malloc/free for protocol: tcp",
+)
+_TCP_STARTUP_NOISE: Final = ("No RDMA devices found",)
+
+
+@contextlib.contextmanager
+def startup_noise_filtered(protocol: MooncakeProtocol) -> Iterator[None]:
+    """Route fd 2 through a pipe while the engine starts; then log its expected start-up lines at DEBUG
+    and write every other line to stderr unchanged (the engine's real errors stay visible).
+
+    The engine's own log level is ``MooncakeConfig.log_level`` (``MC_LOG_LEVEL``)."""
+    noise = _STARTUP_NOISE + (_TCP_STARTUP_NOISE if protocol is MooncakeProtocol.TCP else ())
+    sys.stderr.flush()
+    try:
+        saved = os.dup(2)
+        read_end, write_end = os.pipe()
+    except OSError:  # no fd 2 to redirect: nothing to filter
+        yield
+        return
+    captured: list[bytes] = []
+
+    def drain() -> None:
+        while chunk := os.read(read_end, 65536):
+            captured.append(chunk)
+
+    reader = threading.Thread(target=drain, name="pdkv-mooncake-startup-log", daemon=True)
+    reader.start()
+    os.dup2(write_end, 2)
+    os.close(write_end)
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)  # the pipe's last writer is gone: the reader sees the end
+        os.close(saved)
+        reader.join(5.0)
+        os.close(read_end)
+        for line in b"".join(captured).decode("utf-8", "replace").splitlines(keepends=True):
+            if any(marker in line for marker in noise):
+                log.debug("mooncake start-up: %s", line.rstrip())
+            else:
+                os.write(2, line.encode("utf-8", "replace"))
 
 
 _SYSTEM_LIBRARIES = ("libibverbs", "librdmacm", "libnuma")
@@ -325,9 +377,10 @@ class MooncakeBackend(WorkerThreadBackend[LaunchedPiece]):
         engine = make_engine()
         with _ENGINE_START:  # the ports that appear meanwhile are this engine's (rpc and TCP data)
             before = _listening_ports()
-            rc = engine.initialize(
-                cfg.local_hostname, cfg.metadata_server, cfg.protocol.value, cfg.device_name
-            )
+            with startup_noise_filtered(cfg.protocol):
+                rc = engine.initialize(
+                    cfg.local_hostname, cfg.metadata_server, cfg.protocol.value, cfg.device_name
+                )
             self._engine_ports = _listening_ports() - before
         if rc != 0:
             raise EngineInitError(
