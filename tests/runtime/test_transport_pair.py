@@ -20,7 +20,8 @@ MODEL = ModelSpec(layers=3, page_size=16, state_layers=(1,), draft_layers=1)
 def test_a_cp2_room_lands_byte_for_byte_without_opening_a_socket() -> None:
     before = sockets.listening_ports()
     with TransportPair(model=MODEL, cp=2) as pair:
-        assert sockets.listening_ports() == before  # no control socket, no engine port
+        # No control socket, no engine port: nothing new listens (an earlier test's socket may close).
+        assert sockets.listening_ports() <= before
         room = RoomId(7)
         logical = np.array([5, 0, 7, 2, 9], dtype=np.int64)
         dst = np.array([40, 41, 42, 100, 7], dtype=np.int64)
