@@ -166,6 +166,17 @@ class PrefillTransportStatistics:
     queue_depth: int
 
 
+@attrs.frozen
+class _Written:
+    """What one planned write of a chunk moved to one destination, and when."""
+
+    kv_pages: int
+    bytes: int
+    seconds: float
+    first_submit_at: float
+    last_completion_at: float
+
+
 class PrefillTransport(EndpointHost[PrefillEndpoint]):
     """One prefill rank: registers its buffers, announces itself, and serves its rooms."""
 
@@ -460,58 +471,19 @@ class PrefillTransport(EndpointHost[PrefillEndpoint]):
         pages = written = 0
         per_peer: dict[PeerKey, TransferMetricData] = {}  # each decode rank is told its own share
         for destination in submit.destinations:
-            try:
-                plan = plan_chunk(
-                    submit.room,
-                    submit.spec,
-                    destination,
-                    src_aux_row=submit.src_aux_row,
-                    src_layout=self.config.layout,
-                    cp_rank=self.config.rank.cp,
-                    policy=self.config.policy,
-                    writes_extras=self.config.rank.cp == 0,
-                )
-            except PdkvError as exc:
-                self._finish_failed(
-                    submit, f"mapping for {destination.peer.instance}:{destination.peer.rank}: {exc}"
-                )
-                return
-            for note in plan.notes:
-                log.warning("room %s chunk %s: %s", submit.room, submit.chunk, note)
             if self._partition_dump:
                 _dump_partition(
                     submit, destination, config=self.config, writes_extras=self.config.rank.cp == 0
                 )
-            submitted = self._clock()
-            result = self._executor.transfer(destination.peer.session, plan.blocks)
-            if not result.ok:
-                self.metrics.increment(TransportCounter.ENGINE_FAILURES)
-                self._finish_failed(
-                    submit,
-                    f"to {destination.peer.session}: {result.reason}",
-                    fence=(destination.peer.key, fence_of(destination.peer.session, plan.blocks)),
-                )
-                return
-            pages += plan.kv_pages
-            written += result.bytes_written
+            wrote = self._write(submit, destination, submit.spec, writes_extras=self.config.rank.cp == 0)
+            if wrote is None:
+                return  # the chunk failed (reported)
+            pages += wrote.kv_pages
+            written += wrote.bytes
             per_peer[destination.peer.key] = TransferMetricData(
-                pages=plan.kv_pages, bytes=result.bytes_written, seconds=result.seconds
+                pages=wrote.kv_pages, bytes=wrote.bytes, seconds=wrote.seconds
             )
-            landed = KVTransferMetric(
-                room=submit.room,
-                pages=plan.kv_pages,
-                bytes=result.bytes_written,
-                seconds=result.seconds,
-                first_submit_at=submitted,
-                last_completion_at=max(submitted, self._clock()),
-            )
-            with self._lock:
-                self._accounting.wrote(
-                    submit.room,
-                    peer_name(destination.peer.instance, destination.peer.rank),
-                    landed,
-                    room_finished=self._room_finished(submit.room),
-                )
+            self._landed(submit, destination, wrote)
         metric = TransferMetricData(pages=pages, bytes=written, seconds=max(0.0, self._clock() - started))
         with self._lock:
             self._apply(
@@ -521,10 +493,10 @@ class PrefillTransport(EndpointHost[PrefillEndpoint]):
     def _complete_per_layer(self, submit: SubmitChunk, layered: LayerTransferResult) -> None:
         """A chunk whose KV went layer by layer: its extras (last chunk), then chunk_done or chunk_failed."""
         destination = layered.destination
-        peer = f"{destination.peer.instance}:{destination.peer.rank}"
         if not layered.ok:
             if layered.engine_failure:
                 self.metrics.increment(TransportCounter.ENGINE_FAILURES)
+            peer = f"{destination.peer.instance}:{destination.peer.rank}"
             self._finish_failed(submit, f"per-layer transfer to {peer}: {layered.reason}")
             return
         written = layered.bytes_written
@@ -532,46 +504,78 @@ class PrefillTransport(EndpointHost[PrefillEndpoint]):
             # State and aux rows ride on the last chunk, after its KV (as on the monolithic path);
             # planned for no pages, plan_chunk yields exactly those blocks.
             extras_only = attrs.evolve(submit.spec, pages=np.zeros(0, dtype=np.int64))
-            try:
-                plan = plan_chunk(
-                    submit.room,
-                    extras_only,
-                    destination,
-                    src_aux_row=submit.src_aux_row,
-                    src_layout=self.config.layout,
-                    cp_rank=self.config.rank.cp,
-                    policy=self.config.policy,
-                    writes_extras=True,
-                )
-            except PdkvError as exc:
-                self._finish_failed(submit, f"mapping for {peer}: {exc}")
-                return
-            for note in plan.notes:
-                log.warning("room %s chunk %s: %s", submit.room, submit.chunk, note)
-            if len(plan.blocks):
-                result = self._executor.transfer(destination.peer.session, plan.blocks)
-                if not result.ok:
-                    self.metrics.increment(TransportCounter.ENGINE_FAILURES)
-                    self._finish_failed(
-                        submit,
-                        f"to {destination.peer.session}: {result.reason}",
-                        fence=(destination.peer.key, fence_of(destination.peer.session, plan.blocks)),
-                    )
-                    return
-                written += result.bytes_written
+            extras = self._write(submit, destination, extras_only, writes_extras=True)
+            if extras is None:
+                return  # the chunk failed (reported)
+            written += extras.bytes
         if self._partition_dump:
             _dump_partition(submit, destination, config=self.config, writes_extras=self.config.rank.cp == 0)
         now = self._clock()
-        landed = KVTransferMetric(
-            room=submit.room,
-            pages=layered.kv_pages,
+        wrote = _Written(
+            kv_pages=layered.kv_pages,
             bytes=written,
             seconds=max(0.0, now - layered.first_submit_at),
             first_submit_at=layered.first_submit_at,
             last_completion_at=max(layered.first_submit_at, now),
         )
-        metric = TransferMetricData(
-            pages=layered.kv_pages, bytes=written, seconds=max(0.0, now - layered.first_submit_at)
+        self._landed(submit, destination, wrote)
+        metric = TransferMetricData(pages=wrote.kv_pages, bytes=wrote.bytes, seconds=wrote.seconds)
+        with self._lock:
+            self._apply(
+                self._endpoint.chunk_done(
+                    submit.room, submit.chunk, metric, now, per_peer={destination.peer.key: metric}
+                )
+            )
+
+    def _write(
+        self, submit: SubmitChunk, destination: Destination, spec: ChunkSpec, *, writes_extras: bool
+    ) -> _Written | None:
+        """Plan ``spec`` of the chunk for ``destination`` and write it (both paths: the whole chunk, or
+        the per-layer chunk's extras). None when it failed: mapping refused it, or the engine failed a
+        write (then with the fence the AbortAck will wait for); the chunk is already reported failed."""
+        try:
+            plan = plan_chunk(
+                submit.room,
+                spec,
+                destination,
+                src_aux_row=submit.src_aux_row,
+                src_layout=self.config.layout,
+                cp_rank=self.config.rank.cp,
+                policy=self.config.policy,
+                writes_extras=writes_extras,
+            )
+        except PdkvError as exc:
+            self._finish_failed(
+                submit, f"mapping for {destination.peer.instance}:{destination.peer.rank}: {exc}"
+            )
+            return None
+        for note in plan.notes:
+            log.warning("room %s chunk %s: %s", submit.room, submit.chunk, note)
+        submitted = self._clock()
+        if not len(plan.blocks):
+            return _Written(plan.kv_pages, 0, 0.0, submitted, submitted)
+        result = self._executor.transfer(destination.peer.session, plan.blocks)
+        if not result.ok:
+            self.metrics.increment(TransportCounter.ENGINE_FAILURES)
+            self._finish_failed(
+                submit,
+                f"to {destination.peer.session}: {result.reason}",
+                fence=(destination.peer.key, fence_of(destination.peer.session, plan.blocks)),
+            )
+            return None
+        return _Written(
+            plan.kv_pages, result.bytes_written, result.seconds, submitted, max(submitted, self._clock())
+        )
+
+    def _landed(self, submit: SubmitChunk, destination: Destination, wrote: _Written) -> None:
+        """What reached ``destination`` for the chunk, into the room's per-peer accounting."""
+        landed = KVTransferMetric(
+            room=submit.room,
+            pages=wrote.kv_pages,
+            bytes=wrote.bytes,
+            seconds=wrote.seconds,
+            first_submit_at=wrote.first_submit_at,
+            last_completion_at=wrote.last_completion_at,
         )
         with self._lock:
             self._accounting.wrote(
@@ -579,11 +583,6 @@ class PrefillTransport(EndpointHost[PrefillEndpoint]):
                 peer_name(destination.peer.instance, destination.peer.rank),
                 landed,
                 room_finished=self._room_finished(submit.room),
-            )
-            self._apply(
-                self._endpoint.chunk_done(
-                    submit.room, submit.chunk, metric, now, per_peer={destination.peer.key: metric}
-                )
             )
 
     def _room_finished(self, room: RoomId) -> bool:
