@@ -88,3 +88,28 @@ def test_failures_are_typed_with_cause_reason_and_peer_and_metrics_are_public() 
         for metric in (sender.metric(), receiver.metric()):
             assert isinstance(metric, KVTransferMetric) and metric.room == room
             assert (metric.pages, metric.bytes) == (0, 0) and metric.seconds >= 0
+
+
+def test_close_keeps_memory_registered_while_a_write_may_still_land_and_frees_it_otherwise() -> None:
+    pair = TransportPair(model=MODEL)
+    try:
+        pair.start()
+        registered = pair.decode_backends[0].statistics().registrations
+        assert registered > 0
+        room = RoomId(13)
+        receiver = pair.decode.receiver(room, pair.prefill_instance)
+        receiver.init(np.array([1, 2]), None)
+        sender = pair.prefills[0].sender(room)
+        sender.init(2, None)
+        wait_for(lambda: sender.poll() is KVPoll.WaitingForInput)  # the prefill was told the pages
+        # The prefill rank vanishes without a word (its loop stops; its memory goes with the process).
+        pair.prefills[0]._loop.stop()
+        pair.decode.close(timeout_s=0.2)  # the room's AbortAck can never come
+        assert pair.decode.stuck_writes
+        assert pair.decode_backends[0].statistics().registrations == registered
+    finally:
+        pair.close()
+    # A clean close frees everything.
+    with TransportPair(model=MODEL) as clean:
+        backend = clean.decode_backends[0]
+    assert not clean.decode.stuck_writes and backend.statistics().registrations == 0

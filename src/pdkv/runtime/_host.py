@@ -17,9 +17,11 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Generic, Protocol, TypeVar
+from typing import Generic, Protocol, Self, TypeVar
 
+from pdkv.engine.backend import Registration, TransferBackend
 from pdkv.errors import TransportClosedError
+from pdkv.mapping import BufferLayout
 from pdkv.metrics import TransportMetrics
 from pdkv.protocol.effects import Effect, Failure, ForgetPeer, Notice, NoticeLevel
 from pdkv.protocol.ids import Epoch, RoomId
@@ -98,6 +100,10 @@ class EndpointHost(Generic[E]):
         self._accounting = Accounting(self.metrics)
         self._forget: list[str] = []  # endpoints whose sockets the control thread (their owner) drops
         self._closed = False
+        self._started = False
+        self._registrations: list[Registration] = []
+        self.stuck_writes = False
+        """True when ``close()`` gave up waiting for writes to end: memory was left registered (reported)."""
         self._loop = ControlLoop(
             channel, name=thread_name, on_message=self._on_message, on_tick=self._on_tick, clock=clock
         )
@@ -107,6 +113,76 @@ class EndpointHost(Generic[E]):
     def address(self) -> str:
         """This rank's control endpoint (``tcp://host:port``)."""
         return self._loop.channel.address
+
+    # ------------------------------------------------------------------ lifecycle (both sides)
+
+    def _start(
+        self,
+        backend: TransferBackend,
+        layout: BufferLayout | None,
+        *,
+        then: Callable[[], None] = lambda: None,
+        undo: Callable[[], None] = lambda: None,
+    ) -> None:
+        """``start()`` of either side: register ``layout``'s buffers (None: the caller did), start the
+        control thread, run ``then`` (the side's own threads, its announcement). Idempotent once it
+        succeeded; on any failure ``undo`` runs, the thread stops and the memory is unregistered, so a
+        failed start leaves nothing behind and may be retried."""
+        self._check_open("start()")
+        if self._started:
+            return
+        try:
+            if layout is not None:
+                for spec in layout.buffers:
+                    self._registrations.append(backend.register_range(spec.base_ptr, spec.length))
+            self._loop.start()
+            then()
+        except BaseException:
+            undo()
+            self._loop.stop(close_channel=False)
+            self._unregister()
+            raise
+        self._started = True
+
+    def _begin_close(self, reason: str) -> bool:
+        """``close()`` of either side, first step: False when it already ran; otherwise fails every
+        open room (its peers are told) and returns True."""
+        with self._lock:
+            if self._closed:
+                return False
+            self._closed = True
+        failed = self._fail_open_rooms(reason)
+        if failed:
+            self._log.info("%s: failed %d open room(s)", reason, failed)
+        return True
+
+    def _finish_close(self, stuck: str | None) -> None:
+        """``close()`` of either side, last step: stop the control thread and unregister the memory,
+        unless ``stuck`` says why a write may still land (then the memory stays, ERROR log)."""
+        self._loop.stop()
+        if stuck is not None:
+            self.stuck_writes = True
+            self._log.error("%s: memory stays registered so no late write lands in it", stuck)
+            return
+        self._unregister()
+
+    def _unregister(self) -> None:
+        for registration in self._registrations:
+            registration.close()
+        self._registrations.clear()
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+    def start(self) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
 
     # ------------------------------------------------------------------ any thread
 

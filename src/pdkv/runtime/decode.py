@@ -22,7 +22,7 @@ import attrs
 from pdkv.control.auth import Authenticator
 from pdkv.control.channel import ChannelStatistics
 from pdkv.control.errors import ControlError
-from pdkv.engine.backend import Registration, TransferBackend
+from pdkv.engine.backend import TransferBackend
 from pdkv.errors import ConfigError, LayoutMismatchError, PdkvError, RouteUnavailableError
 from pdkv.mapping import BufferLayout, Topology, decode_fanout, layout_kv_heads
 from pdkv.metrics import KVTransferMetric, TransportCounter, TransportGauge, TransportMetricsSnapshot
@@ -132,32 +132,14 @@ class DecodeTransport(EndpointHost[DecodeEndpoint]):
         super().__init__(endpoint, channel, thread_name=f"pdkv-decode-{config.rank}", logger=log, clock=clock)
         self._query_route = query if query is not None else _default_query()
         self._routes: dict[InstanceId, RouteTable] = {}
-        self._registrations: list[Registration] = []
         self._released = 0
         self._unsafe = 0
         self._seen: dict[TransportCounter, int] = {}  # endpoint counter totals already in metrics
-        self._started = False
-        self.stuck_writes = False
-        """True when ``close()`` gave up waiting for prefill ranks to stop writing (memory kept)."""
 
     def start(self) -> None:
         """Register buffers and start the control thread. Idempotent once it succeeded; a failed start
         (memory that cannot be registered) rolls back what it registered and may be retried."""
-        self._check_open("start()")
-        if self._started:
-            return
-        try:
-            if self.config.register_memory:
-                for spec in self.config.layout.buffers:
-                    self._registrations.append(self.backend.register_range(spec.base_ptr, spec.length))
-            self._loop.start()
-        except BaseException:
-            self._loop.stop(close_channel=False)
-            for registration in self._registrations:
-                registration.close()
-            self._registrations.clear()
-            raise
-        self._started = True
+        self._start(self.backend, self.config.layout if self.config.register_memory else None)
 
     def connect(self, registry: str, *, timeout_s: float = 60.0) -> InstanceId:
         """Fetch the route table of the prefill instance behind ``registry`` and register with its ranks.
@@ -239,11 +221,8 @@ class DecodeTransport(EndpointHost[DecodeEndpoint]):
         A room whose prefill ranks did not acknowledge in time may still receive writes: then the
         memory stays registered (``stuck_writes``, an ERROR log) instead of being released under them.
         """
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-        self._fail_open_rooms("decode transport closed")
+        if not self._begin_close("decode transport closed"):
+            return
         wait = self.config.timeouts.abort_ack if timeout_s is None else timeout_s
         deadline = self._clock() + wait
         unsafe: list[RoomId] = []
@@ -253,28 +232,13 @@ class DecodeTransport(EndpointHost[DecodeEndpoint]):
             if not unsafe or self._clock() >= deadline:
                 break
             time.sleep(0.005)
-        self._loop.stop()
+        stuck = None
         if unsafe:
-            self.stuck_writes = True
-            log.error(
-                "decode %s closed with %d room(s) whose prefill ranks did not acknowledge within %.1f s "
-                "(e.g. %s): memory stays registered so no late write lands in reused memory",
-                self.config.rank,
-                len(unsafe),
-                wait,
-                unsafe[:5],
+            stuck = (
+                f"decode {self.config.rank} closed with {len(unsafe)} room(s) whose prefill ranks did not "
+                f"acknowledge within {wait:g} s (e.g. {unsafe[:5]})"
             )
-            return
-        for registration in self._registrations:
-            registration.close()
-        self._registrations.clear()
-
-    def __enter__(self) -> DecodeTransport:
-        self.start()
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self.close()
+        self._finish_close(stuck)
 
     def receiver(self, room: RoomId | int, prefill: InstanceId) -> KVReceiver:
         """The scheduler's handle on ``room`` (an int in 1..2**63-1; checked here) from ``prefill``."""

@@ -38,7 +38,7 @@ from pdkv import config
 from pdkv.control.auth import Authenticator
 from pdkv.control.channel import ChannelStatistics
 from pdkv.control.errors import ControlError
-from pdkv.engine.backend import Registration, TransferBackend
+from pdkv.engine.backend import TransferBackend
 from pdkv.errors import (
     ConfigError,
     InvalidArgumentError,
@@ -201,7 +201,6 @@ class PrefillTransport(EndpointHost[PrefillEndpoint]):
         )
         self._executor = TransferExecutor(backend, config.executor)
         self._work: queue.Queue[SubmitChunk | SubmitFence | None] = queue.Queue(maxsize=config.queue_size)
-        self._registrations: list[Registration] = []
         self._announce = announce if announce is not None else _default_announce()
         self._workers: list[threading.Thread] = []  # started by start(), new ones on a retried start
         self.per_layer = PerLayerTransferManager(
@@ -220,9 +219,6 @@ class PrefillTransport(EndpointHost[PrefillEndpoint]):
         """Per-layer transfer (DESIGN section 7): ``register``, ``on_layer_end`` per layer, ``send()``."""
         self._worker_errors = 0
         self._partition_dump = os.environ.get(PARTITION_DUMP.name) == "1"
-        self._started = False
-        self.stuck_writes = False
-        """True when ``close()`` gave up waiting for transfers: memory was left registered (reported)."""
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -233,14 +229,8 @@ class PrefillTransport(EndpointHost[PrefillEndpoint]):
         that does not answer within ``announce_timeout_s``, a refused announcement) rolls back
         completely: threads stopped, memory unregistered; it raises and may be retried.
         """
-        self._check_open("start()")
-        if self._started:
-            return
-        try:
-            if self.config.register_memory:
-                for spec in self.config.layout.buffers:
-                    self._registrations.append(self.backend.register_range(spec.base_ptr, spec.length))
-            self._loop.start()
+
+        def workers_and_announcement() -> None:
             self._workers = [
                 threading.Thread(
                     target=self._work_loop, name=f"pdkv-transfer-{self.config.rank}-{i}", daemon=True
@@ -250,11 +240,10 @@ class PrefillTransport(EndpointHost[PrefillEndpoint]):
             for worker in self._workers:
                 worker.start()
             self._announce_now(announce_timeout_s)
-        except BaseException:
-            self._roll_back_start()
-            raise
-        self.per_layer.start()
-        self._started = True
+            self.per_layer.start()
+
+        layout = self.config.layout if self.config.register_memory else None
+        self._start(self.backend, layout, then=workers_and_announcement, undo=self._stop_workers)
 
     def _announce_now(self, timeout_s: float) -> None:
         layout = self.config.layout
@@ -283,16 +272,13 @@ class PrefillTransport(EndpointHost[PrefillEndpoint]):
                     ) from exc
                 time.sleep(min(0.1, max(0.0, deadline - self._clock())))
 
-    def _roll_back_start(self) -> None:
+    def _stop_workers(self) -> None:
+        """A failed start: the transfer workers it started stop (nothing was queued for them)."""
         for _ in self._workers:
             self._work.put(None)
         for worker in self._workers:
             worker.join(30)
         self._workers = []
-        self._loop.stop(close_channel=False)
-        for registration in self._registrations:
-            registration.close()
-        self._registrations.clear()
 
     def close(self, *, timeout_s: float = 30.0) -> None:
         """Fail the open rooms (their decode ranks are told), stop threads once in-flight writes
@@ -302,13 +288,8 @@ class PrefillTransport(EndpointHost[PrefillEndpoint]):
         after ``timeout_s`` (a stuck engine), it is reported (ERROR log, ``stuck_writes``) and the
         memory stays registered rather than raced.
         """
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-        failed = self._fail_open_rooms("prefill transport closed")
-        if failed:
-            log.info("prefill %s closing: failed %d open room(s)", self.config.rank, failed)
+        if not self._begin_close("prefill transport closed"):
+            return
         # Contexts waiting for layers that will never come release their workers, and every
         # per-layer write ends before memory is unregistered below.
         per_layer_stopped = self.per_layer.close(timeout_s)
@@ -318,28 +299,14 @@ class PrefillTransport(EndpointHost[PrefillEndpoint]):
         for worker in self._workers:
             worker.join(max(0.0, deadline - time.monotonic()))
         running = [w.name for w in self._workers if w.is_alive()]
-        self._loop.stop()
+        stuck = None
         if running or not per_layer_stopped:
-            self.stuck_writes = True
-            log.error(
-                "prefill %s closed with transfers still running after %.1f s (workers %s%s): memory "
-                "stays registered so no write lands in unregistered memory",
-                self.config.rank,
-                timeout_s,
-                running,
-                "" if per_layer_stopped else ", per-layer submission",
+            busy = ", ".join(running + ([] if per_layer_stopped else ["per-layer submission"]))
+            stuck = (
+                f"prefill {self.config.rank} closed with transfers still running after {timeout_s:g} s "
+                f"({busy})"
             )
-            return
-        for registration in self._registrations:
-            registration.close()
-        self._registrations.clear()
-
-    def __enter__(self) -> PrefillTransport:
-        self.start()
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self.close()
+        self._finish_close(stuck)
 
     # ------------------------------------------------------------------ scheduler surface
 
