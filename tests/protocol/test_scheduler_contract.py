@@ -76,8 +76,9 @@ def _submits(effects: object) -> list[SubmitChunk]:
 def test_a_gap_between_chunks_is_refused_at_the_call_and_changes_nothing() -> None:
     p = _transferring()
     first = _submits(p.queue_chunk(ROOM, _chunk(0, 3, last=False), 0.1))
-    with pytest.raises(MappingError, match=r"room 42: chunk_pages leaves positions 3\.\.3 unwritten"):
+    with pytest.raises(MappingError, match=r"room 42: chunk_pages leaves positions 3\.\.3 unwritten") as gap:
         p.queue_chunk(ROOM, _chunk(4, 4, last=True), 0.2)
+    assert gap.value.room == ROOM and gap.value.peer is None  # the error names its room
     assert len(p.chunk_states(ROOM)) == 1  # nothing queued by the refused call
     rest = _submits(p.queue_chunk(ROOM, _chunk(3, 5, last=True), 0.3))  # the right chunk still goes
     _finish_all(p, first + rest)

@@ -327,8 +327,9 @@ def test_a_fatal_registry_refusal_is_raised_at_once_not_retried_until_the_timeou
     with Registry("p", tp_size=2) as registry:  # the instance is TP 2; this rank says TP 1
         transport, backend = _prefill_alone(registry.address)
         try:
-            with pytest.raises(RegistryError, match="tp_size"):
+            with pytest.raises(RegistryError, match="tp_size") as refused:
                 transport.start(announce_timeout_s=60)  # a refusal is not silence: no retry
+            assert refused.value.peer == registry.address  # the error names who refused
             assert backend.statistics().registrations == 0  # rolled back
         finally:
             transport.close()

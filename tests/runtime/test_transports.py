@@ -15,7 +15,7 @@ from pdkv.engine.loopback import LoopbackFaults
 from pdkv.errors import InvalidArgumentError, LayoutMismatchError
 from pdkv.metrics import PrometheusExporter
 from pdkv.protocol.ids import InstanceId, RoomId
-from pdkv.protocol.messages import StateIndices
+from pdkv.protocol.messages import RankCoord, StateIndices
 from pdkv.protocol.poll import KVPoll
 from pdkv.runtime.prefill import KVSender
 from pdkv.testing.synthetic import ModelSpec, verify_room
@@ -100,8 +100,9 @@ def test_layout_mismatch_is_raised_by_connect_with_the_difference(rig_factory: C
         LayoutMismatchError, match=r"target kv layer ids differ: \[0, 1, 2\] vs \[0, 1, 2, 3\]"
     ):
         s.decode.connect(s.registry.address, timeout_s=20)
-    with pytest.raises(LayoutMismatchError, match="refused decode"):
+    with pytest.raises(LayoutMismatchError, match="refused decode") as refused:
         s.decode.wait_registered(s.prefill_instance, timeout_s=1.0)
+    assert refused.value.peer == f"{s.prefill_instance}:{RankCoord(tp=0, cp=0)}"  # the rank that refused
     # A room asked of that instance anyway fails with the same reason.
     receiver = s.decode.receiver(RoomId(5), s.prefill_instance)
     receiver.init(np.arange(2), None)

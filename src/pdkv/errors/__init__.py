@@ -26,7 +26,18 @@ from __future__ import annotations
 
 
 class PdkvError(Exception):
-    """Base of every error pdkv raises on purpose."""
+    """Base of every error pdkv raises on purpose.
+
+    ``room`` and ``peer`` name the room and the other side (a rank ``instance:tpN/cpM`` or an address)
+    the error concerns, where there is one; None otherwise. The message says the same in words."""
+
+    room: int | None
+    peer: str | None
+
+    def __init__(self, *args: object, room: int | None = None, peer: str | None = None) -> None:
+        super().__init__(*args)
+        self.room = room
+        self.peer = peer
 
 
 class ProtocolError(PdkvError):
@@ -55,8 +66,7 @@ class InvalidArgumentError(PdkvError, ValueError, TypeError):
     """
 
     def __init__(self, message: str, *, room: int | None = None, argument: str = "", value: object = None):
-        super().__init__(message)
-        self.room = room
+        super().__init__(message, room=room)
         self.argument = argument
         self.value = value
 
@@ -105,5 +115,4 @@ class TraceLogError(PdkvError):
     """``pdkv trace``: a log file is missing, or the logs hold no record of the room asked for."""
 
     def __init__(self, message: str, *, room: int | None = None) -> None:
-        super().__init__(message)
-        self.room = room
+        super().__init__(message, room=room)

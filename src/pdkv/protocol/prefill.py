@@ -704,7 +704,7 @@ class PrefillEndpoint:
         try:
             start = chunk_page_start(spec.start_token, self.layout.page_size)
         except MappingError as exc:
-            raise MappingError(f"room {room}: start_token: {exc}") from None
+            raise MappingError(f"room {room}: start_token: {exc}", room=room) from None
         end = start + int(spec.pages.size)
         where = (
             f"chunk start_token {spec.start_token} = page {start}, {spec.pages.size} pages -> "
@@ -714,7 +714,8 @@ class PrefillEndpoint:
         if start < prefix:
             raise MappingError(
                 f"room {room}: chunk_pages start at position {start}, but the decode already holds "
-                f"positions 0..{prefix - 1} (its prefix cache): start at position {prefix}; {where}"
+                f"positions 0..{prefix - 1} (its prefix cache): start at position {prefix}; {where}",
+                room=room,
             )
         if r.next_position is not None and start != r.next_position:
             gap = start - r.next_position
@@ -725,21 +726,26 @@ class PrefillEndpoint:
             )
             raise MappingError(
                 f"room {room}: chunk_pages {what} (the previous chunk ended at position "
-                f"{r.next_position}); {where}"
+                f"{r.next_position}); {where}",
+                room=room,
             )
         if end > num_pages:
-            raise MappingError(f"room {room}: chunk_pages run past the request's last page; {where}")
+            raise MappingError(
+                f"room {room}: chunk_pages run past the request's last page; {where}", room=room
+            )
         if spec.last and end != num_pages:
             raise MappingError(
                 f"room {room}: the last chunk ends at position {end}, short of num_pages {num_pages}: "
-                f"positions {end}..{num_pages - 1} would never be written; {where}"
+                f"positions {end}..{num_pages - 1} would never be written; {where}",
+                room=room,
             )
         if spec.pages.size > 1:
             repeated = arguments.repeated_ids(spec.pages)
             if repeated.size:
                 raise MappingError(
                     f"room {room}: chunk_pages repeat page ids {repeated[:6].tolist()}: two positions "
-                    f"would read one page; {summarize(spec.pages, 'chunk_pages')}"
+                    f"would read one page; {summarize(spec.pages, 'chunk_pages')}",
+                    room=room,
                 )
         if r.src_pages and spec.pages.size:
             earlier = np.concatenate(r.src_pages)
@@ -747,7 +753,8 @@ class PrefillEndpoint:
             if repeated.size:
                 raise MappingError(
                     f"room {room}: chunk_pages repeat page ids {repeated[:6].tolist()} of an earlier "
-                    f"chunk; {summarize(spec.pages, 'chunk_pages')}; {summarize(earlier, 'earlier pages')}"
+                    f"chunk; {summarize(spec.pages, 'chunk_pages')}; {summarize(earlier, 'earlier pages')}",
+                    room=room,
                 )
         return start
 
@@ -889,17 +896,20 @@ class PrefillEndpoint:
         try:
             start = chunk_page_start(start_token, self.layout.page_size)
         except MappingError as exc:
-            raise MappingError(f"room {room}: start_token: {exc}") from None
+            raise MappingError(f"room {room}: start_token: {exc}", room=room) from None
         end = start + int(pages.size)
         prefix = self.decode_prefix(room) or 0
         where = f"per-layer chunk at positions {start}..{end - 1} of a {r.num_pages or 0}-page room"
         if start < prefix:
-            raise MappingError(f"room {room}: {where} starts inside the decode's prefix (0..{prefix - 1})")
+            raise MappingError(
+                f"room {room}: {where} starts inside the decode's prefix (0..{prefix - 1})", room=room
+            )
         if end > (r.num_pages or 0):
-            raise MappingError(f"room {room}: {where} runs past the request's last page")
+            raise MappingError(f"room {room}: {where} runs past the request's last page", room=room)
         if r.next_position is not None and start < r.next_position:
             raise MappingError(
-                f"room {room}: {where} overlaps chunks already queued (up to {r.next_position - 1})"
+                f"room {room}: {where} overlaps chunks already queued (up to {r.next_position - 1})",
+                room=room,
             )
         return dests[0]
 

@@ -53,9 +53,11 @@ def announce_to_registry(
     """Announce a prefill rank; ``auth`` signs the request (None: unsigned, no ``PDKV_AUTH_KEY``)."""
     reply = request(address, message, codec=CODEC, timeout_s=timeout_s, auth=auth)
     if isinstance(reply, RegisterReject):
-        raise RegistryError(f"registry {address} refused {message.origin}: {reply.reason}")
+        raise RegistryError(f"registry {address} refused {message.origin}: {reply.reason}", peer=address)
     if not isinstance(reply, RouteTable):
-        raise RegistryError(f"registry {address} answered an announcement with {type(reply).__name__}")
+        raise RegistryError(
+            f"registry {address} answered an announcement with {type(reply).__name__}", peer=address
+        )
     return reply
 
 
@@ -68,9 +70,9 @@ def query_registry(
     if isinstance(reply, RegisterReject):
         if reply.retry:
             return None
-        raise RegistryError(f"registry {address} refused the query: {reply.reason}")
+        raise RegistryError(f"registry {address} refused the query: {reply.reason}", peer=address)
     if not isinstance(reply, RouteTable):
-        raise RegistryError(f"registry {address} answered a query with {type(reply).__name__}")
+        raise RegistryError(f"registry {address} answered a query with {type(reply).__name__}", peer=address)
     return reply
 
 

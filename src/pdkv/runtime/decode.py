@@ -160,7 +160,7 @@ class DecodeTransport(EndpointHost[DecodeEndpoint]):
             remaining = deadline - self._clock()
             if remaining <= 0:
                 raise RouteUnavailableError(
-                    f"no complete route table from {registry} within {timeout_s:g} s: {cause}"
+                    f"no complete route table from {registry} within {timeout_s:g} s: {cause}", peer=registry
                 )
             try:
                 table = self._query_route(registry, query, max(0.05, min(remaining, 5.0)))
@@ -173,7 +173,8 @@ class DecodeTransport(EndpointHost[DecodeEndpoint]):
             time.sleep(min(0.05, max(0.0, deadline - self._clock())))
         if table.page_size != self.config.layout.page_size:
             raise LayoutMismatchError(
-                f"page size differs: prefill {table.page_size}, decode {self.config.layout.page_size}"
+                f"page size differs: prefill {table.page_size}, decode {self.config.layout.page_size}",
+                peer=registry,
             )
         instance = table.origin.instance
         with self._lock:
@@ -205,7 +206,8 @@ class DecodeTransport(EndpointHost[DecodeEndpoint]):
             if refused:
                 target, reason = refused[0]
                 raise LayoutMismatchError(
-                    f"prefill rank {instance}:{target.rank} refused decode {self.config.rank}: {reason}"
+                    f"prefill rank {instance}:{target.rank} refused decode {self.config.rank}: {reason}",
+                    peer=peer_name(instance, target.rank),
                 )
             if ready:
                 return True
