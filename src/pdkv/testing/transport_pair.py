@@ -25,6 +25,7 @@ from collections import deque
 from collections.abc import Callable
 from types import TracebackType
 
+from pdkv.control.bootstrap import RegistryService
 from pdkv.control.channel import ChannelStatistics
 from pdkv.engine.loopback import LoopbackBackend, LoopbackConfig, LoopbackFabric
 from pdkv.errors import RegistryError, RemoteProtocolError
@@ -43,6 +44,8 @@ from pdkv.protocol.messages import (
 )
 from pdkv.protocol.registry import RouteBook
 from pdkv.runtime._host import new_epoch
+from pdkv.runtime._loop import MessageChannel
+from pdkv.runtime.channels import start_registry
 from pdkv.runtime.decode import DecodeConfig, DecodeTransport
 from pdkv.runtime.executor import ExecutorConfig
 from pdkv.runtime.per_layer import PerLayerConfig
@@ -196,6 +199,10 @@ class MemoryRegistry:
 class TransportPair:
     """Prefill CP ranks and decode TP ranks of one model, wired in memory; ``start()`` registers them.
 
+    ``sockets=True`` wires them instead through real control sockets (zmq on 127.0.0.1, free ports) and
+    a real bootstrap registry thread, for tests of the socket layer itself (the bytes still go through
+    the loopback engine). ``decode_model`` gives the decode ranks another model (a layout mismatch).
+
     ``prefill_memory`` / ``decode_memory`` hold each rank's tensors (``RankMemory``: the prefill side is
     filled with a recognisable pattern, ``pdkv.testing.synthetic.verify_room`` checks a room's bytes).
     Closing (or leaving the ``with`` block) closes decode ranks first, then prefill ranks, then engines.
@@ -213,15 +220,30 @@ class TransportPair:
         executor: ExecutorConfig | None = None,
         per_layer: PerLayerConfig | None = None,
         loopback: LoopbackConfig | None = None,
+        decode_model: ModelSpec | None = None,
+        prefill_instance: str = "prefill-0",
+        decode_instance: str = "decode-0",
+        sockets: bool = False,
+        fabric: str = "pair",
     ) -> None:
         self.model = model if model is not None else ModelSpec(layers=3, page_size=16)
-        self.prefill_instance = InstanceId("prefill-0")
-        self.decode_instance = InstanceId("decode-0")
+        self.prefill_instance = InstanceId(prefill_instance)
+        self.decode_instance = InstanceId(decode_instance)
         self.hub = MemoryHub()
-        self.fabric = LoopbackFabric("pair")
-        self.registry = MemoryRegistry(self.prefill_instance, tp_size=1, cp_size=cp)
+        self.fabric = LoopbackFabric(fabric)
         self.policy = PageInterleaved(cp_size=cp)
-        factory: Callable[[str], MemoryChannel] = self.hub.channel
+        self._registry_service: RegistryService[Message] | None = None
+        factory: Callable[[str], MessageChannel] | None
+        announce: Callable[[str, RankAnnounce, float], object] | None
+        query: Callable[[str, RouteQuery, float], RouteTable | None] | None
+        if sockets:
+            self._registry_service = start_registry(instance=self.prefill_instance, tp_size=1, cp_size=cp)
+            self.registry_address = self._registry_service.address
+            factory = announce = query = None  # the transports' defaults: zmq and the registry protocol
+        else:
+            registry = MemoryRegistry(self.prefill_instance, tp_size=1, cp_size=cp)
+            self.registry_address = registry.address
+            factory, announce, query = self.hub.channel, registry.announce, registry.query
         self.prefill_memory: list[RankMemory] = []
         self.prefill_backends: list[LoopbackBackend] = []
         self.prefills: list[PrefillTransport] = []
@@ -237,7 +259,7 @@ class TransportPair:
                 tp_size=1,
                 cp_size=cp,
                 layout=memory.layout,
-                registry=self.registry.address,
+                registry=self.registry_address,
                 timeouts=timeouts,
                 executor=executor or ExecutorConfig(),
                 per_layer=per_layer or PerLayerConfig(),
@@ -245,14 +267,15 @@ class TransportPair:
             self.prefill_memory.append(memory)
             self.prefill_backends.append(backend)
             self.prefills.append(
-                PrefillTransport(config, backend, channel_factory=factory, announce=self.registry.announce)
+                PrefillTransport(config, backend, channel_factory=factory, announce=announce)
             )
         self.decode_memory: list[RankMemory] = []
         self.decode_backends: list[LoopbackBackend] = []
         self.decodes: list[DecodeTransport] = []
         for tp in range(decode_tp):
             memory = RankMemory(
-                self.model, decode_capacity or Capacity(kv_pages=256, state_slots=8, aux_rows=8)
+                decode_model or self.model,
+                decode_capacity or Capacity(kv_pages=256, state_slots=8, aux_rows=8),
             )
             backend = LoopbackBackend(fabric=self.fabric)
             config_d = DecodeConfig(
@@ -264,23 +287,24 @@ class TransportPair:
             )
             self.decode_memory.append(memory)
             self.decode_backends.append(backend)
-            self.decodes.append(
-                DecodeTransport(config_d, backend, channel_factory=factory, query=self.registry.query)
-            )
+            self.decodes.append(DecodeTransport(config_d, backend, channel_factory=factory, query=query))
 
     @property
     def decode(self) -> DecodeTransport:
         """The first decode rank (the only one unless ``decode_tp`` > 1)."""
         return self.decodes[0]
 
-    def start(self, *, timeout_s: float = 20.0) -> InstanceId:
-        """Start every transport, connect the decode ranks and wait until the prefill ranks
-        acknowledged their registration; returns the prefill instance to name in ``receiver()``."""
+    def start(self, *, timeout_s: float = 20.0, wait_registered: bool = True) -> InstanceId:
+        """Start every transport, connect the decode ranks and (``wait_registered``) wait until the
+        prefill ranks acknowledged their registration; returns the prefill instance to name in
+        ``receiver()``."""
         for p in self.prefills:
             p.start()
         for d in self.decodes:
             d.start()
-            d.connect(self.registry.address, timeout_s=timeout_s)
+            d.connect(self.registry_address, timeout_s=timeout_s)
+        if not wait_registered:
+            return self.prefill_instance
         for d in self.decodes:
             if not d.wait_registered(self.prefill_instance, timeout_s=timeout_s):
                 raise RegistryError(
@@ -295,6 +319,8 @@ class TransportPair:
             p.close()
         for b in [*self.prefill_backends, *self.decode_backends]:
             b.close()
+        if self._registry_service is not None:
+            self._registry_service.stop()
 
     def __enter__(self) -> TransportPair:
         self.start()
