@@ -46,14 +46,16 @@ from pdkv import config
 from pdkv.control.errors import AuthenticationError
 from pdkv.errors import ConfigError
 
-ENV_KEY: Final = config.declare(
-    "PDKV_AUTH_KEY", "Shared secret (>= 16 bytes): HMAC on every control message; unset: none"
-).name
-ENV_WINDOW: Final = config.declare(
-    "PDKV_AUTH_WINDOW_S",
-    "Accepted age of a signed message (replay window), seconds",
-    unit="a number of seconds",
-).name
+_KEY_VAR: Final = config.text_var(
+    "PDKV_AUTH_KEY",
+    "Shared secret (>= 16 bytes): HMAC on every control message; unset: none",
+    parse=lambda text: text.encode("utf-8", "surrogateescape"),
+)
+_WINDOW_VAR: Final = config.seconds_var(
+    "PDKV_AUTH_WINDOW_S", "Accepted age of a signed message (replay window), seconds"
+)
+ENV_KEY: Final = "PDKV_AUTH_KEY"
+ENV_WINDOW: Final = "PDKV_AUTH_WINDOW_S"
 DEFAULT_WINDOW_S: Final = 30.0
 MIN_KEY_BYTES: Final = 16  # a shorter shared secret is guessable; refuse it rather than pretend
 TAG_BYTES: Final = 40
@@ -129,8 +131,8 @@ class ReplayGuard:
 class Authenticator:
     """Signs outbound frame lists and verifies inbound ones with a shared key (never shown in repr)."""
 
-    key: bytes = attrs.field(repr=False, validator=_check_key)
-    window_s: float = attrs.field(default=DEFAULT_WINDOW_S, validator=_check_window)
+    key: bytes = attrs.field(repr=False, validator=_check_key, metadata=_KEY_VAR)
+    window_s: float = attrs.field(default=DEFAULT_WINDOW_S, validator=_check_window, metadata=_WINDOW_VAR)
     _stamps: _Stamps = attrs.field(factory=_Stamps, repr=False, eq=False, init=False)
 
     def replay_guard(self) -> ReplayGuard:
@@ -150,14 +152,7 @@ class Authenticator:
             return None
         if not raw_key:
             raise ConfigError(f"{ENV_KEY} is set but empty; unset it to run without authentication")
-        raw_window = source.get(ENV_WINDOW)
-        if raw_window is None:
-            return cls(key=raw_key.encode("utf-8", "surrogateescape"))
-        try:
-            window = float(raw_window)
-        except ValueError:
-            raise ConfigError(f"{ENV_WINDOW}={raw_window!r} is not a number of seconds") from None
-        return cls(key=raw_key.encode("utf-8", "surrogateescape"), window_s=window)
+        return config.from_env(cls, source)
 
     def sign(self, frames: Sequence[bytes], now_ms: int) -> list[bytes]:
         """``frames`` with the tag frame appended (signed at ``now_ms``, or just after the last
