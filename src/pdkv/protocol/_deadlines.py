@@ -48,3 +48,45 @@ class DeadlineQueue(Generic[K]):
 
     def __len__(self) -> int:
         return len(self._heap)
+
+
+V = TypeVar("V")
+
+
+class Tombstones(Generic[K, V]):
+    """Keys refused until they expire, each with what to say about it: a dict plus its expiry queue.
+
+    Both endpoints keep cleared room ids this way (a late message for an id must never reach a room
+    that reuses it). ``put`` replaces an entry and its expiry; ``expire(now)`` drops the due ones."""
+
+    def __init__(self) -> None:
+        self._values: dict[K, tuple[float, V]] = {}
+        self._expiry: DeadlineQueue[K] = DeadlineQueue()
+
+    def put(self, key: K, value: V, expiry: float) -> None:
+        self._values[key] = (expiry, value)
+        self._expiry.push(key, expiry)
+
+    def get(self, key: K) -> V | None:
+        entry = self._values.get(key)
+        return None if entry is None else entry[1]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._values
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def next_expiry(self) -> float | None:
+        return self._expiry.next_deadline(self._expiry_of)
+
+    def expire(self, now: float) -> list[K]:
+        """Drop the entries due at ``now``; returns their keys."""
+        due = self._expiry.pop_due(now, self._expiry_of)
+        for key in due:
+            del self._values[key]
+        return due
+
+    def _expiry_of(self, key: K) -> float | None:
+        entry = self._values.get(key)
+        return None if entry is None else entry[0]

@@ -41,7 +41,7 @@ import attrs
 from pdkv.errors import InvalidArgumentError, LocalProtocolError
 from pdkv.mapping.layout import BufferLayout
 from pdkv.protocol import arguments
-from pdkv.protocol._deadlines import DeadlineQueue
+from pdkv.protocol._deadlines import DeadlineQueue, Tombstones
 from pdkv.protocol.config import Timeouts
 from pdkv.protocol.effects import (
     CutConnections,
@@ -242,8 +242,7 @@ class DecodeEndpoint:
         self._quarantined: dict[RoomId, int] = {}  # room -> destination pages held
         # Cleared room ids, refused until they expire: a late status of the room that had the id
         # must never complete a new room that reuses it.
-        self._tombstones: dict[RoomId, float] = {}
-        self._tombstone_expiry: DeadlineQueue[RoomId] = DeadlineQueue()
+        self._tombstones: Tombstones[RoomId, None] = Tombstones()
         self._heartbeat_due: float | None = None  # None while no prefill rank is READY
         self._heartbeat_seq = 0
         self._counters = _Counters()
@@ -607,9 +606,7 @@ class DecodeEndpoint:
                 f"room {room} closed before its pages were safe to reuse ({r.state.name})"
             )
         del self._rooms[room]
-        expiry = now + self.timeouts.tombstone
-        self._tombstones[room] = expiry
-        self._tombstone_expiry.push(room, expiry)
+        self._tombstones.put(room, None, now + self.timeouts.tombstone)
 
     def poll(self, room: RoomId) -> KVPoll:
         """The room's state; a room not opened yet (``receiver.init`` not called) is Bootstrapping."""
@@ -664,7 +661,7 @@ class DecodeEndpoint:
     def next_deadline(self) -> float | None:
         room_deadline = self._deadlines.next_deadline(self._room_deadline)
         resend = self._resends.next_deadline(self._resend_deadline)
-        tombstone = self._tombstone_expiry.next_deadline(self._tombstones.get)
+        tombstone = self._tombstones.next_expiry()
         register = min(
             (p.register_due for p in self._peers.values() if p.state is PeerState.REGISTERING),
             default=None,
@@ -683,8 +680,7 @@ class DecodeEndpoint:
         for peer in self._peers.values():
             if peer.state is PeerState.REGISTERING and peer.register_due <= now:
                 effects += self._send_register(peer, now)
-        for room in self._tombstone_expiry.pop_due(now, self._tombstones.get):
-            del self._tombstones[room]
+        self._tombstones.expire(now)
         for room in self._resends.pop_due(now, self._resend_deadline):
             effects += self._resend_abort(self._rooms[room], now)
         for room in self._deadlines.pop_due(now, self._room_deadline):

@@ -50,7 +50,7 @@ from pdkv.mapping import chunk_page_start
 from pdkv.mapping._arrays import summarize
 from pdkv.mapping.layout import BufferLayout
 from pdkv.protocol import arguments
-from pdkv.protocol._deadlines import DeadlineQueue
+from pdkv.protocol._deadlines import DeadlineQueue, Tombstones
 from pdkv.protocol.config import Timeouts
 from pdkv.protocol.effects import (
     ChunkSpec,
@@ -165,9 +165,8 @@ class _Counters:
 
 @attrs.frozen
 class _Tombstone:
-    """A room id that must not come back before ``expiry``: why, for whoever asks about it."""
+    """Why a room id is refused (until its entry in ``Tombstones`` expires), for whoever asks about it."""
 
-    expiry: float
     reason: str
     cause: FailureCause
 
@@ -252,11 +251,10 @@ class PrefillEndpoint:
         self._lifecycle: dict[PeerKey, PeerMachine] = {}
         self._newest_epoch: dict[PeerKey, Epoch] = {}  # the latest epoch each decode rank registered with
         self._rooms: dict[RoomId, _SenderRoom] = {}
-        self._tombstones: dict[RoomId, _Tombstone] = {}
+        self._tombstones: Tombstones[RoomId, _Tombstone] = Tombstones()
         self._fences: dict[tuple[RoomId, PeerKey], _Fence] = {}  # owed before an AbortAck
         self._unopened_failed: list[RoomId] = []  # freed at the end of the input that failed them
         self._deadlines: DeadlineQueue[RoomId] = DeadlineQueue()
-        self._tombstone_expiry: DeadlineQueue[RoomId] = DeadlineQueue()
         self._status_resends: DeadlineQueue[RoomId] = DeadlineQueue()
         self._counters = _Counters()
 
@@ -1095,7 +1093,7 @@ class PrefillEndpoint:
             d
             for d in (
                 self._deadlines.next_deadline(self._room_deadline),
-                self._tombstone_expiry.next_deadline(self._tombstone_deadline),
+                self._tombstones.next_expiry(),
                 self._status_resends.next_deadline(self._status_resend_deadline),
                 self._heartbeat_due,
             )
@@ -1122,8 +1120,7 @@ class PrefillEndpoint:
                 FailureCause.TIMEOUT,
                 now=now,
             )
-        for room in self._tombstone_expiry.pop_due(now, self._tombstone_deadline):
-            del self._tombstones[room]
+        for room in self._tombstones.expire(now):
             if self._fences:  # a fence never asked for by then: the decode released without us
                 for key in [k for k in self._fences if k[0] == room]:
                     del self._fences[key]
@@ -1321,16 +1318,10 @@ class PrefillEndpoint:
         self, room: RoomId, now: float, reason: str, cause: FailureCause, *, keep_reason: bool = False
     ) -> None:
         """Refuse ``room`` until ``tombstone`` seconds from now (``keep_reason``: an earlier reason stays)."""
-        expiry = now + self.timeouts.tombstone
         known = self._tombstones.get(room)
         if keep_reason and known is not None:
             reason, cause = known.reason, known.cause
-        self._tombstones[room] = _Tombstone(expiry=expiry, reason=reason, cause=cause)
-        self._tombstone_expiry.push(room, expiry)
-
-    def _tombstone_deadline(self, room: RoomId) -> float | None:
-        tomb = self._tombstones.get(room)
-        return None if tomb is None else tomb.expiry
+        self._tombstones.put(room, _Tombstone(reason=reason, cause=cause), now + self.timeouts.tombstone)
 
     def _free_unopened(self, now: float) -> None:
         """Rooms a decode rank asked for, failed before this rank's scheduler opened them: nothing
