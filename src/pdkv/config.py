@@ -51,41 +51,19 @@ def declare(name: str, meaning: str, parse: Callable[[str], object] = str, unit:
     return var
 
 
-def _seconds(text: str) -> float:
-    return float(text)
-
-
-def _whole(text: str) -> int:
-    return int(text)
-
-
-def _flag(text: str) -> bool:
-    lowered = text.strip().lower()
-    if lowered in ("1", "true", "yes", "on"):
-        return True
-    if lowered in ("0", "false", "no", "off", ""):
-        return False
-    raise ValueError(text)
-
-
 def seconds_var(name: str, meaning: str) -> dict[str, EnvVar]:
     """Field metadata: ``name`` overrides this field, read as a number of seconds."""
-    return {_ENV_KEY: declare(name, meaning, _seconds, "a number of seconds")}
+    return {_ENV_KEY: declare(name, meaning, float, "a number of seconds")}
 
 
 def int_var(name: str, meaning: str) -> dict[str, EnvVar]:
     """Field metadata: ``name`` overrides this field, read as a whole number."""
-    return {_ENV_KEY: declare(name, meaning, _whole, "a whole number")}
+    return {_ENV_KEY: declare(name, meaning, int, "a whole number")}
 
 
 def text_var(name: str, meaning: str, parse: Callable[[str], object] = str) -> dict[str, EnvVar]:
     """Field metadata: ``name`` overrides this field, read as text (``parse`` converts it)."""
     return {_ENV_KEY: declare(name, meaning, parse)}
-
-
-def flag(text: str) -> bool:
-    """``1/true/yes/on`` or ``0/false/no/off/""`` (any case), else ``ValueError``."""
-    return _flag(text)
 
 
 def env_var_of(field: attrs.Attribute[Any]) -> EnvVar | None:
@@ -149,7 +127,6 @@ __all__ = [
     "declare",
     "env_var_of",
     "env_vars",
-    "flag",
     "from_env",
     "int_var",
     "positive_int",

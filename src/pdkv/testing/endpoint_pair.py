@@ -292,11 +292,12 @@ class EndpointPair:
             )
             for cp in range(cp_size)
         ]
+        self._decode_session = SessionId("decode-0:0")
         self.decode = DecodeEndpoint(
             origin=Origin(instance=self.decode_instance, epoch=Epoch(1), rank=RankCoord(tp=0)),
             tp_size=1,
             endpoint=Endpoint("inproc://decode-0"),
-            session=SessionId("decode-0:0"),
+            session=self._decode_session,
             layout=self.layout,
             timeouts=self.timeouts,
         )
@@ -306,7 +307,7 @@ class EndpointPair:
         self._writes: list[_Write] = []
         self._layer_writes: list[_LayerWrite] = []
         self.late_write_s = late_write_s
-        self._decode_key: PeerKey = (self.decode_instance, RankCoord(tp=0))
+        self._decode_key: PeerKey = (self.decode_instance, self.decode.origin.rank)
         self._residues: list[_Residue] = []
         self._fences: list[_FenceInFlight] = []
         self.fences_completed = 0
@@ -427,7 +428,7 @@ class EndpointPair:
                 self._residues.append(
                     _Residue(room=w.room, prefill=w.prefill, lands_at=now + self.late_write_s)
                 )
-                fence = FenceWrite(session=SessionId("decode-0:0"), src=0, dst=0, length=1)
+                fence = FenceWrite(session=self._decode_session, src=0, dst=0, length=1)
                 self._apply(
                     f"prefill{w.prefill}",
                     p.chunk_failed(
