@@ -1,8 +1,11 @@
 """Per-layer transfer: layer L's KV moves while layers L+1.. still compute (DESIGN section 7).
 
 Owns: ``PerLayerTransferManager`` (one per prefill transport, ``transport.per_layer``), its
-configuration, results and statistics, and the per-(room, chunk) contexts, each driven by the
-``PerLayer`` machine (``pdkv.protocol.machines.per_layer``). Must not touch room state: the
+configuration, results and statistics, the submission lanes, and each context's engine job and
+blocks. Every rule on the per-(room, chunk) contexts (dedup, the FIFO of a room's chunks, when a
+context may write, finish with its deadline, cancel, the end of its writes) is the sans-IO
+``pdkv.protocol.layers.LayerBook``'s, which the manager holds under its lock, feeds every input
+and outcome, and obeys; the manager decides nothing about a context itself. Must not touch room state: the
 transport reports a finished context to its endpoint (``chunk_done`` / ``chunk_failed``) as for any
 chunk; the manager only moves KV bytes and says what landed. Must not map pages itself either: a
 context's blocks are ``plan_chunk``'s blocks for the same chunk and destination, split by layer, so
@@ -45,7 +48,7 @@ submitted has ended it reports ``writes_ended(room, start_token)``. So the endpo
 per-layer context in flight from its first write: AbortAck, the RegisterAck of a restarted decode
 rank, Success and ``may_write`` wait for it; nothing is held back here.
 
-Locks: the manager's lock guards every context's state; a context's job lock serialises the calls
+Locks: the manager's lock guards the book (every context's state); a context's job lock serialises the calls
 on its ``TransferJob`` (one thread at a time, as the executor requires), taken before the manager's
 lock and never held while waiting on the manager's conditions. The ``guard`` (the transport's lock)
 is taken before the manager's lock, and the manager never calls the transport (``writes_started``,
@@ -82,7 +85,8 @@ from pdkv.mapping import (
 from pdkv.protocol import arguments
 from pdkv.protocol.effects import ChunkSpec, Destination, FenceWrite
 from pdkv.protocol.ids import RoomId
-from pdkv.protocol.machines import PerLayerMachine, PerLayerState, PerLayerTrigger
+from pdkv.protocol.layers import LayerBook, LayerContext, Verdict
+from pdkv.protocol.machines import PerLayerState, PerLayerTrigger
 from pdkv.protocol.messages import IntArray
 from pdkv.runtime.chunk_plan import fence_of, plan_chunk
 from pdkv.runtime.executor import JobStatus, TransferExecutor, TransferJob, TransferResult
@@ -186,44 +190,22 @@ class _Owner(enum.Enum):
 
 
 @attrs.define(eq=False)
-class _Context:
-    room: RoomId
-    start_token: int
-    pages: IntArray
+class _Work:
+    """What the manager keeps beside a context of the book: its engine job and blocks, which thread
+    holds the job, and what the job reported."""
+
     destination: Destination
     job: TransferJob
-    machine: PerLayerMachine
     resident: TransferBlocks
     layers: dict[LayerKey, TransferBlocks]
-    expected: frozenset[LayerKey]
     kv_pages: int
-    registered_at: float
     job_lock: threading.Lock = attrs.Factory(threading.Lock)
-    seen: set[LayerKey] = attrs.Factory(set)  # layer events routed to this context
-    submitted: set[LayerKey] = attrs.Factory(set)  # layers whose blocks were handed to the job
-    cancelled: bool = False  # no further submission (room failed, finish gave up)
-    cancel_reason: str = ""
-    error: str | None = None  # a ready wait raised, or the event queue was full
     owner: _Owner | None = None
-    first_submit_at: float | None = None
     result: TransferResult | None = None
-    started: bool = False  # the endpoint counts this context's writes in flight
-    end_reported: bool = False
     fence: FenceWrite | None = None  # from its first submitted block: repeated if a write failed
 
-    @property
-    def terminal(self) -> bool:
-        return self.machine.is_terminal
 
-    def missing(self) -> list[LayerKey]:
-        return sorted(self.expected - self.submitted, key=lambda k: k.sort_key)
-
-
-@attrs.define(eq=False)
-class _Room:
-    contexts: dict[int, _Context] = attrs.Factory(dict)  # by chunk start token, in registration order
-    pending_drains: int = 0
-    forgotten: bool = False
+_Context: TypeAlias = LayerContext[_Work]
 
 
 @attrs.frozen
@@ -249,9 +231,6 @@ class _Lane:
     work: threading.Condition
     tasks: deque[_Task] = attrs.Factory(deque)
     thread: threading.Thread | None = None
-
-
-_COLLECTING = (PerLayerState.COLLECTING, PerLayerState.AWAITING_LAYERS)
 
 
 def unsupported_reason(layout: BufferLayout) -> str | None:
@@ -342,12 +321,10 @@ class PerLayerTransferManager:
         self._changed = threading.Condition(self._lock)  # context states (finish, drop wait on it)
         self._lanes: dict[str, _Lane] = {}  # destination peer session -> its submission lane
         self._pending_events = 0
-        self._rooms: dict[RoomId, _Room] = {}
+        # Every context's state and every rule on it (guarded by self._lock).
+        self._book: LayerBook[_Work] = LayerBook(finish_timeout_s=self.config.finish_timeout_s)
         self._started = False
         self._closed = False
-        self._registered = self._duplicates = self._fallbacks = 0
-        self._layer_events = self._layers_submitted = 0
-        self._finished = self._failed = self._dropped = 0
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -362,7 +339,7 @@ class PerLayerTransferManager:
         with self._lock:
             already = self._closed
             self._closed = True
-            rooms = list(self._rooms)
+            rooms = self._book.rooms()
         if not already:
             for room in rooms:
                 self.drop(room, "transport closing")
@@ -423,8 +400,8 @@ class PerLayerTransferManager:
         if not 0 <= resident_pages <= pages.size:
             raise MappingError(f"room {room}: resident_pages {resident_pages} outside 0..{pages.size}")
         with self._lock:
-            if self._is_registered(room, start_token):
-                self._duplicates += 1
+            if self._book.is_registered(room, start_token):
+                self._book.duplicate()
                 return PerLayerMode.DUPLICATE
         if self.is_closed():
             return self._fallback(room, start_token, "the manager is closed")
@@ -445,28 +422,29 @@ class PerLayerTransferManager:
             if self._layer_destination(room, pages, start_token) != destination:
                 return self._fallback(room, start_token, "the room changed while the chunk was planned")
             with self._lock:
-                if self._is_registered(room, start_token):
-                    self._duplicates += 1
+                if self._book.is_registered(room, start_token):
+                    self._book.duplicate()
                     return PerLayerMode.DUPLICATE
                 if self.is_closed():  # close() may have dropped every room while we planned
-                    self._fallbacks += 1
+                    self._book.fallback()
                     return PerLayerMode.MONOLITHIC
-                now = self._clock()
-                context = _Context(
-                    room=room,
-                    start_token=start_token,
-                    pages=pages,
+                work = _Work(
                     destination=destination,
                     job=self._executor.start(destination.peer.session),
-                    machine=PerLayerMachine(f"room {room} chunk@{start_token}"),
                     resident=resident,
                     layers=layers,
-                    expected=self._known_keys,
                     kv_pages=kv_pages,
-                    registered_at=now,
                 )
-                self._rooms.setdefault(room, _Room()).contexts[start_token] = context
-                self._registered += 1
+                context = self._book.register(
+                    room,
+                    start_token,
+                    pages=pages,
+                    peer=destination.peer.session,
+                    expected=self._known_keys,
+                    work=work,
+                    now=self._clock(),
+                )
+                assert context is not None  # checked under the same lock just above
                 if len(resident):
                     self._enqueue(_SubmitLayer((context,), None, None))
         log.debug(
@@ -483,26 +461,15 @@ class PerLayerTransferManager:
     ) -> None:
         """The forward wrote layer ``layer_id``'s KV (of ``model``); ``ready`` completes that write.
 
-        Only records and queues the event (never blocks the forward): the submission thread waits
-        for ``ready`` and submits the layer for every context still waiting for it.
+        Only records and queues the event (never blocks the forward): the peer's submission lane waits
+        for ``ready`` and submits the layer for every context the book routed it to.
         """
         key = LayerKey(model=model, layer_id=layer_id)
         if self._unsupported is None and key not in self._known_keys:
             known = ", ".join(map(str, self._keys[:8])) + (" ..." if len(self._keys) > 8 else "")
             raise UnknownLayerError(f"layer {key} has no KV buffer in this rank's layout (layers: {known})")
         with self._lock:
-            self._layer_events += 1
-            targets: list[_Context] = []
-            for r in self._rooms.values():
-                for context in r.contexts.values():
-                    if (
-                        context.machine.state in _COLLECTING
-                        and not context.cancelled
-                        and key not in context.seen
-                    ):
-                        context.seen.add(key)
-                        targets.append(context)
-                        break  # per room, the oldest context still lacking the layer
+            targets = self._book.layer_ready(key)
             if targets:
                 self._enqueue(_SubmitLayer(tuple(targets), key, ready))
 
@@ -518,61 +485,38 @@ class PerLayerTransferManager:
         write already submitted before it returns, so a failed result never leaves writes behind.
         ``pages``: the chunk as sent, checked against the registration.
         """
-        deadline = self._clock() + self.config.finish_timeout_s
+        sent = None if pages is None else np.asarray(pages, dtype=np.int64)
         with self._lock:
-            r = self._rooms.get(room)
-            context = None if r is None else r.contexts.get(start_token)
+            context = self._book.context(room, start_token)
             if context is None:
                 return None
-            while context.owner is _Owner.DRAINER:
+            while context.work.owner is _Owner.DRAINER:
                 self._changed.wait()
-            if context.owner is _Owner.FINISHER:
+            if context.work.owner is _Owner.FINISHER:
                 raise LocalProtocolError(f"room {room} chunk@{start_token}: finished twice")
-            if context.machine.state is PerLayerState.DROPPED:
-                self._remove(context)
-                return self._result(context, f"dropped before send(): {context.cancel_reason}")
-            context.owner = _Owner.FINISHER
-            context.machine.fire(PerLayerTrigger.FINISH)
-            problem = None
-            if pages is not None and not np.array_equal(np.asarray(pages, dtype=np.int64), context.pages):
-                problem = (
-                    f"send() gave {np.asarray(pages).size} pages that differ from the {context.pages.size} "
-                    "registered for this chunk"
-                )
-            while problem is None and context.machine.state is PerLayerState.AWAITING_LAYERS:
-                if context.cancelled:
-                    break
-                if context.error is not None:
-                    problem = context.error
-                    break
-                if context.job.failed:
-                    problem = "a write failed while the forward ran"
-                    break
-                remaining = deadline - self._clock()
-                if remaining <= 0:
-                    missing = context.missing()
-                    problem = (
-                        f"{len(missing)} of {len(context.expected)} layers never ended within "
-                        f"{self.config.finish_timeout_s:g} s (first: {', '.join(map(str, missing[:4]))})"
-                    )
-                    break
-                self._changed.wait(remaining)
-            if context.machine.state is PerLayerState.COMPLETING and problem is None:
-                stopped = None
-            else:
-                # Stop the submission thread for this context before waiting for what it submitted.
-                context.cancelled = True
-                stopped = problem if problem is not None else f"room failed: {context.cancel_reason}"
+            verdict = self._book.begin_finish(context, sent, self._clock())
+            if verdict is Verdict.DROPPED:
+                return self._result(context, f"dropped before send(): {context.stop_reason}")
+            context.work.owner = _Owner.FINISHER
+            while verdict is Verdict.WAIT:
+                assert context.finish_deadline is not None  # begin_finish set it
+                self._changed.wait(max(0.0, context.finish_deadline - self._clock()))
+                verdict = self._book.finish_check(context, self._clock(), job_failed=context.work.job.failed)
+            self._changed.notify_all()  # a context that broke here stops its lane's submissions
+        job = context.work.job
         try:
-            if stopped is not None:
-                with context.job_lock:
-                    drained = context.job.drain()
-                trigger = PerLayerTrigger.DROP if problem is None else PerLayerTrigger.FAIL
-                return self._end(context, trigger, drained, stopped)
-            with context.job_lock:
-                outcome = context.job.finish(timeout=max(0.0, deadline - self._clock()))
+            if verdict is not Verdict.COMPLETE:
+                with context.work.job_lock:
+                    drained = job.drain()
+                if verdict is Verdict.DRAIN_DROP:
+                    return self._end(
+                        context, PerLayerTrigger.DROP, drained, f"room failed: {context.stop_reason}"
+                    )
+                return self._end(context, PerLayerTrigger.FAIL, drained, context.stop_reason)
+            with context.work.job_lock:
+                outcome = job.finish(timeout=max(0.0, (context.finish_deadline or 0.0) - self._clock()))
                 if outcome.batches_in_flight:
-                    outcome = context.job.drain()  # never report while a write may still land
+                    outcome = job.drain()  # never report while a write may still land
         except Exception as exc:  # a bug below us: the context still ends, so nobody waits forever
             self._end(context, PerLayerTrigger.FAIL, None, f"internal error: {type(exc).__name__}: {exc}")
             raise
@@ -585,18 +529,13 @@ class PerLayerTransferManager:
         their writes ended (non-blocking; each context that wrote reports ``writes_ended`` then).
         True when something was outstanding."""
         with self._lock:
-            r = self._rooms.get(room)
-            if r is None:
-                return False
-            for context in r.contexts.values():
-                if not context.terminal and not context.cancelled:
-                    context.cancelled = True
-                    context.cancel_reason = reason
+            live = self._book.cancel(room, reason)
             self._changed.notify_all()
-            if not self._outstanding(r):
+            unclaimed = any(c.work.owner is None for c in live)
+            if not unclaimed and self._book.pending_drains(room) == 0:
                 return False
-            peers = {c.destination.peer.session for c in r.contexts.values()}
-            r.pending_drains += len(peers)
+            peers = {c.peer for c in self._book.contexts(room)}
+            self._book.drain_queued(room, len(peers))
             for peer in sorted(peers):
                 self._lane_enqueue(peer, _DrainRoom(room))
             return True
@@ -605,53 +544,40 @@ class PerLayerTransferManager:
         """Stop every context of ``room``, wait for its outstanding writes, discard it; returns the
         number of contexts dropped. After it returns nothing of the room is written any more."""
         with self._lock:
-            r = self._rooms.get(room)
-            if r is None:
+            if not self._book.contexts(room):
                 return 0
-            for context in r.contexts.values():
-                if not context.terminal and not context.cancelled:
-                    context.cancelled = True
-                    context.cancel_reason = reason
+            self._book.cancel(room, reason)
             self._changed.notify_all()
-        dropped = self._drain_unclaimed(room)
+        dropped = self._drain_unclaimed(room, reason)
         with self._lock:
             # Contexts a finisher or another drainer holds end on their own (drained first).
-            while (r := self._rooms.get(room)) is not None and any(
-                c.owner is not None and not c.terminal for c in r.contexts.values()
-            ):
+            while any(c.work.owner is not None and not c.terminal for c in self._book.contexts(room)):
                 self._changed.wait()
         return dropped
 
     def forget(self, room: RoomId) -> None:
         """The scheduler cleared the room: discard its finished contexts (the rest go once drained)."""
         with self._lock:
-            r = self._rooms.get(room)
-            if r is None:
-                return
-            r.forgotten = True
-            for context in [c for c in r.contexts.values() if c.terminal and c.owner is None]:
-                self._remove(context)
+            self._book.forget(room)
 
     def states(self, room: RoomId) -> list[PerLayerState]:
         """The room's contexts' states, in registration order (for tests and debugging)."""
         with self._lock:
-            r = self._rooms.get(room)
-            return [] if r is None else [c.machine.state for c in r.contexts.values()]
+            return [c.state for c in self._book.contexts(room)]
 
     def statistics(self) -> PerLayerStatistics:
         with self._lock:
+            book = self._book.statistics()
             return PerLayerStatistics(
-                registered=self._registered,
-                duplicates=self._duplicates,
-                fallbacks=self._fallbacks,
-                layer_events=self._layer_events,
-                layers_submitted=self._layers_submitted,
-                finished=self._finished,
-                failed=self._failed,
-                dropped=self._dropped,
-                open_contexts=sum(
-                    1 for r in self._rooms.values() for c in r.contexts.values() if not c.terminal
-                ),
+                registered=book.registered,
+                duplicates=book.duplicates,
+                fallbacks=book.fallbacks,
+                layer_events=book.layer_events,
+                layers_submitted=book.layers_submitted,
+                finished=book.finished,
+                failed=book.failed,
+                dropped=book.dropped,
+                open_contexts=book.open_contexts,
                 lanes=len(self._lanes),
             )
 
@@ -717,7 +643,7 @@ class PerLayerTransferManager:
                 if isinstance(task, _SubmitLayer):
                     with self._lock:
                         for context in task.contexts:
-                            context.error = context.error or f"internal error: {type(exc).__name__}: {exc}"
+                            self._book.broken(context, f"internal error: {type(exc).__name__}: {exc}")
                         self._changed.notify_all()
 
     def _submit(self, task: _SubmitLayer) -> None:
@@ -730,87 +656,62 @@ class PerLayerTransferManager:
             if problem is not None:
                 with self._lock:
                     for context in task.contexts:
-                        context.error = (
-                            context.error or f"waiting for layer {task.layer} to be written {problem}"
-                        )
+                        self._book.broken(context, f"waiting for layer {task.layer} to be written {problem}")
                     self._changed.notify_all()
                 return
         for context in task.contexts:
-            with context.job_lock:
+            work = context.work
+            with work.job_lock:
                 with self._lock:
-                    live = not context.cancelled and context.error is None and not context.terminal
-                    first = live and not context.started
+                    live = context.submitting
+                    first = live and not context.writing
                 if first:
                     # The endpoint counts the context in flight before any byte of it can land.
                     allowed = self._writes_started(context.room, context.start_token)
                     with self._lock:
-                        if allowed:
-                            context.started = True
-                            context.first_submit_at = self._clock()
-                        else:
-                            context.cancelled = True
-                            context.cancel_reason = (
-                                context.cancel_reason or "the room can no longer be written"
-                            )
-                            live = False
+                        live = self._book.first_write(context, allowed, self._clock())
                 if live:
-                    blocks = context.resident if task.layer is None else context.layers[task.layer]
-                    if context.fence is None:
-                        context.fence = fence_of(context.destination.peer.session, blocks)
-                    context.job.submit(blocks)  # may wait while the job is full: this peer's lane only
+                    blocks = work.resident if task.layer is None else work.layers[task.layer]
+                    if work.fence is None:
+                        work.fence = fence_of(work.destination.peer.session, blocks)
+                    work.job.submit(blocks)  # may wait while the job is full: this peer's lane only
             with self._lock:
-                if live and task.layer is not None:
-                    context.submitted.add(task.layer)
-                    self._layers_submitted += 1
-                    if (
-                        context.submitted >= context.expected
-                        and context.machine.state in _COLLECTING
-                        and not context.cancelled  # a finisher that saw the cancel drops it
-                    ):
-                        context.machine.fire(PerLayerTrigger.ALL_LAYERS_SUBMITTED)
+                if live:
+                    self._book.submitted(context, task.layer)
                 self._changed.notify_all()
 
     def _drain_task(self, room: RoomId) -> None:
-        self._drain_unclaimed(room)
+        self._drain_unclaimed(room, "room failed")
         with self._lock:
-            r = self._rooms.get(room)
-            if r is not None:
-                r.pending_drains -= 1
-                self._maybe_forget_room(room, r)
+            self._book.drain_ran(room)
 
-    def _drain_unclaimed(self, room: RoomId) -> int:
+    def _drain_unclaimed(self, room: RoomId, reason: str) -> int:
         """Drain and drop the room's live contexts nobody holds; returns how many."""
         with self._lock:
-            r = self._rooms.get(room)
-            mine = [] if r is None else [c for c in r.contexts.values() if c.owner is None and not c.terminal]
+            self._book.cancel(room, reason)  # any registered since the cancel stops too
+            mine = [c for c in self._book.contexts(room) if c.work.owner is None and not c.terminal]
             for context in mine:
-                context.owner = _Owner.DRAINER
-                context.cancelled = True
+                context.work.owner = _Owner.DRAINER
         for context in mine:
             drained: TransferResult | None = None
             try:
-                with context.job_lock:
-                    drained = context.job.drain()
+                with context.work.job_lock:
+                    drained = context.work.job.drain()
             except Exception:  # a bug below us; nobody may wait forever for this context
                 log.exception("per-layer: draining room %s chunk@%d failed", room, context.start_token)
             with self._lock:
-                context.result = drained
-                context.owner = None
-                context.machine.fire(PerLayerTrigger.DROP)
-                self._dropped += 1
-                _release_blocks(context)
-                r = self._rooms.get(room)
-                if r is not None and r.forgotten:
-                    self._remove(context)
+                context.work.result = drained
+                context.work.owner = None
+                report = self._book.ended(context, PerLayerTrigger.DROP)
+                _release_blocks(context.work)
                 self._changed.notify_all()
-                report = self._take_end_report(context)
             if report:
-                self._writes_ended(context.room, context.start_token, _fence(context))
+                self._writes_ended(context.room, context.start_token, _fence(context.work))
             log.debug(
                 "room %s chunk@%d: per-layer context dropped (%s)",
                 room,
                 context.start_token,
-                context.cancel_reason,
+                context.stop_reason,
             )
         return len(mine)
 
@@ -820,14 +721,14 @@ class PerLayerTransferManager:
         """Queue a layer (or resident pages) on the lane of each context's destination peer."""
         if self._pending_events >= self.config.max_pending_events:
             for context in task.contexts:
-                context.error = context.error or (
-                    f"layer event queue full ({self.config.max_pending_events} events pending)"
+                self._book.broken(
+                    context, f"layer event queue full ({self.config.max_pending_events} events pending)"
                 )
             self._changed.notify_all()
             return
         by_peer: dict[str, list[_Context]] = {}
         for context in task.contexts:
-            by_peer.setdefault(context.destination.peer.session, []).append(context)
+            by_peer.setdefault(context.peer, []).append(context)
         for peer, contexts in by_peer.items():
             self._pending_events += 1
             self._lane_enqueue(peer, _SubmitLayer(tuple(contexts), task.layer, task.ready))
@@ -846,52 +747,31 @@ class PerLayerTransferManager:
         lane.tasks.append(task)
         lane.work.notify()
 
-    def _is_registered(self, room: RoomId, start_token: int) -> bool:
-        r = self._rooms.get(room)
-        return r is not None and start_token in r.contexts
-
-    def _outstanding(self, r: _Room) -> bool:
-        return r.pending_drains > 0 or any(c.owner is None and not c.terminal for c in r.contexts.values())
-
     def _fallback(self, room: RoomId, start_token: int, reason: str) -> PerLayerMode:
         with self._lock:
-            self._fallbacks += 1
+            self._book.fallback()
         log.debug("room %s chunk@%d: monolithic path: %s", room, start_token, reason)
         return PerLayerMode.MONOLITHIC
 
     def _end(
         self, context: _Context, trigger: PerLayerTrigger, outcome: TransferResult | None, reason: str
     ) -> LayerTransferResult:
-        """A finisher is done with ``context``: final state, counters, result (takes the lock)."""
+        """A finisher is done with ``context``: its writes ended (takes the lock)."""
         with self._lock:
-            context.result = outcome
-            context.machine.fire(trigger)
-            context.owner = None
-            if trigger is PerLayerTrigger.COMPLETE:
-                self._finished += 1
-            elif trigger is PerLayerTrigger.FAIL:
-                self._failed += 1
-            else:
-                self._dropped += 1
-            self._remove(context)
+            context.work.result = outcome
+            report = self._book.ended(context, trigger)
+            context.work.owner = None
             self._changed.notify_all()
             result = self._result(context, reason)
-            report = self._take_end_report(context)
         if report:
-            self._writes_ended(context.room, context.start_token, _fence(context))
+            self._writes_ended(context.room, context.start_token, _fence(context.work))
         return result
 
-    def _take_end_report(self, context: _Context) -> bool:
-        """Lock held, ``context`` terminal and drained: report its end to the endpoint once."""
-        if not context.started or context.end_reported:
-            return False
-        context.end_reported = True
-        return True
-
     def _result(self, context: _Context, reason: str) -> LayerTransferResult:
-        outcome = context.result
+        work = context.work
+        outcome = work.result
         now = self._clock()
-        ok = context.machine.state is PerLayerState.DONE and outcome is not None and outcome.ok
+        ok = context.state is PerLayerState.DONE and outcome is not None and outcome.ok
         engine_failure = outcome is not None and outcome.status is not JobStatus.COMPLETED
         return LayerTransferResult(
             room=context.room,
@@ -899,8 +779,8 @@ class PerLayerTransferManager:
             ok=ok,
             reason="" if ok else (reason or (outcome.reason if outcome is not None else "failed")),
             engine_failure=engine_failure,
-            destination=context.destination,
-            kv_pages=context.kv_pages,
+            destination=work.destination,
+            kv_pages=work.kv_pages,
             bytes_written=0 if outcome is None else outcome.bytes_written,
             seconds=max(0.0, now - context.registered_at),
             first_submit_at=context.first_submit_at
@@ -909,18 +789,6 @@ class PerLayerTransferManager:
             last_completion_at=now,
         )
 
-    def _remove(self, context: _Context) -> None:
-        r = self._rooms.get(context.room)
-        if r is None:
-            return
-        if r.contexts.get(context.start_token) is context:
-            del r.contexts[context.start_token]
-        self._maybe_forget_room(context.room, r)
-
-    def _maybe_forget_room(self, room: RoomId, r: _Room) -> None:
-        if not r.contexts and r.pending_drains == 0 and self._rooms.get(room) is r:
-            del self._rooms[room]
-
 
 @attrs.frozen(kw_only=True)
 class _Planned:
@@ -928,10 +796,10 @@ class _Planned:
     kv_pages: int
 
 
-def _release_blocks(context: _Context) -> None:
+def _release_blocks(work: _Work) -> None:
     """A dropped context keeps its record (``finish`` must learn it was dropped) but not its blocks."""
-    context.resident = TransferBlocks.empty()
-    context.layers = {}
+    work.resident = TransferBlocks.empty()
+    work.layers = {}
 
 
 __all__ = [
@@ -949,9 +817,9 @@ __all__ = [
 ]
 
 
-def _fence(context: _Context) -> FenceWrite | None:
+def _fence(work: _Work) -> FenceWrite | None:
     """The fence owed for a context whose writes ended: only when one of them did not complete."""
-    outcome = context.result
+    outcome = work.result
     if outcome is not None and outcome.status is JobStatus.COMPLETED:
         return None
-    return context.fence
+    return work.fence
