@@ -32,7 +32,7 @@ def register(b: LayerBook[str], start: int, *, room: RoomId = ROOM, now: float =
         room,
         start,
         pages=np.arange(start, start + 2, dtype=np.int64),
-        peer="decode-a",
+        peers=("decode-a",),
         expected=LAYERS,
         work=f"work@{start}",
         now=now,
@@ -48,13 +48,13 @@ def state(context: LayerContext[str]) -> PerLayerState:
 def submit_all(b: LayerBook[str], context: LayerContext[str], *layers: LayerKey) -> None:
     for layer in layers:
         assert b.first_write(context, True, 1.0)
-        b.submitted(context, layer)
+        b.submitted(context, layer, "decode-a")
 
 
 def test_a_chunk_registers_once() -> None:
     b = book()
     first = register(b, 0)
-    again = b.register(ROOM, 0, pages=np.arange(2), peer="decode-a", expected=LAYERS, work="x", now=1.0)
+    again = b.register(ROOM, 0, pages=np.arange(2), peers=("decode-a",), expected=LAYERS, work="x", now=1.0)
     assert again is None
     assert b.context(ROOM, 0) is first and first.work == "work@0"
     assert b.statistics().registered == 1 and b.statistics().duplicates == 1
@@ -221,7 +221,7 @@ class LayerBookMachine(RuleBasedStateMachine):
     @rule(room=st.sampled_from([RoomId(1), RoomId(2)]), chunk=st.integers(0, 2))
     def register(self, room: RoomId, chunk: int) -> None:
         context = self.book.register(
-            room, chunk * 32, pages=np.arange(2), peer="p", expected=LAYERS, work="w", now=self.now
+            room, chunk * 32, pages=np.arange(2), peers=("p",), expected=LAYERS, work="w", now=self.now
         )
         if context is not None:
             self.contexts.append(context)
@@ -250,7 +250,7 @@ class LayerBookMachine(RuleBasedStateMachine):
             self.counted.add(id(context))  # asked before a cancel landed, or not: it counts now
         if self.book.first_write(context, allowed, self.now):
             assert allowed or was_writing
-            self.book.submitted(context, layer)
+            self.book.submitted(context, layer, "p")
 
     @precondition(lambda self: any(c.finish_deadline is None for c in self.contexts))
     @rule(data=st.data())

@@ -132,24 +132,24 @@ def test_the_endpoint_rules_which_chunks_go_per_layer() -> None:
     p.receive(register(), 0.0)
     p.open_room(ROOM, num_pages=4, aux_row=None, now=0.0)
     pages = np.array([7, 8])
-    assert "no destinations yet" in str(p.layer_destination(ROOM, pages, 0))
+    assert "no destinations yet" in str(p.layer_destinations(ROOM, pages, 0))
     p.receive(request([10, 11, 12, 13]), 0.1)
-    ruling = p.layer_destination(ROOM, pages, 0)
-    assert not isinstance(ruling, str) and ruling.peer.key == (DECODE.instance, DECODE.rank)
+    ruling = p.layer_destinations(ROOM, pages, 0)
+    assert not isinstance(ruling, str) and [d.peer.key for d in ruling] == [(DECODE.instance, DECODE.rank)]
     with pytest.raises(MappingError, match="runs past the request's last page"):
-        p.layer_destination(ROOM, np.array([1, 2, 3]), 2 * PAGE)
+        p.layer_destinations(ROOM, np.array([1, 2, 3]), 2 * PAGE)
     p.queue_chunk(ROOM, ChunkSpec(pages=[7, 8], start_token=0, last=False), 0.2)
     with pytest.raises(MappingError, match="overlaps chunks already queued"):
-        p.layer_destination(ROOM, np.array([1, 2]), PAGE)
-    assert not isinstance(p.layer_destination(ROOM, np.array([1, 2]), 2 * PAGE), str)
+        p.layer_destinations(ROOM, np.array([1, 2]), PAGE)
+    assert not isinstance(p.layer_destinations(ROOM, np.array([1, 2]), 2 * PAGE), str)
 
 
-def test_a_dummy_rank_and_several_destinations_go_monolithic() -> None:
+def test_a_dummy_rank_goes_monolithic_and_several_destinations_are_each_named() -> None:
     dummy = prefill()
     dummy.receive(register(), 0.0)
     dummy.open_room(ROOM, num_pages=2, aux_row=None, now=0.0)
     dummy.receive(request((), dummy=True), 0.1)
-    assert "dummy" in str(dummy.layer_destination(ROOM, np.array([1, 2]), 0))
+    assert "dummy" in str(dummy.layer_destinations(ROOM, np.array([1, 2]), 0))
     fan = prefill()
     second = Origin(instance=DECODE.instance, epoch=DECODE.epoch, rank=RankCoord(tp=1))
     fan.receive(register(), 0.0)
@@ -157,4 +157,9 @@ def test_a_dummy_rank_and_several_destinations_go_monolithic() -> None:
     fan.open_room(ROOM, num_pages=2, aux_row=None, now=0.0)
     fan.receive(request([1, 2], required=2), 0.1)
     fan.receive(request([1, 2], required=2, origin=second), 0.1)
-    assert "2 non-dummy destinations" in str(fan.layer_destination(ROOM, np.array([1, 2]), 0))
+    ruling = fan.layer_destinations(ROOM, np.array([1, 2]), 0)
+    assert not isinstance(ruling, str)
+    assert [d.peer.key for d in ruling] == [
+        (DECODE.instance, DECODE.rank),
+        (DECODE.instance, RankCoord(tp=1)),
+    ]

@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import attrs
 import pytest
 
 from pdkv.control.bootstrap import RegistryService
@@ -48,7 +49,11 @@ class Rig(TransportPair):
         faults: LoopbackFaults | None = None,
         executor: ExecutorConfig | None = None,
         loopback_workers: int = 4,
+        fan_out_min_layer_bytes: int | None = None,
     ) -> None:
+        per_layer = PerLayerConfig(finish_timeout_s=finish_timeout_s)
+        if fan_out_min_layer_bytes is not None:
+            per_layer = attrs.evolve(per_layer, fan_out_min_layer_bytes=fan_out_min_layer_bytes)
         super().__init__(
             model=spec,
             decode_model=decode_spec,
@@ -58,7 +63,7 @@ class Rig(TransportPair):
             decode_capacity=Capacity(kv_pages=DECODE_PAGES, state_slots=8, aux_rows=8),
             timeouts=TIMEOUTS,
             executor=executor if executor is not None else ExecutorConfig.from_env(),
-            per_layer=PerLayerConfig(finish_timeout_s=finish_timeout_s),
+            per_layer=per_layer,
             loopback=LoopbackConfig(faults=faults or LoopbackFaults(), worker_threads=loopback_workers),
             prefill_instance="p",
             decode_instance="d",

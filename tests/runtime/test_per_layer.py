@@ -366,10 +366,15 @@ def test_fallbacks_are_explicit(rig_factory: Callable[..., Rig], caplog: pytest.
     with caplog.at_level(logging.DEBUG, logger="pdkv.runtime.per_layer"):
         assert manager.register(RoomId(40), logical, start_token=0) is PerLayerMode.MONOLITHIC  # unknown room
         room = Room(rig, 9, logical, np.arange(4, dtype=np.int64) + 200, slots=0, aux=0)
-        assert room.register(logical, 0) == [PerLayerMode.MONOLITHIC]  # two decode ranks
+        assert room.register(logical, 0) == [PerLayerMode.MONOLITHIC]  # two decode ranks, small layers
     messages = [r.getMessage() for r in caplog.records]
     assert any("room 40 chunk@0: monolithic path: the room has no destinations yet" in m for m in messages)
-    assert any("room 9 chunk@0: monolithic path: 2 non-dummy destinations" in m for m in messages)
+    layer_bytes = len(logical) * rig.spec.kv_item_bytes  # one layer of the 4-page chunk
+    assert any(
+        f"room 9 chunk@0: monolithic path: 2 destinations and a layer of {layer_bytes} bytes to one of "
+        "them: under 524288 bytes per layer and destination" in m
+        for m in messages
+    )
     room.forward(logical)  # layer events with no context: nothing happens
     room.send(logical, 0, last=True)
     room.wait_success()
@@ -377,6 +382,56 @@ def test_fallbacks_are_explicit(rig_factory: Callable[..., Rig], caplog: pytest.
     assert manager.statistics().fallbacks == 2
     with pytest.raises(UnknownLayerError, match="layer target:7 has no KV buffer"):
         manager.on_layer_end(7)
+
+
+def test_with_several_decode_ranks_each_layer_goes_to_every_one_byte_for_byte(
+    rig_factory: Callable[..., Rig],
+) -> None:
+    """Decode TP 2 under prefill TP 1 (MLA: both decode ranks hold the whole KV): once the layers are
+    big enough to pay, the chunk goes per layer to both, each layer on each decode rank's lane, and
+    each decode rank is told what was written to it."""
+    rig = started(rig_factory, decode_tp=2, fan_out_min_layer_bytes=1)
+    manager = rig.prefills[0].per_layer
+    logical = np.arange(3, 9, dtype=np.int64)
+    room = Room(rig, 11, logical, np.arange(6, dtype=np.int64) + 100, slots=2, aux=1)
+    assert room.register(logical[:4], 0) == [PerLayerMode.PER_LAYER]
+    room.forward(logical[:4])
+    room.send(logical[:4], 0, last=False)
+    assert room.register(logical[4:], 4) == [PerLayerMode.PER_LAYER]
+    room.forward(logical[4:])
+    room.send(logical[4:], 4, last=True)
+    room.wait_success()
+    room.verify()
+    layers = len(forward_layers(rig.spec))
+    stats = manager.statistics()
+    assert (stats.registered, stats.fallbacks, stats.finished) == (2, 0, 2)
+    assert stats.layers_submitted == 2 * 2 * layers  # two chunks, each layer to both decode ranks
+    shares = [r.metric() for r in room.receivers]
+    assert [m.pages for m in shares] == [6, 6]
+    assert shares[0].bytes == shares[1].bytes > 0
+    assert rig.prefills[0].statistics().metrics.counters.bytes_sent == shares[0].bytes + shares[1].bytes
+
+
+def test_a_fanned_out_layer_failing_on_one_decode_rank_fences_that_rank_only(
+    rig_factory: Callable[..., Rig],
+) -> None:
+    """The first batch (one layer, to one of the two decode ranks) fails: the chunk fails after both
+    ranks' writes ended, the room fails on every rank, and one fence (before the AbortAck) goes to
+    the rank whose write failed, none to the other; both ranks' pages come back safely."""
+    rig = started(
+        rig_factory, decode_tp=2, fan_out_min_layer_bytes=1, faults=LoopbackFaults(fail_batches={1})
+    )
+    logical = np.arange(3, 7, dtype=np.int64)
+    room = Room(rig, 12, logical, np.arange(4, dtype=np.int64) + 100, slots=2, aux=1)
+    assert room.register(logical, 0) == [PerLayerMode.PER_LAYER]
+    room.forward(logical)
+    room.send(logical, 0, last=True)
+    wait_for(lambda: all(r.poll() is KVPoll.Failed and r.release_ready() for r in room.receivers))
+    assert all(r.release_was_safe() for r in room.receivers)
+    assert room.senders[0].poll() is KVPoll.Failed
+    stats = rig.prefills[0].statistics()
+    assert stats.per_layer.failed == 1
+    assert stats.endpoint.fences_submitted == 1 and stats.endpoint.fences_failed == 0
 
 
 def test_unsupported_layouts_are_named() -> None:
@@ -467,7 +522,7 @@ def test_layers_and_resident_pages_are_exactly_the_monolithic_plan(
             with PerLayerTransferManager(
                 TransferExecutor(sender),
                 layout=source.layout,
-                layer_destination=always(destination),
+                layer_destinations=always(destination),
                 cp_rank=rank,
                 policy=policy,
             ) as manager:
@@ -479,14 +534,14 @@ def test_layers_and_resident_pages_are_exactly_the_monolithic_plan(
                     manager.on_layer_end(layer, model=model)
                 result = manager.finish(RoomId(1), start_page * 16, pages=chunk)
             assert result is not None and result.ok, result
-            assert result.kv_pages == reference.kv_pages
+            assert [share.kv_pages for share in result.shares] == [reference.kv_pages]
             assert result.bytes_written == reference.blocks.total_bytes
         for key in SPEC.kv_keys():
             assert np.array_equal(got.view(key), expected.view(key)), (rank, key)
 
 
-def always(destination: Destination) -> Callable[[RoomId, np.ndarray, int], Destination | str]:
-    return lambda _room, _pages, _start: destination
+def always(destination: Destination) -> Callable[[RoomId, np.ndarray, int], tuple[Destination, ...] | str]:
+    return lambda _room, _pages, _start: (destination,)
 
 
 def attrs_evolve_layout(destination: Destination, layout: BufferLayout) -> Destination:

@@ -12,6 +12,9 @@ monolithic and ``--repeats`` per-layer rooms with the forward; the best of each 
 is the decode rank's clock at Success minus the prefill rank's clock at the end of the forward (one
 monotonic clock for every process of the machine). Every room is verified byte for byte.
 
+``--decode-tp 2`` runs the fan-out case (decode TP above prefill TP): every layer goes to each decode
+rank on its own submission lane, against the monolithic path writing the chunk to each in turn.
+
 The default sizes (1,024 and 8,192 tokens) take about half a minute here; ``--tokens
 1024,8192,32768`` adds the 2.3 GB request (about 80 s more, mostly filling and verifying memory).
 """
@@ -83,6 +86,12 @@ def main(argv: Sequence[str]) -> int:
         "--layer-ms", type=float, default=None, help="compute per layer (default: transfer/layers)"
     )
     parser.add_argument("--cp", type=int, default=1, help="prefill CP ranks")
+    parser.add_argument(
+        "--decode-tp",
+        type=int,
+        default=1,
+        help="decode TP ranks (MLA fan-out: every layer goes to each of them; default 1)",
+    )
     parser.add_argument("--repeats", type=int, default=2, help="rooms per mode and size (best is reported)")
     parser.add_argument("--quick", action="store_true", help="tiny run: 1,024 tokens, 4 layers, 1 repeat")
     args = parser.parse_args(list(argv))
@@ -100,6 +109,7 @@ def main(argv: Sequence[str]) -> int:
     spec = ClusterSpec(
         model=model,
         prefill_cp=args.cp,
+        decode_tp=args.decode_tp,
         prefill_capacity=Capacity(kv_pages=max_pages // args.cp + 8, state_slots=8, aux_rows=8),
         decode_capacity=Capacity(kv_pages=max_pages + 8, state_slots=8, aux_rows=8),
         state_slots_per_room=0,
@@ -110,7 +120,7 @@ def main(argv: Sequence[str]) -> int:
         runner = _Runner(cluster)
         for tokens in args.tokens:
             pages = -(-tokens // args.page_size)
-            total = pages * model.kv_item_bytes * args.layers
+            total = pages * model.kv_item_bytes * args.layers * args.decode_tp
             calibration = runner.tail_seconds(tokens, per_layer=False, layer_s=0.0)
             layer_s = args.layer_ms / 1000 if args.layer_ms is not None else calibration / args.layers
             best: dict[bool, float] = {}
@@ -128,6 +138,7 @@ def main(argv: Sequence[str]) -> int:
                 "tokens": tokens,
                 "layers": args.layers,
                 "prefill_cp": args.cp,
+                "decode_tp": args.decode_tp,
                 "bytes": total,
                 "layer_compute_ms": layer_s * 1000,
                 "forward_s": layer_s * args.layers,
@@ -144,7 +155,8 @@ def main(argv: Sequence[str]) -> int:
             rows.append([tokens, total / 1e9, *ms, ratio, runner.verified])
     table(
         f"pdkv bench per_layer: {args.layers} layers, {model.kv_item_bytes:,} B per page per layer, "
-        f"prefill cp{args.cp}, end of forward -> decode Success (best of {args.repeats})",
+        f"prefill cp{args.cp}, decode tp{args.decode_tp}, end of forward -> decode Success "
+        f"(best of {args.repeats})",
         ["tokens", "GB", "layer ms", "monolithic ms", "per-layer ms", "ratio", "verified"],
         rows,
     )

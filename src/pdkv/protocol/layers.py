@@ -17,6 +17,8 @@ Rules:
   may register while chunk N's forward runs). A context that stopped (FAILING) still takes its
   events, so a later chunk never receives a layer its own forward has not written; a cancelled
   room's contexts take none (the whole room stopped).
+- Fan-out: a context has one or several destinations (decode TP above prefill TP); each layer goes
+  to every one, and a layer counts as submitted once it went to all of them.
 - Submitting: only COLLECTING, LAYERS_SUBMITTED and AWAITING_LAYERS contexts submit. The first
   submission of a context needs the endpoint's consent (``first_write``): refused, the context is
   cancelled before any byte of it is written.
@@ -63,13 +65,13 @@ class LayerContext(Generic[W]):
     room: RoomId
     start_token: int
     pages: IntArray
-    peer: str  # destination session: the submission lane it uses
+    peers: tuple[str, ...]  # destination sessions (decode ranks), each with its submission lane
     expected: frozenset[LayerKey]
     registered_at: float
     work: W
     machine: PerLayerMachine
     seen: set[LayerKey] = attrs.Factory(set)  # layer events routed to this context
-    submitted: set[LayerKey] = attrs.Factory(set)  # layers whose blocks went to the engine
+    submitted_to: dict[str, set[LayerKey]] = attrs.Factory(dict)  # per peer: layers handed to the engine
     stop_reason: str = ""  # why it is CANCELLING/FAILING (or ended so)
     writing: bool = False  # the endpoint counts its writes in flight (first write consented)
     end_reported: bool = False
@@ -88,6 +90,12 @@ class LayerContext(Generic[W]):
     def submitting(self) -> bool:
         """May layers of this context still be submitted?"""
         return self.machine.state in SUBMITTING
+
+    @property
+    def submitted(self) -> frozenset[LayerKey]:
+        """Layers submitted to every destination."""
+        sets = [self.submitted_to.get(peer, set()) for peer in self.peers]
+        return frozenset(set.intersection(*sets)) if sets else frozenset()
 
     def missing(self) -> list[LayerKey]:
         return sorted(self.expected - self.submitted, key=lambda k: k.sort_key)
@@ -180,7 +188,7 @@ class LayerBook(Generic[W]):
         start_token: int,
         *,
         pages: IntArray,
-        peer: str,
+        peers: tuple[str, ...],
         expected: frozenset[LayerKey],
         work: W,
         now: float,
@@ -193,7 +201,7 @@ class LayerBook(Generic[W]):
             room=room,
             start_token=start_token,
             pages=pages,
-            peer=peer,
+            peers=peers,
             expected=expected,
             registered_at=now,
             work=work,
@@ -238,13 +246,18 @@ class LayerBook(Generic[W]):
             context.first_submit_at = now
         return context.submitting
 
-    def submitted(self, context: LayerContext[W], key: LayerKey | None) -> None:
-        """A layer's blocks (``key``; None: the pages resident before the forward) went to the engine."""
+    def submitted(self, context: LayerContext[W], key: LayerKey | None, peer: str) -> None:
+        """A layer's blocks (``key``; None: the pages resident before the forward) for destination
+        ``peer`` went to the engine; once every layer went to every destination, the context has
+        submitted everything."""
         if key is None:
             return
-        if key in context.submitted:
-            raise LocalProtocolError(f"{context.machine.label}: layer {key} submitted twice")
-        context.submitted.add(key)
+        if peer not in context.peers:
+            raise LocalProtocolError(f"{context.machine.label}: {peer} is not a destination of it")
+        done = context.submitted_to.setdefault(peer, set())
+        if key in done:
+            raise LocalProtocolError(f"{context.machine.label}: layer {key} submitted twice to {peer}")
+        done.add(key)
         self._layers_submitted += 1
         if context.submitted >= context.expected and context.state in (_S.COLLECTING, _S.AWAITING_LAYERS):
             context.machine.fire(_T.ALL_LAYERS_SUBMITTED)

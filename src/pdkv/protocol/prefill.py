@@ -877,19 +877,20 @@ class PrefillEndpoint:
             return TransferMetricData()
         return TransferMetricData(pages=r.pages, bytes=r.bytes, seconds=r.seconds)
 
-    def layer_destination(self, room: RoomId, pages: np.ndarray, start_token: int) -> Destination | str:
-        """Per-layer registration of a chunk before its forward: the one destination its layers go to,
-        or why the chunk goes the monolithic way (no destination yet, a dummy rank, several
-        destinations). A chunk that breaks the room's page contract as far as it is known before
-        ``send()`` (inside the decode's prefix, past ``num_pages``, over chunks already queued,
-        a repeated page) is refused with ``MappingError``: its layers would write wrong positions."""
+    def layer_destinations(
+        self, room: RoomId, pages: np.ndarray, start_token: int
+    ) -> tuple[Destination, ...] | str:
+        """Per-layer registration of a chunk before its forward: the destinations its layers go to
+        (several when decode TP > prefill TP: each layer goes to every one), or why the chunk goes
+        the monolithic way (no destination yet, a dummy rank). A chunk that breaks the room's page
+        contract as far as it is known before ``send()`` (inside the decode's prefix, past
+        ``num_pages``, over chunks already queued, a repeated page) is refused with
+        ``MappingError``: its layers would write wrong positions."""
         dests = self.destinations(room)
         if dests is None:
             return "the room has no destinations yet (register once the sender polls WaitingForInput)"
         if not dests:
             return "this rank is a dummy for the room (nothing to send)"
-        if len(dests) > 1:
-            return f"{len(dests)} non-dummy destinations (per-layer serves exactly one)"
         r = self._rooms[room]
         try:
             start = chunk_page_start(start_token, self.layout.page_size)
@@ -909,7 +910,7 @@ class PrefillEndpoint:
                 f"room {room}: {where} overlaps chunks already queued (up to {r.next_position - 1})",
                 room=room,
             )
-        return dests[0]
+        return dests
 
     def decode_prefix(self, room: RoomId) -> int | None:
         """Positions the decode side already holds (its prefix cache), once its requests are in (the

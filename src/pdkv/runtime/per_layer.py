@@ -17,13 +17,15 @@ How a scheduler uses it, per chunk of a room whose sender polls WaitingForInput 
     ... forward: after each layer's KV write, transport.per_layer.on_layer_end(layer, ready=event)
     sender.send(chunk_pages, start_token=..., last=...)      # finishes the context, sends nothing again
 
-- ``register`` (scheduler thread, never waits on the network) plans the chunk for the room's single
-  destination, submits the pages already resident before the forward (a cached prefix the decode
+- ``register`` (scheduler thread, never waits on the network) plans the chunk for each of the room's
+  destinations (several when decode TP > prefill TP: every layer then goes to each, on that decode
+  rank's lane), submits the pages already resident before the forward (a cached prefix the decode
   side lacks, earlier chunks' pages re-sent) at once, and returns ``PerLayerMode.PER_LAYER``.
   Registering the same (room, chunk) again is a no-op (``DUPLICATE``). Explicit fallbacks, logged at
   DEBUG, return ``MONOLITHIC`` and leave the chunk to the monolithic path: the room has no
-  destinations yet (not WaitingForInput), this rank is a dummy for it, it has more than one
-  non-dummy destination, the layout is not one the manager supports, or mapping refused the chunk.
+  destinations yet (not WaitingForInput), this rank is a dummy for it, it has several destinations
+  and a layer smaller than ``fan_out_min_layer_bytes`` to one of them (the batches would cost more
+  than the overlap saves), the layout is not one the manager supports, or mapping refused the chunk.
 - ``on_layer_end`` (the forward's thread) only records the event and queues it on the submission
   lane of each destination peer (one thread per peer, started on demand and retired when idle, so
   a slow peer delays only its own rooms); the lane waits for ``ready`` (a GPU caller's event: the
@@ -95,6 +97,14 @@ log = logging.getLogger(__name__)
 
 DEFAULT_FINISH_TIMEOUT_S: Final = 60.0
 DEFAULT_MAX_PENDING_EVENTS: Final = 65536
+# Per-layer with several destinations (decode TP > prefill TP) costs a batch per layer and destination,
+# each with a fixed cost (submit, completion, status: about 0.2-0.4 ms per Mooncake TCP batch on this
+# 2-core machine, `pdkv bench latency`'s phase breakdown). Measured with `PDKV_PER_LAYER_FAN_OUT_MIN_BYTES=1
+# pdkv bench per-layer --decode-tp 2 --tokens ...` (61 layers, 72 KiB pages, compute per layer equal
+# to transfer per layer): per-layer was slower than monolithic at 144 KiB per layer and destination
+# (2.15x), either way at 288 KiB (1.47x, 0.52x), and faster from 576 KiB (0.58x, 864 KiB 0.25x,
+# 1.15 MB 0.09x). Below the threshold the chunk goes monolithic.
+DEFAULT_FAN_OUT_MIN_LAYER_BYTES: Final = 512 << 10
 
 
 @attrs.frozen(kw_only=True)
@@ -109,10 +119,20 @@ class PerLayerConfig:
     """From ``send()`` (``finish``) until every layer was submitted and every write completed."""
     max_pending_events: int = attrs.field(default=DEFAULT_MAX_PENDING_EVENTS, validator=positive_int)
     """Layer events queued for the submission thread; one more fails its contexts (never blocks)."""
+    fan_out_min_layer_bytes: int = attrs.field(
+        default=DEFAULT_FAN_OUT_MIN_LAYER_BYTES,
+        validator=positive_int,
+        metadata=config.int_var(
+            "PDKV_PER_LAYER_FAN_OUT_MIN_BYTES",
+            "Per-layer with several destinations only when each layer moves at least this many bytes to each",
+        ),
+    )
+    """With several destinations, a chunk goes per layer only when every layer moves at least this
+    many bytes to every destination (else the per-batch cost outweighs the overlap: monolithic)."""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> PerLayerConfig:
-        """Defaults, overridden by ``PDKV_PER_LAYER_FINISH_TIMEOUT`` when set."""
+        """Defaults, overridden by ``PDKV_PER_LAYER_*`` variables that are set."""
         return config.from_env(cls, env)
 
 
@@ -137,17 +157,27 @@ ReadyWait: TypeAlias = Callable[[], object] | SupportsSynchronize
 """What ``on_layer_end`` waits on before submitting a layer: a callable (``threading.Event.wait``) or a
 device event. CPU callers pass nothing: the write is complete when ``on_layer_end`` is called."""
 
-LayerDestinationOf: TypeAlias = Callable[[RoomId, IntArray, int], Destination | str]
+LayerDestinationsOf: TypeAlias = Callable[[RoomId, IntArray, int], tuple[Destination, ...] | str]
 """The endpoint's ruling on a chunk registered for per-layer transfer (called with ``guard`` held):
-its one destination, or why it goes monolithic (``PrefillEndpoint.layer_destination``)."""
+its destinations, or why it goes monolithic (``PrefillEndpoint.layer_destinations``)."""
 
 WritesStarted: TypeAlias = Callable[[RoomId, int], bool]
 """Before a context's first write: may the room still be written? (takes ``guard``)"""
 
-WritesEnded: TypeAlias = Callable[[RoomId, int, FenceWrite | None], None]
-"""Every write a context submitted has ended (takes ``guard``); with a fence when a write failed."""
+WritesEnded: TypeAlias = Callable[[RoomId, int, Mapping[str, FenceWrite]], None]
+"""Every write a context submitted has ended (takes ``guard``); with the fence of each destination
+session whose write failed (empty when none did)."""
 
 LANE_IDLE_S: Final = 30.0  # a peer's submission lane stops after this long without work
+
+
+@attrs.frozen(kw_only=True)
+class LayerShare:
+    """What one per-layer context wrote to one destination."""
+
+    destination: Destination
+    kv_pages: int  # KV pages (positions) of the chunk this rank writes there
+    bytes_written: int
 
 
 @attrs.frozen(kw_only=True)
@@ -159,12 +189,14 @@ class LayerTransferResult:
     ok: bool
     reason: str  # empty when ok
     engine_failure: bool  # the engine failed or timed out a write (as opposed to a missing layer or a drop)
-    destination: Destination
-    kv_pages: int  # KV pages (positions) of the chunk this rank writes
-    bytes_written: int
+    shares: tuple[LayerShare, ...]  # one per destination, in the endpoint's order
     seconds: float  # registration to the end of finish
     first_submit_at: float  # clock of the first submission (registration if nothing was submitted)
     last_completion_at: float
+
+    @property
+    def bytes_written(self) -> int:
+        return sum(share.bytes_written for share in self.shares)
 
 
 @attrs.frozen(kw_only=True)
@@ -176,6 +208,7 @@ class PerLayerStatistics:
     fallbacks: int
     layer_events: int
     layers_submitted: int
+    """Layer submissions: one per layer and destination."""
     finished: int
     failed: int
     dropped: int
@@ -190,9 +223,9 @@ class _Owner(enum.Enum):
 
 
 @attrs.define(eq=False)
-class _Work:
-    """What the manager keeps beside a context of the book: its engine job and blocks, which thread
-    holds the job, and what the job reported."""
+class _Target:
+    """One destination of a context: its engine job (driven by that peer's lane, then the finisher),
+    its blocks, and what the job reported."""
 
     destination: Destination
     job: TransferJob
@@ -200,9 +233,20 @@ class _Work:
     layers: dict[LayerKey, TransferBlocks]
     kv_pages: int
     job_lock: threading.Lock = attrs.Factory(threading.Lock)
-    owner: _Owner | None = None
     result: TransferResult | None = None
     fence: FenceWrite | None = None  # from its first submitted block: repeated if a write failed
+
+
+@attrs.define(eq=False)
+class _Work:
+    """What the manager keeps beside a context of the book: a target per destination session (in the
+    endpoint's order) and which thread holds the context's jobs."""
+
+    targets: dict[str, _Target]
+    owner: _Owner | None = None
+
+    def job_failed(self) -> bool:
+        return any(t.job.failed for t in self.targets.values())
 
 
 _Context: TypeAlias = LayerContext[_Work]
@@ -284,7 +328,7 @@ class PerLayerTransferManager:
         executor: TransferExecutor,
         *,
         layout: BufferLayout,
-        layer_destination: LayerDestinationOf,
+        layer_destinations: LayerDestinationsOf,
         writes_started: WritesStarted | None = None,
         writes_ended: WritesEnded | None = None,
         cp_rank: int = 0,
@@ -296,9 +340,9 @@ class PerLayerTransferManager:
     ) -> None:
         self._executor = executor
         self._layout = layout
-        self._layer_destination = layer_destination
+        self._layer_destinations = layer_destinations
         self._writes_started: WritesStarted = writes_started or (lambda room, start_token: True)
-        self._writes_ended: WritesEnded = writes_ended or (lambda room, start_token, fence: None)
+        self._writes_ended: WritesEnded = writes_ended or (lambda room, start_token, fences: None)
         self._cp_rank = cp_rank
         self._policy = policy
         self._guard: AbstractContextManager[object] = guard if guard is not None else threading.Lock()
@@ -408,18 +452,28 @@ class PerLayerTransferManager:
         if self._unsupported is not None:
             return self._fallback(room, start_token, self._unsupported)
         with self._guard:
-            ruling = self._layer_destination(room, pages, start_token)  # MappingError: refused
+            ruling = self._layer_destinations(room, pages, start_token)  # MappingError: refused
         if isinstance(ruling, str):
             return self._fallback(room, start_token, ruling)
-        destination = ruling
+        destinations = ruling
         try:
-            resident, layers, kv_pages = self._plan(room, pages, start_token, resident_pages, destination)
+            planned = [self._plan(room, pages, start_token, resident_pages, d) for d in destinations]
         except PdkvError as exc:
             return self._fallback(room, start_token, f"mapping refused the chunk: {exc}")
+        if len(destinations) > 1:
+            smallest = min(int(b.length.sum()) for p in planned for b in p.layers.values())
+            if smallest < self.config.fan_out_min_layer_bytes:
+                return self._fallback(
+                    room,
+                    start_token,
+                    f"{len(destinations)} destinations and a layer of {smallest} bytes to one of them: under "
+                    f"{self.config.fan_out_min_layer_bytes} bytes per layer and destination, a batch per "
+                    "layer and destination costs more than overlapping the forward saves",
+                )
         with self._guard:
             # The room may have failed (and been cancelled) while we planned: only a room that still
-            # has the same destination gets a context, atomically with the transport's failure path.
-            if self._layer_destination(room, pages, start_token) != destination:
+            # has the same destinations gets a context, atomically with the transport's failure path.
+            if self._layer_destinations(room, pages, start_token) != destinations:
                 return self._fallback(room, start_token, "the room changed while the chunk was planned")
             with self._lock:
                 if self._book.is_registered(room, start_token):
@@ -429,24 +483,30 @@ class PerLayerTransferManager:
                     self._book.fallback()
                     return PerLayerMode.MONOLITHIC
                 work = _Work(
-                    destination=destination,
-                    job=self._executor.start(destination.peer.session),
-                    resident=resident,
-                    layers=layers,
-                    kv_pages=kv_pages,
+                    targets={
+                        d.peer.session: _Target(
+                            destination=d,
+                            job=self._executor.start(d.peer.session),
+                            resident=plan.resident,
+                            layers=plan.layers,
+                            kv_pages=plan.kv_pages,
+                        )
+                        for d, plan in zip(destinations, planned, strict=True)
+                    }
                 )
                 context = self._book.register(
                     room,
                     start_token,
                     pages=pages,
-                    peer=destination.peer.session,
+                    peers=tuple(work.targets),
                     expected=self._known_keys,
                     work=work,
                     now=self._clock(),
                 )
                 assert context is not None  # checked under the same lock just above
-                if len(resident):
+                if any(len(t.resident) for t in work.targets.values()):
                     self._enqueue(_SubmitLayer((context,), None, None))
+        kv_pages = planned[0].kv_pages
         log.debug(
             "room %s chunk@%d: per-layer (%d KV pages, %d resident)",
             room,
@@ -501,28 +561,34 @@ class PerLayerTransferManager:
             while verdict is Verdict.WAIT:
                 assert context.finish_deadline is not None  # begin_finish set it
                 self._changed.wait(max(0.0, context.finish_deadline - self._clock()))
-                verdict = self._book.finish_check(context, self._clock(), job_failed=context.work.job.failed)
+                verdict = self._book.finish_check(
+                    context, self._clock(), job_failed=context.work.job_failed()
+                )
             self._changed.notify_all()  # a context that broke here stops its lane's submissions
-        job = context.work.job
+        targets = list(context.work.targets.values())
         try:
             if verdict is not Verdict.COMPLETE:
-                with context.work.job_lock:
-                    drained = job.drain()
+                for target in targets:
+                    with target.job_lock:
+                        target.result = target.job.drain()
                 if verdict is Verdict.DRAIN_DROP:
-                    return self._end(
-                        context, PerLayerTrigger.DROP, drained, f"room failed: {context.stop_reason}"
-                    )
-                return self._end(context, PerLayerTrigger.FAIL, drained, context.stop_reason)
-            with context.work.job_lock:
-                outcome = job.finish(timeout=max(0.0, (context.finish_deadline or 0.0) - self._clock()))
-                if outcome.batches_in_flight:
-                    outcome = job.drain()  # never report while a write may still land
+                    return self._end(context, PerLayerTrigger.DROP, f"room failed: {context.stop_reason}")
+                return self._end(context, PerLayerTrigger.FAIL, context.stop_reason)
+            for target in targets:  # every job's writes are all submitted: they complete in parallel
+                with target.job_lock:
+                    remaining = max(0.0, (context.finish_deadline or 0.0) - self._clock())
+                    outcome = target.job.finish(timeout=remaining)
+                    if outcome.batches_in_flight:
+                        outcome = target.job.drain()  # never report while a write may still land
+                    target.result = outcome
         except Exception as exc:  # a bug below us: the context still ends, so nobody waits forever
-            self._end(context, PerLayerTrigger.FAIL, None, f"internal error: {type(exc).__name__}: {exc}")
+            self._end(context, PerLayerTrigger.FAIL, f"internal error: {type(exc).__name__}: {exc}")
             raise
-        if outcome.ok:
-            return self._end(context, PerLayerTrigger.COMPLETE, outcome, "")
-        return self._end(context, PerLayerTrigger.FAIL, outcome, outcome.reason)
+        failed = [t.result for t in targets if t.result is None or not t.result.ok]
+        if not failed:
+            return self._end(context, PerLayerTrigger.COMPLETE, "")
+        first = failed[0]
+        return self._end(context, PerLayerTrigger.FAIL, first.reason if first is not None else "failed")
 
     def cancel(self, room: RoomId, reason: str) -> bool:
         """The room failed (or completed without these chunks): stop its contexts now, drop them once
@@ -534,7 +600,7 @@ class PerLayerTransferManager:
             unclaimed = any(c.work.owner is None for c in live)
             if not unclaimed and self._book.pending_drains(room) == 0:
                 return False
-            peers = {c.peer for c in self._book.contexts(room)}
+            peers = {peer for c in self._book.contexts(room) for peer in c.peers}
             self._book.drain_queued(room, len(peers))
             for peer in sorted(peers):
                 self._lane_enqueue(peer, _DrainRoom(room))
@@ -585,7 +651,7 @@ class PerLayerTransferManager:
 
     def _plan(
         self, room: RoomId, pages: IntArray, start_token: int, resident_pages: int, destination: Destination
-    ) -> tuple[TransferBlocks, dict[LayerKey, TransferBlocks], int]:
+    ) -> _LayerPlan:
         """``plan_chunk``'s KV blocks for the resident pages and for the forward's pages, by layer."""
         forward_start = start_token + resident_pages * self._layout.page_size
         resident = self._plan_pages(room, pages[:resident_pages], start_token, destination)
@@ -599,7 +665,9 @@ class PerLayerTransferManager:
         layers = {
             key: blocks.take(order[int(bounds[i]) : int(bounds[i + 1])]) for i, key in enumerate(self._keys)
         }
-        return resident.blocks, layers, resident.kv_pages + computed.kv_pages
+        return _LayerPlan(
+            resident=resident.blocks, layers=layers, kv_pages=resident.kv_pages + computed.kv_pages
+        )
 
     def _plan_pages(
         self, room: RoomId, pages: IntArray, start_token: int, destination: Destination
@@ -637,7 +705,7 @@ class PerLayerTransferManager:
                 if isinstance(task, _DrainRoom):
                     self._drain_task(task.room)
                 else:
-                    self._submit(task)
+                    self._submit(task, lane.peer)
             except Exception as exc:  # the contexts fail; the lane goes on
                 log.exception("per-layer lane %s/%s: %s failed", self._name, lane.peer, type(task).__name__)
                 if isinstance(task, _SubmitLayer):
@@ -646,7 +714,7 @@ class PerLayerTransferManager:
                             self._book.broken(context, f"internal error: {type(exc).__name__}: {exc}")
                         self._changed.notify_all()
 
-    def _submit(self, task: _SubmitLayer) -> None:
+    def _submit(self, task: _SubmitLayer, peer: str) -> None:
         if task.ready is not None:
             try:
                 complete = _wait_ready(task.ready, self.config.finish_timeout_s)
@@ -660,8 +728,8 @@ class PerLayerTransferManager:
                     self._changed.notify_all()
                 return
         for context in task.contexts:
-            work = context.work
-            with work.job_lock:
+            target = context.work.targets[peer]
+            with target.job_lock:
                 with self._lock:
                     live = context.submitting
                     first = live and not context.writing
@@ -671,13 +739,13 @@ class PerLayerTransferManager:
                     with self._lock:
                         live = self._book.first_write(context, allowed, self._clock())
                 if live:
-                    blocks = work.resident if task.layer is None else work.layers[task.layer]
-                    if work.fence is None:
-                        work.fence = fence_of(work.destination.peer.session, blocks)
-                    work.job.submit(blocks)  # may wait while the job is full: this peer's lane only
+                    blocks = target.resident if task.layer is None else target.layers[task.layer]
+                    if target.fence is None:
+                        target.fence = fence_of(target.destination.peer.session, blocks)
+                    target.job.submit(blocks)  # may wait while the job is full: this peer's lane only
             with self._lock:
                 if live:
-                    self._book.submitted(context, task.layer)
+                    self._book.submitted(context, task.layer, peer)
                 self._changed.notify_all()
 
     def _drain_task(self, room: RoomId) -> None:
@@ -693,20 +761,20 @@ class PerLayerTransferManager:
             for context in mine:
                 context.work.owner = _Owner.DRAINER
         for context in mine:
-            drained: TransferResult | None = None
-            try:
-                with context.work.job_lock:
-                    drained = context.work.job.drain()
-            except Exception:  # a bug below us; nobody may wait forever for this context
-                log.exception("per-layer: draining room %s chunk@%d failed", room, context.start_token)
+            for target in context.work.targets.values():
+                try:
+                    with target.job_lock:
+                        target.result = target.job.drain()
+                except Exception:  # a bug below us; nobody may wait forever for this context
+                    log.exception("per-layer: draining room %s chunk@%d failed", room, context.start_token)
             with self._lock:
-                context.work.result = drained
                 context.work.owner = None
                 report = self._book.ended(context, PerLayerTrigger.DROP)
-                _release_blocks(context.work)
+                for target in context.work.targets.values():
+                    _release_blocks(target)
                 self._changed.notify_all()
             if report:
-                self._writes_ended(context.room, context.start_token, _fence(context.work))
+                self._writes_ended(context.room, context.start_token, _fences(context.work))
             log.debug(
                 "room %s chunk@%d: per-layer context dropped (%s)",
                 room,
@@ -728,7 +796,8 @@ class PerLayerTransferManager:
             return
         by_peer: dict[str, list[_Context]] = {}
         for context in task.contexts:
-            by_peer.setdefault(context.peer, []).append(context)
+            for peer in context.peers:
+                by_peer.setdefault(peer, []).append(context)
         for peer, contexts in by_peer.items():
             self._pending_events += 1
             self._lane_enqueue(peer, _SubmitLayer(tuple(contexts), task.layer, task.ready))
@@ -753,35 +822,37 @@ class PerLayerTransferManager:
         log.debug("room %s chunk@%d: monolithic path: %s", room, start_token, reason)
         return PerLayerMode.MONOLITHIC
 
-    def _end(
-        self, context: _Context, trigger: PerLayerTrigger, outcome: TransferResult | None, reason: str
-    ) -> LayerTransferResult:
+    def _end(self, context: _Context, trigger: PerLayerTrigger, reason: str) -> LayerTransferResult:
         """A finisher is done with ``context``: its writes ended (takes the lock)."""
         with self._lock:
-            context.work.result = outcome
             report = self._book.ended(context, trigger)
             context.work.owner = None
             self._changed.notify_all()
             result = self._result(context, reason)
         if report:
-            self._writes_ended(context.room, context.start_token, _fence(context.work))
+            self._writes_ended(context.room, context.start_token, _fences(context.work))
         return result
 
     def _result(self, context: _Context, reason: str) -> LayerTransferResult:
-        work = context.work
-        outcome = work.result
+        targets = context.work.targets.values()
+        outcomes = [t.result for t in targets]
         now = self._clock()
-        ok = context.state is PerLayerState.DONE and outcome is not None and outcome.ok
-        engine_failure = outcome is not None and outcome.status is not JobStatus.COMPLETED
+        ok = context.state is PerLayerState.DONE and all(o is not None and o.ok for o in outcomes)
+        engine_failure = any(o is not None and o.status is not JobStatus.COMPLETED for o in outcomes)
         return LayerTransferResult(
             room=context.room,
             start_token=context.start_token,
             ok=ok,
-            reason="" if ok else (reason or (outcome.reason if outcome is not None else "failed")),
+            reason="" if ok else (reason or "failed"),
             engine_failure=engine_failure,
-            destination=work.destination,
-            kv_pages=work.kv_pages,
-            bytes_written=0 if outcome is None else outcome.bytes_written,
+            shares=tuple(
+                LayerShare(
+                    destination=t.destination,
+                    kv_pages=t.kv_pages,
+                    bytes_written=0 if t.result is None else t.result.bytes_written,
+                )
+                for t in targets
+            ),
             seconds=max(0.0, now - context.registered_at),
             first_submit_at=context.first_submit_at
             if context.first_submit_at is not None
@@ -796,14 +867,24 @@ class _Planned:
     kv_pages: int
 
 
-def _release_blocks(work: _Work) -> None:
+@attrs.frozen(kw_only=True)
+class _LayerPlan:
+    """A chunk's KV blocks for one destination: resident before the forward, and by layer."""
+
+    resident: TransferBlocks
+    layers: dict[LayerKey, TransferBlocks]
+    kv_pages: int
+
+
+def _release_blocks(target: _Target) -> None:
     """A dropped context keeps its record (``finish`` must learn it was dropped) but not its blocks."""
-    work.resident = TransferBlocks.empty()
-    work.layers = {}
+    target.resident = TransferBlocks.empty()
+    target.layers = {}
 
 
 __all__ = [
     "ENV_VARS",
+    "LayerShare",
     "LayerTransferResult",
     "PerLayerConfig",
     "PerLayerMode",
@@ -817,9 +898,11 @@ __all__ = [
 ]
 
 
-def _fence(work: _Work) -> FenceWrite | None:
-    """The fence owed for a context whose writes ended: only when one of them did not complete."""
-    outcome = work.result
-    if outcome is not None and outcome.status is JobStatus.COMPLETED:
-        return None
-    return work.fence
+def _fences(work: _Work) -> dict[str, FenceWrite]:
+    """The fences owed for a context whose writes ended: one per destination session where a write
+    did not complete (and something was submitted)."""
+    return {
+        peer: t.fence
+        for peer, t in work.targets.items()
+        if t.fence is not None and (t.result is None or t.result.status is not JobStatus.COMPLETED)
+    }

@@ -206,7 +206,7 @@ class PrefillTransport(EndpointHost[PrefillEndpoint]):
         self.per_layer = PerLayerTransferManager(
             self._executor,
             layout=config.layout,
-            layer_destination=self._endpoint.layer_destination,  # called with the lock held
+            layer_destinations=self._endpoint.layer_destinations,  # called with the lock held
             writes_started=self._layer_writes_started,
             writes_ended=self._layer_writes_ended,
             cp_rank=config.rank.cp,
@@ -389,22 +389,18 @@ class PrefillTransport(EndpointHost[PrefillEndpoint]):
         with self._lock:
             return self._endpoint.layer_writes_started(room, start_token, self._clock())
 
-    def _layer_writes_ended(self, room: RoomId, start_token: int, fence: FenceWrite | None) -> None:
+    def _layer_writes_ended(self, room: RoomId, start_token: int, fences: Mapping[str, FenceWrite]) -> None:
         """Per-layer manager: every write of a context ended (it may release an AbortAck, a
-        RegisterAck or the room's Success); ``fence`` when one of them failed."""
+        RegisterAck or the room's Success); ``fences`` by destination session where one failed."""
         with self._lock:
-            peer = self._per_layer_peer(room, fence)
-            fences = None if fence is None or peer is None else {peer: fence}
-            self._apply(self._endpoint.layer_writes_ended(room, start_token, self._clock(), fences=fences))
-
-    def _per_layer_peer(self, room: RoomId, fence: FenceWrite | None) -> PeerKey | None:
-        """The decode rank (lock held) whose engine session a per-layer fence goes to."""
-        if fence is None:
-            return None
-        for destination in self._endpoint.destinations(room) or ():
-            if destination.peer.session == fence.session:
-                return destination.peer.key
-        return None
+            owed = {
+                d.peer.key: fences[d.peer.session]
+                for d in self._endpoint.destinations(room) or ()
+                if d.peer.session in fences
+            }
+            self._apply(
+                self._endpoint.layer_writes_ended(room, start_token, self._clock(), fences=owed or None)
+            )
 
     def _run_fence(self, fence: SubmitFence) -> None:
         """Write the fence through the engine's queue to that decode rank; report it (AbortAck)."""
@@ -458,41 +454,53 @@ class PrefillTransport(EndpointHost[PrefillEndpoint]):
             )
 
     def _complete_per_layer(self, submit: SubmitChunk, layered: LayerTransferResult) -> None:
-        """A chunk whose KV went layer by layer: its extras (last chunk), then chunk_done or chunk_failed."""
-        destination = layered.destination
+        """A chunk whose KV went layer by layer (to one or several decode ranks): its extras (last
+        chunk) to each, then chunk_done (each rank told its own share) or chunk_failed."""
         if not layered.ok:
             if layered.engine_failure:
                 self.metrics.increment(TransportCounter.ENGINE_FAILURES)
-            peer = f"{destination.peer.instance}:{destination.peer.rank}"
-            self._finish_failed(submit, f"per-layer transfer to {peer}: {layered.reason}")
-            return
-        written = layered.bytes_written
-        if submit.spec.last and self.config.rank.cp == 0:
-            # State and aux rows ride on the last chunk, after its KV (as on the monolithic path);
-            # planned for no pages, plan_chunk yields exactly those blocks.
-            extras_only = attrs.evolve(submit.spec, pages=np.zeros(0, dtype=np.int64))
-            extras = self._write(submit, destination, extras_only, writes_extras=True)
-            if extras is None:
-                return  # the chunk failed (reported)
-            written += extras.bytes
-        if self._partition_dump:
-            _dump_partition(submit, destination, config=self.config, writes_extras=self.config.rank.cp == 0)
-        now = self._clock()
-        wrote = _Written(
-            kv_pages=layered.kv_pages,
-            bytes=written,
-            seconds=max(0.0, now - layered.first_submit_at),
-            first_submit_at=layered.first_submit_at,
-            last_completion_at=max(layered.first_submit_at, now),
-        )
-        self._landed(submit, destination, wrote)
-        metric = TransferMetricData(pages=wrote.kv_pages, bytes=wrote.bytes, seconds=wrote.seconds)
-        with self._lock:
-            self._apply(
-                self._endpoint.chunk_done(
-                    submit.room, submit.chunk, metric, now, per_peer={destination.peer.key: metric}
-                )
+            peers = ", ".join(
+                f"{s.destination.peer.instance}:{s.destination.peer.rank}" for s in layered.shares
             )
+            self._finish_failed(submit, f"per-layer transfer to {peers}: {layered.reason}")
+            return
+        per_peer: dict[PeerKey, TransferMetricData] = {}
+        pages = written = 0
+        for share in layered.shares:
+            destination = share.destination
+            wrote_bytes = share.bytes_written
+            if submit.spec.last and self.config.rank.cp == 0:
+                # State and aux rows ride on the last chunk, after its KV (as on the monolithic path);
+                # planned for no pages, plan_chunk yields exactly those blocks.
+                extras_only = attrs.evolve(submit.spec, pages=np.zeros(0, dtype=np.int64))
+                extras = self._write(submit, destination, extras_only, writes_extras=True)
+                if extras is None:
+                    return  # the chunk failed (reported)
+                wrote_bytes += extras.bytes
+            if self._partition_dump:
+                _dump_partition(
+                    submit, destination, config=self.config, writes_extras=self.config.rank.cp == 0
+                )
+            now = self._clock()
+            wrote = _Written(
+                kv_pages=share.kv_pages,
+                bytes=wrote_bytes,
+                seconds=max(0.0, now - layered.first_submit_at),
+                first_submit_at=layered.first_submit_at,
+                last_completion_at=max(layered.first_submit_at, now),
+            )
+            self._landed(submit, destination, wrote)
+            per_peer[destination.peer.key] = TransferMetricData(
+                pages=wrote.kv_pages, bytes=wrote.bytes, seconds=wrote.seconds
+            )
+            pages += wrote.kv_pages
+            written += wrote.bytes
+        now = self._clock()
+        metric = TransferMetricData(
+            pages=pages, bytes=written, seconds=max(0.0, now - layered.first_submit_at)
+        )
+        with self._lock:
+            self._apply(self._endpoint.chunk_done(submit.room, submit.chunk, metric, now, per_peer=per_peer))
 
     def _write(
         self, submit: SubmitChunk, destination: Destination, spec: ChunkSpec, *, writes_extras: bool

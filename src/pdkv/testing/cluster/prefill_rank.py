@@ -84,7 +84,7 @@ def _prefill_rank(args: _RankArgs, conn: Connection) -> None:
     channel_faults, backend_faults = wrap_for_rank(spec.faults, Side.PREFILL, args.tp, args.cp)
     backend = _make_backend(backend_faults, spec.host(Side.PREFILL), spec)
     channels: list[FaultyChannel] = []
-    config = PrefillConfig(
+    config = PrefillConfig.from_env(  # executor and per-layer settings: PDKV_* variables, if set
         instance=InstanceId("prefill-0"),
         rank=RankCoord(tp=args.tp, cp=args.cp),
         tp_size=spec.prefill_tp,
