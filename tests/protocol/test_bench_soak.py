@@ -22,6 +22,10 @@ def test_bench_soak_quick_run_is_complete_and_consistent() -> None:
     assert record["rooms_terminal"] == 300
     assert record["rooms_leaked_decode"] == record["rooms_leaked_prefill"] == record["pages_leaked"] == 0
     assert record["canary_violations"] == 0
+    # Per-layer rooms went through the real per-layer rules, and no context outlived its room.
+    assert record["per_layer_rooms"] > 50 and record["layer_contexts_finished"] > 50
+    assert record["layer_contexts_failed"] + record["layer_contexts_dropped"] > 0
+    assert record["layer_contexts_leaked"] == 0
     # The faults were really injected and the failure paths taken.
     assert record["aborts_injected"] > 30 and record["engine_failures_injected"] > 10
     assert record["messages_dropped"] > 0 and record["rooms_failed"] > 30

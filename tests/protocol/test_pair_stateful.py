@@ -4,9 +4,10 @@ Rules open rooms (chunked, aborted by either side at random times, with engine f
 forward, partition one prefill rank's control link from the decode rank for a while (it goes
 silent; writes go on), restart a prefill rank behind the same address with a new epoch (announced
 by a fresh route table or found through its silence), and replay messages of retired incarnations.
-Rooms may go per layer: each chunk's per-layer context writes from the moment the chunk is queued
-until after its own write (the forward overlaps), and the pair's ground-truth checker sees those
-writes too. The link drops, duplicates, delays and reorders messages. Checked at every step:
+Rooms may go per layer, through the real per-layer rules (``LayerBook``): each chunk registers
+before its forward, its layers are written as the forward reports them, ``send()`` at the forward's
+end finishes the context; the pair's ground-truth checker sees every layer write too. The link
+drops, duplicates, delays and reorders messages. Checked at every step:
 - abort safety: no write starts or is in flight when decode releases a room's pages as safe
   (``EndpointPair`` records every breach), and unsafe releases happen only via the counted timeout;
 - decode Success only when every prefill rank that opened the room (all are required) reached Success;

@@ -163,3 +163,21 @@ def test_a_dummy_rank_goes_monolithic_and_several_destinations_are_each_named() 
         (DECODE.instance, DECODE.rank),
         (DECODE.instance, RankCoord(tp=1)),
     ]
+
+
+def test_the_pairs_per_layer_rooms_go_through_the_layer_book_and_its_writes_are_seen() -> None:
+    """A per-layer room of two chunks in the pair: each chunk registers before its forward, each
+    layer is written when the forward reports it, send() finishes the context, the room succeeds."""
+    pair = EndpointPair(transfer_time=0.05)
+    pair.connect()
+    pair.run(until=0.5)
+    pair.add_room(RoomPlan(room=RoomId(4), num_pages=4, chunk_pages=(2, 2), per_layer=True))
+    pair.settle()
+    assert pair.violations == []
+    assert pair.decode.poll(RoomId(4)) is KVPoll.Success
+    assert pair.prefills[0].poll(RoomId(4)) is KVPoll.Success
+    stats = pair.layer_books[0].statistics()
+    layers = len(pair.layout.kv_buffers)
+    assert (stats.registered, stats.finished, stats.failed, stats.dropped) == (2, 2, 0, 0)
+    assert stats.layers_submitted == 2 * layers
+    assert pair.writes_started == 2 * layers  # layer writes only: no chunk was written whole

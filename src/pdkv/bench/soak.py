@@ -106,6 +106,7 @@ def main(argv: Sequence[str]) -> int:
     add("--cp", type=int, default=2, help="prefill CP ranks (default 2)")
     add("--abort-rate", type=float, default=0.05, help="share of rooms aborted (default 0.05)")
     add("--engine-failure-rate", type=float, default=0.01, help="share of rooms with a failed write (0.01)")
+    add("--per-layer-rate", type=float, default=0.3, help="share of rooms sent layer by layer (0.3)")
     add("--drop", type=float, default=0.001, help="per-message loss probability (default 0.001)")
     add("--duplicate", type=float, default=0.01, help="per-message duplication (default 0.01)")
     add("--max-delay", type=float, default=0.004, help="random delay per message, fake s (0.004)")
@@ -138,7 +139,7 @@ def main(argv: Sequence[str]) -> int:
 
     pages_of: dict[RoomId, int] = {}  # rooms not cleared yet
     tally = _Tally()
-    aborted = engine_failures = 0
+    aborted = engine_failures = per_layer_rooms = 0
     rss_warm = rss_start
     warm_after = max(1, rooms // 10)
     # Liveness faults at evenly spaced rooms, rank by rank.
@@ -164,12 +165,15 @@ def main(argv: Sequence[str]) -> int:
         if rng.random() < args.engine_failure_rate:
             engine_failures += 1
             failing.add((room, rng.randrange(len(chunks)), rng.randrange(args.cp)))
+        per_layer = rng.random() < args.per_layer_rate
+        per_layer_rooms += per_layer
         plan = RoomPlan(
             room=room,
             num_pages=sum(chunks),
             chunk_pages=chunks,
             abort_decode_at=abort_decode_at,
             abort_prefill_at=abort_prefill_at,
+            per_layer=per_layer,
         )
         pages_of[room] = plan.num_pages
         pair.add_room(plan, decode_first=rng.random() < 0.5)
@@ -192,6 +196,8 @@ def main(argv: Sequence[str]) -> int:
     leaked_decode = pair.decode.rooms()
     leaked_prefill = sorted({r for p in pair.prefills for r in p.rooms()})
     pages_leaked = sum(pages_of.get(r, 0) for r in leaked_decode)
+    layer_books = [book.statistics() for book in pair.layer_books]
+    contexts_leaked = sum(len(book.rooms()) for book in pair.layer_books)
     stats = pair.decode.statistics()
     link = pair.link.statistics()
     record: dict[str, object] = {
@@ -203,6 +209,11 @@ def main(argv: Sequence[str]) -> int:
         "rooms_failed": tally.outcomes.get(KVPoll.Failed, 0),
         "aborts_injected": aborted,
         "engine_failures_injected": engine_failures,
+        "per_layer_rooms": per_layer_rooms,
+        "layer_contexts_finished": sum(b.finished for b in layer_books),
+        "layer_contexts_failed": sum(b.failed for b in layer_books),
+        "layer_contexts_dropped": sum(b.dropped for b in layer_books),
+        "layer_contexts_leaked": contexts_leaked,
         "rooms_leaked_decode": len(leaked_decode),
         "rooms_leaked_prefill": len(leaked_prefill),
         "pages_leaked": pages_leaked,
@@ -231,5 +242,11 @@ def main(argv: Sequence[str]) -> int:
     rows = [(name, value) for name, value in record.items() if name != "bench"]
     title = f"pdkv bench soak: {rooms} rooms, {args.cp} prefill CP ranks, sans-IO, fake clock"
     table(title, ["figure", "value"], rows)
-    ok = tally.terminal == rooms and not leaked_decode and not leaked_prefill and not pair.violations
+    ok = (
+        tally.terminal == rooms
+        and not leaked_decode
+        and not leaked_prefill
+        and not contexts_leaked
+        and not pair.violations
+    )
     return 0 if ok else 1

@@ -96,6 +96,7 @@ class Recorder(EndpointPair):
         self.hung: set[str] = set()
         self._show = tuple(show)
         self._seen: dict[str, tuple[object, list[str]]] = {}
+        self._layered: set[tuple[int, int]] = set()  # (id of the incarnation, chunk index) sent per layer
 
     # ---------------------------------------------------------------- names
 
@@ -181,9 +182,9 @@ class Recorder(EndpointPair):
                 before = []  # a new incarnation: it starts from nothing
             self._seen[who] = (endpoint, view)
             changed = [line for line in view if line not in before]
-            changed += [
-                f"L {line[2:].split()[0]} ended" for line in before if line[:2] == "L " and line not in view
-            ]
+            contexts_now = {line.split()[1] for line in view if line.startswith("L ")}
+            gone = {line.split()[1] for line in before if line.startswith("L ")} - contexts_now
+            changed += [f"L {tag} ended" for tag in sorted(gone)]
             for line in changed:
                 if line.startswith("W "):  # a chunk's writes started: the data plane
                     self.events.append(
@@ -211,15 +212,18 @@ class Recorder(EndpointPair):
         if not p.has_room(ROOM):
             return []
         view = _room_view(p.room_history(ROOM), p.failure_cause(ROOM))
+        # This incarnation's per-layer contexts (the real LayerBook): their state, and their layer
+        # writes while they land. A per-layer chunk has no write of its own.
+        contexts = self.layer_books[self.prefills.index(p)].contexts(ROOM) if p in self.prefills else []
+        self._layered.update((id(p), c.work.chunk) for c in contexts)
         for i, chunk in enumerate(p.chunk_states(ROOM)):
             view.append(f"C{i} {chunk.name}")
-            if chunk.name not in ("REGISTERED", "SKIPPED"):
+            if chunk.name not in ("REGISTERED", "SKIPPED") and (id(p), i) not in self._layered:
                 view.append(f"W KV writes of chunk {i}")
-        # The harness's per-layer contexts of this incarnation: writing while the forward runs.
-        for lw in self._layer_writes:
-            if lw.room == ROOM and lw.endpoint is p:
-                view.append(f"W per-layer KV writes of chunk @{lw.start_token}")
-                view.append(f"L @{lw.start_token} writing")
+        for context in contexts:
+            view.append(f"L @{context.start_token} {context.state.name}")
+            if any(w.context is context for w in self._layer_writes):
+                view.append(f"W per-layer KV writes of chunk @{context.start_token}")
         return view
 
 
@@ -450,8 +454,10 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario(
         name="per_layer",
         title="Per-layer transfer (harness view)",
-        story="Each chunk's KV also goes layer by layer while its forward runs (the harness models "
-        "the per-layer writes as one span per chunk); the room succeeds once those writes ended.",
+        story="Each chunk goes layer by layer while its forward runs: its context (L) registers before "
+        "the forward, each layer is written when the forward reports it, and the chunk's send() at the "
+        "forward's end finishes the context (no chunk write of its own); the room succeeds once the "
+        "last context's writes ended.",
         script=per_layer,
     ),
 )

@@ -12,6 +12,13 @@ with a higher epoch behind the same address (the old process and its in-flight w
 ``stale_messages`` / ``deliver`` replay what retired incarnations sent. ``close_settled`` plays
 the schedulers' ``clear()`` so long runs keep only live rooms.
 
+Per-layer rooms go through the real per-layer rules: each prefill rank holds a
+``pdkv.protocol.layers.LayerBook``; a per-layer chunk registers there (with the endpoint's ruling on
+its destinations) when it is queued, the rank's forward reports its layers over ``layer_time``, each
+routed layer becomes a write (asking the endpoint before a context's first one), the chunk's
+``SubmitChunk`` finishes the context instead of writing the chunk, and cancels and drains follow
+the effects, as ``pdkv.runtime.per_layer`` does with threads.
+
 Shipped with the library (like ``trio.testing``) so embedders can test their own integration
 against the same harness. Deterministic: all randomness comes from one seeded ``random.Random``.
 Messages cross the link through the real codec (encode, then decode), so every test exercises it.
@@ -28,6 +35,7 @@ from collections.abc import Callable, Sequence
 import attrs
 import numpy as np
 
+from pdkv.mapping import LayerKey
 from pdkv.mapping.layout import AttentionKind, BufferKind, BufferLayout, BufferSpec, ModelRole
 from pdkv.protocol import codec
 from pdkv.protocol.config import Timeouts
@@ -50,6 +58,8 @@ from pdkv.protocol.effects import (
     Target,
 )
 from pdkv.protocol.ids import Endpoint, Epoch, InstanceId, RoomId, SessionId
+from pdkv.protocol.layers import LayerBook, LayerContext, Verdict
+from pdkv.protocol.machines import PerLayerState, PerLayerTrigger
 from pdkv.protocol.messages import (
     Message,
     Origin,
@@ -166,8 +176,9 @@ class RoomPlan:
     abort_decode_at: float | None = None
     abort_prefill_at: float | None = None
     per_layer: bool = False
-    """Each chunk's KV also goes layer by layer: a per-layer context starts writing when the chunk is
-    queued and ends ``layer_time`` later (after the chunk's own write), as a forward that overlaps."""
+    """Each chunk goes layer by layer: registered before its forward, the forward reports the layers
+    over ``layer_time`` (each then written in ``transfer_time``), and the chunk's ``send()`` at the
+    forward's end finishes the context."""
     prefix_pages: int = 0
     """Positions the decode side already holds (a cached prefix): the chunks cover the rest."""
 
@@ -206,12 +217,55 @@ class _FenceInFlight:
 
 
 @attrs.define(eq=False)
+class _Layers:
+    """What the pair keeps beside a per-layer context: its chunk, writes in flight, a failed write."""
+
+    chunk: int
+    in_flight: int = 0
+    failed: bool = False
+
+
+@attrs.define(eq=False)
 class _LayerWrite:
+    """One layer of one context being written (a restart of its rank ends it)."""
+
     room: RoomId
-    start_token: int
     prefill: int
-    endpoint: PrefillEndpoint  # the incarnation that writes (a restart ends its writes)
+    endpoint: PrefillEndpoint
+    context: LayerContext[_Layers]
     done_at: float
+    fail: bool
+
+
+@attrs.define(eq=False)
+class _LayerEvent:
+    """The forward of a prefill rank reports one layer written."""
+
+    prefill: int
+    endpoint: PrefillEndpoint
+    key: LayerKey
+    at: float
+
+
+@attrs.define(eq=False)
+class _PendingSend:
+    """A per-layer chunk's ``send()``, due when its forward ends."""
+
+    prefill: int
+    endpoint: PrefillEndpoint
+    room: RoomId
+    spec: ChunkSpec
+    at: float
+
+
+@attrs.define(eq=False)
+class _Finisher:
+    """``send()`` of a per-layer chunk: what the context's finisher does next."""
+
+    prefill: int
+    endpoint: PrefillEndpoint
+    context: LayerContext[_Layers]
+    verdict: Verdict
 
 
 @attrs.define(eq=False)
@@ -306,6 +360,16 @@ class EndpointPair:
         """Control address of each CP rank (kept by a restarted rank)."""
         self._writes: list[_Write] = []
         self._layer_writes: list[_LayerWrite] = []
+        self._layer_events: list[_LayerEvent] = []
+        self._finishers: dict[int, _Finisher] = {}  # id(context) -> its send()
+        self._pending_sends: list[_PendingSend] = []
+        self._layer_keys = tuple(
+            sorted({LayerKey(model=b.model, layer_id=b.layer_id) for b in self.layout.kv_buffers}, key=str)
+        )
+        self.layer_books: list[LayerBook[_Layers]] = [
+            LayerBook(finish_timeout_s=self.timeouts.transfer) for _ in range(cp_size)
+        ]
+        """The per-layer contexts of each CP rank (a restarted rank starts with an empty book)."""
         self.late_write_s = late_write_s
         self._decode_key: PeerKey = (self.decode_instance, self.decode.origin.rank)
         self._residues: list[_Residue] = []
@@ -327,6 +391,7 @@ class EndpointPair:
         self.forgotten: list[tuple[str, ForgetPeer]] = []
         """Every ``ForgetPeer`` effect, with who emitted it."""
         self.writes_started = 0
+        """Chunk writes and per-layer layer writes started (a layer written to several ranks counts once)."""
         self.retired: list[PrefillEndpoint] = []
         """Prefill incarnations replaced by ``restart_prefill``, oldest first (a long run may clear it)."""
         self._sent: list[deque[tuple[Endpoint, Message]]] = [deque(maxlen=64) for _ in range(cp_size)]
@@ -400,7 +465,9 @@ class EndpointPair:
         times = [self.link.next_delivery(), self.decode.next_deadline()]
         times += [p.next_deadline() for p in self.prefills]
         times += [w.done_at for w in self._writes]
-        times += [w.done_at for w in self._layer_writes]
+        times += [w.done_at for w in self._layer_writes] + [e.at for e in self._layer_events]
+        times += [x.at for x in self._pending_sends]
+        times += [f.context.finish_deadline for f in self._finishers.values() if f.verdict is Verdict.WAIT]
         times += [f.done_at for f in self._fences] + [x.lands_at for x in self._residues]
         times += [t for t in self._partition_until.values() if t is not None]
         while self._scheduled and self._scheduled[0][0] <= self.clock.now:
@@ -438,12 +505,25 @@ class EndpointPair:
             else:
                 metric = TransferMetricData(pages=1, bytes=4096, seconds=self.transfer_time)
                 self._apply(f"prefill{w.prefill}", p.chunk_done(w.room, w.chunk, metric, now))
+        for event in [e for e in self._layer_events if e.at <= now]:
+            self._layer_events.remove(event)
+            if self.prefills[event.prefill] is event.endpoint:
+                for context in self.layer_books[event.prefill].layer_ready(event.key):
+                    self._write_layer(event.prefill, context, event.key, now)
         for lw in [w for w in self._layer_writes if w.done_at <= now]:
             self._layer_writes.remove(lw)
-            if self.prefills[lw.prefill] is lw.endpoint:
-                self._apply(
-                    f"prefill{lw.prefill}", lw.endpoint.layer_writes_ended(lw.room, lw.start_token, now)
+            lw.context.work.in_flight -= 1
+            if lw.fail:
+                lw.context.work.failed = True
+                self._residues.append(
+                    _Residue(room=lw.room, prefill=lw.prefill, lands_at=now + self.late_write_s)
                 )
+        self._end_layer_contexts(now)
+        for pending in [x for x in self._pending_sends if x.at <= now]:
+            self._pending_sends.remove(pending)
+            p = pending.endpoint
+            if self.prefills[pending.prefill] is p and p.poll(pending.room) >= KVPoll.WaitingForInput:
+                self._apply(f"prefill{pending.prefill}", p.queue_chunk(pending.room, pending.spec, now))
         for f in [f for f in self._fences if f.done_at <= now]:
             self._fences.remove(f)
             ok = f.prefill not in self._partition_until
@@ -490,6 +570,9 @@ class EndpointPair:
             all(self.room_settled(room) for room in self._progress)
             and not self._writes
             and not self._layer_writes
+            and not self._layer_events
+            and not self._finishers
+            and not self._pending_sends
             and not self._fences
         )
 
@@ -527,9 +610,10 @@ class EndpointPair:
                 prefill_polls.append(opener.poll(room) if live and opener.has_room(room) else None)
                 prefill_finished = self.finished.pop((f"prefill{i}", room), None)
                 prefill_causes.append(None if prefill_finished is None else prefill_finished.cause)
-            for p in self.prefills:
+            for p, book in zip(self.prefills, self.layer_books, strict=True):
                 if p.has_room(room):
                     p.close_room(room, now)
+                book.forget(room)  # the scheduler's clear(): its per-layer contexts go too
             if self.decode.has_room(room):
                 self.decode.close_room(room, now)
             decode_finished = self.finished.pop(("decode", room), None)
@@ -576,6 +660,10 @@ class EndpointPair:
         self.prefills[cp] = new
         self._writes = [w for w in self._writes if w.prefill != cp]
         self._layer_writes = [w for w in self._layer_writes if w.prefill != cp]
+        self._layer_events = [e for e in self._layer_events if e.prefill != cp]
+        self._finishers = {k: f for k, f in self._finishers.items() if f.prefill != cp}
+        self._pending_sends = [x for x in self._pending_sends if x.prefill != cp]
+        self.layer_books[cp] = LayerBook(finish_timeout_s=self.timeouts.transfer)
         # Its engine's queue dies with the process (bytes already in kernel sockets are the decode's
         # connection cut's to end, which the pair does not model).
         self._residues = [x for x in self._residues if x.prefill != cp]
@@ -630,12 +718,16 @@ class EndpointPair:
                 self._start_write(prefill, e, now)
             elif isinstance(e, RoomFinished):
                 self.finished[(who, e.room)] = e
+                if who != "decode":  # contexts of the room stop (those that never wrote, on Success)
+                    self.layer_books[int(who.removeprefix("prefill"))].cancel(
+                        e.room, e.reason or "room ended"
+                    )
             elif isinstance(e, ReleasePages):
                 self._on_release(e, now)
             elif isinstance(e, ForgetPeer):
                 self.forgotten.append((who, e))
             elif isinstance(e, DropLayers):
-                pass  # the pair runs no per-layer contexts: nothing to stop
+                self.layer_books[int(who.removeprefix("prefill"))].cancel(e.room, e.reason)
             elif isinstance(e, SubmitFence):
                 cp = int(who.removeprefix("prefill"))
                 self._fences.append(
@@ -656,6 +748,20 @@ class EndpointPair:
 
     def _start_write(self, prefill: int, e: SubmitChunk, now: float) -> None:
         if not self.prefills[prefill].start_chunk(e.room, e.chunk, now):
+            return
+        context = self.layer_books[prefill].context(e.room, e.spec.start_token)
+        if context is not None:  # a per-layer chunk: send() finishes its context
+            verdict = self.layer_books[prefill].begin_finish(context, np.asarray(e.spec.pages), now)
+            if verdict is Verdict.DROPPED:
+                reason = f"dropped before send(): {context.stop_reason}"
+                self._apply(
+                    f"prefill{prefill}", self.prefills[prefill].chunk_failed(e.room, e.chunk, reason, now)
+                )
+            else:
+                self._finishers[id(context)] = _Finisher(
+                    prefill=prefill, endpoint=self.prefills[prefill], context=context, verdict=verdict
+                )
+                self._end_layer_contexts(now)
             return
         self.writes_started += 1
         if e.room in self._released_safe:
@@ -719,7 +825,12 @@ class EndpointPair:
                     self._apply(f"prefill{i}", p.abort_room(room, "another CP rank failed the room", now))
                 prog.idle = not pending_aborts
                 continue
-            if prog.next_chunk < len(plan.chunk_pages) and min(polls) >= KVPoll.WaitingForInput:
+            forwarding = any(x.room == room for x in self._pending_sends)  # a per-layer chunk's forward
+            if (
+                prog.next_chunk < len(plan.chunk_pages)
+                and min(polls) >= KVPoll.WaitingForInput
+                and not forwarding
+            ):
                 self._queue_next_chunk(prog, now)
             done = prog.next_chunk == len(plan.chunk_pages) and all(
                 p.poll(room) is KVPoll.Success for _, p in live
@@ -737,23 +848,123 @@ class EndpointPair:
         )
         prog.next_chunk += 1
         for i, p in enumerate(prog.openers):
-            if plan.per_layer and p.layer_writes_started(plan.room, spec.start_token, now):
-                if plan.room in self._released_safe:
-                    self.violations.append(
-                        SafetyViolation(
-                            room=plan.room, time=now, what="layer writes started after safe release"
-                        )
-                    )
-                self._layer_writes.append(
-                    _LayerWrite(
-                        room=plan.room,
-                        start_token=spec.start_token,
-                        prefill=i,
-                        endpoint=p,
-                        done_at=now + self.layer_time,
-                    )
+            if plan.per_layer and self.prefills[i] is p:
+                # Registered before its forward; send() once the forward ends (layer_time later).
+                self._register_layers(i, plan.room, spec, index, now)
+                self._pending_sends.append(
+                    _PendingSend(prefill=i, endpoint=p, room=plan.room, spec=spec, at=now + self.layer_time)
                 )
+                continue
             self._apply(f"prefill{i}", p.queue_chunk(plan.room, spec, now))
+
+    # ------------------------------------------------------------------ per-layer contexts
+
+    def _register_layers(self, prefill: int, room: RoomId, spec: ChunkSpec, chunk: int, now: float) -> None:
+        """Register the chunk for per-layer transfer (if the endpoint rules so) and run its forward:
+        the rank reports its layers one by one over ``layer_time``."""
+        p = self.prefills[prefill]
+        pages = np.asarray(spec.pages, dtype=np.int64)
+        ruling = p.layer_destinations(room, pages, spec.start_token)
+        if isinstance(ruling, str):
+            return
+        self.layer_books[prefill].register(
+            room,
+            spec.start_token,
+            pages=pages,
+            peers=tuple(d.peer.session for d in ruling),
+            expected=frozenset(self._layer_keys),
+            work=_Layers(chunk=chunk),
+            now=now,
+        )
+        step = self.layer_time / len(self._layer_keys)
+        for k, key in enumerate(self._layer_keys):
+            self._layer_events.append(
+                _LayerEvent(prefill=prefill, endpoint=p, key=key, at=now + (k + 1) * step)
+            )
+
+    def _write_layer(self, prefill: int, context: LayerContext[_Layers], key: LayerKey, now: float) -> None:
+        """A layer routed to ``context``: the endpoint is asked before its first write, then each of
+        its destinations gets the layer (written ``transfer_time`` later, failing if injected)."""
+        book, p = self.layer_books[prefill], self.prefills[prefill]
+        live = context.submitting
+        if live and not context.writing:
+            live = book.first_write(
+                context, p.layer_writes_started(context.room, context.start_token, now), now
+            )
+        if not live:
+            return
+        self.writes_started += 1
+        if context.room in self._released_safe:
+            self.violations.append(
+                SafetyViolation(room=context.room, time=now, what="layer writes started after safe release")
+            )
+        fail = self.fail_write is not None and self.fail_write(context.room, context.work.chunk, prefill)
+        for peer in context.peers:
+            book.submitted(context, key, peer)
+            context.work.in_flight += 1
+            self._layer_writes.append(
+                _LayerWrite(
+                    room=context.room,
+                    prefill=prefill,
+                    endpoint=p,
+                    context=context,
+                    done_at=now + self.transfer_time,
+                    fail=fail,
+                )
+            )
+
+    def _end_layer_contexts(self, now: float) -> None:
+        """Contexts whose writes all ended: a finisher's ends the chunk, a stopped one is drained."""
+        for prefill, book in enumerate(self.layer_books):
+            p = self.prefills[prefill]
+            for context in [c for c in book.all_contexts() if not c.terminal]:
+                finisher = self._finishers.get(id(context))
+                if finisher is not None:
+                    if finisher.verdict is Verdict.WAIT:
+                        finisher.verdict = book.finish_check(context, now, job_failed=context.work.failed)
+                    if finisher.verdict is Verdict.WAIT or context.work.in_flight:
+                        continue
+                    del self._finishers[id(context)]
+                    if finisher.verdict is Verdict.COMPLETE and not context.work.failed:
+                        trigger = PerLayerTrigger.COMPLETE
+                    else:
+                        trigger = (
+                            PerLayerTrigger.DROP
+                            if finisher.verdict is Verdict.DRAIN_DROP
+                            else PerLayerTrigger.FAIL
+                        )
+                elif (
+                    context.state in (PerLayerState.CANCELLING, PerLayerState.FAILING)
+                    and not context.work.in_flight
+                ):
+                    trigger = PerLayerTrigger.DROP
+                else:
+                    continue
+                self._context_ended(prefill, p, context, trigger, finisher, now)
+
+    def _context_ended(
+        self,
+        prefill: int,
+        p: PrefillEndpoint,
+        context: LayerContext[_Layers],
+        trigger: PerLayerTrigger,
+        finisher: _Finisher | None,
+        now: float,
+    ) -> None:
+        who = f"prefill{prefill}"
+        if self.layer_books[prefill].ended(context, trigger):
+            fences = None
+            if context.work.failed:
+                fences = {self._decode_key: FenceWrite(session=self._decode_session, src=0, dst=0, length=1)}
+            self._apply(who, p.layer_writes_ended(context.room, context.start_token, now, fences=fences))
+        if finisher is None:
+            return
+        if trigger is PerLayerTrigger.COMPLETE:
+            metric = TransferMetricData(pages=1, bytes=4096, seconds=self.transfer_time)
+            self._apply(who, p.chunk_done(context.room, context.work.chunk, metric, now))
+        else:
+            reason = "injected engine failure" if context.work.failed else context.stop_reason
+            self._apply(who, p.chunk_failed(context.room, context.work.chunk, reason or "failed", now))
 
 
 def default_layout(*, layers: int = 2, pages: int = 4096, page_size: int = 16) -> BufferLayout:
