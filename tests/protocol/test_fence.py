@@ -58,11 +58,30 @@ def test_a_failed_fence_keeps_the_ack_owed_until_a_later_abort_fences_again() ->
     assert sent(failed, AbortAck) == []
     [notice] = [e for e in failed if isinstance(e, Notice)]
     assert notice.level is NoticeLevel.WARNING and "link down" in notice.text
-    retry = p.receive(Abort(origin=DECODE, room=ROOM, reason="x"), 5.0)
+    retry = p.receive(Abort(origin=DECODE, room=ROOM, reason="x"), 1.6)  # before its own retry
     assert [e for e in retry if isinstance(e, SubmitFence)] == [SubmitFence(room=ROOM, peer=KEY, fence=FENCE)]
-    assert sent(p.fence_done(ROOM, KEY, True, "", 5.5), AbortAck) == [AbortAck(origin=p.origin, room=ROOM)]
+    assert sent(p.fence_done(ROOM, KEY, True, "", 1.7), AbortAck) == [AbortAck(origin=p.origin, room=ROOM)]
     stats = p.statistics()
     assert (stats.fences_submitted, stats.fences_failed) == (2, 1)
+    assert not [e for e in p.tick(10.0) if isinstance(e, SubmitFence)]  # acknowledged: no retry
+
+
+def test_a_failed_fence_is_written_again_without_waiting_for_the_next_abort() -> None:
+    """The first write on an engine connection that died fails before the engine reconnects: the
+    prefill writes the fence again ``abort_resend`` later on its own; the decode's resend interval
+    doubles and may be far away."""
+    p = _failed_room()
+    p.receive(Abort(origin=DECODE, room=ROOM, reason="x"), 1.0)
+    p.fence_done(ROOM, KEY, False, "lane reset by the decode's cut", 1.5)
+    resend = p.timeouts.abort_resend
+    assert p.next_deadline() == pytest.approx(1.5 + resend)
+    assert not [e for e in p.tick(1.5 + resend / 2) if isinstance(e, SubmitFence)]
+    retry = p.tick(1.5 + resend)
+    assert [e for e in retry if isinstance(e, SubmitFence)] == [SubmitFence(room=ROOM, peer=KEY, fence=FENCE)]
+    assert sent(p.fence_done(ROOM, KEY, True, "", 2.0 + resend), AbortAck) == [
+        AbortAck(origin=p.origin, room=ROOM)
+    ]
+    assert (p.statistics().fences_submitted, p.statistics().fences_failed) == (2, 1)
 
 
 def test_the_fence_outlives_the_room_clear_in_its_tombstone_time() -> None:

@@ -42,6 +42,7 @@ from pdkv.errors import InvalidArgumentError, LocalProtocolError
 from pdkv.mapping.layout import BufferLayout
 from pdkv.protocol import arguments
 from pdkv.protocol._deadlines import DeadlineQueue, Tombstones
+from pdkv.protocol._rooms import Heartbeats, RoomKeeper
 from pdkv.protocol.config import Timeouts
 from pdkv.protocol.effects import (
     CutConnections,
@@ -212,8 +213,10 @@ class _ReceiverRoom:
         return {t.key for t in self.targets if not t.dummy}
 
 
-class DecodeEndpoint:
+class DecodeEndpoint(RoomKeeper[_ReceiverRoom]):
     """The protocol state of one decode rank (sans-IO)."""
+
+    side = "decode"
 
     def __init__(
         self,
@@ -236,15 +239,13 @@ class DecodeEndpoint:
             origin=origin, tp_size=tp_size, endpoint=endpoint, session=session, layout=layout
         )
         self._peers: dict[PeerKey, _PrefillPeer] = {}
-        self._rooms: dict[RoomId, _ReceiverRoom] = {}
-        self._deadlines: DeadlineQueue[RoomId] = DeadlineQueue()
+        self._keep_rooms()
         self._resends: DeadlineQueue[RoomId] = DeadlineQueue()
         self._quarantined: dict[RoomId, int] = {}  # room -> destination pages held
         # Cleared room ids, refused until they expire: a late status of the room that had the id
         # must never complete a new room that reuses it.
         self._tombstones: Tombstones[RoomId, None] = Tombstones()
-        self._heartbeat_due: float | None = None  # None while no prefill rank is READY
-        self._heartbeat_seq = 0
+        self._heartbeats = Heartbeats(self.timeouts.heartbeat_interval)  # due while a rank is READY
         self._counters = _Counters()
 
     # ------------------------------------------------------------------ registration
@@ -359,8 +360,7 @@ class DecodeEndpoint:
             return []  # a duplicate ack, or one that comes after a refusal: nothing to change
         peer.machine.fire(PeerTrigger.ACKNOWLEDGED)
         peer.last_heard = now
-        if self._heartbeat_due is None:
-            self._heartbeat_due = now + self.timeouts.heartbeat_interval
+        self._heartbeats.arm(now)
         effects: list[Effect] = []
         for r in list(self._rooms.values()):
             if r.state is ReceiverRoomState.BOOTSTRAPPING and all(self.peer_ready(t) for t in r.targets):
@@ -624,9 +624,7 @@ class DecodeEndpoint:
     def failure_record(self, room: RoomId) -> Failure | None:
         """The room's failure as the scheduler reads it (None unless it failed)."""
         r = self._rooms.get(room)
-        if r is None or r.failure is None or r.cause is None:
-            return None
-        return Failure(cause=r.cause, reason=r.failure, peer=_peer_text(r.failure_peer))
+        return None if r is None else self._failure_of(r)
 
     def release_ready(self, room: RoomId) -> bool:
         """True when no prefill rank can still write into the room's pages (or the ack wait timed out);
@@ -649,17 +647,10 @@ class DecodeEndpoint:
         r = self._room(room)
         return None if r.abort is None else r.abort.state
 
-    def rooms(self) -> list[RoomId]:
-        return list(self._rooms)
-
-    def has_room(self, room: RoomId) -> bool:
-        """Does this rank hold ``room`` (opened or requested, not yet closed)? O(1), unlike ``rooms()``."""
-        return room in self._rooms
-
     # ------------------------------------------------------------------ timers
 
     def next_deadline(self) -> float | None:
-        room_deadline = self._deadlines.next_deadline(self._room_deadline)
+        room_deadline = self._next_room_deadline()
         resend = self._resends.next_deadline(self._resend_deadline)
         tombstone = self._tombstones.next_expiry()
         register = min(
@@ -667,7 +658,7 @@ class DecodeEndpoint:
             default=None,
         )
         candidates = [
-            d for d in (room_deadline, resend, tombstone, register, self._heartbeat_due) if d is not None
+            d for d in (room_deadline, resend, tombstone, register, self._heartbeats.due) if d is not None
         ]
         return min(candidates, default=None)
 
@@ -675,7 +666,7 @@ class DecodeEndpoint:
         """Heartbeat round when due (register again with silent ranks, greet the others); resend due
         registrations; fail rooms past their deadline; release after ack timeouts."""
         effects: list[Effect] = []
-        if self._heartbeat_due is not None and self._heartbeat_due <= now:
+        if self._heartbeats.is_due(now):
             effects += self._heartbeat_round(now)
         for peer in self._peers.values():
             if peer.state is PeerState.REGISTERING and peer.register_due <= now:
@@ -683,7 +674,7 @@ class DecodeEndpoint:
         self._tombstones.expire(now)
         for room in self._resends.pop_due(now, self._resend_deadline):
             effects += self._resend_abort(self._rooms[room], now)
-        for room in self._deadlines.pop_due(now, self._room_deadline):
+        for room in self._due_rooms(now):
             r = self._rooms[room]
             missing = sorted(f"{k[0]}:{k[1]}" for k in r.must_ack - r.acked)
             if r.abort is not None and r.abort.state is DecodeAbortState.REQUESTED:
@@ -747,19 +738,17 @@ class DecodeEndpoint:
 
     def _heartbeat_round(self, now: float) -> list[Effect]:
         effects: list[Effect] = []
-        self._heartbeat_seq += 1
+        seq = self._heartbeats.next_seq()
         for peer in list(self._peers.values()):
             if peer.state is not PeerState.READY:
                 continue
             if now - peer.last_heard >= self.timeouts.heartbeat_timeout:
                 effects += self._peer_silent(peer, now)
             else:
-                beat = Heartbeat(
-                    origin=self.origin, seq=self._heartbeat_seq, endpoint=self._register.endpoint
-                )
+                beat = Heartbeat(origin=self.origin, seq=seq, endpoint=self._register.endpoint)
                 effects.append(Send(to=peer.endpoint, message=beat))
         ready = any(p.state is PeerState.READY for p in self._peers.values())
-        self._heartbeat_due = now + self.timeouts.heartbeat_interval if ready else None
+        self._heartbeats.reschedule(now, again=ready)
         return effects
 
     # ------------------------------------------------------------------ statistics
@@ -995,20 +984,6 @@ class DecodeEndpoint:
         self._counters.late_messages += 1
         return [Notice(level=NoticeLevel.DEBUG, text=f"late {what} for room {room}", room=room)]
 
-    def _set_deadline(self, r: _ReceiverRoom, deadline: float) -> None:
-        r.deadline = deadline
-        self._deadlines.push(r.room, deadline)
-
-    def _room_deadline(self, room: RoomId) -> float | None:
-        r = self._rooms.get(room)
-        return None if r is None else r.deadline
-
-    def _room(self, room: RoomId) -> _ReceiverRoom:
-        r = self._rooms.get(room)
-        if r is None:
-            raise LocalProtocolError(f"unknown room {room} on decode {self.origin}")
-        return r
-
 
 _AWAITING_ACKS = (DecodeAbortState.REQUESTED, DecodeAbortState.QUARANTINED)
 
@@ -1024,7 +999,3 @@ def _host_of(session: SessionId) -> str:
     """The host of an engine session ``host:port`` (``[v6]:port`` too)."""
     host = session.rsplit(":", 1)[0] if ":" in session else session
     return host[1:-1] if host.startswith("[") and host.endswith("]") else host
-
-
-def _peer_text(key: PeerKey | None) -> str | None:
-    return None if key is None else f"{key[0]}:{key[1]}"

@@ -111,8 +111,10 @@ class Verdict(enum.Enum):
     DROPPED = "dropped"  # dropped before send(): nothing to wait for (the record is gone)
 
 
-@attrs.frozen
+@attrs.frozen(kw_only=True)
 class LayerBookStatistics:
+    """The book's counters since it was made."""
+
     registered: int
     duplicates: int
     fallbacks: int

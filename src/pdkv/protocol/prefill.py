@@ -51,6 +51,7 @@ from pdkv.mapping._arrays import summarize
 from pdkv.mapping.layout import BufferLayout
 from pdkv.protocol import arguments
 from pdkv.protocol._deadlines import DeadlineQueue, Tombstones
+from pdkv.protocol._rooms import Heartbeats, RoomKeeper
 from pdkv.protocol.config import Timeouts
 from pdkv.protocol.effects import (
     ChunkSpec,
@@ -177,6 +178,7 @@ class _Fence:
 
     write: FenceWrite
     running: bool = False
+    retry_at: float | None = None  # a failed fence is written again then, without waiting for an Abort
 
 
 @attrs.define(eq=False)
@@ -234,8 +236,10 @@ class _SenderRoom:
         return [r for r in self.requests.values() if not r.dummy]
 
 
-class PrefillEndpoint:
+class PrefillEndpoint(RoomKeeper[_SenderRoom]):
     """The protocol state of one prefill rank (sans-IO)."""
+
+    side = "prefill"
 
     def __init__(self, *, origin: Origin, layout: BufferLayout, timeouts: Timeouts | None = None) -> None:
         self.origin = origin
@@ -243,18 +247,17 @@ class PrefillEndpoint:
         self.timeouts = timeouts if timeouts is not None else Timeouts()
         self._peers: dict[PeerKey, DecodePeer] = {}
         self._last_heard: dict[PeerKey, float] = {}
-        self._heartbeat_due: float | None = None  # None while no decode rank is registered
-        self._heartbeat_seq = 0
+        self._heartbeats = Heartbeats(self.timeouts.heartbeat_interval)  # due while a rank is registered
         self._draining: dict[PeerKey, set[RoomId]] = {}  # forgotten rank -> rooms still writing to it
         # Each decode rank's lifecycle (the Peer machine): READY, FORGOTTEN, DRAINING (its RegisterAck
         # waits for ``_draining``), REJECTED. Kept while the rank matters: registered or draining.
         self._lifecycle: dict[PeerKey, PeerMachine] = {}
         self._newest_epoch: dict[PeerKey, Epoch] = {}  # the latest epoch each decode rank registered with
-        self._rooms: dict[RoomId, _SenderRoom] = {}
+        self._keep_rooms()
         self._tombstones: Tombstones[RoomId, _Tombstone] = Tombstones()
         self._fences: dict[tuple[RoomId, PeerKey], _Fence] = {}  # owed before an AbortAck
+        self._fence_retries: DeadlineQueue[tuple[RoomId, PeerKey]] = DeadlineQueue()
         self._unopened_failed: list[RoomId] = []  # freed at the end of the input that failed them
-        self._deadlines: DeadlineQueue[RoomId] = DeadlineQueue()
         self._status_resends: DeadlineQueue[RoomId] = DeadlineQueue()
         self._counters = _Counters()
 
@@ -341,8 +344,7 @@ class PrefillEndpoint:
             effects.append(Send(to=msg.endpoint, message=RegisterReject(origin=self.origin, reason=reason)))
             effects.append(_notice(NoticeLevel.WARNING, f"rejected registration of {msg.origin}: {reason}"))
             return effects
-        if self._heartbeat_due is None:
-            self._heartbeat_due = now + self.timeouts.heartbeat_interval
+        self._heartbeats.arm(now)
         self._peers[key] = DecodePeer(
             instance=msg.origin.instance,
             epoch=msg.origin.epoch,
@@ -647,7 +649,7 @@ class PrefillEndpoint:
         if machine is not None and not self._draining.get(key):
             self._lifecycle.pop(key, None)
         if not self._peers:
-            self._heartbeat_due = None
+            self._heartbeats.stop()
 
     def _stale(self, msg: Message) -> list[Effect]:
         self._counters.stale_messages += 1
@@ -856,10 +858,7 @@ class PrefillEndpoint:
         tombstone answers with its reason)."""
         r = self._rooms.get(room)
         if r is not None:
-            if r.failure is None or r.cause is None:
-                return None
-            peer = None if r.failure_peer is None else f"{r.failure_peer[0]}:{r.failure_peer[1]}"
-            return Failure(cause=r.cause, reason=r.failure, peer=peer)
+            return self._failure_of(r)
         tomb = self._tombstones.get(room)
         return None if tomb is None else Failure(cause=tomb.cause, reason=tomb.reason)
 
@@ -940,12 +939,8 @@ class PrefillEndpoint:
     def chunk_states(self, room: RoomId) -> list[ChunkState]:
         return [c.machine.state for c in self._room(room).chunks]
 
-    def rooms(self) -> list[RoomId]:
-        return list(self._rooms)
-
-    def has_room(self, room: RoomId) -> bool:
-        """Does this rank hold ``room`` (opened or requested, not yet closed)? O(1), unlike ``rooms()``."""
-        return room in self._rooms
+    def _deadline_of(self, r: _SenderRoom) -> float | None:
+        return None if r.terminal else r.deadline
 
     # ------------------------------------------------------------------ transfer-worker input
 
@@ -1093,10 +1088,11 @@ class PrefillEndpoint:
         candidates = [
             d
             for d in (
-                self._deadlines.next_deadline(self._room_deadline),
+                self._next_room_deadline(),
                 self._tombstones.next_expiry(),
                 self._status_resends.next_deadline(self._status_resend_deadline),
-                self._heartbeat_due,
+                self._fence_retries.next_deadline(self._fence_retry_deadline),
+                self._heartbeats.due,
             )
             if d is not None
         ]
@@ -1106,9 +1102,9 @@ class PrefillEndpoint:
         """Heartbeat round when due (forget silent decode ranks, greet the others); fail every room
         whose deadline passed; forget expired tombstones."""
         effects: list[Effect] = []
-        if self._heartbeat_due is not None and self._heartbeat_due <= now:
+        if self._heartbeats.is_due(now):
             effects += self._heartbeat_round(now)
-        for room in self._deadlines.pop_due(now, self._room_deadline):
+        for room in self._due_rooms(now):
             r = self._rooms[room]
             limit = {
                 SenderRoomState.BOOTSTRAPPING: ("bootstrap", self.timeouts.bootstrap),
@@ -1127,6 +1123,9 @@ class PrefillEndpoint:
                     del self._fences[key]
         for room in self._status_resends.pop_due(now, self._status_resend_deadline):
             effects += self._resend_status(self._rooms[room], now)
+        for fenced, peer_key in self._fence_retries.pop_due(now, self._fence_retry_deadline):
+            self._fences[(fenced, peer_key)].retry_at = None
+            effects += self._abort_ack(fenced, peer_key)  # the fence again (nothing if the rank is gone)
         self._free_unopened(now)
         return effects
 
@@ -1135,11 +1134,11 @@ class PrefillEndpoint:
         for key in sorted(self._peers, key=_peer_order):
             if now - self._last_heard.get(key, now) >= self.timeouts.heartbeat_timeout:
                 effects += self._peer_silent(key, now)
-        self._heartbeat_seq += 1
+        seq = self._heartbeats.next_seq()
         for key in sorted(self._peers, key=_peer_order):
-            beat = Heartbeat(origin=self.origin, seq=self._heartbeat_seq)
+            beat = Heartbeat(origin=self.origin, seq=seq)
             effects.append(Send(to=self._peers[key].endpoint, message=beat))
-        self._heartbeat_due = now + self.timeouts.heartbeat_interval if self._peers else None
+        self._heartbeats.reschedule(now, again=bool(self._peers))
         return effects
 
     # ------------------------------------------------------------------ statistics
@@ -1176,14 +1175,6 @@ class PrefillEndpoint:
         self._rooms[room] = r
         self._set_deadline(r, now + self.timeouts.bootstrap)
         return r
-
-    def _set_deadline(self, r: _SenderRoom, deadline: float) -> None:
-        r.deadline = deadline
-        self._deadlines.push(r.room, deadline)
-
-    def _room_deadline(self, room: RoomId) -> float | None:
-        r = self._rooms.get(room)
-        return None if r is None or r.terminal else r.deadline
 
     def _fail(
         self,
@@ -1293,23 +1284,32 @@ class PrefillEndpoint:
 
     def fence_done(self, room: RoomId, peer: PeerKey, ok: bool, reason: str, now: float) -> list[Effect]:
         """The fence write of ``room`` to ``peer`` ended: COMPLETED (``ok``) lets its AbortAck go; a
-        failure keeps it owed (the decode's next resent Abort fences again)."""
+        failure keeps it owed, and the fence is written again ``abort_resend`` later (or at the
+        decode's next resent Abort, if that comes first). A write on an engine connection that died
+        (a partition, the decode's cut) fails once before the engine reconnects, so the retry does
+        not wait for the decode's doubling resend interval."""
         owed = self._fences.get((room, peer))
         if owed is None or not owed.running:
             return []
         if not ok:
             owed.running = False
+            owed.retry_at = now + self.timeouts.abort_resend
+            self._fence_retries.push((room, peer), owed.retry_at)
             self._counters.fences_failed += 1
             return [
                 _notice(
                     NoticeLevel.WARNING,
-                    f"room {room}: fence write to {peer[0]}:{peer[1]} failed ({reason}); "
-                    "its AbortAck waits for the next Abort",
+                    f"room {room}: fence write to {peer[0]}:{peer[1]} failed ({reason}); written again "
+                    f"in {self.timeouts.abort_resend:g} s or at the next Abort, its AbortAck waits",
                     room,
                 )
             ]
         del self._fences[(room, peer)]
         return self._abort_ack(room, peer)
+
+    def _fence_retry_deadline(self, key: tuple[RoomId, PeerKey]) -> float | None:
+        owed = self._fences.get(key)
+        return None if owed is None or owed.running else owed.retry_at
 
     def _forget_if_idle(self, r: _SenderRoom) -> None:
         if r.closed and not r.in_flight and (r.abort is None or r.abort.state is PrefillAbortState.ACKED):
@@ -1338,12 +1338,6 @@ class PrefillEndpoint:
             del self._rooms[room]
             self._counters.unopened_rooms_freed += 1
             self._tombstone(room, now, r.failure or "failed", r.cause or FailureCause.INVALID)
-
-    def _room(self, room: RoomId) -> _SenderRoom:
-        r = self._rooms.get(room)
-        if r is None:
-            raise LocalProtocolError(f"unknown room {room} on prefill {self.origin}")
-        return r
 
     def _opened(self, room: RoomId) -> _SenderRoom:
         r = self._rooms.get(room)

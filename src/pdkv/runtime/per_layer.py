@@ -87,7 +87,7 @@ from pdkv.mapping import (
 from pdkv.protocol import arguments
 from pdkv.protocol.effects import ChunkSpec, Destination, FenceWrite
 from pdkv.protocol.ids import RoomId
-from pdkv.protocol.layers import LayerBook, LayerContext, Verdict
+from pdkv.protocol.layers import LayerBook, LayerBookStatistics, LayerContext, Verdict
 from pdkv.protocol.machines import PerLayerState, PerLayerTrigger
 from pdkv.protocol.messages import IntArray
 from pdkv.runtime.chunk_plan import fence_of, plan_chunk
@@ -200,19 +200,10 @@ class LayerTransferResult:
 
 
 @attrs.frozen(kw_only=True)
-class PerLayerStatistics:
-    """Counters of one manager since it started."""
+class PerLayerStatistics(LayerBookStatistics):
+    """Counters of one manager since it started: its book's (``layers_submitted`` counts one per
+    layer and destination), and its lanes."""
 
-    registered: int
-    duplicates: int
-    fallbacks: int
-    layer_events: int
-    layers_submitted: int
-    """Layer submissions: one per layer and destination."""
-    finished: int
-    failed: int
-    dropped: int
-    open_contexts: int
     lanes: int
     """Submission lanes (one per destination peer with recent work)."""
 
@@ -635,15 +626,7 @@ class PerLayerTransferManager:
         with self._lock:
             book = self._book.statistics()
             return PerLayerStatistics(
-                registered=book.registered,
-                duplicates=book.duplicates,
-                fallbacks=book.fallbacks,
-                layer_events=book.layer_events,
-                layers_submitted=book.layers_submitted,
-                finished=book.finished,
-                failed=book.failed,
-                dropped=book.dropped,
-                open_contexts=book.open_contexts,
+                **attrs.asdict(book),
                 lanes=len(self._lanes),
             )
 

@@ -493,13 +493,15 @@ def netns_unavailable() -> str | None:
 def veth_namespaces(tag: str, subnet: int = 231) -> Iterator[NetnsLayout]:
     """Create two namespaces and a veth pair (10.<subnet>.<n>.1 decode, .2 prefill); remove them on exit."""
     n = random.randrange(1, 250)
+    # Names unique per use: a namespace of an earlier run still being torn down never collides.
+    unique = f"{tag[:6]}{random.randrange(16**4):04x}"
     layout = NetnsLayout(
-        prefill_ns=f"pdkv-{tag}-p",
+        prefill_ns=f"pdkv-{unique}-p",
         prefill_ip=f"10.{subnet}.{n}.2",
-        prefill_link=f"pk{tag[:6]}p",
-        decode_ns=f"pdkv-{tag}-d",
+        prefill_link=f"pk{unique}p",
+        decode_ns=f"pdkv-{unique}-d",
         decode_ip=f"10.{subnet}.{n}.1",
-        decode_link=f"pk{tag[:6]}d",
+        decode_link=f"pk{unique}d",
     )
     try:
         for ns in (layout.prefill_ns, layout.decode_ns):
