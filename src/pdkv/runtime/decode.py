@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
@@ -23,7 +22,7 @@ from pdkv.control.auth import Authenticator
 from pdkv.control.channel import ChannelStatistics
 from pdkv.control.errors import ControlError
 from pdkv.engine.backend import TransferBackend
-from pdkv.errors import ConfigError, LayoutMismatchError, PdkvError, RouteUnavailableError
+from pdkv.errors import ConfigError, LayoutMismatchError, RouteUnavailableError
 from pdkv.mapping import BufferLayout, Topology, decode_fanout, layout_kv_heads
 from pdkv.metrics import KVTransferMetric, TransportCounter, TransportGauge, TransportMetricsSnapshot
 from pdkv.protocol import arguments
@@ -49,6 +48,7 @@ from pdkv.protocol.messages import (
     StateIndices,
 )
 from pdkv.protocol.poll import KVPoll
+from pdkv.runtime._cuts import HostCutter
 from pdkv.runtime._host import EndpointHost, RoomHandle, new_epoch, peer_name
 from pdkv.runtime._loop import ChannelFactory
 from pdkv.runtime.channels import query_registry, zmq_channel_factory
@@ -135,6 +135,9 @@ class DecodeTransport(EndpointHost[DecodeEndpoint]):
         self._released = 0
         self._unsafe = 0
         self._seen: dict[TransportCounter, int] = {}  # endpoint counter totals already in metrics
+        self._cutter = HostCutter(
+            backend.cut_connections_from, self._cut_done, name=f"pdkv-cut-{config.rank}"
+        )
 
     def start(self) -> None:
         """Register buffers and start the control thread. Idempotent once it succeeded; a failed start
@@ -312,30 +315,12 @@ class DecodeTransport(EndpointHost[DecodeEndpoint]):
                     self._accounting.reported(effect.room, peer_name(instance, rank), data)
         elif isinstance(effect, CutConnections):
             # Off the lock: a cut waits until the kernel dropped the sockets (their readers closed them).
-            threading.Thread(
-                target=self._cut_connections, args=(effect,), name=f"pdkv-cut-{effect.room}", daemon=True
-            ).start()
+            self._cutter.request(effect)
         elif isinstance(effect, (SubmitChunk, SubmitFence)):  # prefill-side effects
             raise AssertionError(f"decode endpoint emitted {effect}")
 
-    def _cut_connections(self, effect: CutConnections) -> None:
-        """End every engine connection from the room's prefill hosts, then tell the endpoint."""
-        ok, reason, cut = True, "", 0
-        try:
-            for host in effect.hosts:
-                cut += self.backend.cut_connections_from(host)
-        except PdkvError as exc:
-            ok, reason = False, str(exc)
-        except Exception as exc:  # never leave the room waiting on a cut that died
-            log.exception("room %s: cutting the connections of %s failed", effect.room, effect.hosts)
-            ok, reason = False, f"internal error: {type(exc).__name__}: {exc}"
-        if ok:
-            log.warning(
-                "room %s: %d engine connection(s) from %s cut before releasing its quarantined pages",
-                effect.room,
-                cut,
-                ", ".join(effect.hosts),
-            )
+    def _cut_done(self, effect: CutConnections, ok: bool, reason: str) -> None:
+        """The cutter ended the connections a quarantined room waited for (or could not)."""
         with self._lock:
             self._apply(self._endpoint.connections_cut(effect.room, ok, reason, self._clock()))
 
