@@ -24,3 +24,10 @@ python3 -c "import mooncake.engine; print('mooncake.engine imports')" || true
 python3 -c "import zmq, transitions, attrs, msgpack, pdkv; print('pdkv imports')" || exit 1
 PYTHONUNBUFFERED=1 timeout 360 python3 -m pytest tests/cuda -v -rA -p no:cacheprovider --timeout 300 2>&1 | tee "$OUT/cuda.log"
 echo "rc=${PIPESTATUS[0]}"
+# With --bench: the control-plane and latency benches on this machine's cores, for comparison with
+# the figures of a 2-core machine (the benches print JSON lines and a table).
+if [ "${1:-}" = "--bench" ]; then
+  nproc
+  for run in 1 2 3; do timeout 120 python3 -m pdkv bench control 2>&1 | tail -12 | tee -a "$OUT/bench.log"; done
+  timeout 200 python3 -m pdkv bench latency --sizes 1,16,128 --repeats 5 2>&1 | tail -40 | tee -a "$OUT/bench.log"
+fi
