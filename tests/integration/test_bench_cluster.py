@@ -26,6 +26,9 @@ def test_bench_control_quick() -> None:
         assert r["failed"] == 0
         assert 0 < float(str(r["p50_ms"])) <= float(str(r["p99_ms"]))
         assert float(str(r["rooms_per_s"])) > 0
+    # One room at a time: no two rooms' chunks can share a transfer job.
+    assert serial["rooms_per_job"] == 1.0
+    assert float(str(concurrent["rooms_per_job"])) >= 1.0
     ratio = float(str(concurrent["rooms_per_s"])) / float(str(serial["rooms_per_s"]))
     assert summary["concurrent_vs_serial_rooms_per_s"] == pytest.approx(ratio)
 

@@ -5,9 +5,12 @@ A prefill rank and a decode rank in their own processes (``pdkv.testing.cluster`
 decode side's, from ``receiver.init`` to Success seen by its poll loop: registration is done once
 at start-up, so this is the per-room protocol (TransferRequest, forward, one tiny write, status)
 plus the two simple schedulers' polling. The same run is repeated with one room at a time, whose
-latency is the floor the concurrent figure is compared with. The decode's byte check of every room
-(zeroing its pages before, comparing every byte after: most of the decode's work for a one-page room,
-and not the control plane's) is off unless ``--verify``; the latency bench checks bytes.
+latency is the floor the concurrent figure is compared with. Each mode runs on its own pair of
+processes; "rooms/job" is how many rooms' chunks shared one transfer job (engine submission and
+status wait) on average, from the prefill's ``writes`` / ``write_jobs`` counters. The decode's byte
+check of every room (zeroing its pages before, comparing every byte after: most of the decode's work
+for a one-page room, and not the control plane's) is off unless ``--verify``; the latency bench
+checks bytes.
 """
 
 from __future__ import annotations
@@ -51,30 +54,44 @@ def main(argv: Sequence[str]) -> int:
     )
     rows: list[list[object]] = []
     records: dict[str, dict[str, float]] = {}
-    with Cluster(spec) as cluster:
-        base = 1
-        for label, concurrency in (("serial", 1), ("concurrent", args.concurrency)):
-            count = max(5, rooms // 10) if concurrency == 1 else rooms
-            plans = [RequestPlan(room=RoomId(base + i), tokens=16, chunk_tokens=(16,)) for i in range(count)]
-            base += count
+    base = 1
+    for label, concurrency in (("serial", 1), ("concurrent", args.concurrency)):
+        # A cluster per mode, so the prefill's counters (rooms per transfer job) are this mode's.
+        count = max(5, rooms // 10) if concurrency == 1 else rooms
+        plans = [RequestPlan(room=RoomId(base + i), tokens=16, chunk_tokens=(16,)) for i in range(count)]
+        base += count
+        with Cluster(spec) as cluster:
             started = time.perf_counter()
             outcomes = cluster.run(plans, max_active=concurrency)
             seconds = time.perf_counter() - started
-            decode = [o for o in outcomes if o.side == "decode"]
-            failed = sum(o.poll != KVPoll.Success for o in decode)
-            lat = np.array([o.seconds for o in decode]) * 1000
-            record = {
-                "rooms": float(count),
-                "concurrency": float(concurrency),
-                "rooms_per_s": count / seconds,
-                "p50_ms": float(np.percentile(lat, 50)),
-                "p99_ms": float(np.percentile(lat, 99)),
-                "failed": float(failed),
-            }
-            records[label] = record
-            rows.append(
-                [label, count, concurrency, record["rooms_per_s"], record["p50_ms"], record["p99_ms"], failed]
-            )
+        prefill = [r for r in cluster.reports if r.side == "prefill"]
+        writes = sum(r.writes for r in prefill)
+        jobs = sum(r.write_jobs for r in prefill)
+        decode = [o for o in outcomes if o.side == "decode"]
+        failed = sum(o.poll != KVPoll.Success for o in decode)
+        lat = np.array([o.seconds for o in decode]) * 1000
+        record = {
+            "rooms": float(count),
+            "concurrency": float(concurrency),
+            "rooms_per_s": count / seconds,
+            "p50_ms": float(np.percentile(lat, 50)),
+            "p99_ms": float(np.percentile(lat, 99)),
+            "failed": float(failed),
+            "rooms_per_job": writes / jobs if jobs else 0.0,
+        }
+        records[label] = record
+        rows.append(
+            [
+                label,
+                count,
+                concurrency,
+                record["rooms_per_s"],
+                record["p50_ms"],
+                record["p99_ms"],
+                record["rooms_per_job"],
+                failed,
+            ]
+        )
     for label, record in records.items():
         emit({"bench": "control", "kind": label, **record})
     ratio = records["concurrent"]["rooms_per_s"] / records["serial"]["rooms_per_s"]
@@ -89,7 +106,7 @@ def main(argv: Sequence[str]) -> int:
     table(
         f"pdkv bench control: 1-page rooms across processes (prefill cp{args.cp}, decode tp1); "
         f"concurrency gives {ratio:.1f}x the serial rate",
-        ["mode", "rooms", "in flight", "rooms/s", "p50 ms", "p99 ms", "failed"],
+        ["mode", "rooms", "in flight", "rooms/s", "p50 ms", "p99 ms", "rooms/job", "failed"],
         rows,
     )
     return 0 if all(r["failed"] == 0 for r in records.values()) else 1

@@ -183,6 +183,8 @@ def _prefill_rank(args: _RankArgs, conn: Connection) -> None:
                     peers_lost=stats.endpoint.peers_lost,
                     peer_restarts=stats.endpoint.peer_restarts,
                     fences=stats.endpoint.fences_submitted,
+                    writes=stats.metrics.counters.writes,
+                    write_jobs=stats.metrics.counters.write_jobs,
                     consensus_lost=consensus.lost if consensus is not None else "",
                     faults=_fault_counts(backend, channels),
                 ),

@@ -197,6 +197,10 @@ class RankReport:
     """Decode: quarantined rooms released proven (acks after fences, then connections cut)."""
     fences: int = 0
     """Prefill: fence writes made before AbortAcks of rooms whose writes failed."""
+    writes: int = 0
+    """Prefill: chunk writes to decode ranks (one per chunk and destination with bytes)."""
+    write_jobs: int = 0
+    """Prefill: transfer jobs those writes went in (``writes / write_jobs`` rooms shared a job on average)."""
 
 
 class ClusterError(RuntimeError):
