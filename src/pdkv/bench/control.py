@@ -16,6 +16,7 @@ checks bytes.
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from collections.abc import Sequence
 
@@ -24,7 +25,7 @@ import numpy as np
 from pdkv.bench._report import emit, table
 from pdkv.protocol.ids import RoomId
 from pdkv.protocol.poll import KVPoll
-from pdkv.testing.cluster import Cluster, ClusterSpec, RequestPlan
+from pdkv.testing.cluster import Cluster, ClusterSpec, RankReport, RequestPlan
 from pdkv.testing.synthetic import Capacity, ModelSpec
 
 
@@ -53,6 +54,7 @@ def main(argv: Sequence[str]) -> int:
         verify_bytes=args.verify,
     )
     rows: list[list[object]] = []
+    cpu_rows: list[list[object]] = []
     records: dict[str, dict[str, float]] = {}
     base = 1
     for label, concurrency in (("serial", 1), ("concurrent", args.concurrency)):
@@ -62,8 +64,10 @@ def main(argv: Sequence[str]) -> int:
         base += count
         with Cluster(spec) as cluster:
             started = time.perf_counter()
+            driver_cpu = time.process_time()
             outcomes = cluster.run(plans, max_active=concurrency)
             seconds = time.perf_counter() - started
+            driver_cpu = time.process_time() - driver_cpu
         prefill = [r for r in cluster.reports if r.side == "prefill"]
         writes = sum(r.writes for r in prefill)
         jobs = sum(r.write_jobs for r in prefill)
@@ -80,6 +84,7 @@ def main(argv: Sequence[str]) -> int:
             "rooms_per_job": writes / jobs if jobs else 0.0,
         }
         records[label] = record
+        cpu_rows.extend(_cpu_rows(label, count, cluster.reports, driver_cpu))
         rows.append(
             [
                 label,
@@ -109,4 +114,61 @@ def main(argv: Sequence[str]) -> int:
         ["mode", "rooms", "in flight", "rooms/s", "p50 ms", "p99 ms", "rooms/job", "failed"],
         rows,
     )
+    table(
+        "CPU per room (ms), by process and thread group, from the end of start-up to the last room "
+        f"(this machine has {os.cpu_count()} cores: rooms/s cannot pass cores x 1000 / total)",
+        ["mode", "process", *_CPU_GROUPS, "total"],
+        cpu_rows,
+    )
+    for row in cpu_rows:
+        emit(
+            {
+                "bench": "control",
+                "kind": "cpu_ms_per_room",
+                "mode": row[0],
+                "process": row[1],
+                **dict(zip([*_CPU_GROUPS, "total"], row[2:], strict=True)),
+            }
+        )
     return 0 if all(r["failed"] == 0 for r in records.values()) else 1
+
+
+_CPU_GROUPS = (
+    "scheduler",
+    "transfer workers",
+    "engine launcher",
+    "engine completer",
+    "engine native",
+    "control loop",
+    "zmq",
+    "other",
+)
+
+
+def _cpu_rows(mode: str, rooms: int, reports: Sequence[RankReport], driver_s: float) -> list[list[object]]:
+    """Rows of CPU milliseconds per room: each side's ranks summed by thread group, the bench driver
+    (its own scheduler of both sides: pipes to the rank processes), and all together."""
+    rows: list[list[object]] = []
+    total = driver_s
+    for side in ("prefill", "decode"):
+        groups: dict[str, float] = {}
+        for report in reports:
+            if report.side == side:
+                for group, seconds in report.cpu_s.items():
+                    groups[group] = groups.get(group, 0.0) + seconds
+        side_total = sum(groups.values())
+        total += side_total
+        shown = [groups.get(g, 0.0) for g in _CPU_GROUPS[:-1]]
+        shown.append(side_total - sum(shown))  # "other": every group not named above
+        rows.append([mode, side, *(s * 1000 / rooms for s in shown), side_total * 1000 / rooms])
+    rows.append(
+        [
+            mode,
+            "bench driver",
+            *([0.0] * (len(_CPU_GROUPS) - 1)),
+            driver_s * 1000 / rooms,
+            driver_s * 1000 / rooms,
+        ]
+    )
+    rows.append([mode, "all", *([""] * len(_CPU_GROUPS)), total * 1000 / rooms])
+    return rows
