@@ -28,7 +28,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 import attrs
@@ -600,10 +600,11 @@ class PrefillTransport(EndpointHost[PrefillEndpoint]):
         """
         planned: list[tuple[SubmitChunk, float, list[tuple[Destination, ChunkPlan]]]] = []
         extras = self.config.rank.cp == 0
-        for submit in chunks:
-            with self._lock:
-                started = self._endpoint.start_chunk(submit.room, submit.chunk, self._clock())
-            if not started:
+        with self._lock:  # one lock hold for all of them (and again to report them below)
+            now = self._clock()
+            started = [self._endpoint.start_chunk(s.room, s.chunk, now) for s in chunks]
+        for submit, start in zip(chunks, started, strict=True):
+            if not start:
                 self.metrics.increment(TransportCounter.CHUNKS_SKIPPED)
                 ended.add(id(submit))
                 continue
@@ -630,45 +631,63 @@ class PrefillTransport(EndpointHost[PrefillEndpoint]):
         done = self._clock()
         self.metrics.increment(TransportCounter.WRITES, len(writes))
         self.metrics.increment(TransportCounter.WRITE_JOBS, len({peer for peer, _ in writes}))
-        for submit, began, plans in planned:
-            pages = written = 0
-            per_peer: dict[PeerKey, TransferMetricData] = {}
-            failed: tuple[Destination, ChunkPlan, TransferResult] | None = None
-            for destination, plan in plans:
-                wrote = _Written(plan.kv_pages, 0, 0.0, submitted, submitted)
-                if len(plan.blocks):
-                    result = next(results)
-                    if not result.ok:
-                        failed = failed or (destination, plan, result)
-                        continue
-                    wrote = _Written(plan.kv_pages, result.bytes_written, result.seconds, submitted, done)
-                pages += wrote.kv_pages
-                written += wrote.bytes
-                per_peer[destination.peer.key] = TransferMetricData(
-                    pages=wrote.kv_pages, bytes=wrote.bytes, seconds=wrote.seconds
-                )
-                self._landed(submit, destination, wrote)
-            ended.add(id(submit))
-            if failed is not None:
-                destination, plan, result = failed
-                self.metrics.increment(TransportCounter.ENGINE_FAILURES)
-                session = destination.peer.session
-                self._finish_failed(
-                    submit,
+        with self._lock:  # the statuses are posted together: the control loop sends them as one
+            for submit, began, plans in planned:
+                self._report_shared(submit, began, plans, results, submitted, done)
+                ended.add(id(submit))
+
+    def _report_shared(
+        self,
+        submit: SubmitChunk,
+        began: float,
+        plans: list[tuple[Destination, ChunkPlan]],
+        results: Iterator[TransferResult],
+        submitted: float,
+        done: float,
+    ) -> None:
+        """One chunk of ``_run_chunks`` (lock held): what landed, then chunk_done or chunk_failed."""
+        pages = written = 0
+        per_peer: dict[PeerKey, TransferMetricData] = {}
+        failed: tuple[Destination, ChunkPlan, TransferResult] | None = None
+        for destination, plan in plans:
+            wrote = _Written(plan.kv_pages, 0, 0.0, submitted, submitted)
+            if len(plan.blocks):
+                result = next(results)
+                if not result.ok:
+                    failed = failed or (destination, plan, result)
+                    continue
+                wrote = _Written(plan.kv_pages, result.bytes_written, result.seconds, submitted, done)
+            pages += wrote.kv_pages
+            written += wrote.bytes
+            per_peer[destination.peer.key] = TransferMetricData(
+                pages=wrote.kv_pages, bytes=wrote.bytes, seconds=wrote.seconds
+            )
+            self._landed_locked(submit, destination, wrote)
+        now = self._clock()
+        if failed is not None:
+            destination, plan, result = failed
+            self.metrics.increment(TransportCounter.ENGINE_FAILURES)
+            session = destination.peer.session
+            fence = fence_of(session, plan.blocks)
+            self._apply(
+                self._endpoint.chunk_failed(
+                    submit.room,
+                    submit.chunk,
                     f"to {session}: {result.reason}",
-                    fence=(destination.peer.key, fence_of(session, plan.blocks)),
+                    now,
+                    fences=None if fence is None else {destination.peer.key: fence},
                 )
-                continue
-            metric = TransferMetricData(pages=pages, bytes=written, seconds=max(0.0, self._clock() - began))
-            with self._lock:
-                self._apply(
-                    self._endpoint.chunk_done(
-                        submit.room, submit.chunk, metric, self._clock(), per_peer=per_peer
-                    )
-                )
+            )
+            return
+        metric = TransferMetricData(pages=pages, bytes=written, seconds=max(0.0, now - began))
+        self._apply(self._endpoint.chunk_done(submit.room, submit.chunk, metric, now, per_peer=per_peer))
 
     def _landed(self, submit: SubmitChunk, destination: Destination, wrote: _Written) -> None:
         """What reached ``destination`` for the chunk, into the room's per-peer accounting."""
+        with self._lock:
+            self._landed_locked(submit, destination, wrote)
+
+    def _landed_locked(self, submit: SubmitChunk, destination: Destination, wrote: _Written) -> None:
         landed = KVTransferMetric(
             room=submit.room,
             pages=wrote.kv_pages,
@@ -677,13 +696,12 @@ class PrefillTransport(EndpointHost[PrefillEndpoint]):
             first_submit_at=wrote.first_submit_at,
             last_completion_at=wrote.last_completion_at,
         )
-        with self._lock:
-            self._accounting.wrote(
-                submit.room,
-                peer_name(destination.peer.instance, destination.peer.rank),
-                landed,
-                room_finished=self._room_finished(submit.room),
-            )
+        self._accounting.wrote(
+            submit.room,
+            peer_name(destination.peer.instance, destination.peer.rank),
+            landed,
+            room_finished=self._room_finished(submit.room),
+        )
 
     def _room_finished(self, room: RoomId) -> bool:
         """Did ``room`` finish (lock held)? A write that lands after that is settled at once."""
