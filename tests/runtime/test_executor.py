@@ -505,3 +505,30 @@ def test_shared_writes_to_two_peers_keep_their_order_and_peers() -> None:
         assert_landed(to_second, src_pages, dst_pages)
         to_first.close()
         to_second.close()
+
+
+def test_writes_in_a_timed_out_batch_fail_even_if_it_lands_later(rig_factory: RigFactory) -> None:
+    # Batch serial 2 outlasts the budget and lands while it is drained; one batch in flight at a time.
+    rig = rig_factory(layers=2, pages=64, faults=LoopbackFaults(delay_seconds=0.4, delay_batches={2}))
+    writes = page_writes(rig.layers, rig.src_pages, rig.dst_pages, rooms=16)
+    config = attrs.evolve(SMALL, max_in_flight=1)
+    peer = rig.receiver.session_id
+    results = TransferExecutor(rig.sender, config).transfer_shared([(peer, w) for w in writes], timeout_s=0.1)
+    shaped = shape_batches(
+        TransferBlocks.concat(writes), max_entries=16, slice_bytes=4 * PAGE, max_batch_bytes=32 * PAGE
+    )
+    first, second = shaped[0].total_bytes, shaped[1].total_bytes
+    assert len(rig.sender.entries) == 2  # nothing was sent after the slow batch
+    offset = 0
+    for i, (write, result) in enumerate(zip(writes, results, strict=True)):
+        size = write.total_bytes
+        landed = min(size, max(0, first + second - offset))  # both batches completed in the end
+        in_first = offset + size <= first
+        offset += size
+        assert result.bytes_written == landed, i
+        assert result.ok == in_first, i
+        if not in_first:
+            assert result.status is JobStatus.TIMED_OUT and "not finished in time" in result.reason
+    stats = rig.loopback.statistics()
+    assert stats.bytes_completed == first + second
+    assert stats.batches_in_flight == 0 and stats.batches_unwaited == 0

@@ -26,10 +26,11 @@ Rules it keeps:
 - Shared transfers (``transfer_shared``): the writes of several rooms ready at the same time go to
   each peer as one job, so small rooms share engine batches (one submission and one status wait
   for many rooms). Each write still gets its own result, exact to the engine batch: it is
-  COMPLETED only when every one of its bytes is in a COMPLETED batch; a write with bytes in a
-  batch that failed (or that was never sent after one failed) is FAILED, as is every other write
-  in that batch. Jobs towards different peers run at the same time; nothing is waited for that
-  was not already given (no timer holds a lone write back).
+  COMPLETED only when every one of its bytes is in a COMPLETED batch before the first batch that
+  failed or timed out; a write with bytes in that batch (or after it) fails, as does every other
+  write in that batch; ``bytes_written`` counts exactly the bytes in COMPLETED batches. Jobs
+  towards different peers run at the same time; nothing is waited for that was not already given
+  (no timer holds a lone write back).
 - Per-layer use: ``job = executor.start(peer)``, ``job.submit(layer_blocks)`` as each layer becomes
   ready, ``job.finish()`` once after the last layer. ``submit`` blocks only while the job is full;
   a caller that must never block (a forward thread) hands layers to a transfer worker instead.
@@ -41,6 +42,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -250,6 +252,10 @@ class TransferJob:
             offset += size
         return landed
 
+    def landed_before(self, batch: int | None) -> int | float:
+        """Offset of submitted batch ``batch`` in the concatenated blocks (None: no limit)."""
+        return math.inf if batch is None else sum(self._batch_bytes[:batch])
+
     def drain(self) -> TransferResult:
         """Wait without a limit of our own until no batch is in flight (the engine's timeouts bound it)."""
         self._finish_called = True
@@ -391,8 +397,9 @@ class TransferExecutor:
 
         The blocks of the writes to one peer are concatenated in order and shaped together, so
         small writes share engine batches. A write's result is COMPLETED only if all its bytes are
-        in COMPLETED batches (``bytes_written`` counts exactly those); otherwise it has its job's
-        status and reason. Every job has ended (drained) when this returns.
+        in COMPLETED batches before the job's first failed or timed-out batch (``bytes_written``
+        counts exactly the bytes in COMPLETED batches); otherwise it has its job's status and
+        reason. Every job has ended (drained) when this returns.
         """
         by_peer: dict[str, list[int]] = {}
         for i, (peer, _) in enumerate(writes):
@@ -409,12 +416,15 @@ class TransferExecutor:
                 shared = job.finish()
                 if shared.batches_in_flight:
                     shared = job.drain()
+                # Bytes from the first failed (or timed-out) batch on fail their writes, even those
+                # that landed later: the batch failed for all of them, as the job did for transfer().
+                cut = job.landed_before(shared.failed_batch)
                 offset = 0
                 for i in indices:
                     size = writes[i][1].total_bytes
                     landed = job.landed(offset, offset + size)
                     offset += size
-                    if landed == size:
+                    if landed == size and offset <= cut:
                         status, reason = JobStatus.COMPLETED, ""
                     else:
                         status = JobStatus.FAILED if shared.ok else shared.status
