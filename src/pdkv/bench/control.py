@@ -159,7 +159,7 @@ def _cpu_rows(mode: str, rooms: int, reports: Sequence[RankReport], driver_s: fl
         side_total = sum(groups.values())
         total += side_total
         shown = [groups.get(g, 0.0) for g in _CPU_GROUPS[:-1]]
-        shown.append(side_total - sum(shown))  # "other": every group not named above
+        shown.append(max(0.0, round(side_total - sum(shown), 9)))  # "other": every group not named above
         rows.append([mode, side, *(s * 1000 / rooms for s in shown), side_total * 1000 / rooms])
     rows.append(
         [
