@@ -20,14 +20,38 @@ def run(*args: str) -> list[dict[str, object]]:
 
 
 def test_bench_control_quick() -> None:
-    records = {str(r["kind"]): r for r in run("control", "--quick")}
+    lines = run("control", "--quick")
+    records = {str(r["kind"]): r for r in lines}
     serial, concurrent, summary = records["serial"], records["concurrent"], records["summary"]
     for r in (serial, concurrent):
         assert r["failed"] == 0
         assert 0 < float(str(r["p50_ms"])) <= float(str(r["p99_ms"]))
         assert float(str(r["rooms_per_s"])) > 0
+    # One room at a time: no two rooms' chunks can share a transfer job.
+    assert serial["rooms_per_job"] == 1.0
+    assert float(str(concurrent["rooms_per_job"])) >= 1.0
     ratio = float(str(concurrent["rooms_per_s"])) / float(str(serial["rooms_per_s"]))
     assert summary["concurrent_vs_serial_rooms_per_s"] == pytest.approx(ratio)
+    # CPU per room of each process of each mode; the sides' groups add up to their totals.
+    cpu = {(r["mode"], r["process"]): r for r in lines if r["kind"] == "cpu_ms_per_room"}
+    assert set(cpu) == {
+        (m, p) for m in ("serial", "concurrent") for p in ("prefill", "decode", "bench driver", "all")
+    }
+    for mode in ("serial", "concurrent"):
+        sides = [cpu[(mode, p)] for p in ("prefill", "decode", "bench driver")]
+        for side in sides:
+            parts = [
+                float(str(v))
+                for k, v in side.items()
+                if k not in ("bench", "kind", "mode", "process", "total")
+            ]
+            assert sum(parts) == pytest.approx(float(str(side["total"])))
+        assert float(str(cpu[(mode, "all")]["total"])) == pytest.approx(
+            sum(float(str(s["total"])) for s in sides)
+        )
+        assert (
+            float(str(cpu[(mode, "all")]["total"])) > 0
+        )  # (10 ms clock ticks: a side of 5 rooms may read 0)
 
 
 def test_bench_transport_quick() -> None:

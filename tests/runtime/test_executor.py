@@ -419,3 +419,116 @@ def test_config_from_env() -> None:
     assert config.max_entries == ExecutorConfig().max_entries
     with pytest.raises(ConfigError, match="PDKV_EXECUTOR_MAX_ENTRIES"):
         ExecutorConfig.from_env({ENV_VARS["max_entries"]: "many"})
+
+
+# ---------------------------------------------------------------- shared transfers (several rooms)
+
+
+def page_writes(
+    layers: Layers, src_pages: np.ndarray, dst_pages: np.ndarray, rooms: int
+) -> list[TransferBlocks]:
+    """The plan's pages cut into ``rooms`` consecutive groups, each group every layer's blocks: one
+    write per room, as the prefill gives ``transfer_shared`` one write per room's chunk."""
+    groups = np.array_split(np.arange(src_pages.size), rooms)
+    return [all_blocks(layers, src_pages[g], dst_pages[g]) for g in groups]
+
+
+def test_shared_writes_go_as_one_batch_and_each_reports_its_own_bytes(rig_factory: RigFactory) -> None:
+    rig = rig_factory(layers=2, pages=12)
+    writes = page_writes(rig.layers, rig.src_pages, rig.dst_pages, rooms=3)
+    config = ExecutorConfig(slice_bytes=64 * PAGE, max_entries=512, max_batch_bytes=1 << 20)
+    peer = rig.receiver.session_id
+    results = TransferExecutor(rig.sender, config).transfer_shared([(peer, w) for w in writes])
+    assert len(rig.sender.entries) == 1  # one engine submission for the three rooms
+    assert [r.status for r in results] == [JobStatus.COMPLETED] * 3
+    assert [r.bytes_written for r in results] == [r.bytes_requested for r in results]
+    assert [r.bytes_requested for r in results] == [w.total_bytes for w in writes]
+    assert sum(r.bytes_written for r in results) == 2 * 12 * PAGE
+    assert {r.shared_by for r in results} == {3}
+    assert_landed(rig.layers, rig.src_pages, rig.dst_pages)
+    stats = rig.loopback.statistics()
+    assert stats.batches_in_flight == 0 and stats.batches_unwaited == 0
+
+
+def test_a_failed_shared_batch_fails_exactly_the_writes_with_bytes_in_it(rig_factory: RigFactory) -> None:
+    # Batch serial 2 fails; one batch in flight at a time, so nothing is sent after it.
+    rig = rig_factory(layers=2, pages=64, faults=LoopbackFaults(fail_batches={2}, partial_write=False))
+    writes = page_writes(rig.layers, rig.src_pages, rig.dst_pages, rooms=16)
+    config = attrs.evolve(SMALL, max_in_flight=1)
+    peer = rig.receiver.session_id
+    results = TransferExecutor(rig.sender, config).transfer_shared([(peer, w) for w in writes])
+    first = shape_batches(
+        TransferBlocks.concat(writes), max_entries=16, slice_bytes=4 * PAGE, max_batch_bytes=32 * PAGE
+    )[0].total_bytes
+    assert len(rig.sender.entries) == 2  # the completed batch and the failed one; no more
+    offset = 0
+    for i, (write, result) in enumerate(zip(writes, results, strict=True)):
+        size = write.total_bytes
+        expected = min(size, max(0, first - offset))
+        offset += size
+        assert result.bytes_written == expected, i
+        assert result.ok == (expected == size), i
+        assert result.bytes_requested == size
+        if not result.ok:
+            assert result.status is JobStatus.FAILED
+            assert "injected failure of batch 2" in result.reason and "shared by 16" in result.reason
+    assert any(r.ok for r in results) and not all(r.ok for r in results)
+    assert sum(r.bytes_written for r in results) == first == rig.loopback.statistics().bytes_completed
+    stats = rig.loopback.statistics()
+    assert stats.batches_in_flight == 0 and stats.batches_unwaited == 0
+
+
+def test_shared_writes_to_two_peers_keep_their_order_and_peers() -> None:
+    fabric = LoopbackFabric("executor-shared")
+    with (
+        LoopbackBackend(fabric=fabric) as sender,
+        LoopbackBackend(fabric=fabric) as first,
+        LoopbackBackend(fabric=fabric) as second,
+    ):
+        src_pages, dst_pages = page_plan(16, seed=3)
+        to_first = make_layers(sender, first, layers=1, pages=16, seed=1)
+        to_second = make_layers(sender, second, layers=1, pages=16, seed=2)
+        a = page_writes(to_first, src_pages, dst_pages, rooms=2)
+        b = page_writes(to_second, src_pages, dst_pages, rooms=2)
+        writes = [
+            (first.session_id, a[0]),
+            (second.session_id, b[0]),
+            (first.session_id, a[1]),
+            (second.session_id, b[1]),
+        ]
+        results = TransferExecutor(sender).transfer_shared(writes)
+        assert [r.peer for r in results] == [first.session_id, second.session_id] * 2
+        assert all(r.ok and r.shared_by == 2 for r in results)
+        assert [r.bytes_written for r in results] == [w.total_bytes for _, w in writes]
+        assert sender.statistics().batches_submitted == 2  # one per peer
+        assert_landed(to_first, src_pages, dst_pages)
+        assert_landed(to_second, src_pages, dst_pages)
+        to_first.close()
+        to_second.close()
+
+
+def test_writes_in_a_timed_out_batch_fail_even_if_it_lands_later(rig_factory: RigFactory) -> None:
+    # Batch serial 2 outlasts the budget and lands while it is drained; one batch in flight at a time.
+    rig = rig_factory(layers=2, pages=64, faults=LoopbackFaults(delay_seconds=0.4, delay_batches={2}))
+    writes = page_writes(rig.layers, rig.src_pages, rig.dst_pages, rooms=16)
+    config = attrs.evolve(SMALL, max_in_flight=1)
+    peer = rig.receiver.session_id
+    results = TransferExecutor(rig.sender, config).transfer_shared([(peer, w) for w in writes], timeout_s=0.1)
+    shaped = shape_batches(
+        TransferBlocks.concat(writes), max_entries=16, slice_bytes=4 * PAGE, max_batch_bytes=32 * PAGE
+    )
+    first, second = shaped[0].total_bytes, shaped[1].total_bytes
+    assert len(rig.sender.entries) == 2  # nothing was sent after the slow batch
+    offset = 0
+    for i, (write, result) in enumerate(zip(writes, results, strict=True)):
+        size = write.total_bytes
+        landed = min(size, max(0, first + second - offset))  # both batches completed in the end
+        in_first = offset + size <= first
+        offset += size
+        assert result.bytes_written == landed, i
+        assert result.ok == in_first, i
+        if not in_first:
+            assert result.status is JobStatus.TIMED_OUT and "not finished in time" in result.reason
+    stats = rig.loopback.statistics()
+    assert stats.bytes_completed == first + second
+    assert stats.batches_in_flight == 0 and stats.batches_unwaited == 0

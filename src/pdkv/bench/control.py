@@ -5,14 +5,18 @@ A prefill rank and a decode rank in their own processes (``pdkv.testing.cluster`
 decode side's, from ``receiver.init`` to Success seen by its poll loop: registration is done once
 at start-up, so this is the per-room protocol (TransferRequest, forward, one tiny write, status)
 plus the two simple schedulers' polling. The same run is repeated with one room at a time, whose
-latency is the floor the concurrent figure is compared with. The decode's byte check of every room
-(zeroing its pages before, comparing every byte after: most of the decode's work for a one-page room,
-and not the control plane's) is off unless ``--verify``; the latency bench checks bytes.
+latency is the floor the concurrent figure is compared with. Each mode runs on its own pair of
+processes; "rooms/job" is how many rooms' chunks shared one transfer job (engine submission and
+status wait) on average, from the prefill's ``writes`` / ``write_jobs`` counters. The decode's byte
+check of every room (zeroing its pages before, comparing every byte after: most of the decode's work
+for a one-page room, and not the control plane's) is off unless ``--verify``; the latency bench
+checks bytes.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from collections.abc import Sequence
 
@@ -21,7 +25,7 @@ import numpy as np
 from pdkv.bench._report import emit, table
 from pdkv.protocol.ids import RoomId
 from pdkv.protocol.poll import KVPoll
-from pdkv.testing.cluster import Cluster, ClusterSpec, RequestPlan
+from pdkv.testing.cluster import Cluster, ClusterSpec, RankReport, RequestPlan
 from pdkv.testing.synthetic import Capacity, ModelSpec
 
 
@@ -50,31 +54,49 @@ def main(argv: Sequence[str]) -> int:
         verify_bytes=args.verify,
     )
     rows: list[list[object]] = []
+    cpu_rows: list[list[object]] = []
     records: dict[str, dict[str, float]] = {}
-    with Cluster(spec) as cluster:
-        base = 1
-        for label, concurrency in (("serial", 1), ("concurrent", args.concurrency)):
-            count = max(5, rooms // 10) if concurrency == 1 else rooms
-            plans = [RequestPlan(room=RoomId(base + i), tokens=16, chunk_tokens=(16,)) for i in range(count)]
-            base += count
+    base = 1
+    for label, concurrency in (("serial", 1), ("concurrent", args.concurrency)):
+        # A cluster per mode, so the prefill's counters (rooms per transfer job) are this mode's.
+        count = max(5, rooms // 10) if concurrency == 1 else rooms
+        plans = [RequestPlan(room=RoomId(base + i), tokens=16, chunk_tokens=(16,)) for i in range(count)]
+        base += count
+        with Cluster(spec) as cluster:
             started = time.perf_counter()
+            driver_cpu = time.process_time()
             outcomes = cluster.run(plans, max_active=concurrency)
             seconds = time.perf_counter() - started
-            decode = [o for o in outcomes if o.side == "decode"]
-            failed = sum(o.poll != KVPoll.Success for o in decode)
-            lat = np.array([o.seconds for o in decode]) * 1000
-            record = {
-                "rooms": float(count),
-                "concurrency": float(concurrency),
-                "rooms_per_s": count / seconds,
-                "p50_ms": float(np.percentile(lat, 50)),
-                "p99_ms": float(np.percentile(lat, 99)),
-                "failed": float(failed),
-            }
-            records[label] = record
-            rows.append(
-                [label, count, concurrency, record["rooms_per_s"], record["p50_ms"], record["p99_ms"], failed]
-            )
+            driver_cpu = time.process_time() - driver_cpu
+        prefill = [r for r in cluster.reports if r.side == "prefill"]
+        writes = sum(r.writes for r in prefill)
+        jobs = sum(r.write_jobs for r in prefill)
+        decode = [o for o in outcomes if o.side == "decode"]
+        failed = sum(o.poll != KVPoll.Success for o in decode)
+        lat = np.array([o.seconds for o in decode]) * 1000
+        record = {
+            "rooms": float(count),
+            "concurrency": float(concurrency),
+            "rooms_per_s": count / seconds,
+            "p50_ms": float(np.percentile(lat, 50)),
+            "p99_ms": float(np.percentile(lat, 99)),
+            "failed": float(failed),
+            "rooms_per_job": writes / jobs if jobs else 0.0,
+        }
+        records[label] = record
+        cpu_rows.extend(_cpu_rows(label, count, cluster.reports, driver_cpu))
+        rows.append(
+            [
+                label,
+                count,
+                concurrency,
+                record["rooms_per_s"],
+                record["p50_ms"],
+                record["p99_ms"],
+                record["rooms_per_job"],
+                failed,
+            ]
+        )
     for label, record in records.items():
         emit({"bench": "control", "kind": label, **record})
     ratio = records["concurrent"]["rooms_per_s"] / records["serial"]["rooms_per_s"]
@@ -89,7 +111,64 @@ def main(argv: Sequence[str]) -> int:
     table(
         f"pdkv bench control: 1-page rooms across processes (prefill cp{args.cp}, decode tp1); "
         f"concurrency gives {ratio:.1f}x the serial rate",
-        ["mode", "rooms", "in flight", "rooms/s", "p50 ms", "p99 ms", "failed"],
+        ["mode", "rooms", "in flight", "rooms/s", "p50 ms", "p99 ms", "rooms/job", "failed"],
         rows,
     )
+    table(
+        "CPU per room (ms), by process and thread group, from the end of start-up to the last room "
+        f"(this machine has {os.cpu_count()} cores: rooms/s cannot pass cores x 1000 / total)",
+        ["mode", "process", *_CPU_GROUPS, "total"],
+        cpu_rows,
+    )
+    for row in cpu_rows:
+        emit(
+            {
+                "bench": "control",
+                "kind": "cpu_ms_per_room",
+                "mode": row[0],
+                "process": row[1],
+                **dict(zip([*_CPU_GROUPS, "total"], row[2:], strict=True)),
+            }
+        )
     return 0 if all(r["failed"] == 0 for r in records.values()) else 1
+
+
+_CPU_GROUPS = (
+    "scheduler",
+    "transfer workers",
+    "engine launcher",
+    "engine completer",
+    "engine native",
+    "control loop",
+    "zmq",
+    "other",
+)
+
+
+def _cpu_rows(mode: str, rooms: int, reports: Sequence[RankReport], driver_s: float) -> list[list[object]]:
+    """Rows of CPU milliseconds per room: each side's ranks summed by thread group, the bench driver
+    (its own scheduler of both sides: pipes to the rank processes), and all together."""
+    rows: list[list[object]] = []
+    total = driver_s
+    for side in ("prefill", "decode"):
+        groups: dict[str, float] = {}
+        for report in reports:
+            if report.side == side:
+                for group, seconds in report.cpu_s.items():
+                    groups[group] = groups.get(group, 0.0) + seconds
+        side_total = sum(groups.values())
+        total += side_total
+        shown = [groups.get(g, 0.0) for g in _CPU_GROUPS[:-1]]
+        shown.append(max(0.0, round(side_total - sum(shown), 9)))  # "other": every group not named above
+        rows.append([mode, side, *(s * 1000 / rooms for s in shown), side_total * 1000 / rooms])
+    rows.append(
+        [
+            mode,
+            "bench driver",
+            *([0.0] * (len(_CPU_GROUPS) - 1)),
+            driver_s * 1000 / rooms,
+            driver_s * 1000 / rooms,
+        ]
+    )
+    rows.append([mode, "all", *([""] * len(_CPU_GROUPS)), total * 1000 / rooms])
+    return rows

@@ -19,6 +19,10 @@ the queue, e.g. when the protocol learns the peer restarted under a new epoch.
 Bad input. Frames that fail authentication or decoding are counted, logged at WARNING with the
 reason (rate-limited; a PULL socket does not know who sent them) and skipped: receiving never raises
 for what a peer sent.
+
+Several messages. ``send_many`` puts several messages to one peer in one frame set (an envelope,
+``pdkv.control.envelope``): one socket call and one authentication tag for all. The receiver hands
+them out one by one, in order, exactly as if they had been sent apart.
 """
 
 from __future__ import annotations
@@ -26,13 +30,15 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
+from collections.abc import Sequence
 from types import TracebackType
 from typing import Any, Generic
 
 import attrs
 import zmq
 
+from pdkv.control import envelope
 from pdkv.control._sockets import Waker, WarningLimiter, bind_tcp, deadline_after, expired, remaining_ms
 from pdkv.control.auth import Authenticator, unix_ms
 from pdkv.control.errors import AuthenticationError, ChannelClosedError, ChannelOwnershipError
@@ -87,6 +93,10 @@ class ChannelStatistics:
     """Messages not queued: the destination's queue was full or its endpoint could not be dialled."""
     peers: int
     """Outbound sockets currently cached."""
+    envelopes_sent: int = 0
+    """Frame sets sent that carried several messages (``send_many``); their messages count in ``sent``."""
+    envelopes_received: int = 0
+    """Such frame sets received; their valid messages count in ``received``."""
 
 
 class ControlChannel(Generic[M]):
@@ -137,6 +147,9 @@ class ControlChannel(Generic[M]):
         self._unauthenticated = 0
         self._sent = 0
         self._dropped_sends = 0
+        self._envelopes_sent = 0
+        self._envelopes_received = 0
+        self._pending: deque[M] = deque()  # messages of an envelope not handed out yet
 
     # ------------------------------------------------------------------ any thread
 
@@ -162,6 +175,8 @@ class ControlChannel(Generic[M]):
             sent=self._sent,
             dropped_sends=self._dropped_sends,
             peers=len(self._outbound),
+            envelopes_sent=self._envelopes_sent,
+            envelopes_received=self._envelopes_received,
         )
 
     # ------------------------------------------------------------------ owner thread
@@ -190,6 +205,39 @@ class ControlChannel(Generic[M]):
         self._sent += 1
         return True
 
+    def send_many(self, to: str, messages: Sequence[M]) -> bool:
+        """Queue ``messages`` for ``to`` in one frame set (in order); False (counted) when dropped.
+
+        The same promise as ``send`` for each message; one message goes as ``send`` sends it.
+        """
+        if len(messages) == 1:
+            return self.send(to, messages[0])
+        self._check_owner()
+        ok = True
+        for start in range(0, len(messages), envelope.MAX_MESSAGES):
+            part = messages[start : start + envelope.MAX_MESSAGES]
+            if len(part) == 1:
+                ok = self.send(to, part[0]) and ok
+                continue
+            frames = envelope.pack([self._codec.encode(m) for m in part])
+            if self._auth is not None:
+                frames = self._auth.sign(frames, unix_ms())
+            socket = self._outbound_socket(to)
+            if socket is None:
+                self._dropped_sends += len(part)
+                ok = False
+                continue
+            try:
+                socket.send_multipart(frames, zmq.NOBLOCK)
+            except zmq.Again:
+                self._dropped_sends += len(part)
+                self._warnings.warning("dropped %d messages to %s: its send queue is full", len(part), to)
+                ok = False
+                continue
+            self._sent += len(part)
+            self._envelopes_sent += 1
+        return ok
+
     def recv(self, timeout_s: float | None) -> M | None:
         """The next valid message, waiting up to ``timeout_s`` (None: forever; 0: only what is queued).
 
@@ -199,11 +247,11 @@ class ControlChannel(Generic[M]):
         self._check_owner()
         deadline = deadline_after(timeout_s)
         while True:
+            if self._pending:
+                return self._pending.popleft()
             frames = self._next_frames()
             if frames is not None:
-                message = self._accept(frames)
-                if message is not None:
-                    return message
+                self._pending.extend(self._accept(frames))
                 continue
             if expired(deadline):
                 return None
@@ -305,15 +353,29 @@ class ControlChannel(Generic[M]):
         except zmq.Again:
             return None
 
-    def _accept(self, frames: list[bytes]) -> M | None:
-        """The message in ``frames``; None (counted, logged) when they fail authentication or decoding."""
+    def _accept(self, frames: list[bytes]) -> list[M]:
+        """The valid messages in ``frames`` (one, or an envelope's); those that fail authentication or
+        decoding are counted and logged instead."""
         if self._auth is not None:
             try:
                 frames = self._auth.verify(frames, unix_ms(), self._replay)
             except AuthenticationError as exc:
                 self._unauthenticated += 1
                 self._warnings.warning("control channel %s rejected a frame set: %s", self._address, exc)
-                return None
+                return []
+        if not envelope.is_envelope(frames):
+            message = self._decode(frames)
+            return [] if message is None else [message]
+        try:
+            inner = envelope.unpack(frames)
+        except envelope.EnvelopeError as exc:
+            self._malformed += 1
+            self._warnings.warning("control channel %s skipped a malformed envelope: %s", self._address, exc)
+            return []
+        self._envelopes_received += 1
+        return [m for m in map(self._decode, inner) if m is not None]
+
+    def _decode(self, frames: list[bytes]) -> M | None:
         try:
             message = self._codec.decode(frames)
         except self._codec.decode_error as exc:
@@ -324,15 +386,19 @@ class ControlChannel(Generic[M]):
         return message
 
     def _drain(self, limit: int) -> list[M]:
-        """Up to ``limit`` valid messages from what is queued now, without blocking."""
+        """Up to ``limit`` valid messages from what is queued now, without blocking (an envelope's
+        messages beyond the limit wait in ``_pending`` for the next call)."""
         messages: list[M] = []
+        while self._pending and len(messages) < limit:
+            messages.append(self._pending.popleft())
         while len(messages) < limit:
             frames = self._next_frames()
             if frames is None:
                 break
-            message = self._accept(frames)
-            if message is not None:
-                messages.append(message)
+            accepted = self._accept(frames)
+            room = limit - len(messages)
+            messages.extend(accepted[:room])
+            self._pending.extend(accepted[room:])
         return messages
 
     def _outbound_socket(self, endpoint: str) -> zmq.Socket[bytes] | None:

@@ -47,6 +47,8 @@ class TransportCounter(enum.Enum):
     QUARANTINES_RELEASED = "quarantines_released"
     QUARANTINES_PROVEN = "quarantines_proven"
     FENCES = "fences"
+    WRITES = "writes"
+    WRITE_JOBS = "write_jobs"
 
     @property
     def description(self) -> str:
@@ -102,6 +104,10 @@ COUNTER_DESCRIPTIONS: Final[Mapping[TransportCounter, str]] = {
         "Of those, released proven: acknowledged after fences, then the prefill hosts' connections cut."
     ),
     TransportCounter.FENCES: "Fence writes made before an AbortAck because a write of the room had failed.",
+    TransportCounter.WRITES: "Chunk writes to a decode rank (one per chunk and destination with bytes).",
+    TransportCounter.WRITE_JOBS: (
+        "Transfer jobs those writes went in; writes / write_jobs is how many rooms' chunks shared a job."
+    ),
 }
 
 
@@ -129,6 +135,8 @@ class CounterValues:
     quarantines_released: int = 0
     quarantines_proven: int = 0
     fences: int = 0
+    writes: int = 0
+    write_jobs: int = 0
 
     def __getitem__(self, counter: TransportCounter) -> int:
         value: int = getattr(self, counter.value)

@@ -3,9 +3,11 @@
 Owns: ``ControlLoop`` (receive -> endpoint, outbox -> sockets, deadlines -> ``tick``) and the
 ``MessageChannel`` protocol it drives (implemented by ``pdkv.control``). Other threads never send:
 they append to the outbox and wake the loop, so a slow or dead peer can only delay this thread,
-never the scheduler or a transfer worker. The loop never dies on an exception from a handler: it
-logs it with the traceback and goes on (a handler bug must not wedge every room of the rank), and
-one message whose handler failed never costs the other messages received with it.
+never the scheduler or a transfer worker. Messages posted for one peer between two flushes leave
+together when the channel can send several in one frame set (``SendsMany``). The loop never dies
+on an exception from a handler: it logs it with the traceback and goes on (a handler bug must not
+wedge every room of the rank), and one message whose handler failed never costs the other messages
+received with it.
 """
 
 from __future__ import annotations
@@ -14,8 +16,8 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
-from typing import Protocol
+from collections.abc import Callable, Sequence
+from typing import Protocol, runtime_checkable
 
 from pdkv.control.channel import ChannelStatistics
 from pdkv.protocol.messages import Message
@@ -44,6 +46,13 @@ class MessageChannel(Protocol):
     def statistics(self) -> ChannelStatistics: ...
 
 
+@runtime_checkable
+class SendsMany(Protocol):
+    """A channel that can put several messages to one peer in one frame set (``ControlChannel``)."""
+
+    def send_many(self, to: str, messages: Sequence[Message]) -> object: ...
+
+
 ChannelFactory = Callable[[str], MessageChannel]
 """Builds a rank's control channel bound on the given host (``pdkv.runtime.channels`` by default)."""
 
@@ -68,6 +77,7 @@ class ControlLoop:
         self._on_tick = on_tick
         self._clock = clock
         self._outbox: deque[tuple[str, Message]] = deque()
+        self._sends_many = channel if isinstance(channel, SendsMany) else None
         self._stop = threading.Event()
         self._name = name
         self._thread: threading.Thread | None = None
@@ -150,6 +160,19 @@ class ControlLoop:
             )
 
     def _flush(self) -> None:
+        """Send what was posted. With a channel that can, the messages posted for one peer since the
+        last flush leave in one frame set (in posting order; one message goes alone as before)."""
+        if self._sends_many is None or len(self._outbox) < 2:
+            while self._outbox:
+                to, message = self._outbox.popleft()
+                self.channel.send(to, message)
+            return
+        by_peer: dict[str, list[Message]] = {}
         while self._outbox:
             to, message = self._outbox.popleft()
-            self.channel.send(to, message)
+            by_peer.setdefault(to, []).append(message)
+        for to, messages in by_peer.items():
+            if len(messages) == 1:
+                self.channel.send(to, messages[0])
+            else:
+                self._sends_many.send_many(to, messages)

@@ -23,6 +23,14 @@ Rules it keeps:
   batches may still write into the peer: the caller must not release the source or let the peer
   reuse the destination until ``drain()`` returned (it waits for the backend to end every batch; the
   engine's own timeouts bound it). ``transfer()`` and leaving a job's ``with`` block drain for you.
+- Shared transfers (``transfer_shared``): the writes of several rooms ready at the same time go to
+  each peer as one job, so small rooms share engine batches (one submission and one status wait
+  for many rooms). Each write still gets its own result, exact to the engine batch: it is
+  COMPLETED only when every one of its bytes is in a COMPLETED batch before the first batch that
+  failed or timed out; a write with bytes in that batch (or after it) fails, as does every other
+  write in that batch; ``bytes_written`` counts exactly the bytes in COMPLETED batches. Jobs
+  towards different peers run at the same time; nothing is waited for that was not already given
+  (no timer holds a lone write back).
 - Per-layer use: ``job = executor.start(peer)``, ``job.submit(layer_blocks)`` as each layer becomes
   ready, ``job.finish()`` once after the last layer. ``submit`` blocks only while the job is full;
   a caller that must never block (a forward thread) hands layers to a transfer worker instead.
@@ -34,9 +42,10 @@ from __future__ import annotations
 
 import enum
 import logging
+import math
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
 from typing import Final
 
@@ -129,6 +138,7 @@ class TransferResult:
     seconds: float  # start() to the end of this finish()
     failed_batch: int | None  # 0-based submission index of the first batch that failed or timed out
     reason: str  # empty when COMPLETED
+    shared_by: int = 1  # writes (rooms' chunks) whose blocks went in the same job (transfer_shared)
 
     @property
     def ok(self) -> bool:
@@ -168,6 +178,8 @@ class TransferJob:
         self._started_at = clock()
         self._deadline = self._started_at + timeout_s
         self._in_flight: deque[_Submitted] = deque()
+        self._batch_bytes: list[int] = []  # bytes of each submitted batch, by submission index
+        self._completed: list[bool] = []  # whether each submitted batch COMPLETED
         self._batches = 0
         self._bytes_requested = 0
         self._bytes_written = 0
@@ -209,6 +221,8 @@ class TransferJob:
                 self._fail(self._batches, JobStatus.FAILED, f"refused at submission: {exc}")
                 return
             self._in_flight.append(_Submitted(self._batches, handle))
+            self._batch_bytes.append(handle.total_bytes)
+            self._completed.append(False)
             self._batches += 1
 
     def finish(self, timeout: float | None = None) -> TransferResult:
@@ -223,6 +237,24 @@ class TransferJob:
             remaining = min(remaining, timeout)
         self._wait_in_flight(max(0.0, remaining))
         return self._result()
+
+    def landed(self, start: int, end: int) -> int:
+        """Bytes ``start`` to ``end`` of everything submitted (in ``submit`` order, as offsets into
+        the concatenated blocks) that are in a COMPLETED batch. Batches keep the blocks' order and
+        cover a prefix of them (nothing is sent after a failure), so this is exact."""
+        landed = 0
+        offset = 0
+        for size, completed in zip(self._batch_bytes, self._completed, strict=True):
+            if offset >= end:
+                break
+            if completed:
+                landed += max(0, min(end, offset + size) - max(start, offset))
+            offset += size
+        return landed
+
+    def landed_before(self, batch: int | None) -> int | float:
+        """Offset of submitted batch ``batch`` in the concatenated blocks (None: no limit)."""
+        return math.inf if batch is None else sum(self._batch_bytes[:batch])
 
     def drain(self) -> TransferResult:
         """Wait without a limit of our own until no batch is in flight (the engine's timeouts bound it)."""
@@ -274,6 +306,7 @@ class TransferJob:
     def _record(self, index: int, outcome: BatchOutcome) -> None:
         if outcome.status is BatchStatus.COMPLETED:
             self._bytes_written += outcome.handle.total_bytes
+            self._completed[index] = True
         else:
             self._fail(index, JobStatus.FAILED, outcome.reason)
 
@@ -356,3 +389,60 @@ class TransferExecutor:
             result = job.finish()
             # Never hand back a result while batches may still write: the caller would free memory.
             return job.drain() if result.batches_in_flight else result
+
+    def transfer_shared(
+        self, writes: Sequence[tuple[str, TransferBlocks]], *, timeout_s: float | None = None
+    ) -> list[TransferResult]:
+        """Several writes (peer, blocks) as one job per peer; one result per write, in order.
+
+        The blocks of the writes to one peer are concatenated in order and shaped together, so
+        small writes share engine batches. A write's result is COMPLETED only if all its bytes are
+        in COMPLETED batches before the job's first failed or timed-out batch (``bytes_written``
+        counts exactly the bytes in COMPLETED batches); otherwise it has its job's status and
+        reason. Every job has ended (drained) when this returns.
+        """
+        by_peer: dict[str, list[int]] = {}
+        for i, (peer, _) in enumerate(writes):
+            by_peer.setdefault(peer, []).append(i)
+        jobs: list[tuple[TransferJob, list[int]]] = []
+        results: list[TransferResult | None] = [None] * len(writes)
+        try:
+            for peer, indices in by_peer.items():
+                job = self.start(peer, timeout_s=timeout_s)
+                jobs.append((job, indices))
+                parts = [writes[i][1] for i in indices]
+                job.submit(parts[0] if len(parts) == 1 else TransferBlocks.concat(parts))
+            for job, indices in jobs:
+                shared = job.finish()
+                if shared.batches_in_flight:
+                    shared = job.drain()
+                # Bytes from the first failed (or timed-out) batch on fail their writes, even those
+                # that landed later: the batch failed for all of them, as the job did for transfer().
+                cut = job.landed_before(shared.failed_batch)
+                offset = 0
+                for i in indices:
+                    size = writes[i][1].total_bytes
+                    landed = job.landed(offset, offset + size)
+                    offset += size
+                    if landed == size and offset <= cut:
+                        status, reason = JobStatus.COMPLETED, ""
+                    else:
+                        status = JobStatus.FAILED if shared.ok else shared.status
+                        reason = shared.reason or f"only {landed} of {size} bytes confirmed"
+                        if len(indices) > 1:
+                            reason = f"{reason} (engine batch shared by {len(indices)} writes)"
+                    results[i] = attrs.evolve(
+                        shared,
+                        status=status,
+                        bytes_requested=size,
+                        bytes_written=landed,
+                        batches_in_flight=0,
+                        failed_batch=None if status is JobStatus.COMPLETED else shared.failed_batch,
+                        reason=reason,
+                        shared_by=len(indices),
+                    )
+        finally:
+            for job, _ in jobs:  # an exception must not leave a batch unwaited
+                if job.batches_in_flight:
+                    job.drain()
+        return [r for r in results if r is not None]

@@ -28,7 +28,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 import attrs
@@ -85,8 +85,8 @@ from pdkv.protocol.prefill import PrefillEndpoint, PrefillStatistics
 from pdkv.runtime._host import EndpointHost, RoomHandle, new_epoch, peer_name
 from pdkv.runtime._loop import ChannelFactory
 from pdkv.runtime.channels import announce_to_registry, zmq_channel_factory
-from pdkv.runtime.chunk_plan import fence_of, plan_chunk
-from pdkv.runtime.executor import ExecutorConfig, TransferExecutor
+from pdkv.runtime.chunk_plan import ChunkPlan, fence_of, plan_chunk
+from pdkv.runtime.executor import ExecutorConfig, TransferExecutor, TransferResult
 from pdkv.runtime.per_layer import (
     LayerTransferResult,
     PerLayerConfig,
@@ -125,6 +125,9 @@ class PrefillConfig:
     epoch: Epoch = attrs.field(factory=new_epoch)
     workers: int = attrs.field(default=2, validator=attrs.validators.ge(1))
     queue_size: int = attrs.field(default=4096, validator=attrs.validators.ge(1))
+    shared_chunks: int = attrs.field(default=32, validator=attrs.validators.ge(1))
+    """Most chunks a transfer worker takes off its queue at once: the ones already queued (never
+    waited for) go to each decode rank as one shared job (1: every chunk on its own)."""
     register_memory: bool = True
     """Register every buffer of ``layout`` with the backend (False: the caller registered them)."""
 
@@ -367,16 +370,56 @@ class PrefillTransport(EndpointHost[PrefillEndpoint]):
             item = self._work.get()
             if item is None:
                 return
-            if isinstance(item, SubmitFence):
-                self._run_fence(item)
-                continue
+            items, stop = self._take_queued(item)
+            chunks: list[SubmitChunk] = []
+            for each in items:  # in queue order; a fence goes after the chunks queued before it
+                if isinstance(each, SubmitFence):
+                    self._run_chunks_guarded(chunks)
+                    chunks = []
+                    self._run_fence(each)
+                else:
+                    chunks.append(each)
+            self._run_chunks_guarded(chunks)
+            if stop:
+                return
+
+    def _take_queued(self, item: SubmitChunk | SubmitFence) -> tuple[list[SubmitChunk | SubmitFence], bool]:
+        """``item`` and what is already queued behind it (never waited for), up to ``shared_chunks``;
+        True when the stop marker of ``close()`` was among them (this worker ends after them)."""
+        items = [item]
+        if isinstance(item, SubmitChunk) and self.per_layer.states(item.room):
+            return items, False  # a per-layer finish may wait for its forward: nothing waits behind it
+        while len(items) < self.config.shared_chunks:
             try:
-                self._run_chunk(item)
-            except Exception as exc:  # the room fails; the worker goes on
-                self._worker_errors += 1
-                log.exception(
-                    "transfer worker: chunk %s of room %s failed unexpectedly", item.chunk, item.room
-                )
+                more = self._work.get_nowait()
+            except queue.Empty:
+                break
+            if more is None:
+                return items, True
+            if isinstance(more, SubmitChunk) and self.per_layer.states(more.room):
+                try:  # the same reason: another worker takes it
+                    self._work.put_nowait(more)
+                except queue.Full:
+                    items.append(more)
+                break
+            items.append(more)
+        return items, False
+
+    def _run_chunks_guarded(self, chunks: list[SubmitChunk]) -> None:
+        if not chunks:
+            return
+        ended: set[int] = set()
+        try:
+            if len(chunks) == 1:
+                self._run_chunk(chunks[0])
+            else:
+                self._run_chunks(chunks, ended)
+        except Exception as exc:  # the rooms fail; the worker goes on
+            self._worker_errors += 1
+            log.exception("transfer worker: chunks of rooms %s failed unexpectedly", [c.room for c in chunks])
+            for item in chunks:
+                if id(item) in ended:
+                    continue
                 try:
                     self._finish_failed(item, f"internal error: {type(exc).__name__}: {exc}")
                 except Exception:
@@ -508,6 +551,31 @@ class PrefillTransport(EndpointHost[PrefillEndpoint]):
         """Plan ``spec`` of the chunk for ``destination`` and write it (both paths: the whole chunk, or
         the per-layer chunk's extras). None when it failed: mapping refused it, or the engine failed a
         write (then with the fence the AbortAck will wait for); the chunk is already reported failed."""
+        plan = self._plan(submit, destination, spec, writes_extras=writes_extras)
+        if plan is None:
+            return None
+        submitted = self._clock()
+        if not len(plan.blocks):
+            return _Written(plan.kv_pages, 0, 0.0, submitted, submitted)
+        result = self._executor.transfer(destination.peer.session, plan.blocks)
+        self.metrics.increment(TransportCounter.WRITES)
+        self.metrics.increment(TransportCounter.WRITE_JOBS)
+        if not result.ok:
+            self.metrics.increment(TransportCounter.ENGINE_FAILURES)
+            self._finish_failed(
+                submit,
+                f"to {destination.peer.session}: {result.reason}",
+                fence=(destination.peer.key, fence_of(destination.peer.session, plan.blocks)),
+            )
+            return None
+        return _Written(
+            plan.kv_pages, result.bytes_written, result.seconds, submitted, max(submitted, self._clock())
+        )
+
+    def _plan(
+        self, submit: SubmitChunk, destination: Destination, spec: ChunkSpec, *, writes_extras: bool
+    ) -> ChunkPlan | None:
+        """``spec`` of the chunk mapped for ``destination``; None when mapping refused it (reported)."""
         try:
             plan = plan_chunk(
                 submit.room,
@@ -526,24 +594,108 @@ class PrefillTransport(EndpointHost[PrefillEndpoint]):
             return None
         for note in plan.notes:
             log.warning("room %s chunk %s: %s", submit.room, submit.chunk, note)
+        return plan
+
+    # ------------------------------------------------------------------ chunks of several rooms at once
+
+    def _run_chunks(self, chunks: list[SubmitChunk], ended: set[int]) -> None:
+        """Chunks of several rooms taken off the queue together (never waited for: they were queued).
+
+        Each is started, planned and reported on its own, as ``_run_chunk`` does; their writes go
+        through one ``transfer_shared``, so the writes to one decode rank share engine batches. A
+        chunk fails when one of its writes did not land whole (its fence is a block of that write);
+        a batch that failed fails every chunk with bytes in it. ``ended``: ids of the chunks reported.
+        """
+        planned: list[tuple[SubmitChunk, float, list[tuple[Destination, ChunkPlan]]]] = []
+        extras = self.config.rank.cp == 0
+        with self._lock:  # one lock hold for all of them (and again to report them below)
+            now = self._clock()
+            started = [self._endpoint.start_chunk(s.room, s.chunk, now) for s in chunks]
+        for submit, start in zip(chunks, started, strict=True):
+            if not start:
+                self.metrics.increment(TransportCounter.CHUNKS_SKIPPED)
+                ended.add(id(submit))
+                continue
+            layered = self.per_layer.finish(submit.room, submit.spec.start_token, pages=submit.spec.pages)
+            if layered is not None:
+                self._complete_per_layer(submit, layered)
+                ended.add(id(submit))
+                continue
+            began = self._clock()
+            plans: list[tuple[Destination, ChunkPlan]] = []
+            for destination in submit.destinations:
+                if self._partition_dump:
+                    _dump_partition(submit, destination, config=self.config, writes_extras=extras)
+                plan = self._plan(submit, destination, submit.spec, writes_extras=extras)
+                if plan is None:
+                    ended.add(id(submit))  # reported failed
+                    break
+                plans.append((destination, plan))
+            else:
+                planned.append((submit, began, plans))
+        writes = [(d.peer.session, p.blocks) for _, _, plans in planned for d, p in plans if len(p.blocks)]
         submitted = self._clock()
-        if not len(plan.blocks):
-            return _Written(plan.kv_pages, 0, 0.0, submitted, submitted)
-        result = self._executor.transfer(destination.peer.session, plan.blocks)
-        if not result.ok:
-            self.metrics.increment(TransportCounter.ENGINE_FAILURES)
-            self._finish_failed(
-                submit,
-                f"to {destination.peer.session}: {result.reason}",
-                fence=(destination.peer.key, fence_of(destination.peer.session, plan.blocks)),
+        results = iter(self._executor.transfer_shared(writes) if writes else [])
+        done = self._clock()
+        self.metrics.increment(TransportCounter.WRITES, len(writes))
+        self.metrics.increment(TransportCounter.WRITE_JOBS, len({peer for peer, _ in writes}))
+        with self._lock:  # the statuses are posted together: the control loop sends them as one
+            for submit, began, plans in planned:
+                self._report_shared(submit, began, plans, results, submitted, done)
+                ended.add(id(submit))
+
+    def _report_shared(
+        self,
+        submit: SubmitChunk,
+        began: float,
+        plans: list[tuple[Destination, ChunkPlan]],
+        results: Iterator[TransferResult],
+        submitted: float,
+        done: float,
+    ) -> None:
+        """One chunk of ``_run_chunks`` (lock held): what landed, then chunk_done or chunk_failed."""
+        pages = written = 0
+        per_peer: dict[PeerKey, TransferMetricData] = {}
+        failed: tuple[Destination, ChunkPlan, TransferResult] | None = None
+        for destination, plan in plans:
+            wrote = _Written(plan.kv_pages, 0, 0.0, submitted, submitted)
+            if len(plan.blocks):
+                result = next(results)
+                if not result.ok:
+                    failed = failed or (destination, plan, result)
+                    continue
+                wrote = _Written(plan.kv_pages, result.bytes_written, result.seconds, submitted, done)
+            pages += wrote.kv_pages
+            written += wrote.bytes
+            per_peer[destination.peer.key] = TransferMetricData(
+                pages=wrote.kv_pages, bytes=wrote.bytes, seconds=wrote.seconds
             )
-            return None
-        return _Written(
-            plan.kv_pages, result.bytes_written, result.seconds, submitted, max(submitted, self._clock())
-        )
+            self._landed_locked(submit, destination, wrote)
+        now = self._clock()
+        if failed is not None:
+            destination, plan, result = failed
+            self.metrics.increment(TransportCounter.ENGINE_FAILURES)
+            session = destination.peer.session
+            fence = fence_of(session, plan.blocks)
+            self._apply(
+                self._endpoint.chunk_failed(
+                    submit.room,
+                    submit.chunk,
+                    f"to {session}: {result.reason}",
+                    now,
+                    fences=None if fence is None else {destination.peer.key: fence},
+                )
+            )
+            return
+        metric = TransferMetricData(pages=pages, bytes=written, seconds=max(0.0, now - began))
+        self._apply(self._endpoint.chunk_done(submit.room, submit.chunk, metric, now, per_peer=per_peer))
 
     def _landed(self, submit: SubmitChunk, destination: Destination, wrote: _Written) -> None:
         """What reached ``destination`` for the chunk, into the room's per-peer accounting."""
+        with self._lock:
+            self._landed_locked(submit, destination, wrote)
+
+    def _landed_locked(self, submit: SubmitChunk, destination: Destination, wrote: _Written) -> None:
         landed = KVTransferMetric(
             room=submit.room,
             pages=wrote.kv_pages,
@@ -552,13 +704,12 @@ class PrefillTransport(EndpointHost[PrefillEndpoint]):
             first_submit_at=wrote.first_submit_at,
             last_completion_at=wrote.last_completion_at,
         )
-        with self._lock:
-            self._accounting.wrote(
-                submit.room,
-                peer_name(destination.peer.instance, destination.peer.rank),
-                landed,
-                room_finished=self._room_finished(submit.room),
-            )
+        self._accounting.wrote(
+            submit.room,
+            peer_name(destination.peer.instance, destination.peer.rank),
+            landed,
+            room_finished=self._room_finished(submit.room),
+        )
 
     def _room_finished(self, room: RoomId) -> bool:
         """Did ``room`` finish (lock held)? A write that lands after that is settled at once."""

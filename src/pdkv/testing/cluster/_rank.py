@@ -75,3 +75,56 @@ def _fault_counts(backend: Any, channels: list[FaultyChannel]) -> FaultCounts:
             delayed=counts.delayed + c.delayed,
         )
     return counts
+
+
+# Thread groups of a rank's CPU time, by thread-name prefix (pdkv names its threads; the rest are the
+# engine's and zmq's own native threads, told apart by the name the kernel has for them).
+_GROUPS = (
+    ("MainThread", "scheduler"),
+    ("pdkv-transfer-", "transfer workers"),
+    ("pdkv-prefill-", "control loop"),
+    ("pdkv-decode-", "control loop"),
+    ("pdkv-per-layer", "per-layer"),
+)
+
+
+def thread_cpu() -> dict[str, float]:
+    """CPU seconds (user + system) of this process so far, by thread group (Linux ``/proc``; empty
+    elsewhere). Engine lane threads are ``engine completer`` / ``engine launcher``; threads Python does
+    not know are ``zmq`` (its I/O threads) or ``engine native`` (the transfer engine's own)."""
+    import os
+    import threading
+
+    tick = os.sysconf("SC_CLK_TCK")
+    named = {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
+    groups: dict[str, float] = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return groups
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue  # the thread ended meanwhile
+        comm = stat[stat.index("(") + 1 : stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2 :].split()
+        seconds = (int(fields[11]) + int(fields[12])) / tick
+        name = named.get(int(tid))
+        if name is None:
+            group = "zmq" if comm.startswith("ZMQ") else "engine native"
+        elif name.endswith("-complete"):
+            group = "engine completer"
+        elif name.endswith("-launch"):
+            group = "engine launcher"
+        else:
+            group = next((g for prefix, g in _GROUPS if name.startswith(prefix)), "other")
+        groups[group] = groups.get(group, 0.0) + seconds
+    return groups
+
+
+def cpu_since(before: dict[str, float]) -> dict[str, float]:
+    """``thread_cpu()`` now minus ``before`` (threads that ended since are not counted)."""
+    now = thread_cpu()
+    return {group: max(0.0, seconds - before.get(group, 0.0)) for group, seconds in now.items()}

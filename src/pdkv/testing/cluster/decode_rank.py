@@ -19,7 +19,14 @@ from pdkv.alloc import PagePool
 from pdkv.protocol.ids import InstanceId
 from pdkv.protocol.messages import RankCoord, Side, StateIndices
 from pdkv.protocol.poll import KVPoll
-from pdkv.testing.cluster._rank import _channel_factory, _fault_counts, _make_backend, _RankArgs
+from pdkv.testing.cluster._rank import (
+    _channel_factory,
+    _fault_counts,
+    _make_backend,
+    _RankArgs,
+    cpu_since,
+    thread_cpu,
+)
 from pdkv.testing.cluster.messages import RankFinal, RankReady, RoomResult, RunRoom, Stop
 from pdkv.testing.cluster.spec import ClusterError, RankReport, RoomOutcome, _DecodeRoom
 from pdkv.testing.faults import (
@@ -72,6 +79,7 @@ def _decode_rank(args: _RankArgs, conn: Connection) -> None:
         if not transport.wait_registered(prefill, timeout_s=spec.startup_timeout_s):
             raise ClusterError("prefill ranks did not acknowledge registration")
         conn.send(RankReady(name=name, address=transport.address))
+        cpu_at_start = thread_cpu()
         active: dict[int, tuple[_DecodeRoom, Any, IntArray, IntArray, IntArray, float]] = {}
         stopping = False
         while not stopping or active:
@@ -160,6 +168,7 @@ def _decode_rank(args: _RankArgs, conn: Connection) -> None:
                     unsafe_canary_violations += 1
             pages.free(dst)
         stats = transport.statistics()
+        cpu = cpu_since(cpu_at_start)
         conn.send(
             RankFinal(
                 report=RankReport(
@@ -182,6 +191,7 @@ def _decode_rank(args: _RankArgs, conn: Connection) -> None:
                     pages_in_use=(pages.total_pages - pages.free_pages)
                     + (state_slots.total_pages - state_slots.free_pages)
                     + (aux_rows.total_pages - aux_rows.free_pages),
+                    cpu_s=cpu,
                 ),
             )
         )

@@ -20,7 +20,14 @@ from pdkv.mapping import ModelRole, cp_owned
 from pdkv.protocol.ids import InstanceId
 from pdkv.protocol.messages import RankCoord, Side, StateIndices
 from pdkv.protocol.poll import KVPoll
-from pdkv.testing.cluster._rank import _channel_factory, _fault_counts, _make_backend, _RankArgs
+from pdkv.testing.cluster._rank import (
+    _channel_factory,
+    _fault_counts,
+    _make_backend,
+    _RankArgs,
+    cpu_since,
+    thread_cpu,
+)
 from pdkv.testing.cluster.messages import RankFinal, RankReady, RoomResult, RunRoom, Stop
 from pdkv.testing.cluster.spec import RankReport, RoomOutcome, _PrefillRoom
 from pdkv.testing.faults import (
@@ -110,6 +117,7 @@ def _prefill_rank(args: _RankArgs, conn: Connection) -> None:
                 timeout_s=spec.consensus_timeout_s,
             )
         conn.send(RankReady(name=name, address=transport.address))
+        cpu_at_start = thread_cpu()
         active: dict[int, tuple[_PrefillRoom, Any, _Progress]] = {}
         order: list[int] = []  # rooms in arrival order (the same on every rank) not yet retired by consensus
         agreed: dict[int, KVPoll] = {}  # the consensus of retired rooms still finishing here
@@ -168,6 +176,7 @@ def _prefill_rank(args: _RankArgs, conn: Connection) -> None:
             elif active:
                 time.sleep(0.0005)
         stats = transport.statistics()
+        cpu = cpu_since(cpu_at_start)
         conn.send(
             RankFinal(
                 report=RankReport(
@@ -183,6 +192,9 @@ def _prefill_rank(args: _RankArgs, conn: Connection) -> None:
                     peers_lost=stats.endpoint.peers_lost,
                     peer_restarts=stats.endpoint.peer_restarts,
                     fences=stats.endpoint.fences_submitted,
+                    writes=stats.metrics.counters.writes,
+                    write_jobs=stats.metrics.counters.write_jobs,
+                    cpu_s=cpu,
                     consensus_lost=consensus.lost if consensus is not None else "",
                     faults=_fault_counts(backend, channels),
                 ),

@@ -197,6 +197,13 @@ class RankReport:
     """Decode: quarantined rooms released proven (acks after fences, then connections cut)."""
     fences: int = 0
     """Prefill: fence writes made before AbortAcks of rooms whose writes failed."""
+    writes: int = 0
+    """Prefill: chunk writes to decode ranks (one per chunk and destination with bytes)."""
+    write_jobs: int = 0
+    """Prefill: transfer jobs those writes went in (``writes / write_jobs`` rooms shared a job on average)."""
+    cpu_s: dict[str, float] = attrs.Factory(dict)
+    """CPU seconds from the end of the rank's start-up to its final report, by thread group
+    (``_rank.thread_cpu``)."""
 
 
 class ClusterError(RuntimeError):
