@@ -94,7 +94,9 @@ COUNTER_DESCRIPTIONS: Final[Mapping[TransportCounter, str]] = {
         "Control messages from an unknown or unregistered sender; dropped."
     ),
     TransportCounter.STALE_MESSAGES: "Control messages for an old epoch or a closed room; dropped.",
-    TransportCounter.ENGINE_FAILURES: "Transfer engine batches that reported failure.",
+    TransportCounter.ENGINE_FAILURES: (
+        "Chunks failed by the transfer engine (a failed batch shared by several rooms counts once per room)."
+    ),
     TransportCounter.TIMEOUTS: "Rooms or aborts that hit a deadline.",
     TransportCounter.QUARANTINES: "Aborted rooms whose AbortAck wait timed out: pages held in quarantine.",
     TransportCounter.QUARANTINES_RELEASED: (

@@ -617,6 +617,11 @@ class PerLayerTransferManager:
         with self._lock:
             self._book.forget(room)
 
+    def holds(self, room: RoomId) -> bool:
+        """Does a per-layer context of ``room`` exist (its chunks' ``send()`` may wait for a forward)?"""
+        with self._lock:
+            return bool(self._book.contexts(room))
+
     def states(self, room: RoomId) -> list[PerLayerState]:
         """The room's contexts' states, in registration order (for tests and debugging)."""
         with self._lock:

@@ -387,7 +387,7 @@ class PrefillTransport(EndpointHost[PrefillEndpoint]):
         """``item`` and what is already queued behind it (never waited for), up to ``shared_chunks``;
         True when the stop marker of ``close()`` was among them (this worker ends after them)."""
         items = [item]
-        if isinstance(item, SubmitChunk) and self.per_layer.states(item.room):
+        if isinstance(item, SubmitChunk) and self.per_layer.holds(item.room):
             return items, False  # a per-layer finish may wait for its forward: nothing waits behind it
         while len(items) < self.config.shared_chunks:
             try:
@@ -396,7 +396,7 @@ class PrefillTransport(EndpointHost[PrefillEndpoint]):
                 break
             if more is None:
                 return items, True
-            if isinstance(more, SubmitChunk) and self.per_layer.states(more.room):
+            if isinstance(more, SubmitChunk) and self.per_layer.holds(more.room):
                 try:  # the same reason: another worker takes it
                     self._work.put_nowait(more)
                 except queue.Full:
@@ -656,13 +656,13 @@ class PrefillTransport(EndpointHost[PrefillEndpoint]):
         """One chunk of ``_run_chunks`` (lock held): what landed, then chunk_done or chunk_failed."""
         pages = written = 0
         per_peer: dict[PeerKey, TransferMetricData] = {}
-        failed: tuple[Destination, ChunkPlan, TransferResult] | None = None
+        failed: list[tuple[Destination, ChunkPlan, TransferResult]] = []
         for destination, plan in plans:
             wrote = _Written(plan.kv_pages, 0, 0.0, submitted, submitted)
             if len(plan.blocks):
                 result = next(results)
                 if not result.ok:
-                    failed = failed or (destination, plan, result)
+                    failed.append((destination, plan, result))
                     continue
                 wrote = _Written(plan.kv_pages, result.bytes_written, result.seconds, submitted, done)
             pages += wrote.kv_pages
@@ -672,18 +672,23 @@ class PrefillTransport(EndpointHost[PrefillEndpoint]):
             )
             self._landed_locked(submit, destination, wrote)
         now = self._clock()
-        if failed is not None:
-            destination, plan, result = failed
+        if failed:
+            # Every decode rank whose write failed is owed a fence (the writes to several ranks ran
+            # together, so more than one may have failed).
             self.metrics.increment(TransportCounter.ENGINE_FAILURES)
-            session = destination.peer.session
-            fence = fence_of(session, plan.blocks)
+            fences = {
+                d.peer.key: fence
+                for d, plan, _ in failed
+                if (fence := fence_of(d.peer.session, plan.blocks)) is not None
+            }
+            destination, _, result = failed[0]
             self._apply(
                 self._endpoint.chunk_failed(
                     submit.room,
                     submit.chunk,
-                    f"to {session}: {result.reason}",
+                    f"to {destination.peer.session}: {result.reason}",
                     now,
-                    fences=None if fence is None else {destination.peer.key: fence},
+                    fences=fences or None,
                 )
             )
             return
