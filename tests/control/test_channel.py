@@ -121,7 +121,7 @@ def test_message_queued_for_a_peer_not_yet_listening_is_delivered_when_it_binds(
 def _garbage_frame_sets() -> list[list[bytes]]:
     good = codec.encode(heartbeat(1))
     wrong_version = bytearray(good[0])
-    struct.pack_into("<H", wrong_version, 4, 3)  # this side speaks version 2
+    struct.pack_into("<H", wrong_version, 4, 2)  # this side speaks version 3
     rng = random.Random(5)
     random_sets = [
         [rng.randbytes(rng.randrange(0, 64)) for _ in range(rng.randrange(1, 5))] for _ in range(20)
@@ -154,7 +154,7 @@ def test_garbage_is_counted_logged_and_skipped_and_the_channel_keeps_serving(
     assert (stats.malformed, stats.received) == (len(garbage), 1)
     text = caplog.text
     assert "malformed" in text
-    assert "peer speaks protocol version 3, this side speaks version 2" in text
+    assert "peer speaks protocol version 2, this side speaks version 3" in text
 
 
 def test_garbage_does_not_end_wait_early(make_channel: MakeChannel, raw_socket: RawSocket) -> None:

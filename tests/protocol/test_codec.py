@@ -157,7 +157,7 @@ def test_type_codes_are_the_documented_stable_numbers() -> None:
 
 def test_golden_transfer_request_bytes() -> None:
     """Written by hand from the codec docstring; a change here is a change of the wire format."""
-    header = b"PDKV" + b"\x02\x00" + b"\x07\x00" + b"\x02\x00"  # version 2, type 7, two array frames
+    header = b"PDKV" + b"\x03\x00" + b"\x07\x00" + b"\x02\x00"  # version 3, type 7, two array frames
     body = (
         b"\x88"  # map of 8, keys in the documented order
         + b"\xa6origin"
@@ -186,8 +186,8 @@ def test_golden_transfer_request_bytes() -> None:
 def test_header_layout() -> None:
     frames = encode(Heartbeat(origin=ORIGIN, seq=1))
     assert len(frames) == 2
-    assert frames[0] == b"PDKV\x02\x00\x0b\x00\x00\x00"
-    assert HEADER.size == 10 and MAGIC == b"PDKV" and PROTOCOL_VERSION == 2
+    assert frames[0] == b"PDKV\x03\x00\x0b\x00\x00\x00"
+    assert HEADER.size == 10 and MAGIC == b"PDKV" and PROTOCOL_VERSION == 3
 
 
 @pytest.mark.parametrize(
@@ -258,9 +258,9 @@ def test_header_errors() -> None:
 
 def test_other_version_is_reported_before_the_header_size() -> None:
     """A later version may lengthen the header: the peer still learns it is a version mismatch."""
-    v3_header = MAGIC + struct.pack("<H", 3) + bytes(30)
-    reason = rejection([v3_header, b"whatever v3 sends"])
-    assert reason == "peer speaks protocol version 3, this side speaks version 2"
+    v4_header = MAGIC + struct.pack("<H", 4) + bytes(30)
+    reason = rejection([v4_header, b"whatever v4 sends"])
+    assert reason == "peer speaks protocol version 4, this side speaks version 3"
 
 
 def test_body_msgpack_errors() -> None:
@@ -569,7 +569,7 @@ def _mutate_body(body_frame: bytes, rng: random.Random) -> bytes:
 
 
 def _mutate_header(header: bytes, rng: random.Random) -> bytes:
-    magic, version, code, arrays = header[:4], 2, 7, 0
+    magic, version, code, arrays = header[:4], 3, 7, 0
     if len(header) == HEADER.size:
         magic, version, code, arrays = HEADER.unpack(header)
     field = rng.randrange(3)
@@ -578,7 +578,7 @@ def _mutate_header(header: bytes, rng: random.Random) -> bytes:
     elif field == 1:
         arrays = rng.randint(0, 5)
     else:
-        version = rng.choice([0, 1, 3, 65535])
+        version = rng.choice([0, 1, 2, 4, 65535])
     return HEADER.pack(magic, version, code, arrays)
 
 
@@ -739,7 +739,7 @@ def test_random_msgpack_bodies_raise_only_remote_error(
 def test_any_other_version_is_named_with_ours(message: Message, version: int) -> None:
     frames = encode(message)
     frames[0] = MAGIC + struct.pack("<H", version) + frames[0][6:]
-    assert rejection(frames) == f"peer speaks protocol version {version}, this side speaks version 2"
+    assert rejection(frames) == f"peer speaks protocol version {version}, this side speaks version 3"
 
 
 @settings(max_examples=100)

@@ -1,4 +1,4 @@
-"""The pdkv wire format (protocol version 2): messages <-> ZMQ multipart frames.
+"""The pdkv wire format (protocol version 3): messages <-> ZMQ multipart frames.
 
 Owns: every byte of the control protocol: the header, the type-code table, the msgpack body schema of
 each message, and the raw array frames. Must not import zmq, do I/O, or know any message's meaning
@@ -6,17 +6,20 @@ beyond its fields: ``encode`` takes a validated message, ``decode`` returns one 
 ``messages`` validate themselves). ``decode`` is the trust boundary: for ANY input it returns a
 message or raises ``RemoteProtocolError``, never anything else.
 
-Wire format, version 2 (normative; another implementation can be written from this text)
+Wire format, version 3 (normative; another implementation can be written from this text)
 =========================================================================================
 
-Changes from version 1: ``BufferSpec`` gains the key ``heads`` (``Heads | nil``), the KV heads an
-MHA/GQA K or V buffer holds, so prefill and decode instances of different TP sizes can register.
+Changes from version 2: a side may send several messages to one peer in one envelope
+(``pdkv.control.envelope``); the messages themselves are unchanged. The version changed so that a
+side that cannot read envelopes refuses the other at registration instead of dropping them.
+Changes from version 1 to 2: ``BufferSpec`` gains the key ``heads`` (``Heads | nil``), the KV heads
+an MHA/GQA K or V buffer holds, so prefill and decode instances of different TP sizes can register.
 
 A message is a sequence of ``2 + n`` byte frames (one ZMQ multipart message)::
 
     frame 0        header, exactly 10 bytes, little-endian, struct "<4sHHH":
                      magic    4 bytes   b"PDKV"
-                     version  u16       2
+                     version  u16       3
                      type     u16       message type code (table below)
                      arrays   u16       n, the number of array frames after the body
     frame 1        body: exactly one msgpack map (at most 1 MiB)
@@ -139,7 +142,7 @@ from pdkv.protocol.messages import (
     TransferStatus,
 )
 
-PROTOCOL_VERSION: Final = 2
+PROTOCOL_VERSION: Final = 3
 MAGIC: Final = b"PDKV"
 HEADER: Final = struct.Struct("<4sHHH")  # magic, version, type code, number of array frames
 _MAGIC_AND_VERSION_BYTES: Final = 6  # the only header bytes whose position no future version may move
