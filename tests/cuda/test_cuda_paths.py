@@ -15,7 +15,7 @@ import contextlib
 import importlib.util
 import multiprocessing
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -35,20 +35,13 @@ from pdkv.runtime.per_layer import PerLayerMode
 from pdkv.runtime.prefill import PrefillConfig, PrefillTransport
 from pdkv.testing import TransportPair
 from pdkv.testing.synthetic import Capacity, ModelSpec, forward_layers
+from tests.runtime.rig import wait_for
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 # About 0.2 s of GPU time at the H200's ~2 GHz: long enough that a layer reported at once is
 # certainly not written yet when pdkv first looks at it.
 SLEEP_CYCLES = 400_000_000
-
-
-def wait_for(condition: Callable[[], bool], timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        time.sleep(0.005)
 
 
 @contextlib.contextmanager
