@@ -2,52 +2,25 @@
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Sequence
-from typing import Any
 
 from pdkv.protocol.ids import Epoch, InstanceId
 from pdkv.protocol.messages import Heartbeat, Message, Origin, RankCoord
 from pdkv.runtime._loop import ControlLoop
+from tests.runtime.stub_channel import StubChannel
 
 ORIGIN = Origin(instance=InstanceId("x"), epoch=Epoch(1), rank=RankCoord(tp=0))
 
 
-class _Recording:
-    """A channel that records what it was asked to send (one call per entry) and receives nothing."""
+class _RecordingMany(StubChannel):
+    """A stub channel that can send several messages in one call, recorded as one entry."""
 
-    address = "inproc://recording"
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[str, list[Message]]] = []
-
-    def send(self, to: str, message: Message) -> None:
-        self.calls.append((to, [message]))
-
-    def wait(self, timeout_s: float | None) -> list[Message]:
-        threading.Event().wait(min(timeout_s or 0.01, 0.01))
-        return []
-
-    def wake(self) -> None:
-        pass
-
-    def forget(self, endpoint: str) -> None:
-        pass
-
-    def close(self, *, flush_s: float = 0.0) -> None:
-        pass
-
-    def statistics(self) -> Any:
-        return None
-
-
-class _RecordingMany(_Recording):
     def send_many(self, to: str, messages: Sequence[Message]) -> None:
         self.calls.append((to, list(messages)))
 
 
-def _flushed(channel: _Recording, posts: list[tuple[str, int]]) -> list[tuple[str, list[int]]]:
+def _flushed(channel: StubChannel, posts: list[tuple[str, int]]) -> list[tuple[str, list[int]]]:
     loop = ControlLoop(channel, name="t", on_message=lambda m, now: None, on_tick=lambda now: None)
     for to, seq in posts:  # posted before the thread runs: one flush finds them all
         loop.post(to, Heartbeat(origin=ORIGIN, seq=seq))
@@ -68,5 +41,5 @@ def test_messages_for_one_peer_leave_in_one_call_in_posting_order() -> None:
 
 
 def test_a_channel_that_cannot_gets_one_send_per_message_in_posting_order() -> None:
-    calls = _flushed(_Recording(), POSTS)
+    calls = _flushed(StubChannel(), POSTS)
     assert calls == [(to, [seq]) for to, seq in POSTS]

@@ -31,6 +31,7 @@ from pdkv.runtime.prefill import PrefillConfig, PrefillTransport
 from pdkv.testing.cluster import free_port
 from pdkv.testing.synthetic import Capacity, RankMemory, verify_room
 from tests.runtime.rig import SPEC, TIMEOUTS, Rig, wait_for
+from tests.runtime.stub_channel import StubChannel
 
 ROOM = RoomId(77)
 
@@ -233,35 +234,6 @@ def test_connect_to_a_dead_registry_raises_route_unavailable_with_the_cause() ->
     backend.close()
 
 
-class _ListChannel:
-    """A channel that delivers one batch of messages once (what ``ControlLoop`` needs, nothing more)."""
-
-    def __init__(self, batch: list[Message]) -> None:
-        self._batch = batch
-        self.address = "inproc://list"
-
-    def send(self, to: str, message: Message) -> None:
-        pass
-
-    def wait(self, timeout_s: float | None) -> list[Message]:
-        batch, self._batch = self._batch, []
-        if not batch:
-            threading.Event().wait(min(timeout_s or 0.01, 0.01))
-        return batch
-
-    def wake(self) -> None:
-        pass
-
-    def forget(self, endpoint: str) -> None:
-        pass
-
-    def close(self, *, flush_s: float = 0.0) -> None:
-        pass
-
-    def statistics(self) -> Any:
-        return None
-
-
 def test_one_failing_message_never_costs_the_rest_of_its_batch() -> None:
     origin = Origin(instance=InstanceId("x"), epoch=Epoch(1), rank=RankCoord(tp=0))
     batch: list[Message] = [Heartbeat(origin=origin, seq=k) for k in range(5)]
@@ -273,7 +245,7 @@ def test_one_failing_message_never_costs_the_rest_of_its_batch() -> None:
             raise PdkvError("a handler bug")
         handled.append(message.seq)
 
-    loop = ControlLoop(_ListChannel(batch), name="t", on_message=on_message, on_tick=lambda now: None)
+    loop = ControlLoop(StubChannel(batch), name="t", on_message=on_message, on_tick=lambda now: None)
     loop.start()
     try:
         wait_for(lambda: len(handled) == 4, timeout=5)

@@ -1,5 +1,5 @@
-"""What every rank process shares: its arguments (``_RankArgs``), its backend (Mooncake, wrapped by the
-rank's faults) and its control channel factory, and the fault counts it reports.
+"""What every rank process shares: its arguments (``_RankArgs``), its wiring (``_wire``: the backend,
+Mooncake wrapped by the rank's faults, and the control channel factory), and the fault counts it reports.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from pdkv.testing.faults import (
     FaultyChannel,
     faulty_channel_factory,
     fixed_port_channel_factory,
+    wrap_for_rank,
 )
 
 IntArray = npt.NDArray[np.int64]
@@ -62,6 +63,29 @@ def _channel_factory(args: _RankArgs, faults: ChannelFaults | None, made: list[F
     if faults is None:
         return base
     return faulty_channel_factory(faults, made, base)
+
+
+@attrs.frozen
+class _Wiring:
+    """A rank's backend, its control channel factory, and the faulty channels that factory made."""
+
+    backend: Any
+    channel_factory: Any
+    channels: list[FaultyChannel]
+
+    def fault_counts(self) -> FaultCounts:
+        return _fault_counts(self.backend, self.channels)
+
+
+def _wire(args: _RankArgs, side: Side) -> _Wiring:
+    """The rank's faults applied to a new Mooncake backend and to its control channels."""
+    channel_faults, backend_faults = wrap_for_rank(args.spec.faults, side, args.tp, args.cp)
+    channels: list[FaultyChannel] = []
+    return _Wiring(
+        backend=_make_backend(backend_faults, args.spec.host(side), args.spec),
+        channel_factory=_channel_factory(args, channel_faults, channels),
+        channels=channels,
+    )
 
 
 def _fault_counts(backend: Any, channels: list[FaultyChannel]) -> FaultCounts:

@@ -19,20 +19,9 @@ from pdkv.alloc import PagePool
 from pdkv.protocol.ids import InstanceId
 from pdkv.protocol.messages import RankCoord, Side, StateIndices
 from pdkv.protocol.poll import KVPoll
-from pdkv.testing.cluster._rank import (
-    _channel_factory,
-    _fault_counts,
-    _make_backend,
-    _RankArgs,
-    cpu_since,
-    thread_cpu,
-)
+from pdkv.testing.cluster._rank import _RankArgs, _wire, cpu_since, thread_cpu
 from pdkv.testing.cluster.messages import RankFinal, RankReady, RoomResult, RunRoom, Stop
 from pdkv.testing.cluster.spec import ClusterError, RankReport, RoomOutcome, _DecodeRoom
-from pdkv.testing.faults import (
-    FaultyChannel,
-    wrap_for_rank,
-)
 from pdkv.testing.synthetic import (
     RankMemory,
     canary_intact,
@@ -50,9 +39,8 @@ def _decode_rank(args: _RankArgs, conn: Connection) -> None:
     spec = args.spec
     cap = spec.decode_capacity
     memory = RankMemory(spec.model, cap, tp_size=spec.decode_tp, tp_rank=args.tp)
-    channel_faults, backend_faults = wrap_for_rank(spec.faults, Side.DECODE, args.tp, args.cp)
-    backend = _make_backend(backend_faults, spec.host(Side.DECODE), spec)
-    channels: list[FaultyChannel] = []
+    wiring = _wire(attrs.evolve(args, control_port=0), Side.DECODE)  # the decode's port: any free one
+    backend = wiring.backend
     config = DecodeConfig(
         instance=InstanceId("decode-0"),
         rank=RankCoord(tp=args.tp),
@@ -61,11 +49,7 @@ def _decode_rank(args: _RankArgs, conn: Connection) -> None:
         host=spec.host(Side.DECODE),
         timeouts=spec.timeouts,
     )
-    transport = DecodeTransport(
-        config,
-        backend,
-        channel_factory=_channel_factory(attrs.evolve(args, control_port=0), channel_faults, channels),
-    )
+    transport = DecodeTransport(config, backend, channel_factory=wiring.channel_factory)
     name = f"decode tp{args.tp}"
     pages = PagePool(pages_per_lane=cap.kv_pages, tier="decode-device")
     state_slots = PagePool(pages_per_lane=cap.state_slots, tier="decode-state")
@@ -187,7 +171,7 @@ def _decode_rank(args: _RankArgs, conn: Connection) -> None:
                     peer_restarts=stats.endpoint.peer_restarts,
                     quarantines=stats.endpoint.quarantines,
                     quarantines_proven=stats.endpoint.quarantines_proven,
-                    faults=_fault_counts(backend, channels),
+                    faults=wiring.fault_counts(),
                     pages_in_use=(pages.total_pages - pages.free_pages)
                     + (state_slots.total_pages - state_slots.free_pages)
                     + (aux_rows.total_pages - aux_rows.free_pages),

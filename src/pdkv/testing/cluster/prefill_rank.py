@@ -20,20 +20,9 @@ from pdkv.mapping import ModelRole, cp_owned
 from pdkv.protocol.ids import InstanceId
 from pdkv.protocol.messages import RankCoord, Side, StateIndices
 from pdkv.protocol.poll import KVPoll
-from pdkv.testing.cluster._rank import (
-    _channel_factory,
-    _fault_counts,
-    _make_backend,
-    _RankArgs,
-    cpu_since,
-    thread_cpu,
-)
+from pdkv.testing.cluster._rank import _RankArgs, _wire, cpu_since, thread_cpu
 from pdkv.testing.cluster.messages import RankFinal, RankReady, RoomResult, RunRoom, Stop
 from pdkv.testing.cluster.spec import RankReport, RoomOutcome, _PrefillRoom
-from pdkv.testing.faults import (
-    FaultyChannel,
-    wrap_for_rank,
-)
 from pdkv.testing.synthetic import (
     RankMemory,
     simulate_forward,
@@ -88,9 +77,8 @@ def _prefill_rank(args: _RankArgs, conn: Connection) -> None:
     spec = args.spec
     memory = RankMemory(spec.model, spec.prefill_capacity, tp_size=spec.prefill_tp, tp_rank=args.tp)
     memory.fill_prefill(cp_rank=args.cp, policy=spec.policy)
-    channel_faults, backend_faults = wrap_for_rank(spec.faults, Side.PREFILL, args.tp, args.cp)
-    backend = _make_backend(backend_faults, spec.host(Side.PREFILL), spec)
-    channels: list[FaultyChannel] = []
+    wiring = _wire(args, Side.PREFILL)
+    backend = wiring.backend
     config = PrefillConfig.from_env(  # executor and per-layer settings: PDKV_* variables, if set
         instance=InstanceId("prefill-0"),
         rank=RankCoord(tp=args.tp, cp=args.cp),
@@ -101,9 +89,7 @@ def _prefill_rank(args: _RankArgs, conn: Connection) -> None:
         host=spec.host(Side.PREFILL),
         timeouts=spec.timeouts,
     )
-    transport = PrefillTransport(
-        config, backend, channel_factory=_channel_factory(args, channel_faults, channels)
-    )
+    transport = PrefillTransport(config, backend, channel_factory=wiring.channel_factory)
     name = f"prefill tp{args.tp}/cp{args.cp}"
     consensus: _RankConsensus | None = None
     try:
@@ -196,7 +182,7 @@ def _prefill_rank(args: _RankArgs, conn: Connection) -> None:
                     write_jobs=stats.metrics.counters.write_jobs,
                     cpu_s=cpu,
                     consensus_lost=consensus.lost if consensus is not None else "",
-                    faults=_fault_counts(backend, channels),
+                    faults=wiring.fault_counts(),
                 ),
             )
         )
