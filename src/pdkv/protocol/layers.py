@@ -164,11 +164,6 @@ class LayerBook(Generic[W]):
     def is_registered(self, room: RoomId, start_token: int) -> bool:
         return self.context(room, start_token) is not None
 
-    def busy(self, room: RoomId) -> bool:
-        """Does the room still have a context that is not terminal, or a drain not yet run?"""
-        r = self._rooms.get(room)
-        return r is not None and (r.pending_drains > 0 or any(not c.terminal for c in r.contexts.values()))
-
     def statistics(self) -> LayerBookStatistics:
         return LayerBookStatistics(
             registered=self._registered,
