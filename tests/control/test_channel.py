@@ -304,8 +304,9 @@ def test_recv_is_not_ended_by_wake(make_channel: MakeChannel) -> None:
 # ---------------------------------------------------------------- ownership and life cycle
 
 
-def test_a_second_thread_using_the_channel_is_refused(make_channel: MakeChannel) -> None:
+def test_a_second_thread_receiving_is_refused_but_may_send(make_channel: MakeChannel) -> None:
     channel = make_channel()
+    peer = make_channel()
     release = threading.Event()
     errors: list[BaseException] = []
 
@@ -322,17 +323,54 @@ def test_a_second_thread_using_the_channel_is_refused(make_channel: MakeChannel)
         time.sleep(0.05)
         assert thread.is_alive()
         with pytest.raises(ChannelOwnershipError, match="owned by thread"):
-            channel.send(channel.address, heartbeat(1))
+            channel.recv(0)
+        with pytest.raises(ChannelOwnershipError, match="owned by thread"):
+            channel.wait(0)
         with pytest.raises(ChannelOwnershipError):
             channel.close()  # the owner is still running
         channel.wake()  # allowed from anywhere
-        assert channel.statistics().sent == 0  # so is reading the counters
+        # Sending is serialised, not owned: the thread that made a message sends it itself.
+        assert channel.send(peer.address, heartbeat(1))
+        assert channel.send_many(peer.address, [heartbeat(2), heartbeat(3)])
+        assert channel.statistics().sent == 3  # so is reading the counters
+        got = [peer.recv(5.0) for _ in range(3)]
+        assert [m.seq for m in got if isinstance(m, Heartbeat)] == [1, 2, 3]
+        assert channel.forget(peer.address)
     finally:
         release.set()
         thread.join(10.0)
     assert not errors
     channel.close()  # the owner has ended: any thread may close
     assert channel.closed
+
+
+def test_sends_from_many_threads_arrive_whole_and_in_order_per_thread(make_channel: MakeChannel) -> None:
+    """Concurrent senders share the outbound sockets through the lock: no frame set is torn or lost,
+    and each thread's messages keep their order (PUSH/PULL keeps one socket's order)."""
+    channel = make_channel()
+    peer = make_channel()
+    threads, per_thread = 4, 200
+
+    def sender(t: int) -> None:
+        for i in range(per_thread):
+            message = heartbeat(t * 10_000 + i)
+            if i % 2:
+                assert channel.send(peer.address, message)
+            else:
+                assert channel.send_many(peer.address, [message])
+
+    workers = [threading.Thread(target=sender, args=(t,)) for t in range(threads)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(30.0)
+    seen: dict[int, list[int]] = {}
+    for _ in range(threads * per_thread):
+        message = peer.recv(5.0)
+        assert isinstance(message, Heartbeat)
+        seen.setdefault(message.seq // 10_000, []).append(message.seq % 10_000)
+    assert {t: seen.get(t) for t in range(threads)} == {t: list(range(per_thread)) for t in range(threads)}
+    assert peer.statistics().malformed == 0
 
 
 def test_close_is_idempotent_and_use_after_close_raises(make_channel: MakeChannel) -> None:

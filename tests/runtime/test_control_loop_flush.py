@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Sequence
 
@@ -43,3 +44,84 @@ def test_messages_for_one_peer_leave_in_one_call_in_posting_order() -> None:
 def test_a_channel_that_cannot_gets_one_send_per_message_in_posting_order() -> None:
     calls = _flushed(StubChannel(), POSTS)
     assert calls == [(to, [seq]) for to, seq in POSTS]
+
+
+# ---------------------------------------------------------------- sending() on the posting thread
+
+
+class _ThreadRecording(_RecordingMany):
+    """Records which thread sent each call, and how many wakes the loop was sent."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.senders: list[str] = []
+        self.wakes = 0
+
+    def send(self, to: str, message: Message) -> None:
+        self.senders.append(threading.current_thread().name)
+        super().send(to, message)
+
+    def send_many(self, to: str, messages: Sequence[Message]) -> None:
+        self.senders.append(threading.current_thread().name)
+        super().send_many(to, messages)
+
+    def wake(self) -> None:
+        self.wakes += 1
+
+
+def _heartbeat(seq: int) -> Heartbeat:
+    return Heartbeat(origin=ORIGIN, seq=seq)
+
+
+def test_posts_inside_sending_leave_from_the_posting_thread_at_the_end_of_the_block() -> None:
+    channel = _ThreadRecording()
+    loop = ControlLoop(channel, name="loop", on_message=lambda m, now: None, on_tick=lambda now: None)
+    loop.start()
+    try:
+        with loop.sending():
+            loop.post("a", _heartbeat(1))
+            with loop.sending():  # nested: the outermost block sends
+                loop.post("a", _heartbeat(2))
+            loop.post("b", _heartbeat(3))
+            assert channel.calls == []  # nothing leaves while the block (the caller's lock) is held
+        # Sent by this thread as the block ended, the two for "a" in one frame set; no wake needed.
+        assert sorted(channel.calls) == sorted(
+            [("a", [_heartbeat(1), _heartbeat(2)]), ("b", [_heartbeat(3)])]
+        )
+        assert channel.senders == [threading.current_thread().name] * 2
+        assert channel.wakes == 0
+    finally:
+        loop.stop()
+
+
+def test_a_flush_under_way_elsewhere_hands_the_posts_to_the_woken_loop() -> None:
+    channel = _ThreadRecording()
+    loop = ControlLoop(channel, name="loop", on_message=lambda m, now: None, on_tick=lambda now: None)
+    loop.start()
+    try:
+        with loop._flush_lock:  # another thread is flushing: this one must not send behind its back
+            with loop.sending():
+                loop.post("a", _heartbeat(1))
+            assert channel.calls == [] and channel.wakes == 1  # the loop was woken instead
+        deadline = time.monotonic() + 5
+        while not channel.calls and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert channel.calls == [("a", [_heartbeat(1)])]  # nothing lost
+        assert channel.senders == ["loop"]
+    finally:
+        loop.stop()
+
+
+def test_posts_outside_sending_wake_the_loop_which_sends_them() -> None:
+    channel = _ThreadRecording()
+    loop = ControlLoop(channel, name="loop", on_message=lambda m, now: None, on_tick=lambda now: None)
+    loop.start()
+    try:
+        loop.post("a", _heartbeat(1))
+        assert channel.wakes == 1
+        deadline = time.monotonic() + 5
+        while not channel.calls and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert channel.calls == [("a", [_heartbeat(1)])] and channel.senders == ["loop"]
+    finally:
+        loop.stop()

@@ -7,7 +7,9 @@ prefill rank (this process) and a decode rank (a spawned process) run real ``Pre
 ``DecodeTransport`` over Mooncake TCP on 127.0.0.1 with the bootstrap registry; one room at a time:
 the decode side's ``receiver.init`` first (the request is in before the forward ends, as in
 serving), then ``sender.send()`` of the whole request as one last chunk, timed to the prefill's
-Success and to the decode's Success, each seen by a scheduler loop polling every ``--poll-us``.
+Success and to the decode's Success, each seen by a scheduler loop that polls, then waits for the
+transport's progress (``wait_progress``) at most ``--poll-us`` (``--sleep-poll``: sleeps that long
+instead, as a scheduler that does not wait on the transport).
 
 In the same run, on the same block list (one block per run contiguous on both sides, per layer)
 and the same registered memory of the same two processes, the raw engine (the prefill rank's own
@@ -23,9 +25,10 @@ The three methods run interleaved for ``--repeats`` rounds; figures are the best
 the rounds. A per-phase breakdown of the pdkv rooms (medians) says where the time goes: the
 scheduler's ``send()`` call, the chunk's wait in the work queue, planning (``plan_chunk``), executor
 and backend set-up until the engine is first called, the engine (first launch to the last status
-returned), the executor noticing completion, the prefill control thread sending TransferStatus,
-the status crossing to the decode rank's control thread, and the decode scheduler's poll seeing
-Success. The timestamps come from a subclass of the Mooncake backend, a wrapper of its engine and
+returned), the executor noticing completion, TransferStatus leaving the prefill rank (sent by the
+transfer worker itself once it released the lock, or by the control thread when another flush was
+under way), the status crossing to the decode rank's control thread, and the decode scheduler's
+poll seeing Success. The timestamps come from a subclass of the Mooncake backend, a wrapper of its engine and
 of both control channels, and a wrapper of ``plan_chunk`` in this process (instrumentation only:
 a few microseconds each). ``time.monotonic`` is one clock for every process of the host.
 
@@ -87,7 +90,6 @@ PHASES = (
     "submit",
     "engine",
     "completion_seen",
-    "status_posted",
     "status_sent",
     "status_received",
     "decode_poll",
@@ -278,7 +280,6 @@ class TimedChannel:
         return messages
 
     def wake(self) -> None:
-        self._timeline.mark("wake")
         self._inner.wake()
 
     def forget(self, endpoint: str) -> object:
@@ -326,18 +327,35 @@ def timed_planning(timeline: Timeline) -> Iterator[None]:
         setattr(prefill_module, "plan_chunk", original)  # noqa: B010
 
 
+class Waits(Protocol):
+    """What a transport offers a scheduler that waits between polls (``EndpointHost.wait_progress``)."""
+
+    def progress(self) -> int: ...
+
+    def wait_progress(self, seen: int, timeout_s: float) -> int: ...
+
+
 def wait_poll(
-    poll: Callable[[], KVPoll], wanted: tuple[KVPoll, ...], interval_s: float, timeout_s: float
+    poll: Callable[[], KVPoll],
+    wanted: tuple[KVPoll, ...],
+    interval_s: float,
+    timeout_s: float,
+    progress: Waits | None = None,
 ) -> KVPoll:
-    """Poll like a scheduler loop until the poll is one of ``wanted`` (or Failed); raise on timeout."""
+    """Poll like a scheduler loop until the poll is one of ``wanted`` (or Failed); raise on timeout.
+    Between polls it waits for ``progress`` (at most ``interval_s``), or sleeps ``interval_s``."""
     deadline = time.monotonic() + timeout_s
+    seen = 0 if progress is None else progress.progress()
     while True:
         value = poll()
         if value in wanted or value is KVPoll.Failed:
             return value
         if time.monotonic() > deadline:
             raise TimeoutError(f"poll stayed {value.name} for {timeout_s:g} s")
-        time.sleep(interval_s)
+        if progress is None:
+            time.sleep(interval_s)
+        else:
+            seen = progress.wait_progress(seen, interval_s)
 
 
 # ----------------------------------------------------------------------------- the decode rank
@@ -349,6 +367,7 @@ class _DecodeArgs:
     capacity: Capacity
     registry: str
     poll_s: float
+    wake: bool
 
 
 @attrs.frozen(kw_only=True)
@@ -400,7 +419,8 @@ def _decode_rank(args: _DecodeArgs, conn: Connection) -> None:
             receiver = transport.receiver(RoomId(room), prefill)
             init_at = time.monotonic()
             receiver.init(dst_pages, aux_row)
-            poll = wait_poll(receiver.poll, (KVPoll.Success,), args.poll_s, 120)
+            waits = transport if args.wake else None
+            poll = wait_poll(receiver.poll, (KVPoll.Success,), args.poll_s, 120, waits)
             success_at = time.monotonic()
             verified: bool | None = None
             if verify_src is not None and poll is KVPoll.Success:
@@ -589,8 +609,6 @@ def _phases(
     def gap(start: float | None, end: float | None) -> float:
         return max(0.0, end - start) if start is not None and end is not None else float("nan")
 
-    sent = timeline.last("status_sent")
-    wake = timeline.last("wake", before=sent) if sent is not None else None
     return {
         "scheduler_call": returned_at - sent_at,
         "queue": gap(returned_at, timeline.first("plan_start")),
@@ -598,8 +616,7 @@ def _phases(
         "submit": gap(timeline.last("plan_end"), timeline.first("launch")),
         "engine": gap(timeline.first("launch"), timeline.last("engine_done")),
         "completion_seen": gap(timeline.last("engine_done"), timeline.last("wait_returned")),
-        "status_posted": gap(timeline.last("wait_returned"), wake),
-        "status_sent": gap(wake, sent),
+        "status_sent": gap(timeline.last("wait_returned"), timeline.last("status_sent")),
         "status_received": gap(timeline.last("status_sent"), decode.status_received_at),
         "decode_poll": gap(decode.status_received_at, decode.success_at),
     }
@@ -624,7 +641,14 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument(
         "--sweep-tries", type=int, default=2, help="runs per shape in the raw sweep (best kept)"
     )
-    parser.add_argument("--poll-us", type=float, default=100.0, help="the schedulers' poll interval")
+    parser.add_argument(
+        "--poll-us", type=float, default=100.0, help="the schedulers' longest wait between two polls"
+    )
+    parser.add_argument(
+        "--sleep-poll",
+        action="store_true",
+        help="the schedulers sleep --poll-us between polls instead of waiting for the transport's progress",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--no-verify", action="store_true", help="skip the byte check of each size's first room"
@@ -644,6 +668,7 @@ def main(argv: Sequence[str]) -> int:
     if not sizes or min(sizes) < 1 or args.repeats < 1:
         parser.error("--sizes must list positive page counts and --repeats must be >= 1")
     poll_s = args.poll_us / 1e6
+    wake = not args.sleep_poll
     model = ModelSpec(
         layers=args.layers,
         page_size=args.page_size,
@@ -692,7 +717,9 @@ def main(argv: Sequence[str]) -> int:
             child = ctx.Process(
                 target=_decode_main,
                 args=(
-                    _DecodeArgs(model=model, capacity=capacity, registry=registry.address, poll_s=poll_s),
+                    _DecodeArgs(
+                        model=model, capacity=capacity, registry=registry.address, poll_s=poll_s, wake=wake
+                    ),
                     child_conn,
                 ),
                 name="pdkv-bench-decode",
@@ -721,7 +748,15 @@ def main(argv: Sequence[str]) -> int:
                         backend.config = attrs.evolve(backend.config, pace_status_waits=paced)
                         verify = round_index == 0 and n == 0 and not args.no_verify
                         timing = _pdkv_room(
-                            transport, parent_conn, child, timeline, size, room, poll_s, verify=verify
+                            transport,
+                            parent_conn,
+                            child,
+                            timeline,
+                            size,
+                            room,
+                            poll_s,
+                            verify=verify,
+                            wake=wake,
                         )
                         room += 1
                         if timing is None:
@@ -777,18 +812,20 @@ def _pdkv_room(
     poll_s: float,
     *,
     verify: bool,
+    wake: bool,
 ) -> RoomTiming | None:
     """One room through both transports; None if it failed."""
     aux_row = room % 4
     conn.send(("room", room, size.dst_pages, aux_row, size.src_pages if verify else None))
     sender = transport.sender(RoomId(room))
     sender.init(size.pages, aux_row)
-    wait_poll(sender.poll, (KVPoll.WaitingForInput, KVPoll.Transferring), poll_s, 60)
+    waits = transport if wake else None
+    wait_poll(sender.poll, (KVPoll.WaitingForInput, KVPoll.Transferring), poll_s, 60, waits)
     timeline.reset()
     sent_at = time.monotonic()
     sender.send(size.src_pages, start_token=0, last=True)
     returned_at = time.monotonic()
-    poll = wait_poll(sender.poll, (KVPoll.Success,), poll_s, 120)
+    poll = wait_poll(sender.poll, (KVPoll.Success,), poll_s, 120, waits)
     prefill_success_at = time.monotonic()
     decode: DecodeRoomReport = _receive(conn, child, 120)[1]
     sender.clear()
@@ -829,6 +866,7 @@ def _report(
                 "bytes": nbytes,
                 "blocks": len(size.raw),
                 "rounds": len(rooms),
+                "scheduler_wait": "sleep" if args.sleep_poll else "progress",
                 "seconds": {
                     "pdkv_prefill_success": prefill,
                     "pdkv_decode_success": decode,
@@ -861,7 +899,8 @@ def _report(
             phase_rows.append([size.pages, variant] + [phases[name] * 1e3 for name in PHASES])
     table(
         f"pdkv bench latency: one room at a time, {args.layers} MLA layers, pages of {page_bytes} B, "
-        f"{args.repeats} rounds (ms; ratios = raw median / pdkv prefill median)",
+        f"{args.repeats} rounds, schedulers {'sleep' if args.sleep_poll else 'wait for progress'} between "
+        "polls (ms; ratios = raw median / pdkv prefill median)",
         [
             "pages",
             "method",

@@ -5,11 +5,15 @@ Must not know messages (the codec is injected, see ``framing``), retry anything,
 on a peer: a send that would block is dropped and counted, and the protocol above re-sends what
 matters (registration retries, heartbeats, deadlines).
 
-Threads. One thread owns a channel: the first thread that sends, receives, waits or forgets becomes
-its owner, and any other thread doing so gets ``ChannelOwnershipError`` (zmq sockets are not
-thread-safe: concurrent use corrupts them or aborts the process). Other threads may call ``wake()``
-(to end the owner's ``wait``), ``statistics()`` and ``address``. ``close()`` belongs to the owner, or
-to any thread once the owner thread has ended.
+Threads. zmq sockets are not thread-safe (concurrent use corrupts them or aborts the process), so
+each socket has one user at a time. Receiving has an owner: the first thread that receives or waits
+becomes it, and any other thread doing so gets ``ChannelOwnershipError``. Sending is serialised
+instead: ``send``, ``send_many`` and ``forget`` touch only the outbound sockets, under one lock, from
+any thread (a lock is the full memory barrier zmq asks for when a socket changes threads), so the
+thread that produced a message can send it without a hand-off to the owner; a send never blocks, so
+no thread waits on a peer. Any thread may call ``wake()`` (to end the owner's ``wait``),
+``statistics()`` and ``address``. ``close()`` belongs to the owner, or to any thread once the owner
+thread has ended (or before any thread received).
 
 Delivery. ZMQ PUSH/PULL keeps the order of messages between one sender and one receiver and delivers
 whole frame sets or nothing; across senders there is no order. A message queued for a peer that is
@@ -138,8 +142,9 @@ class ControlChannel(Generic[M]):
         self._poller.register(self._inbound, zmq.POLLIN)
         self._poller.register(self._waker.socket, zmq.POLLIN)
         self._outbound: OrderedDict[str, zmq.Socket[bytes]] = OrderedDict()
-        self._owner: threading.Thread | None = None
+        self._owner: threading.Thread | None = None  # the receiving thread
         self._claim_lock = threading.Lock()
+        self._send_lock = threading.Lock()  # the outbound sockets, their cache and the send counters
         self._closed = False
         self._warnings = WarningLimiter(log)
         self._received = 0
@@ -179,19 +184,26 @@ class ControlChannel(Generic[M]):
             envelopes_received=self._envelopes_received,
         )
 
-    # ------------------------------------------------------------------ owner thread
+    # ------------------------------------------------------------------ sending (any thread)
 
     def send(self, to: str, message: M) -> bool:
         """Queue ``message`` for the channel at ``to``; False (counted, logged) when it was dropped.
 
         Never blocks: a full queue for ``to`` or an endpoint zmq cannot dial drops the message.
         True means queued here, not delivered: delivery is the protocol's business (acks, deadlines).
-        An encoding error is the caller's bug and propagates.
+        An encoding error is the caller's bug and propagates. Any thread (serialised by a lock).
         """
-        self._check_owner()
+        self._check_open()
         frames = self._codec.encode(message)
         if self._auth is not None:
             frames = self._auth.sign(frames, unix_ms())
+        with self._send_lock:
+            return self._send_frames(to, frames, type(message).__name__)
+
+    def _send_frames(self, to: str, frames: list[bytes], what: str) -> bool:
+        """One encoded message onto ``to``'s socket (``_send_lock`` held)."""
+        if self._closed:
+            raise ChannelClosedError(f"channel {self._address} is closed")
         socket = self._outbound_socket(to)
         if socket is None:
             self._dropped_sends += 1
@@ -200,7 +212,7 @@ class ControlChannel(Generic[M]):
             socket.send_multipart(frames, zmq.NOBLOCK)
         except zmq.Again:
             self._dropped_sends += 1
-            self._warnings.warning("dropped a %s to %s: its send queue is full", type(message).__name__, to)
+            self._warnings.warning("dropped a %s to %s: its send queue is full", what, to)
             return False
         self._sent += 1
         return True
@@ -212,31 +224,50 @@ class ControlChannel(Generic[M]):
         """
         if len(messages) == 1:
             return self.send(to, messages[0])
-        self._check_owner()
-        ok = True
+        self._check_open()
+        parts: list[tuple[list[bytes], int]] = []  # encoded and signed outside the lock
         for start in range(0, len(messages), envelope.MAX_MESSAGES):
             part = messages[start : start + envelope.MAX_MESSAGES]
-            if len(part) == 1:
-                ok = self.send(to, part[0]) and ok
-                continue
-            frames = envelope.pack([self._codec.encode(m) for m in part])
+            encoded = [self._codec.encode(m) for m in part]
+            frames = encoded[0] if len(part) == 1 else envelope.pack(encoded)
             if self._auth is not None:
                 frames = self._auth.sign(frames, unix_ms())
-            socket = self._outbound_socket(to)
-            if socket is None:
-                self._dropped_sends += len(part)
-                ok = False
-                continue
-            try:
-                socket.send_multipart(frames, zmq.NOBLOCK)
-            except zmq.Again:
-                self._dropped_sends += len(part)
-                self._warnings.warning("dropped %d messages to %s: its send queue is full", len(part), to)
-                ok = False
-                continue
-            self._sent += len(part)
-            self._envelopes_sent += 1
+            parts.append((frames, len(part)))
+        ok = True
+        with self._send_lock:
+            for frames, count in parts:
+                if count == 1:
+                    ok = self._send_frames(to, frames, type(messages[-1]).__name__) and ok
+                    continue
+                if self._closed:
+                    raise ChannelClosedError(f"channel {self._address} is closed")
+                socket = self._outbound_socket(to)
+                if socket is None:
+                    self._dropped_sends += count
+                    ok = False
+                    continue
+                try:
+                    socket.send_multipart(frames, zmq.NOBLOCK)
+                except zmq.Again:
+                    self._dropped_sends += count
+                    self._warnings.warning("dropped %d messages to %s: its send queue is full", count, to)
+                    ok = False
+                    continue
+                self._sent += count
+                self._envelopes_sent += 1
         return ok
+
+    def forget(self, endpoint: str) -> bool:
+        """Close the outbound socket to ``endpoint`` and drop its queue; False if there was none."""
+        self._check_open()
+        with self._send_lock:
+            socket = self._outbound.pop(endpoint, None)
+        if socket is None:
+            return False
+        socket.close(linger=0)
+        return True
+
+    # ------------------------------------------------------------------ receiving (owner thread)
 
     def recv(self, timeout_s: float | None) -> M | None:
         """The next valid message, waiting up to ``timeout_s`` (None: forever; 0: only what is queued).
@@ -282,15 +313,6 @@ class ControlChannel(Generic[M]):
             if self._inbound not in ready and expired(deadline):
                 return []
 
-    def forget(self, endpoint: str) -> bool:
-        """Close the outbound socket to ``endpoint`` and drop its queue; False if there was none."""
-        self._check_owner()
-        socket = self._outbound.pop(endpoint, None)
-        if socket is None:
-            return False
-        socket.close(linger=0)
-        return True
-
     def close(self, *, flush_s: float = 0.0) -> None:
         """Close every socket; idempotent. Owner thread only, or any thread once the owner has ended.
 
@@ -308,10 +330,11 @@ class ControlChannel(Generic[M]):
             )
         if not 0 <= flush_s < math.inf:
             raise ValueError(f"flush_s must be a finite number >= 0, got {flush_s!r}")
-        self._closed = True
-        for socket in self._outbound.values():
-            socket.close(linger=round(flush_s * 1000))
-        self._outbound.clear()
+        with self._send_lock:  # a send under way on another thread ends first; later ones raise
+            self._closed = True
+            for socket in self._outbound.values():
+                socket.close(linger=round(flush_s * 1000))
+            self._outbound.clear()
         self._poller.unregister(self._inbound)
         self._poller.unregister(self._waker.socket)
         self._waker.close()
@@ -331,9 +354,12 @@ class ControlChannel(Generic[M]):
 
     # ------------------------------------------------------------------ internals
 
-    def _check_owner(self) -> None:
+    def _check_open(self) -> None:
         if self._closed:
             raise ChannelClosedError(f"channel {self._address} is closed")
+
+    def _check_owner(self) -> None:
+        self._check_open()
         current = threading.current_thread()
         if self._owner is current:
             return

@@ -13,10 +13,11 @@ another caller's.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Generic, Protocol, Self, TypeVar
 
 from pdkv.engine.backend import Registration, TransferBackend
@@ -94,6 +95,9 @@ class EndpointHost(Generic[E]):
         self._endpoint = endpoint
         self._clock = clock
         self._lock = threading.Lock()
+        self._progress = 0  # see progress()
+        self._progress_waiters = 0
+        self._progressed = threading.Condition(self._lock)
         self._log = logger
         self.metrics = TransportMetrics()
         """Counters and per-peer latency (``pdkv.metrics.PrometheusExporter(transport.metrics)``)."""
@@ -186,12 +190,40 @@ class EndpointHost(Generic[E]):
 
     # ------------------------------------------------------------------ any thread
 
+    def progress(self) -> int:
+        """A counter that grows whenever a room of this transport may have changed its poll for a
+        reason other than the scheduler's own calls: a message handled, a chunk's transfer reported,
+        a deadline passed. Read it before polling the rooms, then ``wait_progress`` with it."""
+        return self._progress
+
+    def wait_progress(self, seen: int, timeout_s: float) -> int:
+        """Block until ``progress()`` has passed ``seen`` or ``timeout_s`` elapsed; return ``progress()``.
+
+        For a scheduler loop that would otherwise sleep between polls: it wakes as soon as something
+        changed, never later than ``timeout_s``. Nothing is missed between reading ``seen`` and this
+        call: a change meanwhile makes it return at once."""
+        with self._lock:
+            if self._progress == seen and timeout_s > 0:
+                self._progress_waiters += 1
+                try:
+                    self._progressed.wait_for(lambda: self._progress != seen, timeout_s)
+                finally:
+                    self._progress_waiters -= 1
+            return self._progress
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """The endpoint lock; the messages posted while it is held are sent by this thread once it is
+        released (``ControlLoop.sending``): no hand-off to the control thread."""
+        with self._loop.sending(), self._lock:
+            yield
+
     def _call(self, fn: Callable[[E, float], list[Effect]], *, what: str | None = None) -> None:
         """Run a scheduler input under the lock; ``what`` names a call refused once the transport closed."""
-        with self._lock:
+        with self._locked():
             if what is not None and self._closed:
                 raise TransportClosedError(f"{what}: the transport is closed")
-            self._apply(fn(self._endpoint, self._clock()))
+            self._apply(fn(self._endpoint, self._clock()), progressed=False)
 
     def _check_open(self, what: str) -> None:
         if self._closed:
@@ -221,6 +253,7 @@ class EndpointHost(Generic[E]):
             self._accounting.received(message)
             self._trace.received(message)
             self._apply(self._endpoint.receive(message, now))
+            self._progressed_locked()  # even with no effect: a request may have made a room ready
 
     def _on_tick(self, now: float) -> float | None:
         channel = self._loop.channel.statistics()
@@ -237,7 +270,11 @@ class EndpointHost(Generic[E]):
 
     # ------------------------------------------------------------------ effects (lock held)
 
-    def _apply(self, effects: Sequence[Effect]) -> None:
+    def _apply(self, effects: Sequence[Effect], *, progressed: bool = True) -> None:
+        """Carry out ``effects`` (lock held); unless ``progressed`` is False (the scheduler's own
+        calls), any effect counts as progress for ``wait_progress``."""
+        if effects and progressed:
+            self._progressed_locked()
         self._trace.effects(effects)
         self._accounting.effects(effects)
         for effect in effects:
@@ -248,6 +285,11 @@ class EndpointHost(Generic[E]):
                 self._forget.append(effect.endpoint)
             else:
                 self._apply_effect(effect)
+
+    def _progressed_locked(self) -> None:
+        self._progress += 1
+        if self._progress_waiters:
+            self._progressed.notify_all()
 
     def _apply_effect(self, effect: Effect) -> None:
         """One side-specific effect (Send, SubmitChunk, RoomFinished, ReleasePages), lock held."""

@@ -1,22 +1,26 @@
-"""The control thread of a transport: the only thread that touches its sockets.
+"""The control thread of a transport: the only thread that receives on its sockets.
 
 Owns: ``ControlLoop`` (receive -> endpoint, outbox -> sockets, deadlines -> ``tick``) and the
-``MessageChannel`` protocol it drives (implemented by ``pdkv.control``). Other threads never send:
-they append to the outbox and wake the loop, so a slow or dead peer can only delay this thread,
-never the scheduler or a transfer worker. Messages posted for one peer between two flushes leave
-together when the channel can send several in one frame set (``SendsMany``). The loop never dies
-on an exception from a handler: it logs it with the traceback and goes on (a handler bug must not
-wedge every room of the rank), and one message whose handler failed never costs the other messages
-received with it.
+``MessageChannel`` protocol it drives (implemented by ``pdkv.control``). Messages leave through the
+outbox, in the order posted. A thread that posts inside ``sending()`` (the transports wrap their
+locked sections in it) sends what it posted itself when the block ends, after its locks are
+released: one hand-off less on the latency of a status or a request. When a flush is already under
+way on another thread, or outside ``sending()``, the loop is woken to send instead. Sends never
+block (the channel drops what a full peer queue cannot take), so a slow or dead peer can delay no
+thread. Messages posted for one peer between two flushes leave together when the channel can send
+several in one frame set (``SendsMany``). The loop never dies on an exception from a handler: it
+logs it with the traceback and goes on (a handler bug must not wedge every room of the rank), and
+one message whose handler failed never costs the other messages received with it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol, runtime_checkable
 
 from pdkv.control.channel import ChannelStatistics
@@ -81,7 +85,12 @@ class ControlLoop:
         self._stop = threading.Event()
         self._name = name
         self._thread: threading.Thread | None = None
+        self._flush_lock = threading.Lock()  # one flush at a time, so the outbox's order is kept
+        self._local = threading.local()  # .deferring: this thread sends its posts itself (sending())
         self.handler_errors = 0
+        self.flush_errors = 0
+        """Flushes that failed on a posting thread (logged with the traceback; the loop's own count as
+        ``handler_errors``)."""
 
     def start(self) -> None:
         """Start the thread (again, after ``stop(close_channel=False)``: a rolled-back start)."""
@@ -92,9 +101,44 @@ class ControlLoop:
         self._thread.start()
 
     def post(self, to: str, message: Message) -> None:
-        """Queue ``message`` for ``to`` (any thread); the loop sends it."""
+        """Queue ``message`` for ``to`` (any thread). Inside ``sending()`` this thread sends it when the
+        block ends; otherwise the loop is woken to send it."""
         self._outbox.append((to, message))
-        self.channel.wake()
+        if not getattr(self._local, "deferring", False):
+            self.channel.wake()
+
+    @contextlib.contextmanager
+    def sending(self) -> Iterator[None]:
+        """Messages this thread posts inside the block leave when it ends, sent by this thread (or, if
+        another thread is flushing then, by the loop, woken for it). Wrap it around a lock: ``with
+        loop.sending(), lock:`` releases the lock before sending. Nested blocks send at the outermost."""
+        if getattr(self._local, "deferring", False):
+            yield
+            return
+        self._local.deferring = True
+        try:
+            yield
+        finally:
+            self._local.deferring = False
+            self._flush_or_wake()
+
+    def _flush_or_wake(self) -> None:
+        if not self._outbox:
+            return
+        if not self._flush_lock.acquire(blocking=False):
+            # The flush under way may have taken its messages before ours were queued: the loop
+            # sends them (a wake that comes while it flushes ends its next wait at once).
+            self.channel.wake()
+            return
+        try:
+            self._flush_locked()
+        except Exception:
+            self.flush_errors += 1
+            log.exception(
+                "control loop %s: sending from %s failed", self._name, threading.current_thread().name
+            )
+        finally:
+            self._flush_lock.release()
 
     def stop(self, timeout_s: float = 5.0, *, close_channel: bool = True) -> None:
         """Stop the thread and (unless ``close_channel`` is False) close the channel; idempotent.
@@ -116,6 +160,7 @@ class ControlLoop:
         return self._thread is not None and self._thread.is_alive()
 
     def _run(self) -> None:
+        self._local.deferring = True  # this thread flushes explicitly below: its posts need no wake
         next_deadline: float | None = None
         while not self._stop.is_set():
             now = self._clock()
@@ -160,8 +205,14 @@ class ControlLoop:
             )
 
     def _flush(self) -> None:
-        """Send what was posted. With a channel that can, the messages posted for one peer since the
-        last flush leave in one frame set (in posting order; one message goes alone as before)."""
+        if self._outbox:
+            with self._flush_lock:
+                self._flush_locked()
+
+    def _flush_locked(self) -> None:
+        """Send what was posted (``_flush_lock`` held). With a channel that can, the messages posted
+        for one peer since the last flush leave in one frame set (in posting order; one message goes
+        alone as before)."""
         if self._sends_many is None or len(self._outbox) < 2:
             while self._outbox:
                 to, message = self._outbox.popleft()

@@ -435,7 +435,7 @@ class PrefillTransport(EndpointHost[PrefillEndpoint]):
     def _layer_writes_ended(self, room: RoomId, start_token: int, fences: Mapping[str, FenceWrite]) -> None:
         """Per-layer manager: every write of a context ended (it may release an AbortAck, a
         RegisterAck or the room's Success); ``fences`` by destination session where one failed."""
-        with self._lock:
+        with self._locked():
             owed = {
                 d.peer.key: fences[d.peer.session]
                 for d in self._endpoint.destinations(room) or ()
@@ -461,7 +461,7 @@ class PrefillTransport(EndpointHost[PrefillEndpoint]):
         except Exception as exc:  # the ack stays owed; the worker goes on
             log.exception("fence write of room %s to %s failed unexpectedly", fence.room, write.session)
             ok, reason = False, f"internal error: {type(exc).__name__}: {exc}"
-        with self._lock:
+        with self._locked():
             self._apply(self._endpoint.fence_done(fence.room, fence.peer, ok, reason, self._clock()))
 
     def _run_chunk(self, submit: SubmitChunk) -> None:
@@ -491,7 +491,7 @@ class PrefillTransport(EndpointHost[PrefillEndpoint]):
             )
             self._landed(submit, destination, wrote)
         metric = TransferMetricData(pages=pages, bytes=written, seconds=max(0.0, self._clock() - started))
-        with self._lock:
+        with self._locked():
             self._apply(
                 self._endpoint.chunk_done(submit.room, submit.chunk, metric, self._clock(), per_peer=per_peer)
             )
@@ -542,7 +542,7 @@ class PrefillTransport(EndpointHost[PrefillEndpoint]):
         metric = TransferMetricData(
             pages=pages, bytes=written, seconds=max(0.0, now - layered.first_submit_at)
         )
-        with self._lock:
+        with self._locked():
             self._apply(self._endpoint.chunk_done(submit.room, submit.chunk, metric, now, per_peer=per_peer))
 
     def _write(
@@ -639,7 +639,7 @@ class PrefillTransport(EndpointHost[PrefillEndpoint]):
         done = self._clock()
         self.metrics.increment(TransportCounter.WRITES, len(writes))
         self.metrics.increment(TransportCounter.WRITE_JOBS, len({peer for peer, _ in writes}))
-        with self._lock:  # the statuses are posted together: the control loop sends them as one
+        with self._locked():  # the statuses are posted together: they leave as one frame set
             for submit, began, plans in planned:
                 self._report_shared(submit, began, plans, results, submitted, done)
                 ended.add(id(submit))
@@ -725,7 +725,7 @@ class PrefillTransport(EndpointHost[PrefillEndpoint]):
     ) -> None:
         """Fail the chunk; ``fence``: the decode rank a write to which failed, and a block of it."""
         fences = {fence[0]: fence[1]} if fence is not None and fence[1] is not None else None
-        with self._lock:
+        with self._locked():
             self._apply(
                 self._endpoint.chunk_failed(submit.room, submit.chunk, reason, self._clock(), fences=fences)
             )

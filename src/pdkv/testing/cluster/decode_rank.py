@@ -87,6 +87,7 @@ def _decode_rank(args: _RankArgs, conn: Connection) -> None:
                     [StateIndices(kind=kind, indices=slots) for kind in spec.model.state_kinds],
                 )
                 active[room.room] = (room, receiver, dst, slots, aux, time.monotonic())
+            seen = transport.progress()  # before the polls: a change during them ends the wait below
             for key in list(active):
                 room, receiver, dst, slots, aux, started = active[key]
                 poll = receiver.poll()
@@ -142,7 +143,7 @@ def _decode_rank(args: _RankArgs, conn: Connection) -> None:
                 receiver.clear()
                 del active[key]
             if active:
-                time.sleep(0.0005)
+                transport.wait_progress(seen, 0.0005)  # woken early by a room's change
         time.sleep(0.2)  # a late write, if any, would land now
         for dst, safe in quarantined:
             if not canary_intact(memory, dst):

@@ -125,6 +125,7 @@ def _prefill_rank(args: _RankArgs, conn: Connection) -> None:
                 order.clear()
                 if stopping and not active:
                     break
+            seen = transport.progress()  # before the polls: a change during them ends the wait below
             for key in list(active):
                 room, sender, progress = active[key]
                 poll = sender.poll()
@@ -160,7 +161,7 @@ def _prefill_rank(args: _RankArgs, conn: Connection) -> None:
                 if _consensus_round(consensus, name, active, order, agreed, done=stopping and not active):
                     break
             elif active:
-                time.sleep(0.0005)
+                transport.wait_progress(seen, 0.0005)  # woken early by a room's change
         stats = transport.statistics()
         cpu = cpu_since(cpu_at_start)
         conn.send(
