@@ -148,6 +148,61 @@ def run_blocks(
 # ----------------------------------------------------------------------------- instrumentation
 
 
+class TimedLock:
+    """The prefill transport's lock, wrapped: how long each thread group waited for it and held it
+    (while ``recording``). Every room's state is behind this one lock, so its hold times bound how
+    fast rooms can go through a rank, and its waits are time a thread spent behind another."""
+
+    def __init__(self, inner: threading.Lock) -> None:
+        self._inner = inner
+        self.recording = False
+        self.holds: dict[str, list[float]] = {}
+        self.waits: dict[str, list[float]] = {}
+        self._since = threading.local()
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        asked = time.perf_counter()
+        got = self._inner.acquire(blocking, timeout)
+        if got:
+            self._since.at = now = time.perf_counter()
+            if self.recording and blocking:
+                self.waits.setdefault(_lock_group(), []).append(now - asked)
+        return got
+
+    def release(self) -> None:
+        held = time.perf_counter() - getattr(self._since, "at", time.perf_counter())
+        self._inner.release()
+        if self.recording:
+            self.holds.setdefault(_lock_group(), []).append(held)
+
+    def locked(self) -> bool:
+        return self._inner.locked()
+
+    def __enter__(self) -> bool:
+        return self.acquire()
+
+    def __exit__(self, *_: object) -> None:
+        self.release()
+
+
+def _lock_group() -> str:
+    name = threading.current_thread().name
+    if name.startswith("pdkv-transfer"):
+        return "transfer worker"
+    if name.startswith("pdkv-prefill"):
+        return "control loop"
+    return "scheduler" if name == "MainThread" else "other"
+
+
+def time_lock(transport: Any) -> TimedLock:
+    """Put a ``TimedLock`` around ``transport``'s endpoint lock (and the condition built on it) before
+    it starts: instrumentation of this bench only, through the transport's private fields."""
+    lock = TimedLock(transport._lock)
+    setattr(transport, "_lock", lock)  # noqa: B010
+    setattr(transport, "_progressed", threading.Condition(cast(Any, lock)))  # noqa: B010
+    return lock
+
+
 class Timeline:
     """Named timestamps (``time.monotonic``) of the room in progress; any thread may mark."""
 
@@ -642,7 +697,11 @@ def main(argv: Sequence[str]) -> int:
         "--sweep-tries", type=int, default=2, help="runs per shape in the raw sweep (best kept)"
     )
     parser.add_argument(
-        "--poll-us", type=float, default=100.0, help="the schedulers' longest wait between two polls"
+        "--poll-us",
+        type=float,
+        default=None,
+        help="the schedulers' longest wait between two polls (default: 5,000 waiting for progress, "
+        "100 with --sleep-poll)",
     )
     parser.add_argument(
         "--sleep-poll",
@@ -667,8 +726,8 @@ def main(argv: Sequence[str]) -> int:
     sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
     if not sizes or min(sizes) < 1 or args.repeats < 1:
         parser.error("--sizes must list positive page counts and --repeats must be >= 1")
-    poll_s = args.poll_us / 1e6
     wake = not args.sleep_poll
+    poll_s = (args.poll_us if args.poll_us is not None else (5000.0 if wake else 100.0)) / 1e6
     model = ModelSpec(
         layers=args.layers,
         page_size=args.page_size,
@@ -711,6 +770,7 @@ def main(argv: Sequence[str]) -> int:
             backend,
             channel_factory=timed_channel_factory(timeline, prefill_channels),
         )
+        lock = time_lock(transport)
         with backend, transport, timed_planning(timeline):
             gc.freeze()  # as serving engines do after start-up (the decode process does the same)
             progress.show("starting the decode rank process ...")
@@ -747,6 +807,7 @@ def main(argv: Sequence[str]) -> int:
                     for n, (variant, paced) in enumerate(variants):
                         backend.config = attrs.evolve(backend.config, pace_status_waits=paced)
                         verify = round_index == 0 and n == 0 and not args.no_verify
+                        lock.recording = True
                         timing = _pdkv_room(
                             transport,
                             parent_conn,
@@ -758,6 +819,7 @@ def main(argv: Sequence[str]) -> int:
                             verify=verify,
                             wake=wake,
                         )
+                        lock.recording = False
                         room += 1
                         if timing is None:
                             failures.append(f"{variant} room of {size.pages} pages failed")
@@ -780,7 +842,42 @@ def main(argv: Sequence[str]) -> int:
             child.join(5)
         parent_conn.close()
         registry.stop()
+    _report_lock(lock, sum(len(r) for size in runs for r in size.rooms.values()))
     return _report(args, runs, page_bytes, verified, failures)
+
+
+def _report_lock(lock: TimedLock, rooms: int) -> None:
+    """The prefill lock's holds and waits per thread group over the pdkv rooms (microseconds)."""
+    rows: list[list[object]] = []
+    for group in sorted(lock.holds):
+        holds = np.array(lock.holds[group]) * 1e6
+        waits = np.array(lock.waits.get(group, [0.0])) * 1e6
+        record = {
+            "holds_per_room": len(holds) / max(1, rooms),
+            "hold_us_p50": float(np.percentile(holds, 50)),
+            "hold_us_p99": float(np.percentile(holds, 99)),
+            "hold_us_max": float(holds.max()),
+            "held_us_per_room": float(holds.sum()) / max(1, rooms),
+            "wait_us_p50": float(np.percentile(waits, 50)),
+            "wait_us_max": float(waits.max()),
+        }
+        emit({"bench": "latency", "kind": "prefill_lock", "thread_group": group, **record})
+        rows.append([group, *record.values()])
+    table(
+        f"prefill transport lock over the {rooms} pdkv rooms (µs): how often each thread group took it, "
+        "how long it held it, how long it waited for it",
+        [
+            "thread group",
+            "holds/room",
+            "hold p50",
+            "hold p99",
+            "hold max",
+            "held/room",
+            "wait p50",
+            "wait max",
+        ],
+        rows,
+    )
 
 
 def _policy() -> Any:
