@@ -109,7 +109,12 @@ class EndpointHost(Generic[E]):
         self.stuck_writes = False
         """True when ``close()`` gave up waiting for writes to end: memory was left registered (reported)."""
         self._loop = ControlLoop(
-            channel, name=thread_name, on_message=self._on_message, on_tick=self._on_tick, clock=clock
+            channel,
+            name=thread_name,
+            on_message=self._on_message,
+            on_tick=self._on_tick,
+            next_deadline=self._after_messages,
+            clock=clock,
         )
         self._trace = MessageTrace(endpoint, lambda: self._loop.channel.address)  # PDKV_LOG_JSON
 
@@ -261,12 +266,22 @@ class EndpointHost(Generic[E]):
             self._accounting.channel(malformed=channel.malformed, unauthenticated=channel.unauthenticated)
             self._apply(self._endpoint.tick(now))
             self._after_tick()
-            # On the control thread (the sockets' owner), before the loop flushes what was posted:
-            # those messages go out on fresh sockets. A ForgetPeer from another thread waits for this.
-            for endpoint in self._forget:
-                self._loop.channel.forget(endpoint)
-            self._forget.clear()
+            self._forget_peers()
             return self._endpoint.next_deadline()
+
+    def _after_messages(self) -> float | None:
+        """After a batch of messages (control thread): the sockets they asked to drop go, and the
+        next deadline; the counters and gauges of a tick wait for the next one."""
+        with self._lock:
+            self._forget_peers()
+            return self._endpoint.next_deadline()
+
+    def _forget_peers(self) -> None:
+        """Lock held, on the control thread, before the loop flushes what was posted: those messages
+        go out on fresh sockets. A ForgetPeer from another thread waits for the next tick."""
+        for endpoint in self._forget:
+            self._loop.channel.forget(endpoint)
+        self._forget.clear()
 
     # ------------------------------------------------------------------ effects (lock held)
 

@@ -64,7 +64,9 @@ ChannelFactory = Callable[[str], MessageChannel]
 class ControlLoop:
     """Runs ``on_message`` for each received message and ``on_tick`` at the endpoint's deadlines.
 
-    ``on_tick(now)`` returns the next deadline (monotonic seconds) or None.
+    ``on_tick(now)`` returns the next deadline (monotonic seconds) or None. ``next_deadline()``, when
+    given, is asked after each batch of messages instead of a whole tick (a message may have set an
+    earlier deadline; the tick runs when it is due): the loop is back in its wait sooner.
     """
 
     def __init__(
@@ -74,11 +76,13 @@ class ControlLoop:
         name: str,
         on_message: Callable[[Message, float], None],
         on_tick: Callable[[float], float | None],
+        next_deadline: Callable[[], float | None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.channel = channel
         self._on_message = on_message
         self._on_tick = on_tick
+        self._next_deadline = next_deadline
         self._clock = clock
         self._outbox: deque[tuple[str, Message]] = deque()
         self._sends_many = channel if isinstance(channel, SendsMany) else None
@@ -179,7 +183,12 @@ class ControlLoop:
                     self._handle(message)
                 self._flush()
                 # A message may have created an earlier deadline: recompute next round.
-                next_deadline = self._on_tick(self._clock())
+                if self._next_deadline is None:
+                    next_deadline = self._on_tick(self._clock())
+                elif messages:
+                    due = self._next_deadline()
+                    if due is not None and (next_deadline is None or due < next_deadline):
+                        next_deadline = due
                 self._flush()
             except Exception:
                 self.handler_errors += 1
