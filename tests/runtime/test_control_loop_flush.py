@@ -125,3 +125,32 @@ def test_posts_outside_sending_wake_the_loop_which_sends_them() -> None:
         assert channel.calls == [("a", [_heartbeat(1)])] and channel.senders == ["loop"]
     finally:
         loop.stop()
+
+
+def test_while_the_loop_is_busy_posts_are_left_to_it_so_they_can_share_a_frame_set() -> None:
+    busy, release = threading.Event(), threading.Event()
+
+    def on_message(message: Message, now: float) -> None:
+        busy.set()
+        release.wait(5)
+
+    channel = _ThreadRecording()
+    channel._batch = [_heartbeat(0)]  # one inbound message: the loop handles it, and blocks there
+    loop = ControlLoop(channel, name="loop", on_message=on_message, on_tick=lambda now: None)
+    loop.start()
+    try:
+        assert busy.wait(5)
+        with loop.sending():
+            loop.post("a", _heartbeat(1))
+        with loop.sending():
+            loop.post("a", _heartbeat(2))
+        assert channel.calls == [] and channel.wakes == 2  # not sent behind the busy loop's back
+        release.set()
+        deadline = time.monotonic() + 5
+        while not channel.calls and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert channel.calls == [("a", [_heartbeat(1), _heartbeat(2)])]  # together, by the loop
+        assert channel.senders == ["loop"]
+    finally:
+        release.set()
+        loop.stop()

@@ -4,8 +4,10 @@ Owns: ``ControlLoop`` (receive -> endpoint, outbox -> sockets, deadlines -> ``ti
 ``MessageChannel`` protocol it drives (implemented by ``pdkv.control``). Messages leave through the
 outbox, in the order posted. A thread that posts inside ``sending()`` (the transports wrap their
 locked sections in it) sends what it posted itself when the block ends, after its locks are
-released: one hand-off less on the latency of a status or a request. When a flush is already under
-way on another thread, or outside ``sending()``, the loop is woken to send instead. Sends never
+released, if the loop is waiting then: one hand-off less on the latency of a status or a request.
+When the loop is busy (it will flush soon, and what piles up meanwhile leaves in fewer frame sets),
+when a flush is already under way on another thread, or outside ``sending()``, the loop is woken to
+send instead. Sends never
 block (the channel drops what a full peer queue cannot take), so a slow or dead peer can delay no
 thread. Messages posted for one peer between two flushes leave together when the channel can send
 several in one frame set (``SendsMany``). The loop never dies on an exception from a handler: it
@@ -90,6 +92,7 @@ class ControlLoop:
         self._name = name
         self._thread: threading.Thread | None = None
         self._flush_lock = threading.Lock()  # one flush at a time, so the outbox's order is kept
+        self._waiting = False  # the loop is in its channel wait (read without a lock: a hint)
         self._local = threading.local()  # .deferring: this thread sends its posts itself (sending())
         self.handler_errors = 0
         self.flush_errors = 0
@@ -113,8 +116,8 @@ class ControlLoop:
 
     @contextlib.contextmanager
     def sending(self) -> Iterator[None]:
-        """Messages this thread posts inside the block leave when it ends, sent by this thread (or, if
-        another thread is flushing then, by the loop, woken for it). Wrap it around a lock: ``with
+        """Messages this thread posts inside the block leave when it ends: sent by this thread if the
+        loop is waiting then, else by the loop, woken for it. Wrap it around a lock: ``with
         loop.sending(), lock:`` releases the lock before sending. Nested blocks send at the outermost."""
         if getattr(self._local, "deferring", False):
             yield
@@ -129,9 +132,12 @@ class ControlLoop:
     def _flush_or_wake(self) -> None:
         if not self._outbox:
             return
-        if not self._flush_lock.acquire(blocking=False):
-            # The flush under way may have taken its messages before ours were queued: the loop
-            # sends them (a wake that comes while it flushes ends its next wait at once).
+        # Only while the loop waits: a busy loop flushes soon anyway, and what piles up meanwhile
+        # leaves together (several messages to one peer in one frame set), which costs both sides
+        # less than a send per message. A flush under way elsewhere may have taken its messages
+        # before ours were queued: then the loop sends them too (a wake that comes while it is busy
+        # ends its next wait at once).
+        if not self._waiting or not self._flush_lock.acquire(blocking=False):
             self.channel.wake()
             return
         try:
@@ -175,7 +181,11 @@ class ControlLoop:
                 timeout = (
                     _MAX_IDLE_S if next_deadline is None else max(0.0, min(_MAX_IDLE_S, next_deadline - now))
                 )
-                messages = self.channel.wait(timeout)
+                self._waiting = True
+                try:
+                    messages = self.channel.wait(timeout)
+                finally:
+                    self._waiting = False
                 # What other threads posted (the wake that ended the wait) leaves first: a status or
                 # AbortAck does not wait for the inbound batch and a tick to be handled.
                 self._flush()
