@@ -1,7 +1,9 @@
-"""Inline launches of the shared backend machinery: an idle lane launches on the submitting thread.
+"""Inline launches and completions of the shared backend machinery: an idle lane launches on the
+submitting thread, and a waiter completes its own one-piece batch when the completer is idle.
 
-A minimal ``WorkerThreadBackend`` whose engine hooks record which thread launched which piece and
-whose completions wait for the test: launch order, the first-contact rule, failures and ``close``.
+A minimal ``WorkerThreadBackend`` whose engine hooks record which thread launched and completed
+which piece and whose completions wait for the test: order, the first-contact rule, the timeout
+rule, failures and ``close``.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import numpy as np
 
 from pdkv.engine import BatchStatus
 from pdkv.engine._threaded import PieceFailed, PieceJob, WorkerThreadBackend
-from pdkv.engine.backend import MemoryRegion
+from pdkv.engine.backend import BatchHandle, MemoryRegion
 from pdkv.mapping import TransferBlocks
 
 BASE = 1 << 20
@@ -22,9 +24,13 @@ BASE = 1 << 20
 class GatedBackend(WorkerThreadBackend[int]):
     """Launches are recorded (serial, thread); each completion waits until the test releases it."""
 
-    def __init__(self, *, budget: int = 64, refuse: frozenset[int] = frozenset()) -> None:
+    def __init__(
+        self, *, budget: int = 64, refuse: frozenset[int] = frozenset(), bound_s: float | None = None
+    ) -> None:
         super().__init__(max_entries_in_flight=budget, thread_name="gated")
+        self.bound_s = bound_s
         self.launches: list[tuple[int, str]] = []
+        self.completions: list[tuple[int, str]] = []
         self.release = threading.Semaphore(0)
         self.refuse = refuse
         self.launch_gate = threading.Event()
@@ -49,6 +55,10 @@ class GatedBackend(WorkerThreadBackend[int]):
 
     def _complete(self, job: PieceJob, token: int) -> None:
         assert self.release.acquire(timeout=10)
+        self.completions.append((job.handle.serial, threading.current_thread().name))
+
+    def _completion_bound_s(self, handle: BatchHandle) -> float | None:
+        return self.bound_s
 
     def _engine_close(self) -> None:
         pass
@@ -171,3 +181,108 @@ def test_close_waits_for_an_inline_launch_under_way() -> None:
     assert not closer.is_alive()
     stats = backend.statistics()
     assert stats.batches_in_flight == 0 and stats.batches_completed == 2
+
+
+# ---------------------------------------------------------------- completions on the waiting thread
+
+
+def _warm(backend: GatedBackend) -> None:
+    backend.register_range(BASE, 4096)
+    first = backend.submit_write("peer", _batch())
+    backend.release.release()
+    assert backend.wait([first], 10).ok
+
+
+def test_a_waiter_whose_timeout_covers_the_engine_bound_completes_its_batch_itself() -> None:
+    backend = GatedBackend(bound_s=5.0)
+    _warm(backend)
+    backend.inline_hold_s = 5.0  # however slow this thread is to come and wait
+    handle = backend.submit_write("peer", _batch())
+    backend.release.release()
+    assert backend.wait([handle], 10).ok
+    assert backend.completions[-1] == (handle.serial, threading.current_thread().name)
+    assert backend.statistics().batches_in_flight == 0
+    backend.close()
+
+
+def test_a_waiter_with_a_shorter_timeout_or_no_known_bound_leaves_it_to_the_completer() -> None:
+    for bound in (None, 30.0):  # unknown bound; a bound past the 10 s the waiter gives
+        backend = GatedBackend(bound_s=bound)
+        _warm(backend)
+        handle = backend.submit_write("peer", _batch())
+        backend.release.release()
+        assert backend.wait([handle], 10).ok
+        serial, thread = backend.completions[-1]
+        assert serial == handle.serial and thread.endswith("-complete")
+        backend.close()
+
+
+def test_without_a_timeout_the_waiter_completes_it_even_with_no_known_bound() -> None:
+    backend = GatedBackend(bound_s=None)
+    _warm(backend)
+    backend.inline_hold_s = 5.0
+    handle = backend.submit_write("peer", _batch())
+    backend.release.release()
+    assert backend.wait([handle], None).ok
+    assert backend.completions[-1] == (handle.serial, threading.current_thread().name)
+    backend.close()
+
+
+def test_a_busy_completer_keeps_the_launch_order_of_completions() -> None:
+    backend = GatedBackend(bound_s=1.0)
+    _warm(backend)
+    earlier = backend.submit_write("peer", _batch())  # launched inline; the completer takes it
+    deadline = time.monotonic() + 5
+    while backend._lanes["peer"]._launched and time.monotonic() < deadline:
+        time.sleep(0.001)
+    later = backend.submit_write("peer", _batch())
+    waited: list[bool] = []
+    waiter = threading.Thread(target=lambda: waited.append(backend.wait([later], 10).ok))
+    waiter.start()
+    time.sleep(0.05)
+    assert waiter.is_alive()  # the completer is still in the earlier batch's completion
+    backend.release.release()
+    backend.release.release()
+    waiter.join(10)
+    assert waited == [True] and backend.wait([earlier], 10).ok
+    assert [serial for serial, _ in backend.completions[1:]] == [earlier.serial, later.serial]
+    assert all(thread.endswith("-complete") for _, thread in backend.completions[1:])
+    backend.close()
+
+
+def test_close_waits_for_a_completion_a_waiter_claimed() -> None:
+    backend = GatedBackend(bound_s=1.0)
+    _warm(backend)
+    handle = backend.submit_write("peer", _batch())
+    waiter = threading.Thread(target=lambda: backend.wait([handle], 10))
+    waiter.start()
+    deadline = time.monotonic() + 5
+    while not backend._lanes["peer"]._completing and time.monotonic() < deadline:
+        time.sleep(0.001)
+    closer = threading.Thread(target=backend.close)
+    closer.start()
+    time.sleep(0.05)
+    assert closer.is_alive()  # the claimed completion is under way: no memory may be unregistered
+    backend.release.release()
+    waiter.join(10)
+    closer.join(10)
+    assert not closer.is_alive()
+    assert backend.completions[-1] == (handle.serial, waiter.name)
+    assert backend.statistics().batches_completed == 2
+
+
+def test_a_submitter_that_does_not_come_to_wait_leaves_its_batch_to_the_completer() -> None:
+    backend = GatedBackend(bound_s=1.0)
+    _warm(backend)
+    backend.inline_hold_s = 0.05
+    handle = backend.submit_write("peer", _batch())
+    assert backend.launches[-1] == (handle.serial, threading.current_thread().name)  # inline
+    backend.release.release()
+    deadline = time.monotonic() + 5
+    while not handle.verdict_future.done() and time.monotonic() < deadline:
+        time.sleep(0.005)  # never calls wait: the completer takes it once the hold ran out
+    assert handle.verdict_future.done()
+    serial, thread = backend.completions[-1]
+    assert serial == handle.serial and thread.endswith("-complete")
+    assert backend.wait([handle], 0).ok
+    backend.close()

@@ -13,13 +13,18 @@ order (``_complete``, which may block). When the lane is idle (nothing queued, n
 budget free) and has launched towards the peer before (so the engine's first-contact handshake is
 behind it), the submitting thread launches the batch's first piece itself: one thread hand-off less
 on the latency of a small batch. Launches stay in submission order either way: only one launch is
-under way per lane at any time. One waiting thread per peer matters: Mooncake's status call
-spins while it waits, so one waiter per batch in flight would burn a core each. Pieces of a batch
-after a failed one are not launched; pieces already launched are still waited for, so no engine
-batch is ever left unwaited. Neither thread dies on an exception: it becomes the batch's FAILED
-reason. Lanes are created on first use of a peer and retire after ``lane_idle_s`` without work
-(a peer that went away, a decode rank that restarted under a new session: their threads do not
-pile up); a later batch to the same peer starts a new lane.
+under way per lane at any time. The same on the other end: a thread that waits for a one-piece batch
+whose piece is next in line while the completer is idle completes it itself (``wait``), when its own
+timeout is at least the engine's bound on that completion (``_completion_bound_s``), so a wait never
+outlasts the timeout it was given; the completer leaves a piece launched inline to its submitter for
+``inline_hold_s``, as that thread is usually on its way to wait for it. Completions stay in launch
+order: one at a time. One waiting thread per peer matters: Mooncake's status call spins while it
+waits, so one waiter per batch in flight would burn a core each. Pieces of a batch after a failed
+one are not launched; pieces already launched are still waited for, so no engine batch is ever left
+unwaited. Neither thread dies on an exception: it becomes the batch's FAILED reason. Lanes are
+created on first use of a peer and retire after ``lane_idle_s`` without work (a peer that went away,
+a decode rank that restarted under a new session: their threads do not pile up); a later batch to
+the same peer starts a new lane.
 """
 
 from __future__ import annotations
@@ -174,6 +179,11 @@ class _PeerLane(Generic[Token]):
         self._stopping = False
         self._launcher_done = False
         self._launching = False  # a piece taken off the queue (or reserved inline) is being launched
+        self._completing = False  # a launched piece is being completed (by the completer or a waiter)
+        # A piece its submitter launched inline is left to that thread's wait for a moment: it is
+        # usually on its way there (see WorkerThreadBackend.inline_hold_s).
+        self._held: PieceJob | None = None
+        self._held_until = 0.0
         self._contacted = False  # a launch towards this peer succeeded: inline launches are allowed
         name = f"{backend.thread_name}-{peer}"
         self._threads = (
@@ -199,11 +209,17 @@ class _PeerLane(Generic[Token]):
 
     def launch_reserved(self, job: PieceJob) -> None:
         """Launch a piece ``put`` reserved, on the caller's thread."""
-        self._launch_one(job)
+        self._launch_one(job, inline=True)
 
     def idle(self) -> bool:
         """Nothing queued, launching, launched or holding budget (``_changed`` held)."""
-        return not self._queued and not self._launching and not self._launched and self._used == 0
+        return (
+            not self._queued
+            and not self._launching
+            and not self._launched
+            and not self._completing
+            and self._used == 0
+        )
 
     def retire(self) -> None:
         """End both threads of an idle lane (``_changed`` held; the backend removed it from its table)."""
@@ -250,7 +266,7 @@ class _PeerLane(Generic[Token]):
                 continue
             self._launch_one(job)
 
-    def _launch_one(self, job: PieceJob) -> None:
+    def _launch_one(self, job: PieceJob, *, inline: bool = False) -> None:
         """Launch a piece taken off the queue (``_launching`` set, budget taken); clears ``_launching``."""
         token: Token | None = None
         failure: str | None = None
@@ -266,6 +282,9 @@ class _PeerLane(Generic[Token]):
             if token is not None:
                 self._contacted = True
                 self._launched.append((job, token))
+                if inline and job.count == 1:
+                    self._held = job
+                    self._held_until = time.monotonic() + self._backend.inline_hold_s
             self._changed.notify_all()
         if token is None:
             self._ended(job, failure)
@@ -273,19 +292,55 @@ class _PeerLane(Generic[Token]):
     def _complete_loop(self) -> None:
         while True:
             with self._changed:
-                while not self._launched and not self._launcher_done:
-                    self._changed.wait()
-                if not self._launched:
-                    return
+                # A completion claimed by a waiter ends first (order), even when stopping: close()
+                # must not unregister memory under it.
+                while True:
+                    if self._completing or (not self._launched and not self._launcher_done):
+                        self._changed.wait()
+                        continue
+                    if not self._launched:
+                        return
+                    left = self._held_until - time.monotonic()
+                    if self._held is self._launched[0][0] and left > 0 and not self._stopping:
+                        self._changed.wait(left)  # its submitter may claim it meanwhile
+                        continue
+                    break
                 job, token = self._launched.popleft()
-            failure: str | None = None
-            try:
-                self._backend._complete(job, token)
-            except PieceFailed as exc:
-                failure = str(exc)
-            except Exception as exc:
-                failure = f"backend error while completing: {exc!r}"
-            self._ended(job, failure)
+                self._held = None
+                self._completing = True
+            self._complete_one(job, token)
+
+    def claim(self, handle: BatchHandle) -> tuple[PieceJob, Token] | None:
+        """``handle``'s piece, for the caller to complete with ``complete_claimed`` at once, when it
+        is the batch's only piece, next in launch order, and the completer is idle; else None."""
+        with self._changed:
+            if self._completing or not self._launched:
+                return None
+            job, token = self._launched[0]
+            if job.handle is not handle or job.count != 1:
+                return None
+            self._launched.popleft()
+            self._held = None
+            self._completing = True
+            return job, token
+
+    def complete_claimed(self, job: PieceJob, token: Token) -> None:
+        """Complete a piece ``claim`` returned, on the caller's thread."""
+        self._complete_one(job, token)
+
+    def _complete_one(self, job: PieceJob, token: Token) -> None:
+        """Wait for a launched piece (``_completing`` set by the taker); clears ``_completing``."""
+        failure: str | None = None
+        try:
+            self._backend._complete(job, token)
+        except PieceFailed as exc:
+            failure = str(exc)
+        except Exception as exc:
+            failure = f"backend error while completing: {exc!r}"
+        with self._changed:
+            self._completing = False
+            self._changed.notify_all()
+        self._ended(job, failure)
 
     def _ended(self, job: PieceJob, failure: str | None) -> None:
         with self._changed:
@@ -319,6 +374,10 @@ class WorkerThreadBackend(abc.ABC, Generic[Token]):
         self._lanes: dict[str, _PeerLane[Token]] = {}
         self.lane_idle_s = lane_idle_s
         """A peer's lane retires (its two threads end) after this long without work."""
+        self.inline_hold_s = 0.0005
+        """How long the completer leaves a one-piece batch launched inline to its submitter, which
+        usually waits for it next and then completes it itself (``wait``): past this, the completer
+        takes it (a submitter that does other work first loses no more than this)."""
         self._closed = False
         self._serial = 0
         self._unwaited: dict[int, BatchHandle] = {}
@@ -348,6 +407,11 @@ class WorkerThreadBackend(abc.ABC, Generic[Token]):
     @abc.abstractmethod
     def _complete(self, job: PieceJob, token: Token) -> None:
         """Wait until a launched piece ended (lane completer thread); ``PieceFailed`` if it failed."""
+
+    def _completion_bound_s(self, handle: BatchHandle) -> float | None:
+        """The longest ``_complete`` can block for this batch (the engine's own timeout), or None
+        when nothing bounds it: then no waiter with a timeout completes a piece itself."""
+        return None
 
     @abc.abstractmethod
     def _engine_close(self) -> None:
@@ -478,6 +542,8 @@ class WorkerThreadBackend(abc.ABC, Generic[Token]):
                 )
         if timeout is not None:
             timeout = max(0.0, timeout)
+        if len(handles) == 1 and timeout != 0.0:
+            self._complete_inline(handles[0], timeout)
         wait_futures([h.verdict_future for h in handles], timeout=timeout)
         now = self._clock()
         outcomes: list[BatchOutcome] = []
@@ -502,6 +568,21 @@ class WorkerThreadBackend(abc.ABC, Generic[Token]):
             for serial in collected:
                 self._unwaited.pop(serial, None)
         return WaitResult(tuple(outcomes))
+
+    def _complete_inline(self, handle: BatchHandle, timeout: float | None) -> None:
+        """Complete ``handle``'s piece on this thread when its lane lets us (``_PeerLane.claim``) and
+        the engine's bound on it fits in ``timeout``: one thread hand-off less on a small batch."""
+        if handle.verdict_future.done():
+            return
+        if timeout is not None:
+            bound = self._completion_bound_s(handle)
+            if bound is None or bound > timeout:
+                return
+        with self._lock:
+            lane = self._lanes.get(handle.peer)
+        claimed = lane.claim(handle) if lane is not None else None
+        if claimed is not None and lane is not None:
+            lane.complete_claimed(*claimed)
 
     def write(self, peer: str, batch: TransferBlocks, *, timeout: float | None = None) -> BatchOutcome:
         result = self.wait([self.submit_write(peer, batch)], timeout)

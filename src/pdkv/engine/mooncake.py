@@ -57,7 +57,7 @@ from pdkv import config
 from pdkv.engine import sockets
 from pdkv.engine._pacing import CompletionPacer, PacingConfig
 from pdkv.engine._threaded import PieceFailed, PieceJob, WorkerThreadBackend
-from pdkv.engine.backend import MemoryRegion, RegistrationError
+from pdkv.engine.backend import BatchHandle, MemoryRegion, RegistrationError
 from pdkv.errors import ConfigError, EngineUnavailableError, TransferError
 from pdkv.errors.engine import EngineInitError as EngineInitError
 
@@ -329,6 +329,10 @@ class LaunchedPiece:
     launched_at: float
 
 
+_COMPLETION_SLACK_S: Final = 5.0
+"""Added to the engine's own bound on a status wait (pacing sleep, scheduling) when deciding whether
+a waiter with a timeout may complete a piece itself (``WorkerThreadBackend._completion_bound_s``)."""
+
 RDMA_DEVICES_ROOT: Final = "/sys/class/infiniband"
 """Where Linux lists the RDMA devices of this host (one directory each, e.g. ``mlx5_0``)."""
 
@@ -371,6 +375,12 @@ class MooncakeBackend(WorkerThreadBackend[LaunchedPiece]):
         # Before the import and the engine's start: some settings (MC_LOG_LEVEL) are read when the
         # library loads, the others when the engine initializes.
         os.environ.update(cfg.environment())
+        # MC_TRANSFER_TIMEOUT as the engine reads it (the config's value, or one set outside; the
+        # engine clamps it to at least 5 s): what bounds a status wait (_completion_bound_s).
+        try:
+            self._engine_timeout_s = max(5, int(os.environ.get("MC_TRANSFER_TIMEOUT", "30")))
+        except ValueError:
+            self._engine_timeout_s = 30
         if cfg.protocol is MooncakeProtocol.RDMA:
             check_rdma_devices(cfg.device_name)
         make_engine = engine_class or load_transfer_engine()
@@ -478,6 +488,11 @@ class MooncakeBackend(WorkerThreadBackend[LaunchedPiece]):
                 "transport error, destination not registered at the peer, queue full, or "
                 "MC_TRANSFER_TIMEOUT exceeded"
             )
+
+    def _completion_bound_s(self, handle: BatchHandle) -> float:
+        """The engine fails a batch after about its bytes in ns plus its transfer timeout; a pacing
+        sleep and scheduling get a few seconds more."""
+        return handle.total_bytes * 1e-9 + self._engine_timeout_s + _COMPLETION_SLACK_S
 
     def _engine_close(self) -> None:
         # The binding has no shutdown call; dropping the last reference runs the engine's destructor.
