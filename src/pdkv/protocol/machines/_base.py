@@ -58,6 +58,8 @@ class MachineSpec(Generic[S, T]):
     initial: S
     edges: tuple[Edge[S, T], ...]
     table: dict[tuple[S, T], S] = attrs.field(init=False, eq=False, repr=False)
+    terminal: frozenset[S] = attrs.field(init=False, eq=False, repr=False)
+    """States with no way out (derived from ``table`` once: ``is_terminal`` reads it on every poll)."""
 
     def __attrs_post_init__(self) -> None:
         declared: dict[tuple[S, T], S] = {}
@@ -78,6 +80,8 @@ class MachineSpec(Generic[S, T]):
             )
             raise ValueError(f"{self.name}: transitions compiled another table: {differ}")
         object.__setattr__(self, "table", table)
+        sources = {s for (s, _t) in table}
+        object.__setattr__(self, "terminal", frozenset(s for s in self.states if s not in sources))
 
     def library_machine(self) -> Machine:
         """A ``transitions.Machine`` of this spec (its own model), as the library builds it."""
@@ -101,12 +105,6 @@ class MachineSpec(Generic[S, T]):
                     table[(by_name[source_name], trigger)] = by_name[str(transition.dest)]
         return table
 
-    @property
-    def terminal(self) -> frozenset[S]:
-        """States with no way out."""
-        sources = {s for (s, _t) in self.table}
-        return frozenset(s for s in self.states if s not in sources)
-
     def transition_config(self) -> list[TransitionConfigDict]:
         """The edges in the form ``transitions.Machine`` takes (triggers named by their values)."""
         return [
@@ -121,12 +119,15 @@ class MachineSpec(Generic[S, T]):
 class StateMachine(Generic[S, T]):
     """One instance of a machine (a room, a chunk, an abort), with its state history."""
 
-    __slots__ = ("_state", "history", "label", "spec")
+    __slots__ = ("_state", "_terminal", "history", "label", "spec")
 
     def __init__(self, spec: MachineSpec[S, T], label: str) -> None:
         self.spec = spec
         self.label = label
         self._state = spec.initial
+        # Kept beside the state (set wherever it changes) because schedulers poll ``is_terminal``
+        # far more often than machines move: a bool read instead of an Enum hash per poll.
+        self._terminal = spec.initial in spec.terminal
         self.history: list[S] = [spec.initial]
 
     @property
@@ -135,7 +136,7 @@ class StateMachine(Generic[S, T]):
 
     @property
     def is_terminal(self) -> bool:
-        return self.state in self.spec.terminal
+        return self._terminal
 
     def can_fire(self, trigger: T) -> bool:
         return (self.state, trigger) in self.spec.table
@@ -154,6 +155,7 @@ class StateMachine(Generic[S, T]):
                 trigger=trigger.value,
             )
         self._state = dest
+        self._terminal = dest in self.spec.terminal
         self.history.append(dest)
         return dest
 
