@@ -349,3 +349,23 @@ def test_layout_views_by_kind_and_capacities() -> None:
     # derived views take no part in equality and hashing: equal buffers, equal layouts
     assert _mixed_layout() == layout and hash(_mixed_layout()) == hash(layout)
     assert BufferLayout.build(attention=AttentionKind.MLA, page_size=16, buffers=[]).min_kv_items == 0
+
+
+def test_capacity_check_passes_the_last_item_and_refuses_one_past() -> None:
+    """The check compares with each side's smallest buffer first; the refusal still names the
+    shortest buffer, whichever side and whichever layer it is."""
+    local = BufferLayout.build(
+        attention=AttentionKind.MLA,
+        page_size=16,
+        buffers=[spec(BufferKind.KV, T, 0, 0, 9, 10), spec(BufferKind.KV, T, 1, 1000, 6, 10)],
+    )
+    peer = kv_layout(attention=AttentionKind.MLA, layers=2, draft_layers=0, item_bytes=10, items=8, base=9000)
+    assert len(layer_blocks(PageRuns(src_start=[5], dst_start=[7], length=[1]), local, peer)) == 2
+    with pytest.raises(
+        MappingError, match=r"page 6 is past the end of 1 local buffer\(s\); first: buffer #1"
+    ):
+        layer_blocks(PageRuns(src_start=[5], dst_start=[0], length=[2]), local, peer)
+    with pytest.raises(MappingError, match=r"page 8 is past the end of 2 peer buffer\(s\)"):
+        layer_blocks(PageRuns(src_start=[0], dst_start=[8], length=[1]), local, peer)
+    only_layer_0 = layer_blocks(PageRuns(src_start=[7], dst_start=[0], length=[1]), local, peer, layers=[0])
+    assert only_layer_0.src.tolist() == [70]  # layer 1 (6 pages) is not selected: page 7 fits layer 0
