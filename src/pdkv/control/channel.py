@@ -33,7 +33,7 @@ import threading
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from types import TracebackType
-from typing import Any, Generic, cast
+from typing import Any, Final, Generic, cast
 
 import attrs
 import zmq
@@ -46,6 +46,11 @@ from pdkv.control.framing import M, WireCodec
 from pdkv.errors import ConfigError
 
 log = logging.getLogger(__name__)
+
+# pyzmq's constants are Python enums (POLLIN an IntFlag, whose ``&`` runs in Python and builds a new
+# member); the drain reads them once per call, so it uses the plain ints.
+_EVENTS: Final = int(zmq.EVENTS)
+_POLLIN: Final = int(zmq.POLLIN)
 
 
 def _at_least(minimum: int) -> Any:
@@ -350,8 +355,8 @@ class ControlChannel(Generic[M]):
         """One frame set off the inbound socket, or None when none is queued."""
         # Asked first because every drain ends on an empty queue, and a non-blocking receive says
         # "empty" by raising zmq.Again: an exception built (and an errno string looked up) per drain.
-        events = cast(int, self._inbound.getsockopt(zmq.EVENTS))  # an int option (typed int | bytes)
-        if not events & zmq.POLLIN:
+        events = cast(int, self._inbound.getsockopt(_EVENTS))  # an int option (typed int | bytes)
+        if not events & _POLLIN:
             return None
         try:
             return self._inbound.recv_multipart(zmq.NOBLOCK)
