@@ -60,6 +60,10 @@ class MachineSpec(Generic[S, T]):
     table: dict[tuple[S, T], S] = attrs.field(init=False, eq=False, repr=False)
     terminal: frozenset[S] = attrs.field(init=False, eq=False, repr=False)
     """States with no way out (derived from ``table`` once: ``is_terminal`` reads it on every poll)."""
+    # ``table`` with each destination's terminal flag beside it, and the initial state's flag: what
+    # ``StateMachine`` keeps per instance, read here so that no move hashes a state a second time.
+    _steps: dict[tuple[S, T], tuple[S, bool]] = attrs.field(init=False, eq=False, repr=False)
+    _initial_terminal: bool = attrs.field(init=False, eq=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
         declared: dict[tuple[S, T], S] = {}
@@ -81,7 +85,10 @@ class MachineSpec(Generic[S, T]):
             raise ValueError(f"{self.name}: transitions compiled another table: {differ}")
         object.__setattr__(self, "table", table)
         sources = {s for (s, _t) in table}
-        object.__setattr__(self, "terminal", frozenset(s for s in self.states if s not in sources))
+        terminal = frozenset(s for s in self.states if s not in sources)
+        object.__setattr__(self, "terminal", terminal)
+        object.__setattr__(self, "_steps", {key: (dest, dest in terminal) for key, dest in table.items()})
+        object.__setattr__(self, "_initial_terminal", self.initial in terminal)
 
     def library_machine(self) -> Machine:
         """A ``transitions.Machine`` of this spec (its own model), as the library builds it."""
@@ -127,7 +134,7 @@ class StateMachine(Generic[S, T]):
         self._state = spec.initial
         # Kept beside the state (set wherever it changes) because schedulers poll ``is_terminal``
         # far more often than machines move: a bool read instead of an Enum hash per poll.
-        self._terminal = spec.initial in spec.terminal
+        self._terminal = spec._initial_terminal
         self.history: list[S] = [spec.initial]
 
     @property
@@ -144,8 +151,8 @@ class StateMachine(Generic[S, T]):
     def fire(self, trigger: T) -> S:
         """Perform ``trigger``; raise LocalProtocolError if the current state does not allow it."""
         state = self.state
-        dest = self.spec.table.get((state, trigger))
-        if dest is None:
+        step = self.spec._steps.get((state, trigger))
+        if step is None:
             allowed = ", ".join(t.value for t in self.spec.allowed(state)) or "none (terminal)"
             raise LocalProtocolError(
                 f"{self.spec.name} {self.label}: trigger {trigger.value!r} is not allowed in state "
@@ -154,8 +161,8 @@ class StateMachine(Generic[S, T]):
                 state=state.name,
                 trigger=trigger.value,
             )
+        dest, self._terminal = step
         self._state = dest
-        self._terminal = dest in self.spec.terminal
         self.history.append(dest)
         return dest
 
