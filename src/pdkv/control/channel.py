@@ -33,24 +33,27 @@ import threading
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from types import TracebackType
-from typing import Any, Final, Generic, cast
+from typing import Any, Generic
 
 import attrs
 import zmq
 
 from pdkv.control import envelope
-from pdkv.control._sockets import Waker, WarningLimiter, bind_tcp, deadline_after, expired, remaining_ms
+from pdkv.control._sockets import (
+    Waker,
+    WarningLimiter,
+    bind_tcp,
+    deadline_after,
+    expired,
+    readable,
+    remaining_ms,
+)
 from pdkv.control.auth import Authenticator, unix_ms
 from pdkv.control.errors import AuthenticationError, ChannelClosedError, ChannelOwnershipError
 from pdkv.control.framing import M, WireCodec
 from pdkv.errors import ConfigError
 
 log = logging.getLogger(__name__)
-
-# pyzmq's constants are Python enums (POLLIN an IntFlag, whose ``&`` runs in Python and builds a new
-# member); the drain reads them once per call, so it uses the plain ints.
-_EVENTS: Final = int(zmq.EVENTS)
-_POLLIN: Final = int(zmq.POLLIN)
 
 
 def _at_least(minimum: int) -> Any:
@@ -353,14 +356,11 @@ class ControlChannel(Generic[M]):
 
     def _next_frames(self) -> list[bytes] | None:
         """One frame set off the inbound socket, or None when none is queued."""
-        # Asked first because every drain ends on an empty queue, and a non-blocking receive says
-        # "empty" by raising zmq.Again: an exception built (and an errno string looked up) per drain.
-        events = cast(int, self._inbound.getsockopt(_EVENTS))  # an int option (typed int | bytes)
-        if not events & _POLLIN:
+        if not readable(self._inbound):
             return None
         try:
             return self._inbound.recv_multipart(zmq.NOBLOCK)
-        except zmq.Again:  # not expected after POLLIN on the owner's thread; harmless if it comes
+        except zmq.Again:  # not expected after readable() on the owner's thread; harmless if it comes
             return None
 
     def _accept(self, frames: list[bytes]) -> list[M]:
