@@ -111,3 +111,13 @@ def test_invalid_limits_are_config_errors(
             slice_bytes=slice_bytes,  # type: ignore[arg-type]  # invalid values on purpose
             max_batch_bytes=max_batch_bytes,  # type: ignore[arg-type]  # invalid values on purpose
         )
+
+
+def test_a_list_that_fits_one_batch_is_one_batch_up_to_each_limit() -> None:
+    four = TransferBlocks(src=[0, 10, 20, 30], dst=[5, 15, 25, 35], length=[3, 3, 3, 3], buffer=[0, 0, 1, 1])
+    assert shape_batches(four, max_entries=4, slice_bytes=3, max_batch_bytes=12) == [four]
+    assert [len(b) for b in shape_batches(four, max_entries=3, slice_bytes=3, max_batch_bytes=12)] == [3, 1]
+    assert [len(b) for b in shape_batches(four, max_entries=4, slice_bytes=3, max_batch_bytes=11)] == [3, 1]
+    with_empty = TransferBlocks(src=[0, 9, 10], dst=[5, 9, 15], length=[3, 0, 3], buffer=[0, 0, 0])
+    only = shape_batches(with_empty, max_entries=2, slice_bytes=3, max_batch_bytes=6)
+    assert only == [TransferBlocks(src=[0, 10], dst=[5, 15], length=[3, 3], buffer=[0, 0])]

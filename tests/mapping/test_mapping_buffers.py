@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import attrs
 import numpy as np
 import pytest
 from hypothesis import given
@@ -302,3 +303,69 @@ def test_no_runs_give_no_blocks() -> None:
     local = kv_layout(attention=AttentionKind.MLA, layers=2, draft_layers=0, item_bytes=10, items=8, base=0)
     assert len(layer_blocks(PageRuns.empty(), local, local)) == 0
     assert np.array_equal(layer_blocks(PageRuns.empty(), local, local).src, np.zeros(0, dtype=np.int64))
+
+
+def _mixed_layout(*, kv_items: int = 10, swa_items: int = 6) -> BufferLayout:
+    return BufferLayout.build(
+        attention=AttentionKind.MLA,
+        page_size=16,
+        buffers=[
+            spec(BufferKind.AUX, T, 0, 900_000, 8, 64),
+            spec(BufferKind.KV, D, 0, 500_000, 7, 10),
+            spec(BufferKind.SWA, T, 2, 700_000, swa_items, 10),
+            spec(BufferKind.KV, T, 1, 100_000, kv_items, 10),
+            spec(BufferKind.INDEX_K, T, 1, 800_000, 4, 10),
+            spec(BufferKind.KV, T, 0, 0, 12, 10),
+        ],
+    )
+
+
+def test_layout_views_by_kind_and_capacities() -> None:
+    """The per-kind views and capacities are derived once per layout: they must say what the
+    buffers say, in canonical order, and follow a changed layout (``attrs.evolve``), never go stale."""
+    layout = _mixed_layout()
+    names = [(b.model, b.kind, b.layer_id) for b in layout.kv_buffers]
+    assert names == [(T, BufferKind.KV, 0), (T, BufferKind.KV, 1), (D, BufferKind.KV, 0)]
+    assert [(b.kind, b.layer_id) for b in layout.state_buffers] == [
+        (BufferKind.INDEX_K, 1),
+        (BufferKind.SWA, 2),
+    ]
+    assert [b.base_ptr for b in layout.aux_buffers] == [900_000]
+    assert [b.layer_id for b in layout.select(BufferKind.SWA)] == [2]
+    assert layout.select(BufferKind.V) == ()
+    assert [b.model for b in layout.select(BufferKind.KV, model=D)] == [D]
+    assert len(layout.select()) == 6
+    assert layout.min_kv_items == 7  # the draft layer's 7 pages bound every KV buffer
+    assert layout.min_items(BufferKind.KV) == 7
+    assert layout.min_items(BufferKind.SWA) == 6
+    assert layout.min_items(BufferKind.AUX) == 8
+    assert layout.min_items(BufferKind.V) == 0  # no buffer of that kind: nothing addressable
+
+    smaller = _mixed_layout(kv_items=3, swa_items=2)
+    assert smaller == attrs.evolve(layout, buffers=smaller.buffers)
+    evolved = attrs.evolve(layout, buffers=smaller.buffers)
+    assert evolved.min_kv_items == 3 and evolved.min_items(BufferKind.SWA) == 2
+    assert evolved.kv_buffers == smaller.kv_buffers and evolved.kv_buffers != layout.kv_buffers
+    # derived views take no part in equality and hashing: equal buffers, equal layouts
+    assert _mixed_layout() == layout and hash(_mixed_layout()) == hash(layout)
+    assert BufferLayout.build(attention=AttentionKind.MLA, page_size=16, buffers=[]).min_kv_items == 0
+
+
+def test_capacity_check_passes_the_last_item_and_refuses_one_past() -> None:
+    """The check compares with each side's smallest buffer first; the refusal still names the
+    shortest buffer, whichever side and whichever layer it is."""
+    local = BufferLayout.build(
+        attention=AttentionKind.MLA,
+        page_size=16,
+        buffers=[spec(BufferKind.KV, T, 0, 0, 9, 10), spec(BufferKind.KV, T, 1, 1000, 6, 10)],
+    )
+    peer = kv_layout(attention=AttentionKind.MLA, layers=2, draft_layers=0, item_bytes=10, items=8, base=9000)
+    assert len(layer_blocks(PageRuns(src_start=[5], dst_start=[7], length=[1]), local, peer)) == 2
+    with pytest.raises(
+        MappingError, match=r"page 6 is past the end of 1 local buffer\(s\); first: buffer #1"
+    ):
+        layer_blocks(PageRuns(src_start=[5], dst_start=[0], length=[2]), local, peer)
+    with pytest.raises(MappingError, match=r"page 8 is past the end of 2 peer buffer\(s\)"):
+        layer_blocks(PageRuns(src_start=[0], dst_start=[8], length=[1]), local, peer)
+    only_layer_0 = layer_blocks(PageRuns(src_start=[7], dst_start=[0], length=[1]), local, peer, layers=[0])
+    assert only_layer_0.src.tolist() == [70]  # layer 1 (6 pages) is not selected: page 7 fits layer 0

@@ -28,6 +28,7 @@ from pdkv.mapping import (
     buffers,
     heads,
     layer_blocks,
+    layout,
     ownership,
     pages,
     runs,
@@ -76,6 +77,14 @@ HOT: dict[ModuleType, dict[str, int]] = {
         "describes_heads": 0,
         "layout_kv_heads": 0,
         "kv_blocks": 0,
+    },
+    # read per request and per chunk: derived once when the layout is built
+    layout: {
+        "BufferLayout.kv_buffers": 0,
+        "BufferLayout.state_buffers": 0,
+        "BufferLayout.aux_buffers": 0,
+        "BufferLayout.min_items": 0,
+        "BufferLayout.min_kv_items": 0,
     },
     state: {
         "clip_state": 0,

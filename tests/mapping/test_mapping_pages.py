@@ -15,6 +15,7 @@ from pdkv.mapping import (
     BlockCyclic,
     OwnershipPolicy,
     PageInterleaved,
+    PageRuns,
     check_page_counts,
     chunk_page_start,
     coalesce,
@@ -23,6 +24,7 @@ from pdkv.mapping import (
     expand,
     map_chunk,
 )
+from pdkv.mapping._arrays import as_index_array, as_non_negative_index_array
 
 
 def policies() -> st.SearchStrategy[OwnershipPolicy]:
@@ -279,3 +281,33 @@ def test_results_do_not_alias_the_callers_arrays() -> None:
     assert mapped.src.tolist() == [5, 6, 7]
     assert owned.physical.tolist() == [5, 6, 7]
     assert mapped.dst.tolist() == [50, 51, 52]
+
+
+def test_index_intake_takes_int64_arrays_as_they_are_and_checks_the_rest() -> None:
+    """The intake returns a flat contiguous int64 array itself (no copy, no re-check); anything else
+    still goes through every check."""
+    ready = np.array([3, 1, 2], dtype=np.int64)
+    assert as_index_array(ready, "x") is ready
+    strided = np.arange(6, dtype=np.int64)[::2]  # int64 but not contiguous: a contiguous copy
+    taken = as_index_array(strided, "x")
+    assert taken.flags.c_contiguous and taken.tolist() == [0, 2, 4]
+    empty = np.zeros(0, dtype=np.int64)
+    assert as_index_array(empty, "x") is not empty and as_index_array(empty, "x").size == 0
+    with pytest.raises(MappingError, match="1-D"):
+        as_index_array(np.zeros((2, 2), dtype=np.int64), "x")
+    with pytest.raises(MappingError, match="non-negative, got -4 at index 1"):
+        as_non_negative_index_array(np.array([1, -4], dtype=np.int64), "x")
+    assert as_index_array(np.array([7], dtype=np.int32), "x").dtype == np.int64
+
+
+def test_one_page_coalesces_into_one_fresh_run() -> None:
+    src = np.array([9], dtype=np.int64)
+    dst = np.array([4], dtype=np.int64)
+    runs = coalesce(src, dst)
+    assert runs == PageRuns(src_start=[9], dst_start=[4], length=[1])
+    src[0] = dst[0] = 0  # the caller reuses its arrays: the runs keep their own copies
+    assert runs.src_start.tolist() == [9] and runs.dst_start.tolist() == [4]
+    with pytest.raises(MappingError, match="non-negative"):
+        coalesce(np.array([-1], dtype=np.int64), dst)
+    with pytest.raises(MappingError, match="1 source vs 2 destination pages"):
+        coalesce(src, np.array([1, 2], dtype=np.int64))

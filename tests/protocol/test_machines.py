@@ -114,7 +114,7 @@ EXPECTED: dict[str, dict[tuple[Any, Any], Any]] = {
         (P.DRAINING, PT.DRAINED): P.READY,
     },
 }
-TERMINAL = {
+TERMINAL: dict[str, set[Any]] = {
     "SenderRoom": {S.SUCCESS, S.FAILED},
     "ReceiverRoom": {R.SUCCESS, R.FAILED},
     "Chunk": {C.DONE, C.FAILED, C.SKIPPED},
@@ -172,6 +172,18 @@ def test_every_state_and_trigger_pair(spec: MachineSpec[Any, Any]) -> None:
 def test_terminal_states_match_design(spec: MachineSpec[Any, Any]) -> None:
     assert set(spec.terminal) == TERMINAL[spec.name]
     assert spec.initial not in spec.terminal
+
+
+@pytest.mark.parametrize("spec", ALL_MACHINES, ids=lambda s: s.name)
+def test_is_terminal_follows_every_move(spec: MachineSpec[Any, Any]) -> None:
+    """``is_terminal`` is kept beside the state, not recomputed: it must agree after every legal move."""
+    terminal = TERMINAL[spec.name]
+    assert StateMachine(spec, "test").is_terminal is False
+    for (source, trigger), dest in EXPECTED[spec.name].items():
+        m = _at(spec, source)
+        assert m.is_terminal is (source in terminal)
+        m.fire(trigger)
+        assert m.is_terminal is (dest in terminal)
 
 
 def test_all_machines_are_listed() -> None:

@@ -43,7 +43,15 @@ import attrs
 import zmq
 
 from pdkv.control import envelope
-from pdkv.control._sockets import Waker, WarningLimiter, bind_tcp, deadline_after, expired, remaining_ms
+from pdkv.control._sockets import (
+    Waker,
+    WarningLimiter,
+    bind_tcp,
+    deadline_after,
+    expired,
+    readable,
+    remaining_ms,
+)
 from pdkv.control.auth import Authenticator, unix_ms
 from pdkv.control.errors import AuthenticationError, ChannelClosedError, ChannelOwnershipError
 from pdkv.control.framing import M, WireCodec
@@ -374,9 +382,11 @@ class ControlChannel(Generic[M]):
 
     def _next_frames(self) -> list[bytes] | None:
         """One frame set off the inbound socket, or None when none is queued."""
+        if not readable(self._inbound):
+            return None
         try:
             return self._inbound.recv_multipart(zmq.NOBLOCK)
-        except zmq.Again:
+        except zmq.Again:  # not expected after readable() on the owner's thread; harmless if it comes
             return None
 
     def _accept(self, frames: list[bytes]) -> list[M]:

@@ -116,6 +116,8 @@ class RegionTable:
         # Regions do not overlap, so the only candidate is the last one starting at or before addr.
         slot = np.searchsorted(snap.starts, addresses, side="right") - 1
         inside = (slot >= 0) & (addresses + lengths <= snap.ends[np.maximum(slot, 0)])
+        if inside.all():  # the usual answer: no need to look at zero-length blocks
+            return -1
         bad = np.flatnonzero(~inside & (lengths > 0))
         return int(bad[0]) if bad.size else -1
 
@@ -480,12 +482,17 @@ class WorkerThreadBackend(abc.ABC, Generic[Token]):
                 length=length,
             )
         moving = batch
-        if len(batch) and not bool(np.all(batch.length > 0)):
+        # TransferBlocks lengths are never negative, so "all non-zero" (one reduction, no temporary
+        # array) is "all positive".
+        if len(batch) and not bool(batch.length.all()):
             moving = batch.take(np.flatnonzero(batch.length > 0))
-        pieces = [
-            moving.take(slice(start, start + self._max_entries))
-            for start in range(0, len(moving), self._max_entries)
-        ]
+        if len(moving) <= self._max_entries:
+            pieces = [moving] if len(moving) else []  # one engine submission: no copy of the lists
+        else:
+            pieces = [
+                moving.take(slice(start, start + self._max_entries))
+                for start in range(0, len(moving), self._max_entries)
+            ]
         verdict: Future[EngineVerdict] = Future()
         reserved: tuple[_PeerLane[Token], PieceJob] | None = None
         with self._lock:

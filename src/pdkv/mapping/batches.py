@@ -100,6 +100,8 @@ def shape_batches(
             "a full slice would fit no batch"
         )
     sliced = slice_blocks(blocks, slice_bytes)
+    if 0 < len(sliced) <= max_entries and sliced.total_bytes <= max_batch_bytes:
+        return [sliced]  # one batch (every small request): the bounds below would find just that
     ends = batch_bounds(sliced.length, max_entries=max_entries, max_batch_bytes=max_batch_bytes)
     starts = np.concatenate([np.zeros(1, dtype=np.int64), ends[:-1]]) if ends.size else ends
     return [sliced.take(slice(int(s), int(e))) for s, e in zip(starts, ends, strict=True)]

@@ -56,6 +56,8 @@ class TransferBlocks:
     def concat(cls, parts: list[TransferBlocks]) -> TransferBlocks:
         if not parts:
             return cls.empty()
+        if len(parts) == 1:
+            return parts[0]  # immutable: the one part is already the whole list
         return cls(
             src=np.concatenate([p.src for p in parts]),
             dst=np.concatenate([p.dst for p in parts]),

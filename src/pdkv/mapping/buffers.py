@@ -37,6 +37,7 @@ from pdkv.mapping.state import LayerKey, compare_state_layers
 BoolArray = npt.NDArray[np.bool_]
 
 KV_KINDS: Final = frozenset({BufferKind.KV, BufferKind.K, BufferKind.V})
+_AUX_KINDS: Final = frozenset({BufferKind.AUX})
 
 
 def _array_eq() -> Any:
@@ -61,12 +62,21 @@ class BufferPairs:
     item_bytes: IntArray = attrs.field(eq=_array_eq())
     src_items: IntArray = attrs.field(eq=_array_eq())
     dst_items: IntArray = attrs.field(eq=_array_eq())
+    # The smallest buffer on each side, derived once: every chunk's capacity check compares against
+    # them and looks for the short buffers only when one is too short.
+    min_src_items: int = attrs.field(init=False, eq=False, repr=False)
+    min_dst_items: int = attrs.field(init=False, eq=False, repr=False)
+
+    def __attrs_post_init__(self) -> None:
+        object.__setattr__(self, "min_src_items", int(self.src_items.min()) if self.src_items.size else 0)
+        object.__setattr__(self, "min_dst_items", int(self.dst_items.min()) if self.dst_items.size else 0)
 
     def __len__(self) -> int:
         return int(self.buffer.size)
 
     def where(self, keep: BoolArray) -> BufferPairs:
-        return BufferPairs(**{f.name: getattr(self, f.name)[keep] for f in attrs.fields(BufferPairs)})
+        columns = (f.name for f in attrs.fields(BufferPairs) if f.init)
+        return BufferPairs(**{name: getattr(self, name)[keep] for name in columns})
 
     def select(self, *, layers: object | None = None, model: ModelRole | None = None) -> BufferPairs:
         """The pairs of some logical layers and/or one model (for per-layer transfer)."""
@@ -182,6 +192,8 @@ def cached_pairs(local: BufferLayout, peer: BufferLayout, kinds: frozenset[Buffe
 def _check_capacity(runs: PageRuns, pairs: BufferPairs, what: str) -> None:
     src_end = int((runs.src_start + runs.length).max())
     dst_end = int((runs.dst_start + runs.length).max())
+    if src_end <= pairs.min_src_items and dst_end <= pairs.min_dst_items:
+        return
     short_src = np.flatnonzero(pairs.src_items < src_end)
     short_dst = np.flatnonzero(pairs.dst_items < dst_end)
     if short_src.size or short_dst.size:
@@ -262,7 +274,7 @@ def aux_blocks(
     """One block per aux buffer: row ``src_row`` here to row ``dst_row`` at the peer."""
     src = check_int(src_row, "src_row", minimum=0)
     dst = check_int(dst_row, "dst_row", minimum=0)
-    pairs = cached_pairs(src_layout, dst_layout, frozenset({BufferKind.AUX}))
+    pairs = cached_pairs(src_layout, dst_layout, _AUX_KINDS)
     _require_buffers(pairs, 1, "aux row")
     one_row = PageRuns(src_start=[src], dst_start=[dst], length=[1])
     return runs_to_blocks(one_row, pairs, what="row")

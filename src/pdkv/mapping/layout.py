@@ -180,6 +180,14 @@ class BufferLayout:
     attention: AttentionKind = attrs.field(validator=attrs.validators.instance_of(AttentionKind))
     page_size: int = attrs.field(validator=_positive)
     buffers: tuple[BufferSpec, ...] = attrs.field(converter=_spec_tuple)
+    # Derived from ``buffers`` once, in __attrs_post_init__ (the layout is immutable, so they cannot go
+    # stale): the transfer path reads them for every request and chunk, and rebuilding them meant a
+    # pass over every buffer each time. Not part of equality, hashing or repr.
+    _by_kind: Mapping[BufferKind, tuple[BufferSpec, ...]] = attrs.field(init=False, eq=False, repr=False)
+    _kv: tuple[BufferSpec, ...] = attrs.field(init=False, eq=False, repr=False)
+    _state: tuple[BufferSpec, ...] = attrs.field(init=False, eq=False, repr=False)
+    _min_items: Mapping[BufferKind, int] = attrs.field(init=False, eq=False, repr=False)
+    _min_kv_items: int = attrs.field(init=False, eq=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
         keys = [(b.model, b.kind, b.layer_id) for b in self.buffers]
@@ -198,6 +206,25 @@ class BufferLayout:
                     f"page_size {self.page_size} x {b.heads.head_count} heads x {b.heads.head_bytes} "
                     "bytes per head"
                 )
+        self._derive_views()
+
+    def _derive_views(self) -> None:
+        """Fill the derived fields in one pass over the buffers (canonical order is kept in each)."""
+        by_kind: dict[BufferKind, list[BufferSpec]] = {kind: [] for kind in BufferKind}
+        kv: list[BufferSpec] = []
+        state: list[BufferSpec] = []
+        for b in self.buffers:
+            by_kind[b.kind].append(b)
+            if b.kind in _KV_KINDS:
+                kv.append(b)
+            elif b.kind in _STATE_KINDS:
+                state.append(b)
+        min_items = {kind: min((b.num_items for b in specs), default=0) for kind, specs in by_kind.items()}
+        object.__setattr__(self, "_by_kind", {kind: tuple(specs) for kind, specs in by_kind.items()})
+        object.__setattr__(self, "_kv", tuple(kv))
+        object.__setattr__(self, "_state", tuple(state))
+        object.__setattr__(self, "_min_items", min_items)
+        object.__setattr__(self, "_min_kv_items", min((b.num_items for b in kv), default=0))
 
     @classmethod
     def build(
@@ -237,20 +264,32 @@ class BufferLayout:
 
     def select(self, *kinds: BufferKind, model: ModelRole | None = None) -> tuple[BufferSpec, ...]:
         """Buffers of the given kinds (all kinds if none given), optionally of one model, in order."""
+        if len(kinds) == 1 and model is None and kinds[0] in self._by_kind:
+            return self._by_kind[kinds[0]]  # the common query (one kind, both models): precomputed
         wanted = frozenset(kinds) if kinds else frozenset(BufferKind)
         return tuple(b for b in self.buffers if b.kind in wanted and (model is None or b.model is model))
 
     @property
     def kv_buffers(self) -> tuple[BufferSpec, ...]:
-        return tuple(b for b in self.buffers if b.kind.is_kv)
+        return self._kv
 
     @property
     def state_buffers(self) -> tuple[BufferSpec, ...]:
-        return tuple(b for b in self.buffers if b.kind.is_state)
+        return self._state
 
     @property
     def aux_buffers(self) -> tuple[BufferSpec, ...]:
-        return tuple(b for b in self.buffers if b.kind is BufferKind.AUX)
+        return self._by_kind[BufferKind.AUX]
+
+    def min_items(self, kind: BufferKind) -> int:
+        """The fewest items any buffer of ``kind`` holds (0 when there is none): the ids a peer may
+        address in every buffer of that kind."""
+        return self._min_items[kind]
+
+    @property
+    def min_kv_items(self) -> int:
+        """The fewest pages any KV buffer (KV, K or V, either model) holds; 0 when there is none."""
+        return self._min_kv_items
 
     @property
     def signature(self) -> tuple[tuple[str, str, int, int], ...]:

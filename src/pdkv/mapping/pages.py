@@ -135,12 +135,17 @@ def check_page_counts(src_pages: object, dst_pages: object) -> int:
     """
     src = as_index_array(src_pages, "src_pages")
     dst = as_index_array(dst_pages, "dst_pages")
+    require_equal_counts(src, dst)
+    return int(src.size)
+
+
+def require_equal_counts(src: IntArray, dst: IntArray) -> None:
+    """``check_page_counts`` for lists already taken in by ``as_index_array``."""
     if src.size != dst.size:
         raise MappingError(
             f"page counts differ: {src.size} source vs {dst.size} destination pages; "
             f"{summarize(src, 'src_pages')}; {summarize(dst, 'dst_pages')}"
         )
-    return int(src.size)
 
 
 @attrs.frozen(kw_only=True)

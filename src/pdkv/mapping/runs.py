@@ -15,7 +15,7 @@ import numpy as np
 
 from pdkv.errors import MappingError
 from pdkv.mapping._arrays import IntArray, as_non_negative_index_array, summarize
-from pdkv.mapping.pages import check_page_counts
+from pdkv.mapping.pages import require_equal_counts
 
 
 def _array_eq() -> Any:
@@ -64,9 +64,12 @@ def coalesce(src_pages: object, dst_pages: object) -> PageRuns:
     """
     src = as_non_negative_index_array(src_pages, "src_pages")
     dst = as_non_negative_index_array(dst_pages, "dst_pages")
-    check_page_counts(src, dst)
+    require_equal_counts(src, dst)
     if src.size == 0:
         return PageRuns.empty()
+    if src.size == 1:
+        # One page is one run; skips the scan below, whose fixed cost is most of a 1-page chunk's.
+        return PageRuns(src_start=src.copy(), dst_start=dst.copy(), length=np.ones(1, dtype=np.int64))
     breaks = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
     starts = np.concatenate([np.zeros(1, dtype=np.int64), breaks])
     ends = np.concatenate([breaks, np.array([src.size], dtype=np.int64)])

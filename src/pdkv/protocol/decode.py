@@ -39,7 +39,7 @@ from collections.abc import Sequence
 import attrs
 
 from pdkv.errors import InvalidArgumentError, LocalProtocolError
-from pdkv.mapping.layout import BufferLayout
+from pdkv.mapping.layout import BufferKind, BufferLayout
 from pdkv.protocol import arguments
 from pdkv.protocol._deadlines import DeadlineQueue, Tombstones
 from pdkv.protocol._rooms import Heartbeats, RoomKeeper
@@ -508,14 +508,13 @@ class DecodeEndpoint(RoomKeeper[_ReceiverRoom]):
             dst_pages,
             room=room,
             argument="dst_pages",
-            limit=min((b.num_items for b in layout.kv_buffers), default=0),
+            limit=layout.min_kv_items,
         )
-        rows = min((b.num_items for b in layout.aux_buffers), default=0)
+        rows = layout.min_items(BufferKind.AUX)
         aux_row = arguments.optional_row(dst_aux_row, room=room, argument="aux_row", rows=rows)
         state = arguments.state_list(dst_state, room=room, argument="state_indices")
         for item in state:
-            buffers = layout.select(item.kind)
-            if not buffers:
+            if not layout.select(item.kind):
                 raise InvalidArgumentError(
                     f"room {room}: state_indices name kind {item.kind.value}, not registered on this rank",
                     room=room,
@@ -526,7 +525,7 @@ class DecodeEndpoint(RoomKeeper[_ReceiverRoom]):
                 item.indices,
                 room=room,
                 argument=f"state_indices[{item.kind.value}]",
-                limit=min(b.num_items for b in buffers),
+                limit=layout.min_items(item.kind),
             )
         required = arguments.count(
             required_dst_info_num, room=room, argument="required_dst_info_num", minimum=1, maximum=1 << 16

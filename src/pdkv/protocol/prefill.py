@@ -48,7 +48,7 @@ import numpy as np
 from pdkv.errors import LocalProtocolError, MappingError
 from pdkv.mapping import chunk_page_start
 from pdkv.mapping._arrays import summarize
-from pdkv.mapping.layout import BufferLayout
+from pdkv.mapping.layout import BufferKind, BufferLayout
 from pdkv.protocol import arguments
 from pdkv.protocol._deadlines import DeadlineQueue, Tombstones
 from pdkv.protocol._rooms import Heartbeats, RoomKeeper
@@ -535,8 +535,7 @@ class PrefillEndpoint(RoomKeeper[_SenderRoom]):
                     f"destination pages of {msg.origin} repeat page ids {repeated[:6].tolist()}: two "
                     f"positions would share one page; {summarize(msg.dst_pages, 'dst_pages')}"
                 )
-        kv = peer.layout.kv_buffers
-        capacity = min((b.num_items for b in kv), default=0)
+        capacity = peer.layout.min_kv_items
         if msg.dst_pages.size and int(msg.dst_pages.max()) >= capacity:
             return (
                 f"destination page {int(msg.dst_pages.max())} outside the decode KV buffers "
@@ -546,14 +545,13 @@ class PrefillEndpoint(RoomKeeper[_SenderRoom]):
             given = msg.dst_pages.size
             return f"request has {r.num_pages} pages but {msg.origin} gave {given} destination pages"
         if msg.dst_aux_row is not None:
-            rows = min((b.num_items for b in peer.layout.aux_buffers), default=0)
+            rows = peer.layout.min_items(BufferKind.AUX)
             if msg.dst_aux_row >= rows:
                 return f"destination aux row {msg.dst_aux_row} outside the decode aux buffers ({rows} rows)"
         for state in msg.dst_state:
-            buffers = peer.layout.select(state.kind)
-            if not buffers:
+            if not peer.layout.select(state.kind):
                 return f"destination names state kind {state.kind.value} that {msg.origin} did not register"
-            slots = min(b.num_items for b in buffers)
+            slots = peer.layout.min_items(state.kind)
             if state.indices.size and int(state.indices.max()) >= slots:
                 return (
                     f"destination {state.kind.value} slot {int(state.indices.max())} outside the decode "
@@ -665,7 +663,7 @@ class PrefillEndpoint(RoomKeeper[_SenderRoom]):
         Failed with that reason: a peer-caused condition is the room's state, not the caller's error.
         """
         num_pages = arguments.count(num_pages, room=room, argument="num_pages")
-        rows = min((b.num_items for b in self.layout.aux_buffers), default=0)
+        rows = self.layout.min_items(BufferKind.AUX)
         aux_row = arguments.optional_row(aux_row, room=room, argument="aux_row", rows=rows)
         r = self._rooms.get(room)
         if r is not None and r.opened:

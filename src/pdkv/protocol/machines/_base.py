@@ -58,6 +58,12 @@ class MachineSpec(Generic[S, T]):
     initial: S
     edges: tuple[Edge[S, T], ...]
     table: dict[tuple[S, T], S] = attrs.field(init=False, eq=False, repr=False)
+    terminal: frozenset[S] = attrs.field(init=False, eq=False, repr=False)
+    """States with no way out (derived from ``table`` once: ``is_terminal`` reads it on every poll)."""
+    # ``table`` with each destination's terminal flag beside it, and the initial state's flag: what
+    # ``StateMachine`` keeps per instance, read here so that no move hashes a state a second time.
+    _steps: dict[tuple[S, T], tuple[S, bool]] = attrs.field(init=False, eq=False, repr=False)
+    _initial_terminal: bool = attrs.field(init=False, eq=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
         declared: dict[tuple[S, T], S] = {}
@@ -78,6 +84,11 @@ class MachineSpec(Generic[S, T]):
             )
             raise ValueError(f"{self.name}: transitions compiled another table: {differ}")
         object.__setattr__(self, "table", table)
+        sources = {s for (s, _t) in table}
+        terminal = frozenset(s for s in self.states if s not in sources)
+        object.__setattr__(self, "terminal", terminal)
+        object.__setattr__(self, "_steps", {key: (dest, dest in terminal) for key, dest in table.items()})
+        object.__setattr__(self, "_initial_terminal", self.initial in terminal)
 
     def library_machine(self) -> Machine:
         """A ``transitions.Machine`` of this spec (its own model), as the library builds it."""
@@ -101,12 +112,6 @@ class MachineSpec(Generic[S, T]):
                     table[(by_name[source_name], trigger)] = by_name[str(transition.dest)]
         return table
 
-    @property
-    def terminal(self) -> frozenset[S]:
-        """States with no way out."""
-        sources = {s for (s, _t) in self.table}
-        return frozenset(s for s in self.states if s not in sources)
-
     def transition_config(self) -> list[TransitionConfigDict]:
         """The edges in the form ``transitions.Machine`` takes (triggers named by their values)."""
         return [
@@ -121,12 +126,15 @@ class MachineSpec(Generic[S, T]):
 class StateMachine(Generic[S, T]):
     """One instance of a machine (a room, a chunk, an abort), with its state history."""
 
-    __slots__ = ("_state", "history", "label", "spec")
+    __slots__ = ("_state", "_terminal", "history", "label", "spec")
 
     def __init__(self, spec: MachineSpec[S, T], label: str) -> None:
         self.spec = spec
         self.label = label
         self._state = spec.initial
+        # Kept beside the state (set wherever it changes) because schedulers poll ``is_terminal``
+        # far more often than machines move: a bool read instead of an Enum hash per poll.
+        self._terminal = spec._initial_terminal
         self.history: list[S] = [spec.initial]
 
     @property
@@ -135,7 +143,7 @@ class StateMachine(Generic[S, T]):
 
     @property
     def is_terminal(self) -> bool:
-        return self.state in self.spec.terminal
+        return self._terminal
 
     def can_fire(self, trigger: T) -> bool:
         return (self.state, trigger) in self.spec.table
@@ -143,8 +151,8 @@ class StateMachine(Generic[S, T]):
     def fire(self, trigger: T) -> S:
         """Perform ``trigger``; raise LocalProtocolError if the current state does not allow it."""
         state = self.state
-        dest = self.spec.table.get((state, trigger))
-        if dest is None:
+        step = self.spec._steps.get((state, trigger))
+        if step is None:
             allowed = ", ".join(t.value for t in self.spec.allowed(state)) or "none (terminal)"
             raise LocalProtocolError(
                 f"{self.spec.name} {self.label}: trigger {trigger.value!r} is not allowed in state "
@@ -153,6 +161,7 @@ class StateMachine(Generic[S, T]):
                 state=state.name,
                 trigger=trigger.value,
             )
+        dest, self._terminal = step
         self._state = dest
         self.history.append(dest)
         return dest
