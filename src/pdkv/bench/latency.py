@@ -195,11 +195,10 @@ def _lock_group() -> str:
 
 
 def time_lock(transport: Any) -> TimedLock:
-    """Put a ``TimedLock`` around ``transport``'s endpoint lock (and the condition built on it) before
-    it starts: instrumentation of this bench only, through the transport's private fields."""
+    """Put a ``TimedLock`` around ``transport``'s endpoint lock before it starts: instrumentation of
+    this bench only, through the transport's private field."""
     lock = TimedLock(transport._lock)
     setattr(transport, "_lock", lock)  # noqa: B010
-    setattr(transport, "_progressed", threading.Condition(cast(Any, lock)))  # noqa: B010
     return lock
 
 

@@ -177,7 +177,12 @@ class _PeerLane(Generic[Token]):
         self._used = 0
         self._queued: deque[PieceJob] = deque()
         self._launched: deque[tuple[PieceJob, Token]] = deque()
-        self._changed = threading.Condition()
+        # One lock; the launcher waits on ``_changed``, the completer on ``_to_complete``. Each is
+        # woken only when it has something to do: a thread woken for nothing still takes the
+        # interpreter lock from the thread that reports a batch, in the middle of its status send.
+        lock = threading.Lock()
+        self._changed = threading.Condition(lock)
+        self._to_complete = threading.Condition(lock)
         self._stopping = False
         self._launcher_done = False
         self._launching = False  # a piece taken off the queue (or reserved inline) is being launched
@@ -227,12 +232,14 @@ class _PeerLane(Generic[Token]):
         """End both threads of an idle lane (``_changed`` held; the backend removed it from its table)."""
         self._stopping = True
         self._changed.notify_all()
+        self._to_complete.notify_all()
 
     def stop(self) -> None:
         """Launch and complete everything already queued, then end both threads."""
         with self._changed:
             self._stopping = True
             self._changed.notify_all()
+            self._to_complete.notify_all()
         for thread in self._threads:
             thread.join()
 
@@ -250,7 +257,7 @@ class _PeerLane(Generic[Token]):
                     job = None
                 elif not self._queued:
                     self._launcher_done = True
-                    self._changed.notify_all()
+                    self._to_complete.notify_all()
                     return
                 else:
                     job = self._queued[0]
@@ -287,7 +294,9 @@ class _PeerLane(Generic[Token]):
                 if inline and job.count == 1:
                     self._held = job
                     self._held_until = time.monotonic() + self._backend.inline_hold_s
-            self._changed.notify_all()
+                self._to_complete.notify()
+            if self._queued or self._stopping:  # else the launcher has nothing to do
+                self._changed.notify_all()
         if token is None:
             self._ended(job, failure)
 
@@ -298,13 +307,13 @@ class _PeerLane(Generic[Token]):
                 # must not unregister memory under it.
                 while True:
                     if self._completing or (not self._launched and not self._launcher_done):
-                        self._changed.wait()
+                        self._to_complete.wait()
                         continue
                     if not self._launched:
                         return
                     left = self._held_until - time.monotonic()
                     if self._held is self._launched[0][0] and left > 0 and not self._stopping:
-                        self._changed.wait(left)  # its submitter may claim it meanwhile
+                        self._to_complete.wait(left)  # its submitter may claim it meanwhile
                         continue
                     break
                 job, token = self._launched.popleft()
@@ -341,13 +350,15 @@ class _PeerLane(Generic[Token]):
             failure = f"backend error while completing: {exc!r}"
         with self._changed:
             self._completing = False
-            self._changed.notify_all()
+            if self._launched or self._launcher_done:  # what waited behind this one, or the end
+                self._to_complete.notify()
         self._ended(job, failure)
 
     def _ended(self, job: PieceJob, failure: str | None) -> None:
         with self._changed:
             self._used -= len(job.piece)
-            self._changed.notify_all()
+            if self._queued:  # the launcher may be waiting for these entries
+                self._changed.notify_all()
         if job.progress.piece_ended(job.index, failure):
             reason = job.progress.failure
             status = BatchStatus.COMPLETED if reason is None else BatchStatus.FAILED

@@ -95,9 +95,10 @@ class EndpointHost(Generic[E]):
         self._endpoint = endpoint
         self._clock = clock
         self._lock = threading.Lock()
-        self._progress = 0  # see progress()
-        self._progress_waiters = 0
-        self._progressed = threading.Condition(self._lock)
+        self._progress = 0  # see progress(); grows under _lock
+        self._progress_waiters = 0  # under _progressed's own lock
+        self._progressed = threading.Condition()
+        self._local = threading.local()  # .deferring / .owed: a _locked() block notifies at its end
         self._log = logger
         self.metrics = TransportMetrics()
         """Counters and per-peer latency (``pdkv.metrics.PrometheusExporter(transport.metrics)``)."""
@@ -207,21 +208,37 @@ class EndpointHost(Generic[E]):
         For a scheduler loop that would otherwise sleep between polls: it wakes as soon as something
         changed, never later than ``timeout_s``. Nothing is missed between reading ``seen`` and this
         call: a change meanwhile makes it return at once."""
-        with self._lock:
-            if self._progress == seen and timeout_s > 0:
-                self._progress_waiters += 1
-                try:
+        with self._progressed:
+            # Counted before the count is read: a notifier that did not see this waiter grew the
+            # count before it was read here (the notifier grows it, then reads the waiters).
+            self._progress_waiters += 1
+            try:
+                if timeout_s > 0:
                     self._progressed.wait_for(lambda: self._progress != seen, timeout_s)
-                finally:
-                    self._progress_waiters -= 1
+            finally:
+                self._progress_waiters -= 1
             return self._progress
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
         """The endpoint lock; the messages posted while it is held are sent by this thread once it is
-        released (``ControlLoop.sending``): no hand-off to the control thread."""
-        with self._loop.sending(), self._lock:
-            yield
+        released (``ControlLoop.sending``): no hand-off to the control thread. A scheduler waiting
+        for progress is woken after that send, not before: woken first, it would take the
+        interpreter from this thread in the middle of sending (a status would wait for the poll)."""
+        local = self._local
+        if getattr(local, "deferring", False):
+            with self._lock:  # nested: the outermost block sends and notifies
+                yield
+            return
+        local.deferring = True
+        try:
+            with self._loop.sending(), self._lock:
+                yield
+        finally:
+            local.deferring = False
+            if getattr(local, "owed", False):
+                local.owed = False
+                self._notify_progress()
 
     def _call(self, fn: Callable[[E, float], list[Effect]], *, what: str | None = None) -> None:
         """Run a scheduler input under the lock; ``what`` names a call refused once the transport closed."""
@@ -303,8 +320,15 @@ class EndpointHost(Generic[E]):
 
     def _progressed_locked(self) -> None:
         self._progress += 1
-        if self._progress_waiters:
-            self._progressed.notify_all()
+        if getattr(self._local, "deferring", False):
+            self._local.owed = True  # at the end of the _locked() block
+        else:
+            self._notify_progress()
+
+    def _notify_progress(self) -> None:
+        if self._progress_waiters:  # read after the count grew; see wait_progress
+            with self._progressed:
+                self._progressed.notify_all()
 
     def _apply_effect(self, effect: Effect) -> None:
         """One side-specific effect (Send, SubmitChunk, RoomFinished, ReleasePages), lock held."""
