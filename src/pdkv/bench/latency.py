@@ -21,16 +21,17 @@ and the same registered memory of the same two processes, the raw engine (the pr
   (``batch_transfer_async_write`` + ``get_batch_transfer_status``), the fastest (E, K) of a small
   sweep per size.
 
-The three methods run interleaved for ``--repeats`` rounds; figures are the best and the median of
-the rounds. A per-phase breakdown of the pdkv rooms (medians) says where the time goes: the
-scheduler's ``send()`` call, the chunk's wait in the work queue, planning (``plan_chunk``), executor
-and backend set-up until the engine is first called, the engine (first launch to the last status
-returned), the executor noticing completion, TransferStatus leaving the prefill rank (sent by the
-transfer worker itself once it released the lock, or by the control thread when another flush was
-under way), the status crossing to the decode rank's control thread, and the decode scheduler's
-poll seeing Success. The timestamps come from a subclass of the Mooncake backend, a wrapper of its engine and
-of both control channels, and a wrapper of ``plan_chunk`` in this process (instrumentation only:
-a few microseconds each). ``time.monotonic`` is one clock for every process of the host.
+The three methods run interleaved for ``--repeats`` rounds, in an order that turns each round (a
+transfer right after a large one is slower); figures are the best and the median of the rounds. A
+per-phase breakdown of the pdkv rooms (medians) says where the time goes: the scheduler's ``send()``
+call, the chunk's wait in the work queue, planning (``plan_chunk``), executor and backend set-up
+until the engine is first called, the engine (first launch to the last status returned), the
+executor noticing completion, TransferStatus leaving the prefill rank (sent by the transfer worker
+itself once it released the lock while the control thread waited, else by the control thread), the
+status crossing to the decode rank's control thread, and the decode scheduler's poll seeing Success.
+The timestamps come from a subclass of the Mooncake backend, a wrapper of its engine and of both
+control channels, and a wrapper of ``plan_chunk`` in this process (instrumentation only: a few
+microseconds each). ``time.monotonic`` is one clock for every process of the host.
 
 The first room of each size is verified byte for byte on the decode side. Memory: the largest
 size's pages, per side (2.3 GB each at 512 pages).
@@ -803,35 +804,50 @@ def main(argv: Sequence[str]) -> int:
             for round_index in range(args.repeats):
                 for size in runs:
                     progress.show(f"round {round_index + 1}/{args.repeats}: {size.pages} pages")
-                    for n, (variant, paced) in enumerate(variants):
-                        backend.config = attrs.evolve(backend.config, pace_status_waits=paced)
-                        verify = round_index == 0 and n == 0 and not args.no_verify
-                        lock.recording = True
-                        timing = _pdkv_room(
-                            transport,
-                            parent_conn,
-                            child,
-                            timeline,
-                            size,
-                            room,
-                            poll_s,
-                            verify=verify,
-                            wake=wake,
+
+                    def pdkv_rooms(size: SizeRuns = size, first_round: bool = round_index == 0) -> None:
+                        nonlocal room, verified
+                        for n, (variant, paced) in enumerate(variants):
+                            backend.config = attrs.evolve(backend.config, pace_status_waits=paced)
+                            verify = first_round and n == 0 and not args.no_verify
+                            lock.recording = True
+                            timing = _pdkv_room(
+                                transport,
+                                parent_conn,
+                                child,
+                                timeline,
+                                size,
+                                room,
+                                poll_s,
+                                verify=verify,
+                                wake=wake,
+                            )
+                            lock.recording = False
+                            room += 1
+                            if timing is None:
+                                failures.append(f"{variant} room of {size.pages} pages failed")
+                                continue
+                            if timing.verified is False:
+                                verified = False
+                            size.rooms.setdefault(variant, []).append(timing)
+
+                    def one_batch(size: SizeRuns = size) -> None:
+                        size.one_batch.append(
+                            _timed(functools.partial(raw_one_batch, raw_engine, peer, size.raw))
                         )
-                        lock.recording = False
-                        room += 1
-                        if timing is None:
-                            failures.append(f"{variant} room of {size.pages} pages failed")
-                            continue
-                        if timing.verified is False:
-                            verified = False
-                        size.rooms.setdefault(variant, []).append(timing)
-                    size.one_batch.append(
-                        _timed(functools.partial(raw_one_batch, raw_engine, peer, size.raw))
-                    )
-                    size.best_shape.append(
-                        _timed(functools.partial(raw_shaped, raw_engine, peer, size.raw, size.shape))
-                    )
+
+                    def best_shape(size: SizeRuns = size) -> None:
+                        size.best_shape.append(
+                            _timed(functools.partial(raw_shaped, raw_engine, peer, size.raw, size.shape))
+                        )
+
+                    # The order turns each round: a transfer right after a large one was measured
+                    # slower here (a 1-page pdkv room after the 16-page raw runs: 5.4 ms, 4.2 ms
+                    # after the 1-page ones), so no method may always follow the same one.
+                    methods = [pdkv_rooms, one_batch, best_shape]
+                    turn = round_index % len(methods)
+                    for method in methods[turn:] + methods[:turn]:
+                        method()
             progress.close()
             parent_conn.send(("stop",))
             child.join(30)
