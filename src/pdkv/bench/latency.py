@@ -28,8 +28,9 @@ call, the chunk's wait in the work queue, planning (``plan_chunk``), executor an
 until the engine is first called, the engine (first launch to the last status returned), the
 executor noticing completion, TransferStatus leaving the prefill rank (sent by the transfer worker
 itself once it released the lock while the control thread waited, else by the control thread), the
-status crossing to the decode rank's control thread, and the decode scheduler's poll seeing Success.
-The timestamps come from a subclass of the Mooncake backend, a wrapper of its engine and of both
+status crossing to the decode rank's control thread, and the decode scheduler's poll seeing Success
+(beside the last two: the prefill scheduler's poll seeing Success after the status left). The
+timestamps come from a subclass of the Mooncake backend, a wrapper of its engine and of both
 control channels, and a wrapper of ``plan_chunk`` in this process (instrumentation only: a few
 microseconds each). ``time.monotonic`` is one clock for every process of the host.
 
@@ -92,6 +93,7 @@ PHASES = (
     "engine",
     "completion_seen",
     "status_sent",
+    "prefill_poll",
     "status_received",
     "decode_poll",
 )
@@ -659,8 +661,15 @@ class Progress:
 
 
 def _phases(
-    timeline: Timeline, sent_at: float, returned_at: float, decode: DecodeRoomReport
+    timeline: Timeline,
+    sent_at: float,
+    returned_at: float,
+    prefill_success_at: float,
+    decode: DecodeRoomReport,
 ) -> dict[str, float]:
+    """Each phase of one room (seconds). ``prefill_poll`` (the status sent -> the prefill scheduler
+    sees Success) runs beside the two after it, which end on the decode side."""
+
     def gap(start: float | None, end: float | None) -> float:
         return max(0.0, end - start) if start is not None and end is not None else float("nan")
 
@@ -672,6 +681,7 @@ def _phases(
         "engine": gap(timeline.first("launch"), timeline.last("engine_done")),
         "completion_seen": gap(timeline.last("engine_done"), timeline.last("wait_returned")),
         "status_sent": gap(timeline.last("wait_returned"), timeline.last("status_sent")),
+        "prefill_poll": gap(timeline.last("status_sent"), prefill_success_at),
         "status_received": gap(timeline.last("status_sent"), decode.status_received_at),
         "decode_poll": gap(decode.status_received_at, decode.success_at),
     }
@@ -951,7 +961,7 @@ def _pdkv_room(
     return RoomTiming(
         to_prefill_success=prefill_success_at - sent_at,
         to_decode_success=decode.success_at - sent_at,
-        phases=_phases(timeline, sent_at, returned_at, decode),
+        phases=_phases(timeline, sent_at, returned_at, prefill_success_at, decode),
         verified=decode.verified,
     )
 
