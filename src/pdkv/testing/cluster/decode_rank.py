@@ -19,7 +19,7 @@ from pdkv.alloc import PagePool
 from pdkv.protocol.ids import InstanceId
 from pdkv.protocol.messages import RankCoord, Side, StateIndices
 from pdkv.protocol.poll import KVPoll
-from pdkv.testing.cluster._rank import _RankArgs, _wire, cpu_since, thread_cpu
+from pdkv.testing.cluster._rank import _RankArgs, _wire, cpu_since, pause, thread_cpu
 from pdkv.testing.cluster.messages import RankFinal, RankReady, RoomResult, RunRoom, Stop
 from pdkv.testing.cluster.spec import ClusterError, RankReport, RoomOutcome, _DecodeRoom
 from pdkv.testing.synthetic import (
@@ -143,7 +143,7 @@ def _decode_rank(args: _RankArgs, conn: Connection) -> None:
                 receiver.clear()
                 del active[key]
             if active:
-                transport.wait_progress(seen, 0.0005)  # woken early by a room's change
+                pause(transport, seen, len(active))
         time.sleep(0.2)  # a late write, if any, would land now
         for dst, safe in quarantined:
             if not canary_intact(memory, dst):

@@ -20,7 +20,7 @@ from pdkv.mapping import ModelRole, cp_owned
 from pdkv.protocol.ids import InstanceId
 from pdkv.protocol.messages import RankCoord, Side, StateIndices
 from pdkv.protocol.poll import KVPoll
-from pdkv.testing.cluster._rank import _RankArgs, _wire, cpu_since, thread_cpu
+from pdkv.testing.cluster._rank import _RankArgs, _wire, cpu_since, pause, thread_cpu
 from pdkv.testing.cluster.messages import RankFinal, RankReady, RoomResult, RunRoom, Stop
 from pdkv.testing.cluster.spec import RankReport, RoomOutcome, _PrefillRoom
 from pdkv.testing.synthetic import (
@@ -161,7 +161,7 @@ def _prefill_rank(args: _RankArgs, conn: Connection) -> None:
                 if _consensus_round(consensus, name, active, order, agreed, done=stopping and not active):
                     break
             elif active:
-                transport.wait_progress(seen, 0.0005)  # woken early by a room's change
+                pause(transport, seen, len(active))
         stats = transport.statistics()
         cpu = cpu_since(cpu_at_start)
         conn.send(
