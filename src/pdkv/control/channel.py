@@ -154,7 +154,8 @@ class ControlChannel(Generic[M]):
         self._claim_lock = threading.Lock()
         self._send_lock = threading.Lock()  # the outbound sockets, their cache and the send counters
         self._closed = False
-        self._warnings = WarningLimiter(log)
+        self._warnings = WarningLimiter(log)  # the receiving side's (a limiter is one thread's)
+        self._send_warnings = WarningLimiter(log)  # the sending side's, under _send_lock
         self._received = 0
         self._malformed = 0
         self._unauthenticated = 0
@@ -220,7 +221,7 @@ class ControlChannel(Generic[M]):
             socket.send_multipart(frames, zmq.NOBLOCK)
         except zmq.Again:
             self._dropped_sends += 1
-            self._warnings.warning("dropped a %s to %s: its send queue is full", what, to)
+            self._send_warnings.warning("dropped a %s to %s: its send queue is full", what, to)
             return False
         self._sent += 1
         return True
@@ -258,7 +259,9 @@ class ControlChannel(Generic[M]):
                     socket.send_multipart(frames, zmq.NOBLOCK)
                 except zmq.Again:
                     self._dropped_sends += count
-                    self._warnings.warning("dropped %d messages to %s: its send queue is full", count, to)
+                    self._send_warnings.warning(
+                        "dropped %d messages to %s: its send queue is full", count, to
+                    )
                     ok = False
                     continue
                 self._sent += count
@@ -454,7 +457,7 @@ class ControlChannel(Generic[M]):
             # The endpoint usually came from a peer's message: a bad one is the peer's problem and
             # must not take the owner's loop down.
             socket.close(linger=0)
-            self._warnings.warning("cannot dial control endpoint %r: %s", endpoint, exc)
+            self._send_warnings.warning("cannot dial control endpoint %r: %s", endpoint, exc)
             return None
         self._outbound[endpoint] = socket
         if len(self._outbound) > self._options.max_peers:
