@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from pdkv.protocol.ids import Epoch, InstanceId
 from pdkv.protocol.messages import Heartbeat, Message, Origin, RankCoord
 from pdkv.runtime._loop import ControlLoop
+from tests.runtime.rig import wait_for
 from tests.runtime.stub_channel import StubChannel
 
 ORIGIN = Origin(instance=InstanceId("x"), epoch=Epoch(1), rank=RankCoord(tp=0))
@@ -103,9 +104,7 @@ def test_a_flush_under_way_elsewhere_hands_the_posts_to_the_woken_loop() -> None
             with loop.sending():
                 loop.post("a", _heartbeat(1))
             assert channel.calls == [] and channel.wakes == 1  # the loop was woken instead
-        deadline = time.monotonic() + 5
-        while not channel.calls and time.monotonic() < deadline:
-            time.sleep(0.005)
+        wait_for(lambda: bool(channel.calls), timeout=5)
         assert channel.calls == [("a", [_heartbeat(1)])]  # nothing lost
         assert channel.senders == ["loop"]
     finally:
@@ -119,9 +118,7 @@ def test_posts_outside_sending_wake_the_loop_which_sends_them() -> None:
     try:
         loop.post("a", _heartbeat(1))
         assert channel.wakes == 1
-        deadline = time.monotonic() + 5
-        while not channel.calls and time.monotonic() < deadline:
-            time.sleep(0.005)
+        wait_for(lambda: bool(channel.calls), timeout=5)
         assert channel.calls == [("a", [_heartbeat(1)])] and channel.senders == ["loop"]
     finally:
         loop.stop()
@@ -146,9 +143,7 @@ def test_while_the_loop_is_busy_posts_are_left_to_it_so_they_can_share_a_frame_s
             loop.post("a", _heartbeat(2))
         assert channel.calls == [] and channel.wakes == 2  # not sent behind the busy loop's back
         release.set()
-        deadline = time.monotonic() + 5
-        while not channel.calls and time.monotonic() < deadline:
-            time.sleep(0.005)
+        wait_for(lambda: bool(channel.calls), timeout=5)
         assert channel.calls == [("a", [_heartbeat(1), _heartbeat(2)])]  # together, by the loop
         assert channel.senders == ["loop"]
     finally:
