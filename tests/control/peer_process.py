@@ -8,6 +8,8 @@ from __future__ import annotations
 import time
 from multiprocessing.connection import Connection
 
+import zmq
+
 from pdkv.control import Authenticator, ControlChannel
 from pdkv.protocol.ids import Endpoint, Epoch, InstanceId, SessionId
 from pdkv.protocol.messages import Heartbeat, HeartbeatAck, Origin, RankAnnounce, RankCoord
@@ -39,4 +41,8 @@ def echo_heartbeats(parent_address: str, key: bytes, count: int, report: Connect
                     channel.send(parent_address, HeartbeatAck(origin=PEER_ORIGIN, seq=message.seq))
                     answered += 1
         stats = channel.statistics()
+        # The last acks may still be queued: the process ends with os._exit, which would kill zmq's
+        # I/O thread with them (the parent then saw 90 of 100). Close with a flush and wait for it.
+        channel.close(flush_s=10.0)
+        zmq.Context.instance().term()
         report.send((answered, stats.received, stats.unauthenticated, stats.malformed))
