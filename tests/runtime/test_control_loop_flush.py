@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from pdkv.protocol.ids import Epoch, InstanceId
 from pdkv.protocol.messages import Heartbeat, Message, Origin, RankCoord
@@ -74,11 +75,22 @@ def _heartbeat(seq: int) -> Heartbeat:
     return Heartbeat(origin=ORIGIN, seq=seq)
 
 
-def test_posts_inside_sending_leave_from_the_posting_thread_at_the_end_of_the_block() -> None:
-    channel = _ThreadRecording()
-    loop = ControlLoop(channel, name="loop", on_message=lambda m, now: None, on_tick=lambda now: None)
+@contextlib.contextmanager
+def _running(
+    channel: _ThreadRecording, on_message: Callable[[Message, float], None] = lambda m, now: None
+) -> Iterator[ControlLoop]:
+    """A started control loop named "loop" over ``channel``, stopped however the test ends."""
+    loop = ControlLoop(channel, name="loop", on_message=on_message, on_tick=lambda now: None)
     loop.start()
     try:
+        yield loop
+    finally:
+        loop.stop()
+
+
+def test_posts_inside_sending_leave_from_the_posting_thread_at_the_end_of_the_block() -> None:
+    channel = _ThreadRecording()
+    with _running(channel) as loop:
         with loop.sending():
             loop.post("a", _heartbeat(1))
             with loop.sending():  # nested: the outermost block sends
@@ -91,15 +103,11 @@ def test_posts_inside_sending_leave_from_the_posting_thread_at_the_end_of_the_bl
         )
         assert channel.senders == [threading.current_thread().name] * 2
         assert channel.wakes == 0
-    finally:
-        loop.stop()
 
 
 def test_a_flush_under_way_elsewhere_hands_the_posts_to_the_woken_loop() -> None:
     channel = _ThreadRecording()
-    loop = ControlLoop(channel, name="loop", on_message=lambda m, now: None, on_tick=lambda now: None)
-    loop.start()
-    try:
+    with _running(channel) as loop:
         with loop._flush_lock:  # another thread is flushing: this one must not send behind its back
             with loop.sending():
                 loop.post("a", _heartbeat(1))
@@ -107,21 +115,15 @@ def test_a_flush_under_way_elsewhere_hands_the_posts_to_the_woken_loop() -> None
         wait_for(lambda: bool(channel.calls), timeout=5)
         assert channel.calls == [("a", [_heartbeat(1)])]  # nothing lost
         assert channel.senders == ["loop"]
-    finally:
-        loop.stop()
 
 
 def test_posts_outside_sending_wake_the_loop_which_sends_them() -> None:
     channel = _ThreadRecording()
-    loop = ControlLoop(channel, name="loop", on_message=lambda m, now: None, on_tick=lambda now: None)
-    loop.start()
-    try:
+    with _running(channel) as loop:
         loop.post("a", _heartbeat(1))
         assert channel.wakes == 1
         wait_for(lambda: bool(channel.calls), timeout=5)
         assert channel.calls == [("a", [_heartbeat(1)])] and channel.senders == ["loop"]
-    finally:
-        loop.stop()
 
 
 def test_while_the_loop_is_busy_posts_are_left_to_it_so_they_can_share_a_frame_set() -> None:
@@ -133,19 +135,17 @@ def test_while_the_loop_is_busy_posts_are_left_to_it_so_they_can_share_a_frame_s
 
     channel = _ThreadRecording()
     channel._batch = [_heartbeat(0)]  # one inbound message: the loop handles it, and blocks there
-    loop = ControlLoop(channel, name="loop", on_message=on_message, on_tick=lambda now: None)
-    loop.start()
-    try:
-        assert busy.wait(5)
-        with loop.sending():
-            loop.post("a", _heartbeat(1))
-        with loop.sending():
-            loop.post("a", _heartbeat(2))
-        assert channel.calls == [] and channel.wakes == 2  # not sent behind the busy loop's back
-        release.set()
-        wait_for(lambda: bool(channel.calls), timeout=5)
-        assert channel.calls == [("a", [_heartbeat(1), _heartbeat(2)])]  # together, by the loop
-        assert channel.senders == ["loop"]
-    finally:
-        release.set()
-        loop.stop()
+    with _running(channel, on_message) as loop:
+        try:
+            assert busy.wait(5)
+            with loop.sending():
+                loop.post("a", _heartbeat(1))
+            with loop.sending():
+                loop.post("a", _heartbeat(2))
+            assert channel.calls == [] and channel.wakes == 2  # not sent behind the busy loop's back
+            release.set()
+            wait_for(lambda: bool(channel.calls), timeout=5)
+            assert channel.calls == [("a", [_heartbeat(1), _heartbeat(2)])]  # together, by the loop
+            assert channel.senders == ["loop"]
+        finally:
+            release.set()
