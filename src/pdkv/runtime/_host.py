@@ -225,11 +225,7 @@ class EndpointHost(Generic[E]):
         released (``ControlLoop.sending``): no hand-off to the control thread. A scheduler waiting
         for progress is woken after that send, not before: woken first, it would take the
         interpreter from this thread in the middle of sending (a status would wait for the poll)."""
-        local = self._local
-        if getattr(local, "deferring", False):
-            with self._lock:  # nested: the outermost block sends and notifies
-                yield
-            return
+        local = self._local  # never nested: the endpoint lock is not reentrant
         local.deferring = True
         try:
             with self._loop.sending(), self._lock:
