@@ -215,7 +215,7 @@ def main(argv: Sequence[str]) -> int:
     with mooncake_endpoints(config) as (sender, peer), sender.register(source):
         region = peer.allocate(total)
         runs = run_blocks(request, source.data_ptr(), region.address)
-        executor = TransferExecutor(sender, ExecutorConfig())
+        executor = TransferExecutor(sender, ExecutorConfig.from_env())
         layers_contiguous = TransferBlocks(
             src=source.data_ptr() + np.arange(request.layers) * request.layer_bytes,
             dst=region.address + np.arange(request.layers) * request.layer_bytes,
@@ -264,7 +264,7 @@ def main(argv: Sequence[str]) -> int:
                 )
     del source  # 2.3 GB at the defaults: give it back before printing
     gbps = {name: total / seconds / 1e9 for name, seconds in best.items()}
-    defaults = ExecutorConfig()
+    defaults = ExecutorConfig.from_env()
     table(
         f"pdkv bench transfer: {args.tokens} tokens x {args.layers} layers = {total / 1e9:.2f} GB, "
         f"{len(runs)} run blocks, best of {args.repeats}",
@@ -447,7 +447,7 @@ def mha_main(args: argparse.Namespace, topology: Topology) -> int:
             length=np.full(len(request.buffers), moved // len(request.buffers)),
             buffer=np.arange(len(request.buffers)),
         )
-        executor = TransferExecutor(sender, ExecutorConfig())
+        executor = TransferExecutor(sender, ExecutorConfig.from_env())
         # The contiguous reference goes first: after a stream of small entries, Mooncake TCP here
         # moved even large blocks tens of times slower for a while (measured), which would make the
         # reference look as slow as the sliced methods.
@@ -499,7 +499,7 @@ def mha_main(args: argparse.Namespace, topology: Topology) -> int:
                 verified &= timed(method)
     del source
     gbps = {name: moved / seconds / 1e9 for name, seconds in best.items()}
-    defaults = ExecutorConfig()
+    defaults = ExecutorConfig.from_env()
     sizes = np.unique(blocks.length)
     table(
         f"pdkv bench transfer --mha: prefill tp{topology.prefill_tp} rank 0 -> decode tp{topology.decode_tp} "
