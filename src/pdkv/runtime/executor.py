@@ -62,16 +62,20 @@ log = logging.getLogger(__name__)
 
 # Shaping defaults, chosen by measurement: `python -m pdkv bench engine` (256 MiB per run, best of 3,
 # two processes, Mooncake 0.3.13 TCP on 127.0.0.1, 2-core machine). 256 KiB slices were the fastest
-# at every batch size (about 2.7 GB/s; 64 KiB about 1.7, 1-4 MiB 2.2-2.6); entries per batch and
-# batches in flight moved the figure by less than the run-to-run noise once the backend stopped
-# running one spinning status wait per batch (pdkv.engine._threaded). 512 entries x 4 in flight is
-# 2,048 entries, the default TCP lane queue, so the pipeline stays full without queueing in the
-# backend; 128 MiB per batch lets the entry limit govern at this slice size. `python -m pdkv bench
-# transfer` checks the choice on a scattered 32K-token MLA request. Re-measure for RDMA.
+# at every batch size (about 2.7 GB/s; 64 KiB about 1.7, 1-4 MiB 2.2-2.6). On a contiguous range,
+# entries per batch and batches in flight moved the figure by less than the run-to-run noise; on the
+# scattered 32K-token MLA request of `python -m pdkv bench transfer` (10,614 runs of 72 KiB-2.3 MiB)
+# fewer, larger batches won: in one process pair, shapes rotated over 8 rounds, 2,048 entries x 2 in
+# flight with 512 MiB per batch took a median 0.98 s where 512 x 4 with 128 MiB took 1.14 s (the same
+# with Mooncake's default and a raised TCP queue). 128 MiB had capped batches at about 900 entries,
+# so 1,024 and 2,048 entries measured the same until the byte limit rose. The likely cost is per
+# batch (a status wait and a lane hand-off on the cores the engine's TCP threads also need); it is a
+# hypothesis, not a measured phase. With the default TCP lane queue (2,048 entries) the second batch
+# waits in the backend's lane and starts as the first completes. Re-measure for RDMA.
 DEFAULT_SLICE_BYTES: Final = 256 << 10
-DEFAULT_MAX_ENTRIES: Final = 512
-DEFAULT_MAX_BATCH_BYTES: Final = 128 << 20
-DEFAULT_MAX_IN_FLIGHT: Final = 4
+DEFAULT_MAX_ENTRIES: Final = 2048
+DEFAULT_MAX_BATCH_BYTES: Final = 512 << 20
+DEFAULT_MAX_IN_FLIGHT: Final = 2
 DEFAULT_TIMEOUT_S: Final = 300.0
 
 
