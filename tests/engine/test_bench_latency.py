@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import math
+import sys
+import threading
 from typing import Any
 
 import numpy as np
@@ -19,7 +21,12 @@ pytestmark = pytest.mark.slow
 
 
 def test_latency_bench_quick(capsys: pytest.CaptureFixture[str]) -> None:
-    assert latency.main(["--quick", "--ab-pacing"]) == 0
+    interval = sys.getswitchinterval()
+    assert (
+        latency.main(["--quick", "--ab-pacing", "--load-threads", "1", "--switch-interval-us", "1000"]) == 0
+    )
+    assert sys.getswitchinterval() == interval  # the bench's setting does not outlive it
+    assert not [t for t in threading.enumerate() if t.name.startswith("pdkv-bench-load")]
     records: list[dict[str, Any]] = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     sizes = [r for r in records if r["kind"] == "size"]
     (summary,) = [r for r in records if r["kind"] == "summary"]
@@ -32,6 +39,7 @@ def test_latency_bench_quick(capsys: pytest.CaptureFixture[str]) -> None:
     ]
     for r in sizes:
         assert r["rounds"] == 2 and r["layers"] == 4
+        assert r["load_threads"] == 1 and r["switch_interval_us"] == pytest.approx(1000)
         assert r["bytes"] == r["pages"] * 4 * 64 * 1152
         seconds = r["seconds"]
         for method in ("pdkv_prefill_success", "pdkv_decode_success", "raw_one_batch", "raw_best_shape"):
@@ -39,7 +47,7 @@ def test_latency_bench_quick(capsys: pytest.CaptureFixture[str]) -> None:
         assert r["pdkv_vs_one_batch"] == pytest.approx(
             seconds["raw_one_batch"]["median"] / seconds["pdkv_prefill_success"]["median"]
         )
-        assert set(r["phases_ms"]) == set(latency.PHASES)
+        assert set(r["phases_ms"]) == set(r["phase_means_ms"]) == set(latency.PHASES)
         # Every phase was observed (none missing), and none is negative.
         assert all(math.isfinite(v) and v >= 0 for v in r["phases_ms"].values())
 

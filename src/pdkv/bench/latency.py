@@ -415,6 +415,48 @@ def wait_poll(
             seen = progress.wait_progress(seen, interval_s)
 
 
+class InterpreterLoad:
+    """Threads that keep this process's interpreter busy in Python, as a serving engine's scheduler
+    is between its polls (batch building, sampling, detokenising): every thread of pdkv that gives up
+    the interpreter lock (a socket send, an engine call, a wait) then waits for it back, up to the
+    switch interval (``sys.setswitchinterval``, 5 ms by default). ``threads`` 0: no load."""
+
+    def __init__(self, threads: int) -> None:
+        self._stop = threading.Event()
+        self._threads = [
+            threading.Thread(target=self._spin, name=f"pdkv-bench-load-{n}", daemon=True)
+            for n in range(threads)
+        ]
+
+    def _spin(self) -> None:
+        total = 0
+        while not self._stop.is_set():
+            for value in range(1000):  # pure Python: holds the interpreter lock until asked to switch
+                total += value * value
+
+    def start(self) -> None:
+        for thread in self._threads:
+            thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            if thread.is_alive():
+                thread.join(5)
+
+
+@contextlib.contextmanager
+def switch_interval(microseconds: float | None) -> Iterator[None]:
+    """This process's interpreter switch interval for the block (None: leave it), restored after."""
+    previous = sys.getswitchinterval()
+    if microseconds is not None:
+        sys.setswitchinterval(microseconds / 1e6)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(previous)
+
+
 # ----------------------------------------------------------------------------- the decode rank
 
 
@@ -425,6 +467,8 @@ class _DecodeArgs:
     registry: str
     poll_s: float
     wake: bool
+    load_threads: int
+    switch_interval_us: float | None
 
 
 @attrs.frozen(kw_only=True)
@@ -449,6 +493,8 @@ def _decode_main(args: _DecodeArgs, conn: Connection) -> None:
 def _decode_rank(args: _DecodeArgs, conn: Connection) -> None:
     from pdkv.runtime.decode import DecodeConfig, DecodeTransport
 
+    if args.switch_interval_us is not None:  # a process of its own: nothing to restore
+        sys.setswitchinterval(args.switch_interval_us / 1e6)
     memory = RankMemory(args.model, args.capacity)
     backend = MooncakeBackend(_engine_config())
     timeline = Timeline()
@@ -458,6 +504,7 @@ def _decode_rank(args: _DecodeArgs, conn: Connection) -> None:
         backend,
         channel_factory=timed_channel_factory(timeline, channels),
     )
+    load = InterpreterLoad(args.load_threads)
     try:
         transport.start()
         gc.freeze()  # as serving engines do after start-up: the start-up heap is never scanned again
@@ -465,6 +512,7 @@ def _decode_rank(args: _DecodeArgs, conn: Connection) -> None:
         if not transport.wait_registered(prefill, timeout_s=60):
             raise RuntimeError("the prefill rank did not acknowledge registration")
         bases = [memory.tensors[key].data_ptr() for key in args.model.kv_keys()]
+        load.start()
         conn.send(("ready", backend.session_id, bases))
         while True:
             command = conn.recv()
@@ -513,6 +561,7 @@ def _decode_rank(args: _DecodeArgs, conn: Connection) -> None:
                 )
             )
     finally:
+        load.stop()
         transport.close()
         backend.close()
 
@@ -690,8 +739,8 @@ def _phases(
 def _stats(values: Sequence[float]) -> dict[str, float]:
     finite = [v for v in values if v == v]
     if not finite:
-        return {"min": float("nan"), "median": float("nan")}
-    return {"min": min(finite), "median": statistics.median(finite)}
+        return {"min": float("nan"), "median": float("nan"), "mean": float("nan")}
+    return {"min": min(finite), "median": statistics.median(finite), "mean": statistics.fmean(finite)}
 
 
 def main(argv: Sequence[str]) -> int:
@@ -728,6 +777,19 @@ def main(argv: Sequence[str]) -> int:
         help="also run each pdkv room with the backend's status waits unpaced (spinning from launch)",
     )
     parser.add_argument(
+        "--load-threads",
+        type=int,
+        default=0,
+        help="threads per process kept busy in Python from the decode rank's start on, as a serving "
+        "engine's scheduler is (default 0)",
+    )
+    parser.add_argument(
+        "--switch-interval-us",
+        type=float,
+        default=None,
+        help="both processes' interpreter switch interval (sys.setswitchinterval; default: Python's 5,000)",
+    )
+    parser.add_argument(
         "--quick", action="store_true", help="tiny run for tests: 4 layers, sizes 1 and 4, 2 rounds"
     )
     args = parser.parse_args(list(argv))
@@ -736,6 +798,13 @@ def main(argv: Sequence[str]) -> int:
     sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
     if not sizes or min(sizes) < 1 or args.repeats < 1:
         parser.error("--sizes must list positive page counts and --repeats must be >= 1")
+    if args.load_threads < 0 or (args.switch_interval_us is not None and args.switch_interval_us <= 0):
+        parser.error("--load-threads must be >= 0 and --switch-interval-us > 0")
+    with switch_interval(args.switch_interval_us):
+        return _measure(args, sizes)
+
+
+def _measure(args: argparse.Namespace, sizes: list[int]) -> int:
     wake = not args.sleep_poll
     poll_s = (args.poll_us if args.poll_us is not None else (5000.0 if wake else 100.0)) / 1e6
     model = ModelSpec(
@@ -766,6 +835,7 @@ def main(argv: Sequence[str]) -> int:
     ctx = mp.get_context("spawn")
     parent_conn, child_conn = ctx.Pipe()
     child: Any = None
+    load = InterpreterLoad(args.load_threads)
     try:
         backend = TimedBackend(_engine_config(), timeline)
         prefill_channels: list[TimedChannel] = []
@@ -788,7 +858,13 @@ def main(argv: Sequence[str]) -> int:
                 target=_decode_main,
                 args=(
                     _DecodeArgs(
-                        model=model, capacity=capacity, registry=registry.address, poll_s=poll_s, wake=wake
+                        model=model,
+                        capacity=capacity,
+                        registry=registry.address,
+                        poll_s=poll_s,
+                        wake=wake,
+                        load_threads=args.load_threads,
+                        switch_interval_us=args.switch_interval_us,
                     ),
                     child_conn,
                 ),
@@ -799,6 +875,7 @@ def main(argv: Sequence[str]) -> int:
             child_conn.close()
             ready = _receive(parent_conn, child, 180)
             _, peer, dst_bases = ready
+            load.start()
             src_bases = [memory.tensors[key].data_ptr() for key in model.kv_keys()]
             raw_engine = backend.raw_engine
             assert raw_engine is not None
@@ -862,6 +939,7 @@ def main(argv: Sequence[str]) -> int:
             parent_conn.send(("stop",))
             child.join(30)
     finally:
+        load.stop()
         if child is not None and child.is_alive():
             child.kill()
             child.join(5)
@@ -978,7 +1056,9 @@ def _report(
         for variant, rooms in size.rooms.items():
             prefill = _stats([r.to_prefill_success for r in rooms])
             decode = _stats([r.to_decode_success for r in rooms])
-            phases = {name: _stats([r.phases[name] for r in rooms])["median"] for name in PHASES}
+            phase_stats = {name: _stats([r.phases[name] for r in rooms]) for name in PHASES}
+            phases = {name: stats["median"] for name, stats in phase_stats.items()}
+            phase_means = {name: stats["mean"] for name, stats in phase_stats.items()}
             record = {
                 "bench": "latency",
                 "kind": "size",
@@ -989,6 +1069,8 @@ def _report(
                 "blocks": len(size.raw),
                 "rounds": len(rooms),
                 "scheduler_wait": "sleep" if args.sleep_poll else "progress",
+                "load_threads": args.load_threads,
+                "switch_interval_us": sys.getswitchinterval() * 1e6,
                 "seconds": {
                     "pdkv_prefill_success": prefill,
                     "pdkv_decode_success": decode,
@@ -1000,6 +1082,7 @@ def _report(
                 "pdkv_vs_best_shape": best["median"] / prefill["median"],
                 "fixed_cost_over_best_ms": (prefill["median"] - best["median"]) * 1e3,
                 "phases_ms": {name: value * 1e3 for name, value in phases.items()},
+                "phase_means_ms": {name: value * 1e3 for name, value in phase_means.items()},
             }
             emit(record)
             rows.append(
@@ -1018,11 +1101,13 @@ def _report(
                     record["pdkv_vs_best_shape"],
                 ]
             )
-            phase_rows.append([size.pages, variant] + [phases[name] * 1e3 for name in PHASES])
+            phase_rows.append([size.pages, variant, "p50"] + [phases[name] * 1e3 for name in PHASES])
+            phase_rows.append([size.pages, variant, "mean"] + [phase_means[name] * 1e3 for name in PHASES])
     table(
         f"pdkv bench latency: one room at a time, {args.layers} MLA layers, pages of {page_bytes} B, "
         f"{args.repeats} rounds, schedulers {'sleep' if args.sleep_poll else 'wait for progress'} between "
-        "polls (ms; ratios = raw median / pdkv prefill median)",
+        f"polls, {args.load_threads} busy Python threads per process, switch interval "
+        f"{sys.getswitchinterval() * 1e6:g} us (ms; ratios = raw median / pdkv prefill median)",
         [
             "pages",
             "method",
@@ -1040,8 +1125,10 @@ def _report(
         rows,
     )
     table(
-        "per-phase medians of the pdkv rooms (ms): send() -> ... -> decode poll sees Success",
-        ["pages", "method", *PHASES],
+        "per-phase medians and means of the pdkv rooms (ms): send() -> ... -> decode poll sees Success "
+        "(a mean well above its median: a phase that is slow in some rooms only, e.g. a wait for the "
+        "interpreter lock)",
+        ["pages", "method", "", *PHASES],
         phase_rows,
     )
     emit({"bench": "latency", "kind": "summary", "verified": verified, "failures": failures})
