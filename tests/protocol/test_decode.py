@@ -7,7 +7,7 @@ import pytest
 from pdkv.errors import LocalProtocolError
 from pdkv.protocol.config import Timeouts
 from pdkv.protocol.decode import DecodeEndpoint
-from pdkv.protocol.effects import CutConnections, Effect, Notice, NoticeLevel, ReleasePages, Target
+from pdkv.protocol.effects import CutConnections, Effect, Notice, NoticeLevel, ReleasePages, Send, Target
 from pdkv.protocol.ids import Endpoint, Epoch, InstanceId, RoomId, SessionId
 from pdkv.protocol.machines import DecodeAbortState, ReceiverRoomState
 from pdkv.protocol.messages import (
@@ -60,6 +60,34 @@ def test_register_is_sent_and_retried_until_acked() -> None:
     assert sent(d.connect(route(), 3.0)) == []  # idempotent
 
 
+def test_registration_is_resent_only_to_the_ranks_that_have_not_acked() -> None:
+    d = decode(Timeouts(register_retry=2, heartbeat_interval=10, heartbeat_timeout=40))
+    second = Origin(instance=PREFILL.instance, epoch=Epoch(1), rank=RankCoord(tp=1, cp=0))
+    table = RouteTable(
+        origin=PREFILL,
+        tp_size=2,
+        cp_size=1,
+        page_size=16,
+        layout_digest=layout().digest(),
+        ranks=[
+            RankRoute(
+                rank=o.rank, epoch=o.epoch, endpoint=Endpoint(f"inproc://{o.rank}"), session=SessionId("s")
+            )
+            for o in (PREFILL, second)
+        ],
+        complete=True,
+    )
+    assert len(sent(d.connect(table, 0.0), Register)) == 2
+    d.receive(RegisterAck(origin=PREFILL), 1.0)
+    assert d.next_deadline() == 2.0  # the second rank's resend
+    resent = [(e.to, type(e.message)) for e in d.tick(2.0) if isinstance(e, Send)]
+    assert resent == [(Endpoint(f"inproc://{second.rank}"), Register)]
+    assert d.next_deadline() == 4.0
+    d.receive(RegisterAck(origin=second), 3.0)
+    assert d.tick(4.0) == []  # both registered: nothing more to resend
+    assert d.next_deadline() == 11.0  # the first heartbeat round
+
+
 def test_requests_wait_for_registration_then_go_out() -> None:
     d = decode()
     d.connect(route(), 0.0)
@@ -104,6 +132,8 @@ def test_success_needs_every_required_rank() -> None:
     d.receive(ok(), 1.0)
     assert d.poll(ROOM) is KVPoll.Transferring
     d.receive(ok(), 1.1)  # duplicate changes nothing
+    assert d.poll(ROOM) is KVPoll.Transferring
+    d.receive(ok(dummy), 1.15)  # a dummy's success is not one of the two that count
     assert d.poll(ROOM) is KVPoll.Transferring
     d.receive(ok(second), 1.2)
     assert d.poll(ROOM) is KVPoll.Success and d.release_ready(ROOM)

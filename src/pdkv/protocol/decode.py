@@ -199,6 +199,15 @@ class _ReceiverRoom:
     settle_until: float | None = None  # quarantined and fully acknowledged: released at this time
     cutting: bool = False  # quarantined, fully acknowledged, its prefill hosts' connections being cut
     resends: int = 0
+    # Its prefill ranks (all, and those whose Success it waits for), fixed with its targets. Derived
+    # once: every status and every peer event asks, and scanning the targets each time made a room
+    # cost O(ranks^2) on the decode (`pdkv bench scale`).
+    target_keys: frozenset[PeerKey] = attrs.field(init=False)
+    required: frozenset[PeerKey] = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self.target_keys = frozenset(t.key for t in self.targets)
+        self.required = frozenset(t.key for t in self.targets if not t.dummy)
 
     @property
     def state(self) -> ReceiverRoomState:
@@ -207,10 +216,6 @@ class _ReceiverRoom:
     @property
     def terminal(self) -> bool:
         return self.machine.is_terminal
-
-    @property
-    def required(self) -> set[PeerKey]:
-        return {t.key for t in self.targets if not t.dummy}
 
 
 class DecodeEndpoint(RoomKeeper[_ReceiverRoom]):
@@ -241,6 +246,9 @@ class DecodeEndpoint(RoomKeeper[_ReceiverRoom]):
         self._peers: dict[PeerKey, _PrefillPeer] = {}
         self._keep_rooms()
         self._resends: DeadlineQueue[RoomId] = DeadlineQueue()
+        # Registrations to resend, by when: a tick or a deadline query touches only the due ones, not
+        # every peer (at hundreds of prefill ranks a scan per control-loop pass adds up).
+        self._register_resends: DeadlineQueue[PeerKey] = DeadlineQueue()
         self._quarantined: dict[RoomId, int] = {}  # room -> destination pages held
         # Cleared room ids, refused until they expire: a late status of the room that had the id
         # must never complete a new room that reuses it.
@@ -283,7 +291,13 @@ class DecodeEndpoint(RoomKeeper[_ReceiverRoom]):
 
     def _send_register(self, peer: _PrefillPeer, now: float) -> list[Effect]:
         peer.register_due = now + self.timeouts.register_retry
+        self._register_resends.push(peer.key, peer.register_due)
         return [Send(to=peer.endpoint, message=self._register)]
+
+    def _register_deadline(self, key: PeerKey) -> float | None:
+        """When the registration with ``key``'s current incarnation is resent (None: not registering)."""
+        peer = self._peers.get(key)
+        return peer.register_due if peer is not None and peer.state is PeerState.REGISTERING else None
 
     # ------------------------------------------------------------------ network input
 
@@ -363,7 +377,11 @@ class DecodeEndpoint(RoomKeeper[_ReceiverRoom]):
         self._heartbeats.arm(now)
         effects: list[Effect] = []
         for r in list(self._rooms.values()):
-            if r.state is ReceiverRoomState.BOOTSTRAPPING and all(self.peer_ready(t) for t in r.targets):
+            if (
+                r.state is ReceiverRoomState.BOOTSTRAPPING
+                and peer.key in r.target_keys  # only its own ranks' acks can complete its registration
+                and all(self.peer_ready(t) for t in r.targets)
+            ):
                 effects += self._send_requests(r, now)
             elif peer.key in r.tell_later:
                 r.tell_later.discard(peer.key)
@@ -398,7 +416,7 @@ class DecodeEndpoint(RoomKeeper[_ReceiverRoom]):
             )
         ]
         for r in list(self._rooms.values()):
-            if not r.terminal and any(t.key == peer.key for t in r.targets):
+            if not r.terminal and peer.key in r.target_keys:
                 effects += self._fail(
                     r,
                     _clip(f"registration rejected by {peer.key[0]}:{peer.key[1]}: {reason}"),
@@ -431,7 +449,9 @@ class DecodeEndpoint(RoomKeeper[_ReceiverRoom]):
             return []
         r.succeeded.add(peer.key)
         r.metric[peer.key] = msg.metric
-        if r.succeeded >= r.required:
+        # Only required ranks are added (above), so equal sizes mean every one succeeded: O(1) where
+        # comparing the sets cost O(ranks) per status.
+        if len(r.succeeded) == len(r.required):
             r.machine.fire(ReceiverRoomTrigger.ALL_SUCCEEDED)
             r.deadline = None
             self._counters.rooms_succeeded += 1
@@ -652,10 +672,7 @@ class DecodeEndpoint(RoomKeeper[_ReceiverRoom]):
         room_deadline = self._next_room_deadline()
         resend = self._resends.next_deadline(self._resend_deadline)
         tombstone = self._tombstones.next_expiry()
-        register = min(
-            (p.register_due for p in self._peers.values() if p.state is PeerState.REGISTERING),
-            default=None,
-        )
+        register = self._register_resends.next_deadline(self._register_deadline)
         candidates = [
             d for d in (room_deadline, resend, tombstone, register, self._heartbeats.due) if d is not None
         ]
@@ -667,9 +684,8 @@ class DecodeEndpoint(RoomKeeper[_ReceiverRoom]):
         effects: list[Effect] = []
         if self._heartbeats.is_due(now):
             effects += self._heartbeat_round(now)
-        for peer in self._peers.values():
-            if peer.state is PeerState.REGISTERING and peer.register_due <= now:
-                effects += self._send_register(peer, now)
+        for key in self._register_resends.pop_due(now, self._register_deadline):
+            effects += self._send_register(self._peers[key], now)
         self._tombstones.expire(now)
         for room in self._resends.pop_due(now, self._resend_deadline):
             effects += self._resend_abort(self._rooms[room], now)
@@ -812,29 +828,34 @@ class DecodeEndpoint(RoomKeeper[_ReceiverRoom]):
     # ------------------------------------------------------------------ internals
 
     def _send_requests(self, r: _ReceiverRoom, now: float) -> list[Effect]:
+        # Every required rank gets the same request, every dummy the same dummy: one immutable message
+        # each (its page array is read-only), built and validated once rather than once per rank.
+        request = TransferRequest(
+            origin=self.origin,
+            room=r.room,
+            dst_pages=r.dst_pages,
+            dst_aux_row=r.dst_aux_row,
+            dst_state=r.dst_state,
+            required_dst_info_num=r.required_dst_info_num,
+            prefix_pages=r.prefix_pages,
+        )
+        dummy: TransferRequest | None = None
         effects: list[Effect] = []
         for t in r.targets:
             peer = self._peers[t.key]
+            message = request
             if t.dummy:
-                request = TransferRequest(
-                    origin=self.origin,
-                    room=r.room,
-                    dst_pages=(),
-                    required_dst_info_num=r.required_dst_info_num,
-                    dummy=True,
-                )
-            else:
-                request = TransferRequest(
-                    origin=self.origin,
-                    room=r.room,
-                    dst_pages=r.dst_pages,
-                    dst_aux_row=r.dst_aux_row,
-                    dst_state=r.dst_state,
-                    required_dst_info_num=r.required_dst_info_num,
-                    prefix_pages=r.prefix_pages,
-                )
+                if dummy is None:
+                    dummy = TransferRequest(
+                        origin=self.origin,
+                        room=r.room,
+                        dst_pages=(),
+                        required_dst_info_num=r.required_dst_info_num,
+                        dummy=True,
+                    )
+                message = dummy
             r.armed.add(t.key)
-            effects.append(Send(to=peer.endpoint, message=request))
+            effects.append(Send(to=peer.endpoint, message=message))
         r.machine.fire(ReceiverRoomTrigger.REQUESTS_SENT)
         self._set_deadline(r, now + self.timeouts.waiting)
         return effects
@@ -935,6 +956,9 @@ class DecodeEndpoint(RoomKeeper[_ReceiverRoom]):
         # Replaced before the rooms fail, so their Abort waits until the new process acknowledged
         # registration (before that it would drop our messages as from an unregistered rank).
         self._peers[new.key] = new
+        # Registering from now on: without a Register of our own (it answered one), the next tick
+        # sends one, as for any registering rank whose resend is due.
+        self._register_resends.push(new.key, new.register_due)
         effects: list[Effect] = [ForgetPeer(endpoint=old.endpoint, reason=reason)]
         effects += self._peer_lost(old.key, reason, now)
         if register:
@@ -956,7 +980,7 @@ class DecodeEndpoint(RoomKeeper[_ReceiverRoom]):
             Notice(level=NoticeLevel.WARNING, text=f"{reason}: failing its rooms and registering again"),
         ]
         for r in list(self._rooms.values()):
-            if not r.terminal and any(t.key == peer.key for t in r.targets):
+            if not r.terminal and peer.key in r.target_keys:
                 effects += self._fail(r, reason, FailureCause.PEER_SILENT, now, by=peer.key)
         peer.machine.fire(PeerTrigger.SILENCE)
         effects += self._send_register(peer, now)
@@ -972,7 +996,7 @@ class DecodeEndpoint(RoomKeeper[_ReceiverRoom]):
         """
         effects: list[Effect] = [Notice(level=NoticeLevel.WARNING, text=reason)]
         for r in list(self._rooms.values()):
-            if not r.terminal and any(t.key == key for t in r.targets):
+            if not r.terminal and key in r.target_keys:
                 effects += self._fail(r, reason, FailureCause.PEER_RESTART, now, by=key)
         return effects
 
