@@ -65,17 +65,19 @@ log = logging.getLogger(__name__)
 # at every batch size (about 2.7 GB/s; 64 KiB about 1.7, 1-4 MiB 2.2-2.6). On a contiguous range,
 # entries per batch and batches in flight moved the figure by less than the run-to-run noise; on the
 # scattered 32K-token MLA request of `python -m pdkv bench transfer` (10,614 runs of 72 KiB-2.3 MiB)
-# fewer, larger batches won: in one process pair, shapes rotated over 8 rounds, 2,048 entries x 2 in
-# flight with 512 MiB per batch took a median 0.98 s where 512 x 4 with 128 MiB took 1.14 s (the same
-# with Mooncake's default and a raised TCP queue). 128 MiB had capped batches at about 900 entries,
-# so 1,024 and 2,048 entries measured the same until the byte limit rose. The likely cost is per
-# batch (a status wait and a lane hand-off on the cores the engine's TCP threads also need); it is a
-# hypothesis, not a measured phase. With the default TCP lane queue (2,048 entries) the second batch
-# waits in the backend's lane and starts as the first completes. Re-measure for RDMA.
+# fewer, larger batches won: in one process pair, shapes rotated over 8 rounds, 2,048 entries with
+# 512 MiB per batch took a median 0.98 s with 4 batches in flight and with 2, where 512 entries with
+# 128 MiB took 1.08-1.18 s (with Mooncake's default and a raised TCP queue alike). 128 MiB had capped
+# batches at about 900 entries, so 1,024 and 2,048 entries measured the same until the byte limit
+# rose. The likely cost is per batch (a status wait and a lane hand-off on the cores the engine's TCP
+# threads also need); it is a hypothesis, not a measured phase. 4 in flight, not 2: per-layer
+# transfer submits one batch per layer into one job, and a lower limit holds a finished layer's write
+# back until an earlier layer's batch completes. With the default TCP lane queue (2,048 entries) the
+# later batches wait in the backend's lane and start as the first completes. Re-measure for RDMA.
 DEFAULT_SLICE_BYTES: Final = 256 << 10
 DEFAULT_MAX_ENTRIES: Final = 2048
 DEFAULT_MAX_BATCH_BYTES: Final = 512 << 20
-DEFAULT_MAX_IN_FLIGHT: Final = 2
+DEFAULT_MAX_IN_FLIGHT: Final = 4
 DEFAULT_TIMEOUT_S: Final = 300.0
 
 
