@@ -41,6 +41,24 @@ def failed(reason: str = "boom") -> TransferStatus:
     return TransferStatus(origin=PREFILL, room=ROOM, outcome=Outcome.FAILED, reason=reason)
 
 
+def ranks_route(*ranks: Origin, tp_size: int, cp_size: int, complete: bool) -> RouteTable:
+    """A route table of PREFILL's instance listing ``ranks``, each at ``inproc://<its rank>``."""
+    return RouteTable(
+        origin=PREFILL,
+        tp_size=tp_size,
+        cp_size=cp_size,
+        page_size=16,
+        layout_digest=layout().digest(),
+        ranks=[
+            RankRoute(
+                rank=o.rank, epoch=o.epoch, endpoint=Endpoint(f"inproc://{o.rank}"), session=SessionId("s")
+            )
+            for o in ranks
+        ],
+        complete=complete,
+    )
+
+
 def connected(timeouts: Timeouts | None = None) -> DecodeEndpoint:
     d = decode(timeouts)
     d.connect(route(), 0.0)
@@ -63,20 +81,7 @@ def test_register_is_sent_and_retried_until_acked() -> None:
 def test_registration_is_resent_only_to_the_ranks_that_have_not_acked() -> None:
     d = decode(Timeouts(register_retry=2, heartbeat_interval=10, heartbeat_timeout=40))
     second = Origin(instance=PREFILL.instance, epoch=Epoch(1), rank=RankCoord(tp=1, cp=0))
-    table = RouteTable(
-        origin=PREFILL,
-        tp_size=2,
-        cp_size=1,
-        page_size=16,
-        layout_digest=layout().digest(),
-        ranks=[
-            RankRoute(
-                rank=o.rank, epoch=o.epoch, endpoint=Endpoint(f"inproc://{o.rank}"), session=SessionId("s")
-            )
-            for o in (PREFILL, second)
-        ],
-        complete=True,
-    )
+    table = ranks_route(PREFILL, second, tp_size=2, cp_size=1, complete=True)
     assert len(sent(d.connect(table, 0.0), Register)) == 2
     d.receive(RegisterAck(origin=PREFILL), 1.0)
     assert d.next_deadline() == 2.0  # the second rank's resend
@@ -103,21 +108,7 @@ def test_success_needs_every_required_rank() -> None:
     d = decode()
     second = Origin(instance=PREFILL.instance, epoch=Epoch(1), rank=RankCoord(tp=0, cp=1))
     dummy = Origin(instance=PREFILL.instance, epoch=Epoch(1), rank=RankCoord(tp=1, cp=0))
-    table = RouteTable(
-        origin=PREFILL,
-        tp_size=2,
-        cp_size=2,
-        page_size=16,
-        layout_digest=layout().digest(),
-        ranks=[
-            RankRoute(
-                rank=o.rank, epoch=o.epoch, endpoint=Endpoint(f"inproc://{o.rank}"), session=SessionId("s")
-            )
-            for o in (PREFILL, second, dummy)
-        ],
-        complete=False,
-    )
-    d.connect(table, 0.0)
+    d.connect(ranks_route(PREFILL, second, dummy, tp_size=2, cp_size=2, complete=False), 0.0)
     for o in (PREFILL, second, dummy):
         d.receive(RegisterAck(origin=o), 0.0)
     targets = [
