@@ -484,7 +484,8 @@ class DecodeRoomReport:
 
 def _decode_main(args: _DecodeArgs, conn: Connection) -> None:
     try:
-        _decode_rank(args, conn)
+        with switch_interval(args.switch_interval_us):
+            _decode_rank(args, conn)
     except BaseException:
         conn.send(("error", traceback.format_exc()))
         raise
@@ -493,8 +494,6 @@ def _decode_main(args: _DecodeArgs, conn: Connection) -> None:
 def _decode_rank(args: _DecodeArgs, conn: Connection) -> None:
     from pdkv.runtime.decode import DecodeConfig, DecodeTransport
 
-    if args.switch_interval_us is not None:  # a process of its own: nothing to restore
-        sys.setswitchinterval(args.switch_interval_us / 1e6)
     memory = RankMemory(args.model, args.capacity)
     backend = MooncakeBackend(_engine_config())
     timeline = Timeline()

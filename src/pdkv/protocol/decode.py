@@ -956,13 +956,14 @@ class DecodeEndpoint(RoomKeeper[_ReceiverRoom]):
         # Replaced before the rooms fail, so their Abort waits until the new process acknowledged
         # registration (before that it would drop our messages as from an unregistered rank).
         self._peers[new.key] = new
-        # Registering from now on: without a Register of our own (it answered one), the next tick
-        # sends one, as for any registering rank whose resend is due.
-        self._register_resends.push(new.key, new.register_due)
         effects: list[Effect] = [ForgetPeer(endpoint=old.endpoint, reason=reason)]
         effects += self._peer_lost(old.key, reason, now)
         if register:
             effects += self._send_register(new, now)
+        else:
+            # It answered a Register of ours: until its answer makes it ready, it is a registering
+            # rank whose resend is due now (the next tick sends one, as for any other).
+            self._register_resends.push(new.key, new.register_due)
         return effects
 
     def _peer_silent(self, peer: _PrefillPeer, now: float, *, reason: str | None = None) -> list[Effect]:
