@@ -322,6 +322,25 @@ def test_status_waits_are_paced_after_the_first_piece(paced: bool) -> None:
     assert ends == [pytest.approx(0.010)] * 3
 
 
+def test_small_pieces_sleep_through_most_of_the_lane_floor() -> None:
+    # A batch of a few KiB costs the engine's fixed time, which the status wait would spin through.
+    engine = TimedEngine()
+    times = engine.times
+    source = HostBuffer(1 << 20)
+    with MooncakeBackend(engine_class=lambda: engine, clock=times.clock, sleep=times.sleep) as backend:
+        backend.register(source)
+        blocks = _blocks(2, source, length=1 << 10)  # 2 KiB per batch
+        times.transfer_s = 0.004
+        for _ in range(3):
+            backend.write("peer:1", blocks)
+            times.now += 1.0
+        floor = backend.pacer("peer:1").floor
+    assert floor == pytest.approx(0.004)
+    assert times.slept == [pytest.approx(0.003), pytest.approx(0.003)]  # 75% of the floor
+    ends = [s - t for s, t in zip(engine.status_at, engine.launched, strict=True)]
+    assert ends == [pytest.approx(0.004)] * 3
+
+
 def test_a_paced_wait_still_reports_a_failed_piece(engine: FakeEngine) -> None:
     times = FakeTime()
     source = HostBuffer(1 << 20)

@@ -41,7 +41,7 @@ def test_short_expected_waits_and_small_pieces_spin() -> None:
     pacer = CompletionPacer(PacingConfig(min_sleep_s=0.001, min_bytes=MB))
     pacer.completed(100 * MB, launched_at=0.0, ended_at=0.1)
     assert pacer.sleep_before_wait(MB, launched_at=0.2, now=0.2) == 0.0  # 1 ms x 0.75 < min sleep
-    assert pacer.sleep_before_wait(MB // 2, launched_at=0.2, now=0.2) == 0.0  # below min_bytes
+    assert pacer.sleep_before_wait(MB // 2, launched_at=0.2, now=0.2) == 0.0  # small, no floor learnt
     before = pacer.rate
     pacer.completed(MB // 2, launched_at=0.2, ended_at=0.9)  # tiny and slow: teaches nothing
     assert pacer.rate == before
@@ -62,3 +62,40 @@ def test_times_going_backwards_teach_nothing_and_never_give_a_negative_sleep() -
     assert pacer.rate == 0
     pacer.completed(10 * MB, launched_at=5.0, ended_at=5.01)
     assert pacer.sleep_before_wait(10 * MB, launched_at=0.0, now=100.0) == 0.0
+
+
+def test_small_pieces_sleep_through_most_of_the_lane_floor_from_their_launch() -> None:
+    pacer = CompletionPacer(PacingConfig(sleep_fraction=0.5, min_sleep_s=0.0001, min_bytes=MB))
+    pacer.completed(2048, launched_at=0.0, ended_at=0.001)  # a small piece on an idle lane: 1 ms
+    assert pacer.floor == pytest.approx(0.001)
+    assert pacer.rate == 0  # small pieces never teach the rate
+    # Bytes do not matter below min_bytes: the floor is the whole expectation.
+    assert pacer.sleep_before_wait(10, launched_at=1.0, now=1.0) == pytest.approx(0.0005)
+    assert pacer.sleep_before_wait(MB - 1, launched_at=1.0, now=1.0002) == pytest.approx(0.0003)
+    assert pacer.sleep_before_wait(2048, launched_at=1.0, now=1.00045) == 0.0  # under min_sleep_s left
+    # A large piece still needs a rate: none learnt, so no sleep.
+    assert pacer.sleep_before_wait(MB, launched_at=1.0, now=1.0) == 0.0
+
+
+def test_a_small_piece_queued_behind_another_neither_sleeps_nor_teaches_the_floor() -> None:
+    pacer = CompletionPacer(PacingConfig(sleep_fraction=1.0, min_sleep_s=0.0, min_bytes=MB))
+    pacer.completed(2048, launched_at=0.0, ended_at=0.002)  # floor 2 ms
+    # Launched while the previous piece was in flight: the engine may run both, so wait at once.
+    assert pacer.sleep_before_wait(2048, launched_at=0.001, now=0.002) == 0.0
+    # Its short time (0.1 ms after the previous end) is not a floor sample.
+    pacer.completed(2048, launched_at=0.001, ended_at=0.0021)
+    assert pacer.floor == pytest.approx(0.002)
+
+
+def test_the_floor_is_the_shortest_recent_time_and_grows_towards_a_slower_lane() -> None:
+    pacer = CompletionPacer(PacingConfig(floor_growth=2.0, min_bytes=MB))
+    pacer.completed(2048, launched_at=0.0, ended_at=0.004)
+    pacer.completed(2048, launched_at=1.0, ended_at=1.001)  # faster: taken at once
+    assert pacer.floor == pytest.approx(0.001)
+    pacer.completed(2048, launched_at=2.0, ended_at=2.010)  # slower (or a late wait): growth only
+    assert pacer.floor == pytest.approx(0.002)
+    pacer.completed(2048, launched_at=3.0, ended_at=3.010)
+    pacer.completed(2048, launched_at=4.0, ended_at=4.010)
+    assert pacer.floor == pytest.approx(0.008)
+    pacer.completed(2048, launched_at=5.0, ended_at=5.010)
+    assert pacer.floor == pytest.approx(0.010)  # the slower lane is learnt, never overshot
