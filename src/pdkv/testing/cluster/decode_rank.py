@@ -20,7 +20,7 @@ from pdkv.protocol.ids import InstanceId
 from pdkv.protocol.messages import RankCoord, Side, StateIndices
 from pdkv.protocol.poll import KVPoll
 from pdkv.testing.cluster._rank import _RankArgs, _wire, cpu_since, pause, thread_cpu
-from pdkv.testing.cluster.messages import RankFinal, RankReady, RoomResult, RunRoom, Stop
+from pdkv.testing.cluster.messages import RankFinal, RankReady, RoomResults, RunRooms, Stop
 from pdkv.testing.cluster.spec import ClusterError, RankReport, RoomOutcome, _DecodeRoom
 from pdkv.testing.synthetic import (
     RankMemory,
@@ -72,22 +72,24 @@ def _decode_rank(args: _RankArgs, conn: Connection) -> None:
                 if isinstance(command, Stop):
                     stopping = True
                     break
-                assert isinstance(command, RunRoom) and isinstance(command.room, _DecodeRoom)
-                room = command.room
-                dst = pages.allocate(room.num_pages)
-                if spec.verify_bytes:
-                    for buffer_key in spec.model.kv_keys():
-                        memory.view(buffer_key)[dst] = 0  # reused pages: start from "untouched"
-                slots = state_slots.allocate(spec.state_slots_per_room)
-                aux = aux_rows.allocate(1)
-                receiver = transport.receiver(room.room, prefill)
-                receiver.init(
-                    dst,
-                    int(aux[0]),
-                    [StateIndices(kind=kind, indices=slots) for kind in spec.model.state_kinds],
-                )
-                active[room.room] = (room, receiver, dst, slots, aux, time.monotonic())
+                assert isinstance(command, RunRooms)
+                for room in command.rooms:
+                    assert isinstance(room, _DecodeRoom)
+                    dst = pages.allocate(room.num_pages)
+                    if spec.verify_bytes:
+                        for buffer_key in spec.model.kv_keys():
+                            memory.view(buffer_key)[dst] = 0  # reused pages: start from "untouched"
+                    slots = state_slots.allocate(spec.state_slots_per_room)
+                    aux = aux_rows.allocate(1)
+                    receiver = transport.receiver(room.room, prefill)
+                    receiver.init(
+                        dst,
+                        int(aux[0]),
+                        [StateIndices(kind=kind, indices=slots) for kind in spec.model.state_kinds],
+                    )
+                    active[room.room] = (room, receiver, dst, slots, aux, time.monotonic())
             seen = transport.progress()  # before the polls: a change during them ends the wait below
+            ended: list[RoomOutcome] = []  # sent together after the pass
             for key in list(active):
                 room, receiver, dst, slots, aux, started = active[key]
                 poll = receiver.poll()
@@ -124,24 +126,24 @@ def _decode_rank(args: _RankArgs, conn: Connection) -> None:
                 state_slots.free(slots)
                 aux_rows.free(aux)
                 metric = receiver.metric()
-                conn.send(
-                    RoomResult(
-                        outcome=RoomOutcome(
-                            room=room.room,
-                            side=Side.DECODE,
-                            rank=name,
-                            poll=int(poll),
-                            failure=str(receiver.failure() or ""),
-                            seconds=elapsed,
-                            bytes_checked=checked,
-                            mismatches=tuple(bad),
-                            bytes_reported=metric.bytes,
-                            finished_at=observed,
-                        ),
+                ended.append(
+                    RoomOutcome(
+                        room=room.room,
+                        side=Side.DECODE,
+                        rank=name,
+                        poll=int(poll),
+                        failure=str(receiver.failure() or ""),
+                        seconds=elapsed,
+                        bytes_checked=checked,
+                        mismatches=tuple(bad),
+                        bytes_reported=metric.bytes,
+                        finished_at=observed,
                     )
                 )
                 receiver.clear()
                 del active[key]
+            if ended:
+                conn.send(RoomResults(outcomes=tuple(ended)))
             if active:
                 pause(transport, seen, len(active))
         time.sleep(0.2)  # a late write, if any, would land now

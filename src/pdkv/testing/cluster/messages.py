@@ -1,9 +1,14 @@
 """What the parent and the rank processes say to each other over their pipes: typed records, never tuples.
 
-Parent -> rank: ``RunRoom`` (a room for this rank's side), ``Stop``. Rank -> parent: ``RankReady`` (with
-its control address), ``RoomResult`` (one room ended on this rank), ``RankFinal`` (its report at
-shutdown), ``RankCrashed`` (the traceback of what killed it). The registry process answers
-``RankReady`` too and stops at any message. Must not import transports (pickled across processes).
+Parent -> rank: ``RunRooms`` (rooms for this rank's side, in arrival order), ``Stop``. Rank -> parent:
+``RankReady`` (with its control address), ``RoomResults`` (the rooms that ended on this rank in one
+pass of its scheduler loop), ``RankFinal`` (its report at shutdown), ``RankCrashed`` (the traceback of
+what killed it). The registry process answers ``RankReady`` too and stops at any message. Must not
+import transports (pickled across processes).
+
+Rooms and results travel in batches, one pipe message per scheduler pass and not per room: with many
+rooms in flight the per-message cost (pickling, a pipe write, a wake-up on both sides) was a sizeable
+share of the CPU the control bench measures, and it is the harness's, not pdkv's.
 """
 
 from __future__ import annotations
@@ -16,8 +21,8 @@ from pdkv.testing.cluster.spec import RankReport, RoomOutcome, _DecodeRoom, _Pre
 
 
 @attrs.frozen(kw_only=True)
-class RunRoom:
-    room: _PrefillRoom | _DecodeRoom
+class RunRooms:
+    rooms: tuple[_PrefillRoom | _DecodeRoom, ...]
 
 
 @attrs.frozen
@@ -32,8 +37,8 @@ class RankReady:
 
 
 @attrs.frozen(kw_only=True)
-class RoomResult:
-    outcome: RoomOutcome
+class RoomResults:
+    outcomes: tuple[RoomOutcome, ...]
 
 
 @attrs.frozen(kw_only=True)
@@ -46,5 +51,5 @@ class RankCrashed:
     traceback: str
 
 
-ToRank: TypeAlias = RunRoom | Stop
-FromRank: TypeAlias = RankReady | RoomResult | RankFinal | RankCrashed
+ToRank: TypeAlias = RunRooms | Stop
+FromRank: TypeAlias = RankReady | RoomResults | RankFinal | RankCrashed

@@ -21,7 +21,7 @@ from pdkv.protocol.ids import InstanceId
 from pdkv.protocol.messages import RankCoord, Side, StateIndices
 from pdkv.protocol.poll import KVPoll
 from pdkv.testing.cluster._rank import _RankArgs, _wire, cpu_since, pause, thread_cpu
-from pdkv.testing.cluster.messages import RankFinal, RankReady, RoomResult, RunRoom, Stop
+from pdkv.testing.cluster.messages import RankFinal, RankReady, RoomResults, RunRooms, Stop
 from pdkv.testing.cluster.spec import RankReport, RoomOutcome, _PrefillRoom
 from pdkv.testing.synthetic import (
     RankMemory,
@@ -114,18 +114,20 @@ def _prefill_rank(args: _RankArgs, conn: Connection) -> None:
                 if isinstance(command, Stop):
                     stopping = True
                     break
-                assert isinstance(command, RunRoom) and isinstance(command.room, _PrefillRoom)
-                room = command.room
-                sender = transport.sender(room.room)
-                sender.init(room.num_pages, room.aux_src)
-                active[room.room] = (room, sender, _Progress(started=time.monotonic()))
-                order.append(room.room)
+                assert isinstance(command, RunRooms)
+                for room in command.rooms:
+                    assert isinstance(room, _PrefillRoom)
+                    sender = transport.sender(room.room)
+                    sender.init(room.num_pages, room.aux_src)
+                    active[room.room] = (room, sender, _Progress(started=time.monotonic()))
+                    order.append(room.room)
             grouped = consensus is not None and not consensus.lost
             if not grouped:
                 order.clear()
                 if stopping and not active:
                     break
             seen = transport.progress()  # before the polls: a change during them ends the wait below
+            ended: list[RoomOutcome] = []  # sent together after the pass
             for key in list(active):
                 room, sender, progress = active[key]
                 poll = sender.poll()
@@ -139,24 +141,24 @@ def _prefill_rank(args: _RankArgs, conn: Connection) -> None:
                         failure = "rank consensus: another prefill rank failed the room"
                     metric = sender.metric()
                     modes = progress.modes
-                    conn.send(
-                        RoomResult(
-                            outcome=RoomOutcome(
-                                room=room.room,
-                                side=Side.PREFILL,
-                                rank=name,
-                                poll=int(final),
-                                failure=failure,
-                                seconds=time.monotonic() - progress.started,
-                                bytes_reported=metric.bytes,
-                                forward_end_at=progress.forward_end_at,
-                                finished_at=time.monotonic(),
-                                mode=modes.pop() if len(modes) == 1 else ("mixed" if modes else ""),
-                            ),
+                    ended.append(
+                        RoomOutcome(
+                            room=room.room,
+                            side=Side.PREFILL,
+                            rank=name,
+                            poll=int(final),
+                            failure=failure,
+                            seconds=time.monotonic() - progress.started,
+                            bytes_reported=metric.bytes,
+                            forward_end_at=progress.forward_end_at,
+                            finished_at=time.monotonic(),
+                            mode=modes.pop() if len(modes) == 1 else ("mixed" if modes else ""),
                         )
                     )
                     sender.clear()
                     del active[key]
+            if ended:
+                conn.send(RoomResults(outcomes=tuple(ended)))
             if consensus is not None and grouped:
                 if _consensus_round(consensus, name, active, order, agreed, done=stopping and not active):
                     break

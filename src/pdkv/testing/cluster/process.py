@@ -32,8 +32,8 @@ from pdkv.testing.cluster.messages import (
     RankCrashed,
     RankFinal,
     RankReady,
-    RoomResult,
-    RunRoom,
+    RoomResults,
+    RunRooms,
     Stop,
 )
 from pdkv.testing.cluster.prefill_rank import _prefill_rank
@@ -314,13 +314,15 @@ class Cluster:
         while next_room < len(plans) or self._pending or todo:
             while todo and time.monotonic() - started >= todo[0].after_s:
                 todo.pop(0).action(self)
+            admitted = next_room
             while next_room < len(plans) and len(self._pending) < max_active:
-                live = [r for r in self._ranks if not r.killed]
-                for r in live:
-                    room = prefill_rooms[next_room] if r.side is Side.PREFILL else decode_rooms[next_room]
-                    r.conn.send(RunRoom(room=room))
-                self._pending[int(plans[next_room].room)] = {r.name for r in live}
+                self._pending[int(plans[next_room].room)] = {r.name for r in self._ranks if not r.killed}
                 next_room += 1
+            if next_room > admitted:
+                for r in self._ranks:
+                    if not r.killed:
+                        rooms = prefill_rooms if r.side is Side.PREFILL else decode_rooms
+                        r.conn.send(RunRooms(rooms=tuple(rooms[admitted:next_room])))
             self._collect(results, deadline)
             while not results.empty():
                 outcome = results.get()
@@ -345,8 +347,9 @@ class Cluster:
                 message = conn.recv()
             except (EOFError, OSError):
                 continue  # a rank that died; reported below
-            if isinstance(message, RoomResult):
-                results.put(message.outcome)
+            if isinstance(message, RoomResults):
+                for outcome in message.outcomes:
+                    results.put(outcome)
             elif isinstance(message, RankCrashed):
                 raise ClusterError(f"a rank failed:\n{message.traceback}")
         if time.monotonic() > deadline:
