@@ -99,3 +99,19 @@ def test_the_floor_is_the_shortest_recent_time_and_grows_towards_a_slower_lane()
     assert pacer.floor == pytest.approx(0.008)
     pacer.completed(2048, launched_at=5.0, ended_at=5.010)
     assert pacer.floor == pytest.approx(0.010)  # the slower lane is learnt, never overshot
+
+
+def test_a_piece_slept_for_can_lower_the_floor_but_never_raise_it() -> None:
+    # It may have ended during the sleep: a wake-up after its end says nothing about the floor.
+    pacer = CompletionPacer(
+        PacingConfig(sleep_fraction=0.75, min_sleep_s=0.0, floor_growth=1.5, min_bytes=MB)
+    )
+    pacer.completed(2048, launched_at=0.0, ended_at=0.002)  # floor 2 ms
+    for start in (1.0, 2.0, 3.0):  # each sleeps 1.5 ms, wakes 1 ms late: 2.5 ms measured
+        assert pacer.sleep_before_wait(2048, launched_at=start, now=start) == pytest.approx(0.0015)
+        pacer.completed(2048, launched_at=start, ended_at=start + 0.0025, slept=True)
+    assert pacer.floor == pytest.approx(0.002)
+    pacer.completed(2048, launched_at=4.0, ended_at=4.0018, slept=True)
+    assert pacer.floor == pytest.approx(0.0018)
+    pacer.completed(2048, launched_at=5.0, ended_at=5.0025)  # not slept for: may raise it (x1.5 at most)
+    assert pacer.floor == pytest.approx(0.0025)

@@ -16,7 +16,10 @@ over Mooncake's TCP transport on one 2-core machine about 0.9 ms for a 2 KiB bat
 through by the waiting thread, so a 1-page room cost its prefill about as much CPU in the spin as in
 everything else. Their expected time is the lane's floor: the shortest recent time of a small piece
 launched on an idle lane (a decaying minimum). A small piece launched while another was in flight is
-not slept for (the engine may be running both at once) and teaches nothing.
+not slept for (the engine may be running both at once) and teaches nothing. A piece slept for may
+have ended during the sleep, so its time only bounds the floor from above: it can lower the floor,
+never raise it (if it could, each wake-up later than the piece's end would raise the floor a little
+more, and the sleeps with it).
 
 The estimate errs towards waking early: the rate is the fastest seen recently (a decaying maximum),
 the floor the shortest, a piece's transfer is taken to start no earlier than the previous piece of
@@ -86,16 +89,23 @@ class CompletionPacer:
         delay = wake_at - now
         return delay if delay >= self.config.min_sleep_s else 0.0
 
-    def completed(self, nbytes: int, launched_at: float, ended_at: float) -> None:
-        """The status wait of the piece returned at ``ended_at`` (success or not)."""
+    def completed(self, nbytes: int, launched_at: float, ended_at: float, *, slept: bool = False) -> None:
+        """The status wait of the piece returned at ``ended_at`` (success or not); ``slept``: the
+        completer slept before that wait (``sleep_before_wait`` said so)."""
         idle = launched_at >= self._previous_end
         started = max(launched_at, self._previous_end)
         self._previous_end = ended_at
         seconds = ended_at - started
         if nbytes < self.config.min_bytes:
             if idle and seconds > 0:
-                grown = self._floor * self.config.floor_growth
-                self._floor = min(seconds, grown) if self._floor > 0 else seconds
+                if self._floor <= 0:
+                    self._floor = seconds
+                elif slept:
+                    # The piece may have ended during the sleep: its time is at most this, so it can
+                    # lower the floor but never raise it (else each oversleep would ratchet it up).
+                    self._floor = min(self._floor, seconds)
+                else:
+                    self._floor = min(seconds, self._floor * self.config.floor_growth)
             return
         if seconds <= 0:
             return

@@ -475,13 +475,14 @@ class MooncakeBackend(WorkerThreadBackend[LaunchedPiece]):
     def _complete(self, job: PieceJob, token: LaunchedPiece) -> None:
         nbytes = job.piece.total_bytes
         pacer = self.pacer(job.handle.peer) if self.config.pace_status_waits else None
+        delay = 0.0
         if pacer is not None:
             delay = pacer.sleep_before_wait(nbytes, token.launched_at, self._clock())
             if delay > 0:
                 self._sleep(delay)
         status = self._live_engine().get_batch_transfer_status([token.batch_id])
         if pacer is not None:
-            pacer.completed(nbytes, token.launched_at, self._clock())
+            pacer.completed(nbytes, token.launched_at, self._clock(), slept=delay > 0)
         if status != 0:
             raise PieceFailed(
                 f"engine reported status {status} for {len(job.piece)} blocks to {job.handle.peer!r}: "
