@@ -21,8 +21,16 @@ from pdkv.errors import (
     TransportClosedError,
 )
 from pdkv.mapping import BufferKind
-from pdkv.protocol.ids import Epoch, InstanceId, RoomId
-from pdkv.protocol.messages import Heartbeat, Message, Origin, RankCoord, StateIndices
+from pdkv.protocol.ids import Endpoint, Epoch, InstanceId, RoomId, SessionId
+from pdkv.protocol.messages import (
+    Heartbeat,
+    Message,
+    Origin,
+    RankCoord,
+    RankRoute,
+    RouteTable,
+    StateIndices,
+)
 from pdkv.protocol.poll import KVPoll
 from pdkv.runtime import Registry
 from pdkv.runtime._loop import ControlLoop
@@ -231,6 +239,45 @@ def test_connect_to_a_dead_registry_raises_route_unavailable_with_the_cause() ->
         pytest.raises(RouteUnavailableError, match=r"within 0\.5 s: no reply from"),
     ):
         decode.connect(f"tcp://127.0.0.1:{free_port()}", timeout_s=0.5)
+    backend.close()
+
+
+def test_fanout_targets_follow_a_route_table_that_connect_replaced() -> None:
+    # The targets are derived once per table (every room from one instance targets the same ranks);
+    # a prefill instance that came back with another shape must not be served the old ones.
+    memory = RankMemory(SPEC, Capacity(kv_pages=8, state_slots=2, aux_rows=2))
+    prefill = Origin(instance=InstanceId("p"), epoch=Epoch(1), rank=RankCoord(tp=0))
+
+    def table(tp_size: int) -> RouteTable:
+        return RouteTable(
+            origin=prefill,
+            tp_size=tp_size,
+            cp_size=1,
+            page_size=SPEC.page_size,
+            layout_digest=memory.layout.digest(),
+            ranks=[
+                RankRoute(
+                    rank=RankCoord(tp=tp),
+                    epoch=Epoch(1),
+                    endpoint=Endpoint(f"tcp://127.0.0.1:{free_port()}"),
+                    session=SessionId(f"s{tp}"),
+                )
+                for tp in range(tp_size)
+            ],
+            complete=True,
+        )
+
+    tables = [table(1), table(2)]
+    backend = LoopbackBackend(fabric=LoopbackFabric("fanout"))
+    config = DecodeConfig(instance=InstanceId("d"), rank=RankCoord(tp=0), tp_size=1, layout=memory.layout)
+    with DecodeTransport(config, backend, query=lambda registry, query, timeout_s: tables.pop(0)) as decode:
+        instance = decode.connect("registry")
+        first, required = decode.fanout_targets(instance)
+        assert [t.rank for t in first] == [RankCoord(tp=0)] and required == 1
+        assert decode.fanout_targets(instance)[0] is first  # derived once for this table
+        assert decode.connect("registry") == instance  # the instance now runs TP 2
+        second, _ = decode.fanout_targets(instance)
+        assert [t.rank for t in second] == [RankCoord(tp=0), RankCoord(tp=1)]
     backend.close()
 
 

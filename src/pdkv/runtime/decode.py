@@ -132,6 +132,9 @@ class DecodeTransport(EndpointHost[DecodeEndpoint]):
         super().__init__(endpoint, channel, thread_name=f"pdkv-decode-{config.rank}", logger=log, clock=clock)
         self._query_route = query if query is not None else _default_query()
         self._routes: dict[InstanceId, RouteTable] = {}
+        # fanout_targets per prefill instance, with the route table it was derived from: every room
+        # from one instance targets the same ranks (recomputed when connect() replaces the table).
+        self._fanouts: dict[InstanceId, tuple[RouteTable, tuple[Target, ...], int]] = {}
         self._released = 0
         self._unsafe = 0
         self._seen: dict[TransportCounter, int] = {}  # endpoint counter totals already in metrics
@@ -262,11 +265,14 @@ class DecodeTransport(EndpointHost[DecodeEndpoint]):
             unsafe_releases=self._unsafe,
         )
 
-    def fanout_targets(self, prefill: InstanceId) -> tuple[list[Target], int]:
+    def fanout_targets(self, prefill: InstanceId) -> tuple[tuple[Target, ...], int]:
         """The prefill ranks a room from ``prefill`` is requested from, and their required_dst_info_num."""
         table = self._routes.get(prefill)
         if table is None:
             raise ConfigError(f"prefill instance {prefill!r} is not connected (call connect(registry) first)")
+        known = self._fanouts.get(prefill)
+        if known is not None and known[0] is table:
+            return known[1], known[2]
         topology = Topology(
             prefill_tp=table.tp_size,
             decode_tp=self.config.tp_size,
@@ -277,11 +283,12 @@ class DecodeTransport(EndpointHost[DecodeEndpoint]):
             kv_heads=layout_kv_heads(self.config.layout),
         )
         fan = decode_fanout(topology, self.config.rank.tp)
-        targets = [
+        targets = tuple(
             Target(instance=prefill, rank=RankCoord(tp=t.tp, cp=t.cp), dummy=t.dummy) for t in fan.targets
-        ]
+        )
         # Every prefill rank of one room waits for the same number of decode requests.
         ratio = topology.ratio if topology.decode_tp > topology.prefill_tp else 1
+        self._fanouts[prefill] = (table, targets, ratio)
         return targets, ratio
 
     # ------------------------------------------------------------------ internals
@@ -370,7 +377,7 @@ class KVReceiver(RoomHandle[DecodeEndpoint]):
         try:
             targets, _ = self.transport.fanout_targets(self.prefill)
         except ConfigError:
-            targets = []  # not connected: no prefill rank can know the room
+            targets = ()  # not connected: no prefill rank can know the room
         self.transport._call(lambda e, now: e.abort_room(self.room, reason, now, targets=targets))
 
     def release_ready(self) -> bool:
