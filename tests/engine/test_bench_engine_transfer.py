@@ -44,13 +44,15 @@ def test_transfer_bench_quick(capsys: pytest.CaptureFixture[str]) -> None:
     records = _records(capsys.readouterr().out)
     runs = [r for r in records if r["kind"] == "run"]
     (summary,) = [r for r in records if r["kind"] == "summary"]
-    assert sorted(r["method"] for r in runs) == ["executor", "plain", "raw"]
+    assert sorted(r["method"] for r in runs) == ["executor", "plain", "raw", "same runs"]
     assert all(r["verified"] is True and r["seconds"] > 0 for r in runs)
     total = 4096 * 4 * 1152
     assert summary["bytes"] == total and summary["verified"] is True
     seconds, gbps = summary["seconds"], summary["gb_per_s"]
-    for method in ("executor", "raw", "plain"):
+    for method in ("executor", "raw", "same runs", "plain"):
         assert gbps[method] == pytest.approx(total / seconds[method] / 1e9)
     assert summary["executor_vs_raw"] == pytest.approx(seconds["raw"] / seconds["executor"])
+    assert summary["executor_vs_same_runs"] == pytest.approx(seconds["same runs"] / seconds["executor"])
+    assert summary["same_runs_vs_raw"] == pytest.approx(seconds["raw"] / seconds["same runs"])
     assert summary["executor_vs_plain"] == pytest.approx(seconds["plain"] / seconds["executor"])
     assert summary["run_blocks"] > 4  # scattered pages: more than one block per layer

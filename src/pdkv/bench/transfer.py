@@ -4,11 +4,15 @@ The request: ``--tokens`` tokens in pages of ``--page-size``, ``--layers`` layer
 ``--bytes-per-token`` bytes per token (DeepSeek-style MLA latent: 576 bf16 values = 1,152 B). Each
 side holds it in one pool region (layer after layer); the pages are placed so that
 ``--run-fraction`` of them lie in runs contiguous on both sides and the rest are single pages
-scattered. Three ways to move it, round-robin for ``--repeats`` rounds (best round reported):
+scattered. Four ways to move it, round-robin for ``--repeats`` rounds (best round reported):
 
 - executor: ``TransferExecutor`` with its defaults, given one block per maximal run of every layer;
 - raw: the engine (the backend, no executor) moving the same number of bytes in its best shape,
   i.e. each layer as one contiguous range, sliced and batched by the best of a few shapes;
+- same runs: the engine moving the executor's blocks (the runs) in their best shape, found by the
+  same sweep with 2,048 entries per batch tried too: the most any of those batchings of these
+  blocks gets from the engine, so executor / same runs is the executor's own cost, and
+  same runs / raw what the engine charges for scattered entries;
 - plain: one block per maximal run, all layers in a single batch (what a simple integration does;
   the engine's TCP queue is raised so that it stays one engine batch).
 
@@ -36,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import sys
 import time
 from collections.abc import Callable, Sequence
 
@@ -223,6 +228,8 @@ def main(argv: Sequence[str]) -> int:
             buffer=np.arange(request.layers),
         )
         raw_shape = pick_raw_shape(sender, peer, layers_contiguous, quick=args.quick)
+        # Many scattered entries: the executor's 2,048 entries per batch are among the shapes tried.
+        runs_shape = pick_raw_shape(sender, peer, runs, quick=args.quick, entries=(512, 2048))
 
         def run_executor() -> None:
             result = executor.transfer(peer.session_id, runs)
@@ -234,12 +241,16 @@ def main(argv: Sequence[str]) -> int:
                 sender, peer.session_id, shaped(layers_contiguous, raw_shape), raw_shape.max_in_flight
             )
 
+        def run_same_runs() -> None:
+            write_shaped(sender, peer.session_id, shaped(runs, runs_shape), runs_shape.max_in_flight)
+
         def run_plain() -> None:
             sender.write(peer.session_id, runs)
 
         methods = [
             Method("executor", run_executor, permuted_digest),
             Method("raw", run_raw, identity_digest),
+            Method("same runs", run_same_runs, permuted_digest),
             Method("plain", run_plain, permuted_digest),
         ]
         for _ in range(args.repeats):
@@ -284,6 +295,13 @@ def main(argv: Sequence[str]) -> int:
                 best["raw"],
                 gbps["raw"],
             ],
+            [
+                "same runs",
+                f"the executor's blocks, slice {human_size(runs_shape.slice_bytes)}, "
+                f"{runs_shape.max_entries}/batch, {runs_shape.max_in_flight} in flight",
+                best["same runs"],
+                gbps["same runs"],
+            ],
             ["plain", f"{len(runs)} runs in one batch", best["plain"], gbps["plain"]],
         ],
     )
@@ -298,10 +316,21 @@ def main(argv: Sequence[str]) -> int:
             "seconds": best,
             "gb_per_s": gbps,
             "raw_shape": raw_shape.describe(),
+            "same_runs_shape": runs_shape.describe(),
             "executor_vs_raw": best["raw"] / best["executor"],
+            "executor_vs_same_runs": best["same runs"] / best["executor"],
+            "same_runs_vs_raw": best["raw"] / best["same runs"],
             "executor_vs_plain": best["plain"] / best["executor"],
             "verified": verified,
         }
+    )
+    print(
+        f"pdkv bench transfer: executor {best['raw'] / best['executor']:.2f}x the raw best shape "
+        f"(contiguous layers) and "
+        f"{best['same runs'] / best['executor']:.2f}x the engine's best shape for the same runs, which "
+        f"itself is {best['raw'] / best['same runs']:.2f}x the contiguous layers",
+        file=sys.stderr,
+        flush=True,
     )
     return 0 if verified else 1
 
@@ -316,10 +345,16 @@ def shaped(blocks: TransferBlocks, shape: Shape) -> list[TransferBlocks]:
 
 
 def pick_raw_shape(
-    sender: MooncakeBackend, peer: SpawnedPeer, blocks: TransferBlocks, *, quick: bool
+    sender: MooncakeBackend,
+    peer: SpawnedPeer,
+    blocks: TransferBlocks,
+    *,
+    quick: bool,
+    entries: Sequence[int] = (512,),
 ) -> Shape:
-    """The fastest of a few shapes around the engine sweep's winners (one untimed warm-up first)."""
-    candidates = [Shape(s, 512, k) for s in (256 << 10, 1 << 20, 4 << 20) for k in (1, 4)]
+    """The fastest of a few shapes around the engine sweep's winners (one untimed warm-up first);
+    ``entries``: the entries per batch tried with each slice size and batches in flight."""
+    candidates = [Shape(s, e, k) for s in (256 << 10, 1 << 20, 4 << 20) for e in entries for k in (1, 4)]
     if quick:
         candidates = candidates[:2]
     write_shaped(sender, peer.session_id, shaped(blocks, candidates[0]), 1)
