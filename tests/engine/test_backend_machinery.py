@@ -159,7 +159,7 @@ def test_split_pieces_respect_the_budget_and_land(fabric: LoopbackFabric) -> Non
 
 
 def test_wait_results_and_statistics(fabric: LoopbackFabric) -> None:
-    faults = LoopbackFaults(fail_batches={2}, delay_seconds=0.2, delay_batches={3}, partial_write=False)
+    faults = LoopbackFaults(fail_batches={2}, delay_seconds=1.0, delay_batches={3}, partial_write=False)
     with (
         LoopbackBackend(LoopbackConfig(faults=faults), fabric=fabric) as sender,
         LoopbackBackend(fabric=fabric) as receiver,
@@ -172,6 +172,9 @@ def test_wait_results_and_statistics(fabric: LoopbackFabric) -> None:
                 )
                 for i in range(3)
             ]
+            # The first two end at once (one fails); waited for first, so that a busy machine cannot
+            # turn the failure into a timeout of the short wait below.
+            sender.wait(handles[:2], 5)
             early = sender.wait(handles, 0.05)
             assert [o.status for o in early.outcomes] == [
                 BatchStatus.COMPLETED,
@@ -187,7 +190,7 @@ def test_wait_results_and_statistics(fabric: LoopbackFabric) -> None:
             assert (stats.batches_submitted, stats.batches_completed, stats.batches_failed) == (3, 1, 1)
             assert stats.batches_in_flight == 1 and stats.batches_unwaited == 1
             late = sender.wait([handles[2]], 5)
-            assert late.ok and late.outcomes[0].seconds >= 0.2
+            assert late.ok and late.outcomes[0].seconds >= 1.0
             assert sender.statistics().batches_unwaited == 0
             assert sender.statistics().bytes_completed == 400
         # Batches 1 and 3 landed; the failing batch 2 (partial_write=False) wrote nothing.
