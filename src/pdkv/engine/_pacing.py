@@ -12,10 +12,12 @@ the spin slows the transfer it waits for (measured with 2 cores: 976 x 72 KiB bl
 for the rest keeps the completion as prompt as a pure spin when the estimate holds.
 
 Small pieces (under ``min_bytes``) take the engine's fixed cost per batch, not bytes over a rate:
-over Mooncake's TCP transport on one 2-core machine about 0.9 ms for a 2 KiB batch, all of it spun
-through by the waiting thread, so a 1-page room cost its prefill about as much CPU in the spin as in
-everything else. Their expected time is the lane's floor: the shortest recent time of a small piece
-launched on an idle lane (a decaying minimum). A small piece launched while another was in flight is
+over Mooncake's TCP transport on one 2-core machine a batch of a few KiB took 0.2 ms at the median
+with the machine otherwise idle (1.6-1.9 ms at the 90th percentile) and about 1.7 ms with 32 rooms
+in flight, all of it spun through by the waiting thread: about a quarter of the prefill's CPU per
+room in ``pdkv bench control``. Their expected time is the lane's floor: the shortest recent time of
+a small piece launched on an idle lane (a decaying minimum). On an idle lane that floor is under
+``min_sleep_s`` and nothing changes; under load it is not, and the waits sleep first. A small piece launched while another was in flight is
 not slept for (the engine may be running both at once) and teaches nothing. A piece slept for may
 have ended during the sleep, so its time only bounds the floor from above: it can lower the floor,
 never raise it (if it could, each wake-up later than the piece's end would raise the floor a little
