@@ -23,9 +23,15 @@ SGLang's Mooncake backend sends a request's KV as one engine batch (5,063 entrie
 which Mooncake's default per-peer TCP queue (2,048) rejects: its processes run with
 ``MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER`` raised (``--sglang-tcp-queue``); pdkv's at the default.
 SGLang's GPU-only imports are stood in for by ``pdkv.testing.gpu_stubs`` in its processes; every
-call into a stub after import is counted and printed, and any fails the run. SGLang's NIXL
-processes (its progress thread spins a core each, idle or not) are stopped (SIGSTOP) outside their
-turns. ``--backend`` picks pdkv's engine (``nixl`` once ``pdkv.NixlBackend`` is merged).
+call into a stub after import is counted and printed, and any fails the run. ``--sglang``
+names SGLang's backends to run (Mooncake, and NIXL when ``nixl`` and ``nixl-cu12`` are installed);
+SGLang's NIXL processes (its progress thread spins a core each, idle or not) are stopped (SIGSTOP)
+outside their turns. ``--backend`` picks pdkv's engine (``nixl`` once ``pdkv.NixlBackend`` is
+merged: ``pdkv_backend`` in ``_sglang_ranks`` is the one place to add it).
+
+This module owns the start-up, the rounds, the checks that fail a run and the report; the ranks
+are ``_sglang_ranks``'. It must not import SGLang (its stubs stay in SGLang's own processes) and
+asserts no speed.
 """
 
 from __future__ import annotations
@@ -71,6 +77,11 @@ from pdkv.bench.latency import RAW_TCP_QUEUE, Progress, place_pages
 from pdkv.protocol.poll import KVPoll
 
 DEFAULT_CASES = "1,16,128,128/4"
+SGLANG_BACKENDS = ("mooncake", "nixl")
+# SGLang's NIXL prefill finishes a request's work in the background after its Success: stopped at
+# once, it does it during its next request (a 128-page request took 210 ms instead of 130 when the
+# processes were stopped right after the last, 130 ms after 0.3 s, as when never stopped).
+PAUSE_GRACE_S = 0.3
 PAGE_BYTES = Geometry(layers=1, pool_pages=1).page_bytes
 
 
@@ -143,7 +154,8 @@ class System:
     prefill: RankProcess
     decode: RankProcess
     pause_between_turns: bool = False
-    """Stop its processes (SIGSTOP) outside its turns: SGLang's NIXL progress threads spin a core each."""
+    """Stop its processes (SIGSTOP) outside its turns, ``PAUSE_GRACE_S`` after its request: SGLang's
+    NIXL progress threads spin a core each, idle or not, which would slow every other system."""
     runs: dict[str, list[Outcome]] = attrs.Factory(dict)
 
     @property
@@ -157,6 +169,8 @@ class System:
         try:
             yield
         finally:
+            if self.pause_between_turns:
+                time.sleep(PAUSE_GRACE_S)
             self.idle()
 
     def idle(self) -> None:
@@ -256,7 +270,7 @@ def start_systems(args: argparse.Namespace, cases: list[Case], progress: Progres
         hidden_size=args.hidden_size,
     )
     ctx = mp.get_context("spawn")
-    names = ["sglang/mooncake"] + (["sglang/nixl"] if args.nixl else [])
+    names = [f"sglang/{backend}" for backend in args.sglang]
     pdkv_name = f"pdkv/{args.backend}"
     started: list[RankProcess] = []
 
@@ -551,10 +565,10 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--backend", choices=PDKV_BACKENDS, default="mooncake", help="pdkv's engine")
     parser.add_argument(
-        "--nixl",
-        choices=("auto", "on", "off"),
+        "--sglang",
         default="auto",
-        help="SGLang's NIXL backend as a third system (auto: when nixl and nixl-cu12 are installed)",
+        help="SGLang's backends to compare with, comma-separated: mooncake, nixl (auto: mooncake, and nixl "
+        "when nixl and nixl-cu12 are installed)",
     )
     parser.add_argument(
         "--sglang-tcp-queue",
@@ -582,7 +596,7 @@ def main(argv: Sequence[str]) -> int:
     args = parser.parse_args(list(argv))
     if args.quick:
         args.layers, args.cases, args.rounds, args.warmup = 4, "1", 1, 1
-        args.nixl = "off" if args.nixl == "auto" else args.nixl
+        args.sglang = "mooncake" if args.sglang == "auto" else args.sglang
     try:
         cases = parse_cases(args.cases)
     except ValueError as exc:
@@ -603,10 +617,15 @@ def main(argv: Sequence[str]) -> int:
         except Exception as exc:
             print(f"pdkv bench sglang: --backend {args.backend}: {exc}", file=sys.stderr)
             return 1
-    if args.nixl == "on" and not nixl_installed():
-        print("pdkv bench sglang: --nixl on, but nixl / nixl-cu12 are not installed", file=sys.stderr)
+    if args.sglang == "auto":
+        args.sglang = "mooncake,nixl" if nixl_installed() else "mooncake"
+    args.sglang = [name.strip() for name in args.sglang.split(",") if name.strip()]
+    unknown = sorted(set(args.sglang) - set(SGLANG_BACKENDS))
+    if unknown or not args.sglang or len(set(args.sglang)) != len(args.sglang):
+        parser.error(f"--sglang: a list of {', '.join(SGLANG_BACKENDS)} (got {unknown or args.sglang})")
+    if "nixl" in args.sglang and not nixl_installed():
+        print("pdkv bench sglang: --sglang nixl, but nixl / nixl-cu12 are not installed", file=sys.stderr)
         return 1
-    args.nixl = args.nixl == "on" or (args.nixl == "auto" and nixl_installed())
     return _run(args, cases)
 
 
