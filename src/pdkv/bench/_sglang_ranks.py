@@ -283,17 +283,34 @@ class DecodeSide(Protocol):
     def close(self) -> None: ...
 
 
-def rank_main(conn: Connection) -> None:
-    """A rank process: wait for its plan (the parent may need another rank's Ready to write it: the
-    imports meanwhile run in parallel), set up, answer Ready, then one command at a time until Stop."""
+def rank_main(system: str, conn: Connection) -> None:
+    """A rank process of ``system``: SGLang's import first (it takes seconds), then its plan (the
+    parent may need another rank's Ready to write it), set-up, Ready, then one command at a time
+    until Stop."""
     try:
+        if system in SGLANG_SYSTEMS:
+            _import_sglang(system)
         plan = conn.recv()
-        if not isinstance(plan, RankPlan):
-            raise TypeError(f"a rank's first message is its plan, not {plan!r}")
+        if not isinstance(plan, RankPlan) or plan.system != system:
+            raise TypeError(f"a {system} rank's first message is its plan, not {plan!r}")
         _serve(plan, conn)
     except BaseException:
         conn.send(Error(text=traceback.format_exc()))
         raise
+
+
+def _import_sglang(system: str) -> None:
+    """Stand in for SGLang's GPU-only imports, then import what its scheduler's transfer path does."""
+    import warnings
+
+    from pdkv.testing import gpu_stubs
+
+    gpu_stubs.install()  # before SGLang's first import: it imports triton & co at module level
+    # SGLang's quantization modules warn at import that they need CUDA: nothing here uses them.
+    warnings.filterwarnings("ignore", message="Only CUDA", category=UserWarning)
+    from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
+
+    get_kv_class(TransferBackend(system.split("/", 1)[1]), KVClassType.MANAGER)
 
 
 def _serve(plan: RankPlan, conn: Connection) -> None:
@@ -377,7 +394,7 @@ def _sglang_side(
         os.environ.setdefault("UCX_NET_DEVICES", "lo")
     from pdkv.testing import gpu_stubs
 
-    stubbed = gpu_stubs.install()  # before SGLang's first import: it imports triton & co at module level
+    stubbed = gpu_stubs.install()  # done by _import_sglang already: the names stubbed
     rank = _SGLangRank(plan, backend_name)
     side: PrefillSide | DecodeSide = (
         _SGLangPrefill(rank, plan) if plan.role == "prefill" else _SGLangDecode(rank, plan)

@@ -91,11 +91,14 @@ PAGE_BYTES = Geometry(layers=1, pool_pages=1).page_bytes
 class RankProcess:
     """One rank process: its commands and answers, with a timeout and the rank's name on every error."""
 
-    def __init__(self, name: str, ctx: Any) -> None:
-        self.name = name
+    def __init__(self, system: str, role: str, ctx: Any) -> None:
+        self.name = f"{system} {role}"
         self.conn, child_conn = ctx.Pipe()
         self.process = ctx.Process(
-            target=rank_main, args=(child_conn,), name=f"pdkv-bench-{name.replace('/', '-')}", daemon=True
+            target=rank_main,
+            args=(system, child_conn),
+            name=f"pdkv-bench-{system.replace('/', '-')}-{role}",
+            daemon=True,
         )
         self.process.start()
         child_conn.close()
@@ -257,8 +260,8 @@ def draw_page_lists(
 
 
 def start_systems(args: argparse.Namespace, cases: list[Case], progress: Progress) -> list[System]:
-    """SGLang's ranks first (their prefill reports the metadata row that pdkv's aux row copies), then
-    pdkv's; the ranks of one system start together, SGLang's decode retrying until its prefill is up."""
+    """Every rank process at once; then the plans, each once what it needs is up (SGLang's prefill
+    first: its Ready gives the metadata row size that pdkv's aux row copies)."""
     page_lists = draw_page_lists(cases, args.run_fraction, args.max_run, args.seed)
     base = RankPlan(
         system="",
@@ -274,22 +277,27 @@ def start_systems(args: argparse.Namespace, cases: list[Case], progress: Progres
     pdkv_name = f"pdkv/{args.backend}"
     started: list[RankProcess] = []
 
-    def start(name: str) -> RankProcess:
-        rank = RankProcess(name, ctx)
+    def start(system: str, role: str) -> RankProcess:
+        rank = RankProcess(system, role, ctx)
         started.append(rank)
         return rank
 
     try:
-        # Every process starts now (the imports take most of the start-up); plans follow.
-        pairs = [(name, start(f"{name} prefill"), start(f"{name} decode")) for name in names]
-        pdkv_prefill, pdkv_decode = start(f"{pdkv_name} prefill"), start(f"{pdkv_name} decode")
+        # Every process starts now (imports take most of the start-up); each gets its plan once
+        # what it needs is up: SGLang's decode its prefill's bootstrap server, pdkv's prefill the
+        # size of SGLang's metadata row, pdkv's decode its prefill's registry.
+        pairs = [(name, start(name, "prefill"), start(name, "decode")) for name in names]
+        pdkv_prefill, pdkv_decode = start(pdkv_name, "prefill"), start(pdkv_name, "decode")
         progress.show(f"starting {', '.join(names)} and {pdkv_name} (SGLang's import takes a while) ...")
-        for name, prefill, decode in pairs:
-            port = free_port()
+        ports = {name: free_port() for name in names}
+        for name, prefill, _ in pairs:
             plan = attrs.evolve(base, system=name, tcp_queue=_queue(args, name))
-            prefill.configure(attrs.evolve(plan, role="prefill", bootstrap_port=port))
-            decode.configure(attrs.evolve(plan, role="decode", bootstrap=f"127.0.0.1:{port}"))
-        readies = [prefill.receive(300) for _, prefill, _ in pairs]
+            prefill.configure(attrs.evolve(plan, role="prefill", bootstrap_port=ports[name]))
+        readies = []
+        for name, prefill, decode in pairs:
+            readies.append(prefill.receive(300))
+            plan = attrs.evolve(base, system=name, tcp_queue=_queue(args, name))
+            decode.configure(attrs.evolve(plan, role="decode", bootstrap=f"127.0.0.1:{ports[name]}"))
         plan = attrs.evolve(
             base,
             system=pdkv_name,
