@@ -26,6 +26,7 @@ from pdkv.bench._sglang_ranks import (
     kv_content,
     plant_wrong_byte,
 )
+from pdkv.errors import InvalidArgumentError
 from pdkv.protocol.poll import KVPoll
 from tests.adapters.helpers import requires_sglang
 
@@ -185,8 +186,8 @@ def test_cases_and_chunks() -> None:
     assert [c.label for c in cases] == ["1", "16", "128", "128/4"]
     assert cases[3].chunk_bounds() == [(0, 32), (32, 64), (64, 96), (96, 128)]
     assert Case(pages=10, chunks=3).chunk_bounds() == [(0, 4), (4, 8), (8, 10)]
-    for bad in ("0", "4/5", "", "x"):
-        with pytest.raises(ValueError):
+    for bad in ("0", "4/5", "", "x", "2/0"):
+        with pytest.raises(InvalidArgumentError, match="cases"):
             sglang.parse_cases(bad)
 
 

@@ -30,7 +30,10 @@ import numpy as np
 import numpy.typing as npt
 
 from pdkv.bench.latency import wait_poll
+from pdkv.engine import TransferBackend
+from pdkv.mapping import BufferKind, ModelRole
 from pdkv.protocol.poll import KVPoll
+from pdkv.testing.synthetic import Capacity, ModelSpec, RankMemory, pattern, salt
 
 IntArray = npt.NDArray[np.int64]
 U8 = npt.NDArray[np.uint8]
@@ -38,6 +41,8 @@ U8 = npt.NDArray[np.uint8]
 SGLANG_SYSTEMS = ("sglang/mooncake", "sglang/nixl")
 KV_LORA_RANK = 512  # DeepSeek-V3's MLA latent and rope dims: 576 x bf16 = 1,152 B per token
 ROPE_DIM = 64
+PAGE_SIZE = 64
+PAGE_BYTES = PAGE_SIZE * (KV_LORA_RANK + ROPE_DIM) * 2
 AUX_ROWS = 4
 
 
@@ -74,7 +79,7 @@ class Geometry:
     """The model both systems move: MLA, one KV buffer per layer, pages of ``page_bytes``."""
 
     layers: int
-    page_size: int = 64
+    page_size: int = PAGE_SIZE
     bytes_per_token: int = (KV_LORA_RANK + ROPE_DIM) * 2
     pool_pages: int
     """Pages per layer buffer, page 0 included (SGLang's pools keep page 0 as padding; no request
@@ -88,9 +93,6 @@ class Geometry:
 def kv_content(layer: int, pages: IntArray, page_bytes: int) -> U8:
     """What the prefill pool holds in ``pages`` of ``layer`` (either system): the synthetic model's
     content rule, never zero, different for every page, layer and byte column."""
-    from pdkv.mapping import BufferKind, ModelRole
-    from pdkv.testing.synthetic import pattern, salt
-
     return pattern(salt(ModelRole.TARGET, BufferKind.KV, layer), pages, page_bytes)
 
 
@@ -143,8 +145,6 @@ def plant_wrong_byte(layers: Sequence[U8], dst: IntArray, room: int) -> tuple[in
 
 def aux_stamp(room: int, nbytes: int) -> U8:
     """The aux row a prefill writes for ``room`` before its last chunk (its first token, in serving)."""
-    from pdkv.testing.synthetic import pattern
-
     row: U8 = pattern(room % (1 << 31), np.array([room], dtype=np.int64), nbytes)[0]
     return row
 
@@ -629,7 +629,7 @@ def _sglang_failure(handle: Any) -> str:
 # ----------------------------------------------------------------------------- pdkv's ranks
 
 
-def pdkv_backend(name: str) -> Any:
+def pdkv_backend(name: str) -> TransferBackend:
     """The seam where ``--backend`` picks pdkv's engine (its ``TransferBackend``). Mooncake runs at
     its default TCP queue. NIXL: ``pdkv.NixlBackend`` plugs in here once it is merged."""
     if name == "mooncake":
@@ -656,9 +656,7 @@ def _pdkv_side(plan: RankPlan) -> tuple[PrefillSide | DecodeSide, Ready]:
     return _PdkvDecode(plan), Ready()
 
 
-def _pdkv_memory(plan: RankPlan) -> Any:
-    from pdkv.testing.synthetic import Capacity, ModelSpec, RankMemory
-
+def _pdkv_memory(plan: RankPlan) -> RankMemory:
     geometry = plan.geometry
     spec = ModelSpec(
         layers=geometry.layers,
@@ -672,15 +670,12 @@ def _pdkv_memory(plan: RankPlan) -> Any:
     return RankMemory(spec, Capacity(kv_pages=geometry.pool_pages, state_slots=1, aux_rows=AUX_ROWS))
 
 
-def _kv_views(memory: Any) -> list[U8]:
+def _kv_views(memory: RankMemory) -> list[U8]:
     return [memory.view(key) for key in memory.spec.kv_keys()]
 
 
-def _aux_view(memory: Any) -> U8:
-    from pdkv.mapping import BufferKind, ModelRole
-
-    view: U8 = memory.view((ModelRole.TARGET, BufferKind.AUX, 0))
-    return view
+def _aux_view(memory: RankMemory) -> U8:
+    return memory.view((ModelRole.TARGET, BufferKind.AUX, 0))
 
 
 class _PdkvPrefill:

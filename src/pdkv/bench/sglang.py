@@ -47,7 +47,7 @@ import statistics
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import attrs
 import numpy as np
@@ -55,6 +55,7 @@ import numpy as np
 from pdkv.bench._report import emit, table
 from pdkv.bench._sglang_ranks import (
     AUX_ROWS,
+    PAGE_BYTES,
     PDKV_BACKENDS,
     Arm,
     Case,
@@ -74,15 +75,16 @@ from pdkv.bench._sglang_ranks import (
     rank_main,
 )
 from pdkv.bench.latency import RAW_TCP_QUEUE, Progress, place_pages
+from pdkv.errors import InvalidArgumentError
 from pdkv.protocol.poll import KVPoll
 
 DEFAULT_CASES = "1,16,128,128/4"
 SGLANG_BACKENDS = ("mooncake", "nixl")
 # SGLang's NIXL prefill finishes a request's work in the background after its Success: stopped at
-# once, it does it during its next request (a 128-page request took 210 ms instead of 130 when the
-# processes were stopped right after the last, 130 ms after 0.3 s, as when never stopped).
+# once, it does it during its next request (measured here: a 128-page request took 210 ms when its
+# processes were stopped right after the one before, 130 ms when stopped 0.3 s after it, 128 ms when
+# never stopped).
 PAUSE_GRACE_S = 0.3
-PAGE_BYTES = Geometry(layers=1, pool_pages=1).page_bytes
 
 
 # ----------------------------------------------------------------------------- the parent's side of a rank
@@ -200,14 +202,24 @@ def run_request(system: System, case: Case, room: int, aux_row: int, *, plant: b
     """One request through one system: the prefill opens the room, the decode asks for it, the
     prefill sends and times it, the decode polls to Success and checks the bytes."""
     with system.turn():
-        answer = system.prefill.ask(Open(room=room))
-        assert isinstance(answer, Done), answer
-        answer = system.decode.ask(Arm(room=room, case=case, aux_row=aux_row, plant=plant))
-        assert isinstance(answer, Done), answer
-        prefill = system.prefill.ask(Go(room=room, case=case, aux_row=aux_row))
-        decode = system.decode.receive()
-    assert isinstance(prefill, PrefillResult) and isinstance(decode, DecodeResult), (prefill, decode)
+        _expect(system.prefill, system.prefill.ask(Open(room=room)), Done)
+        _expect(
+            system.decode, system.decode.ask(Arm(room=room, case=case, aux_row=aux_row, plant=plant)), Done
+        )
+        prefill = _expect(
+            system.prefill, system.prefill.ask(Go(room=room, case=case, aux_row=aux_row)), PrefillResult
+        )
+        decode = _expect(system.decode, system.decode.receive(), DecodeResult)
     return Outcome(prefill=prefill, decode=decode)
+
+
+_T = TypeVar("_T")
+
+
+def _expect(rank: RankProcess, answer: object, kind: type[_T]) -> _T:
+    if not isinstance(answer, kind):
+        raise RuntimeError(f"{rank.name} answered {answer!r}, not a {kind.__name__}")
+    return answer
 
 
 # ----------------------------------------------------------------------------- start-up
@@ -232,18 +244,25 @@ def sglang_installed() -> bool:
 
 
 def parse_cases(text: str) -> list[Case]:
-    """``1,16,128,128/4``: pages, or pages/chunks."""
+    """``1,16,128,128/4``: pages, or pages/chunks; ``InvalidArgumentError`` naming ``cases`` otherwise."""
     cases: list[Case] = []
     for item in (part.strip() for part in text.split(",")):
         if not item:
             continue
         pages_text, _, chunks_text = item.partition("/")
-        pages, chunks = int(pages_text), int(chunks_text or 1)
+        try:
+            pages, chunks = int(pages_text), int(chunks_text or 1)
+        except ValueError:
+            pages = chunks = 0
         if pages < 1 or not 1 <= chunks <= pages:
-            raise ValueError(f"case {item!r}: pages must be >= 1 and chunks in 1..pages")
+            raise InvalidArgumentError(
+                f"cases: {item!r} is not PAGES or PAGES/CHUNKS with 1 <= CHUNKS <= PAGES",
+                argument="cases",
+                value=text,
+            )
         cases.append(Case(pages=pages, chunks=chunks))
     if not cases:
-        raise ValueError("no cases given")
+        raise InvalidArgumentError(f"cases: no case in {text!r}", argument="cases", value=text)
     return cases
 
 
@@ -522,8 +541,8 @@ def report(args: argparse.Namespace, run: Run) -> None:
     table(
         "\n".join(
             [
-                f"pdkv bench sglang: {args.layers} MLA layers, pages of {PAGE_BYTES:,} B, "
-                f"{args.rounds} rounds interleaved (medians and ranges over the rounds)",
+                f"pdkv bench sglang: {args.layers} MLA layers, pages of {PAGE_BYTES:,} B, {args.rounds} "
+                f"round{'s' if args.rounds > 1 else ''} interleaved (medians and ranges over the rounds)",
                 "  ->P: send() -> the prefill's poll sees Success; ->D: send() -> the decode's poll does; "
                 "CPU: the prefill process over ->P, every thread (sched: its scheduler thread alone)",
                 "  pdkv speed: SGLang's ->P median / pdkv's; CPU ratio: pdkv's CPU median / SGLang's",
@@ -607,8 +626,8 @@ def main(argv: Sequence[str]) -> int:
         args.sglang = "mooncake" if args.sglang == "auto" else args.sglang
     try:
         cases = parse_cases(args.cases)
-    except ValueError as exc:
-        parser.error(f"--cases: {exc}")
+    except InvalidArgumentError as exc:
+        parser.error(f"--{exc}")
     if args.rounds < 1 or args.warmup < 0 or args.layers < 1:
         parser.error("--rounds must be >= 1, --warmup >= 0 and --layers >= 1")
     if args.pdkv_poll_us is None:
