@@ -268,7 +268,7 @@ def aborts() -> st.SearchStrategy[Abort]:
 
 
 def abort_acks() -> st.SearchStrategy[AbortAck]:
-    return st.builds(AbortAck, origin=origins(), room=rooms())
+    return st.builds(AbortAck, origin=origins(), room=rooms(), fenced=st.booleans())
 
 
 def heartbeats() -> st.SearchStrategy[Heartbeat]:

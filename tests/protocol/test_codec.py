@@ -157,7 +157,7 @@ def test_type_codes_are_the_documented_stable_numbers() -> None:
 
 def test_golden_transfer_request_bytes() -> None:
     """Written by hand from the codec docstring; a change here is a change of the wire format."""
-    header = b"PDKV" + b"\x03\x00" + b"\x07\x00" + b"\x02\x00"  # version 3, type 7, two array frames
+    header = b"PDKV" + b"\x04\x00" + b"\x07\x00" + b"\x02\x00"  # version 4, type 7, two array frames
     body = (
         b"\x88"  # map of 8, keys in the documented order
         + b"\xa6origin"
@@ -186,8 +186,8 @@ def test_golden_transfer_request_bytes() -> None:
 def test_header_layout() -> None:
     frames = encode(Heartbeat(origin=ORIGIN, seq=1))
     assert len(frames) == 2
-    assert frames[0] == b"PDKV\x03\x00\x0b\x00\x00\x00"
-    assert HEADER.size == 10 and MAGIC == b"PDKV" and PROTOCOL_VERSION == 3
+    assert frames[0] == b"PDKV\x04\x00\x0b\x00\x00\x00"
+    assert HEADER.size == 10 and MAGIC == b"PDKV" and PROTOCOL_VERSION == 4
 
 
 @pytest.mark.parametrize(
@@ -258,9 +258,9 @@ def test_header_errors() -> None:
 
 def test_other_version_is_reported_before_the_header_size() -> None:
     """A later version may lengthen the header: the peer still learns it is a version mismatch."""
-    v4_header = MAGIC + struct.pack("<H", 4) + bytes(30)
-    reason = rejection([v4_header, b"whatever v4 sends"])
-    assert reason == "peer speaks protocol version 4, this side speaks version 3"
+    v5_header = MAGIC + struct.pack("<H", 5) + bytes(30)
+    reason = rejection([v5_header, b"whatever v5 sends"])
+    assert reason == "peer speaks protocol version 5, this side speaks version 4"
 
 
 def test_body_msgpack_errors() -> None:
@@ -348,7 +348,7 @@ def test_nested_validation_errors_for_layouts_and_routes() -> None:
     layout_body["buffers"] = [other, layout_body["buffers"][0]]  # K before KV: not canonical order
     assert "invalid BufferLayout: buffers must be in canonical order" in rejection(with_body(frames, body))
     layout_body["buffers"] = [dict(other, length=65)]
-    assert "invalid BufferSpec: k layer 0: length 65 is not a multiple of item_bytes 16" in rejection(
+    assert "invalid BufferSpec: target k layer 0: length 65 is not a multiple of item_bytes 16" in rejection(
         with_body(frames, body)
     )
 
@@ -739,7 +739,7 @@ def test_random_msgpack_bodies_raise_only_remote_error(
 def test_any_other_version_is_named_with_ours(message: Message, version: int) -> None:
     frames = encode(message)
     frames[0] = MAGIC + struct.pack("<H", version) + frames[0][6:]
-    assert rejection(frames) == f"peer speaks protocol version {version}, this side speaks version 3"
+    assert rejection(frames) == f"peer speaks protocol version {version}, this side speaks version 4"
 
 
 @settings(max_examples=100)
@@ -872,7 +872,7 @@ def test_heads_are_validated_on_decode() -> None:
 
     assert "invalid Heads: heads 7..8 are outside the model's 8 KV heads" in reason(head_start=7)
     assert "item_layout must be one of ['token_head', 'head_token'], got 'nhd'" in reason(item_layout="nhd")
-    assert "invalid BufferSpec: kv layer 0: only K and V buffers describe heads" in reason(kind="kv")
+    assert "invalid BufferSpec: target kv layer 0: only K and V buffers describe heads" in reason(kind="kv")
     assert "item_bytes 16 != page_size 2 x 2 heads x 8 bytes per head" in reason(head_bytes=8)
     assert "heads must be a map, got int" in reason(heads=3)
     assert "has missing keys ['item_layout']" in reason(

@@ -7,7 +7,16 @@ import pytest
 from pdkv.errors import LocalProtocolError
 from pdkv.protocol.config import Timeouts
 from pdkv.protocol.decode import DecodeEndpoint
-from pdkv.protocol.effects import CutConnections, Effect, Notice, NoticeLevel, ReleasePages, Send, Target
+from pdkv.protocol.effects import (
+    CutConnections,
+    Effect,
+    Notice,
+    NoticeLevel,
+    ReleaseKind,
+    ReleasePages,
+    Send,
+    Target,
+)
 from pdkv.protocol.ids import Endpoint, Epoch, InstanceId, RoomId, SessionId
 from pdkv.protocol.machines import DecodeAbortState, ReceiverRoomState
 from pdkv.protocol.messages import (
@@ -140,8 +149,8 @@ def test_failed_status_aborts_and_pages_wait_for_ack() -> None:
     assert d.poll(ROOM) is KVPoll.Failed
     assert not d.release_ready(ROOM)
     released = d.receive(AbortAck(origin=PREFILL, room=ROOM), 2.0)
-    assert released == [ReleasePages(room=ROOM, safe=True, reason="all prefill ranks acknowledged the abort")]
-    assert d.abort_state(ROOM) is DecodeAbortState.ACKED
+    assert released == [ReleasePages(room=ROOM, kind=ReleaseKind.ACKED, reason="all prefill ranks acknowledged the abort")]
+    assert d.abort_state(ROOM) is DecodeAbortState.RELEASED
     d.close_room(ROOM, 1.0)
     assert ROOM not in d.rooms()
 
@@ -167,7 +176,9 @@ def test_abort_is_resent_with_backoff_then_quarantined_then_released_unsafely_at
     assert [e for e in effects if isinstance(e, ReleasePages)] == []
     effects = d.tick(106.0)
     assert [e for e in effects if isinstance(e, ReleasePages)] == [
-        ReleasePages(room=ROOM, safe=False, reason=f"quarantine timeout ({PREFILL.instance}:{PREFILL.rank})")
+        ReleasePages(
+            room=ROOM, kind=ReleaseKind.UNSAFE, reason=f"quarantine timeout ({PREFILL.instance}:{PREFILL.rank})"
+        )
     ]
     assert d.release_ready(ROOM) and not d.release_was_safe(ROOM)
     assert d.abort_state(ROOM) is DecodeAbortState.TIMED_OUT
@@ -193,7 +204,10 @@ def test_a_late_ack_returns_quarantined_pages_safely_after_they_settle() -> None
     assert [e for e in effects if isinstance(e, ReleasePages)] == [] and not d.release_ready(ROOM)
     assert d.next_deadline() == 50.0 + d.timeouts.quarantine_settle
     effects = d.tick(50.0 + d.timeouts.quarantine_settle)
-    assert ReleasePages(room=ROOM, safe=True, reason="all prefill ranks acknowledged the abort") in effects
+    assert (
+        ReleasePages(room=ROOM, kind=ReleaseKind.SETTLED, reason="acknowledged, then settled (not proven)")
+        in effects
+    )
     assert d.release_ready(ROOM) and d.release_was_safe(ROOM)
     stats = d.statistics()
     assert (stats.rooms_quarantined, stats.quarantines_released, stats.unsafe_releases) == (0, 1, 0)
@@ -227,7 +241,7 @@ def test_a_quarantined_room_is_released_once_its_prefill_hosts_connections_are_c
     assert not d.release_ready(ROOM)
     assert d.receive(AbortAck(origin=PREFILL, room=ROOM), 50.1) == []  # a duplicate while cutting
     released = d.connections_cut(ROOM, True, "", 50.5)
-    assert ReleasePages(room=ROOM, safe=True, reason="acknowledged after fences; connections cut") in released
+    assert ReleasePages(room=ROOM, kind=ReleaseKind.CUT, reason="acknowledged after fences; connections cut") in released
     assert d.release_ready(ROOM) and d.release_was_safe(ROOM)
     stats = d.statistics()
     assert (stats.quarantines_released, stats.quarantines_proven, stats.unsafe_releases) == (1, 1, 0)
@@ -255,7 +269,7 @@ def test_abort_before_registration_releases_at_once() -> None:
     d2.connect(route(), 0.0)
     d2.open_room(ROOM, targets=[TARGET], dst_pages=[1], dst_aux_row=None, now=0.0)
     effects = d2.abort_room(ROOM, "early", 0.5)
-    assert ReleasePages(room=ROOM, safe=True, reason="no prefill rank had the destinations") in effects
+    assert ReleasePages(room=ROOM, kind=ReleaseKind.NOTHING_SENT, reason="no prefill rank had the destinations") in effects
     assert sent(effects, Abort) == []  # the peer never acked registration: it cannot know the room
 
 
@@ -356,3 +370,56 @@ def test_abort_for_unknown_room_is_logged_with_its_id() -> None:
     d.receive(ok(), 0.1)
     d.receive(Abort(origin=PREFILL, room=ROOM, reason="x"), 0.2)
     assert d.statistics().late_messages == 1 and d.statistics().aborts_unknown_room == 1
+
+
+def _aborted(cuts: bool) -> DecodeEndpoint:
+    d = DecodeEndpoint(
+        origin=DECODE,
+        tp_size=1,
+        endpoint=Endpoint("inproc://d"),
+        session=SessionId("d:1"),
+        layout=layout(),
+        timeouts=Timeouts(abort_ack=5, quarantine_settle=20, heartbeat_interval=1000, heartbeat_timeout=4000),
+        cuts_connections=cuts,
+    )
+    d.connect(route(), 0.0)
+    d.receive(RegisterAck(origin=PREFILL), 0.0)
+    d.open_room(ROOM, targets=[TARGET], dst_pages=[1, 2], dst_aux_row=None, now=0.0)
+    d.abort_room(ROOM, "client left", 1.0)
+    return d
+
+
+def test_an_ack_after_a_failed_write_is_no_proof_on_its_own_the_connections_are_cut_first() -> None:
+    """Seams issue, item 7: a prefill whose write to us failed acknowledges after a fence, which proves
+    its engine queue drained, not that no byte sits in an old connection (the measured late landing
+    was 19-30 s after a heal). Within abort_ack, such an ack used to release the pages at once."""
+    d = _aborted(cuts=True)
+    effects = d.receive(AbortAck(origin=PREFILL, room=ROOM, fenced=True), 2.0)
+    assert effects == [CutConnections(room=ROOM, hosts=("p",))]
+    assert not d.release_ready(ROOM) and d.abort_state(ROOM) is DecodeAbortState.CUTTING
+    released = d.connections_cut(ROOM, True, "", 2.5)
+    assert [e for e in released if isinstance(e, ReleasePages)] == [
+        ReleasePages(room=ROOM, kind=ReleaseKind.CUT, reason="acknowledged after fences; connections cut")
+    ]
+    kind = d.release_kind(ROOM)
+    assert kind is ReleaseKind.CUT and kind.proven
+    stats = d.statistics()
+    assert (stats.releases_cut, stats.releases_acked, stats.quarantines) == (1, 0, 0)
+
+
+def test_a_fenced_ack_settles_where_the_connections_cannot_be_cut_and_says_it_is_unproven() -> None:
+    d = _aborted(cuts=False)
+    effects = d.receive(AbortAck(origin=PREFILL, room=ROOM, fenced=True), 2.0)
+    assert not [e for e in effects if isinstance(e, (ReleasePages, CutConnections))]
+    assert d.abort_state(ROOM) is DecodeAbortState.SETTLING and d.next_deadline() == 22.0
+    assert not [e for e in d.tick(21.9) if isinstance(e, ReleasePages)]
+    [release] = [e for e in d.tick(22.0) if isinstance(e, ReleasePages)]
+    assert release.kind is ReleaseKind.SETTLED and not release.kind.proven and release.safe
+    assert d.statistics().releases_settled == 1
+
+
+def test_an_ack_without_a_failed_write_is_the_proof() -> None:
+    d = _aborted(cuts=True)
+    [release] = d.receive(AbortAck(origin=PREFILL, room=ROOM), 2.0)
+    assert isinstance(release, ReleasePages) and release.kind is ReleaseKind.ACKED
+    assert d.statistics().releases_acked == 1

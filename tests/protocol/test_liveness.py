@@ -21,6 +21,7 @@ from pdkv.protocol.effects import (
     ForgetPeer,
     Notice,
     NoticeLevel,
+    ReleaseKind,
     ReleasePages,
     RoomFinished,
     Send,
@@ -290,7 +291,7 @@ def test_decode_silent_prefill_fails_rooms_but_pages_wait_for_its_ack() -> None:
     ]
     released = d.receive(AbortAck(origin=PREFILL, room=ROOM), 6.1)
     assert [e for e in released if isinstance(e, ReleasePages)] == [
-        ReleasePages(room=ROOM, safe=True, reason="all prefill ranks acknowledged the abort")
+        ReleasePages(room=ROOM, kind=ReleaseKind.ACKED, reason="all prefill ranks acknowledged the abort")
     ]
 
 

@@ -70,9 +70,16 @@ EXPECTED: dict[str, dict[tuple[Any, Any], Any]] = {
         (C.REGISTERED, CT.SKIP): C.SKIPPED,
     },
     "DecodeAbort": {
-        (DA.REQUESTED, DAT.ALL_ACKED): DA.ACKED,
+        (DA.REQUESTED, DAT.ALL_ACKED): DA.RELEASED,
+        (DA.REQUESTED, DAT.ACKED_AFTER_FAILURE): DA.CUTTING,
+        (DA.QUARANTINED, DAT.ACKED_AFTER_FAILURE): DA.CUTTING,
+        (DA.REQUESTED, DAT.ACKED_UNCUTTABLE): DA.SETTLING,
+        (DA.QUARANTINED, DAT.ACKED_UNCUTTABLE): DA.SETTLING,
+        (DA.CUTTING, DAT.CUT): DA.RELEASED,
+        (DA.CUTTING, DAT.CUT_FAILED): DA.SETTLING,
+        (DA.CUTTING, DAT.SETTLED): DA.RELEASED,
+        (DA.SETTLING, DAT.SETTLED): DA.RELEASED,
         (DA.REQUESTED, DAT.ACK_TIMEOUT): DA.QUARANTINED,
-        (DA.QUARANTINED, DAT.ALL_ACKED): DA.ACKED,
         (DA.QUARANTINED, DAT.QUARANTINE_TIMEOUT): DA.TIMED_OUT,
     },
     "PrefillAbort": {
@@ -118,7 +125,7 @@ TERMINAL: dict[str, set[Any]] = {
     "SenderRoom": {S.SUCCESS, S.FAILED},
     "ReceiverRoom": {R.SUCCESS, R.FAILED},
     "Chunk": {C.DONE, C.FAILED, C.SKIPPED},
-    "DecodeAbort": {DA.ACKED, DA.TIMED_OUT},
+    "DecodeAbort": {DA.RELEASED, DA.TIMED_OUT},
     "PrefillAbort": {PA.ACKED},
     "PerLayer": {PL.DONE, PL.FAILED, PL.DROPPED},
     "Peer": set(),  # a peer always has a way on (a new registration, a re-acknowledgement)

@@ -1,4 +1,4 @@
-"""The pdkv wire format (protocol version 3): messages <-> ZMQ multipart frames.
+"""The pdkv wire format (protocol version 4): messages <-> ZMQ multipart frames.
 
 Owns: every byte of the control protocol: the header, the type-code table, the msgpack body schema of
 each message, and the raw array frames. Must not import zmq, do I/O, or know any message's meaning
@@ -6,10 +6,13 @@ beyond its fields: ``encode`` takes a validated message, ``decode`` returns one 
 ``messages`` validate themselves). ``decode`` is the trust boundary: for ANY input it returns a
 message or raises ``RemoteProtocolError``, never anything else.
 
-Wire format, version 3 (normative; another implementation can be written from this text)
+Wire format, version 4 (normative; another implementation can be written from this text)
 =========================================================================================
 
-Changes from version 2: a side may send several messages to one peer in one envelope
+Changes from version 3: ``AbortAck`` gains the key ``fenced`` (bool): a write of the room to the
+decode rank failed and the ack follows the fence that proved the engine queue drained (the decode then
+cuts its connections from that host, or settles, before reusing the pages).
+Changes from version 2 to 3: a side may send several messages to one peer in one envelope
 (``pdkv.control.envelope``); the messages themselves are unchanged. The version changed so that a
 side that cannot read envelopes refuses the other at registration instead of dropping them.
 Changes from version 1 to 2: ``BufferSpec`` gains the key ``heads`` (``Heads | nil``), the KV heads
@@ -19,7 +22,7 @@ A message is a sequence of ``2 + n`` byte frames (one ZMQ multipart message)::
 
     frame 0        header, exactly 10 bytes, little-endian, struct "<4sHHH":
                      magic    4 bytes   b"PDKV"
-                     version  u16       3
+                     version  u16       4
                      type     u16       message type code (table below)
                      arrays   u16       n, the number of array frames after the body
     frame 1        body: exactly one msgpack map (at most 1 MiB)
@@ -83,7 +86,7 @@ Bodies by type (key order as written)::
     8 TransferStatus  {"origin": Origin, "room": int, "outcome": str, "reason": str, "metric": Metric}
                                                     outcome: success failed
     9 Abort           {"origin": Origin, "room": int, "reason": str}
-   10 AbortAck        {"origin": Origin, "room": int}
+   10 AbortAck        {"origin": Origin, "room": int, "fenced": bool}
    11 Heartbeat       {"origin": Origin, "seq": int, "endpoint": str | nil}
    12 HeartbeatAck    {"origin": Origin, "seq": int}
 
@@ -142,7 +145,7 @@ from pdkv.protocol.messages import (
     TransferStatus,
 )
 
-PROTOCOL_VERSION: Final = 3
+PROTOCOL_VERSION: Final = 4
 MAGIC: Final = b"PDKV"
 HEADER: Final = struct.Struct("<4sHHH")  # magic, version, type code, number of array frames
 _MAGIC_AND_VERSION_BYTES: Final = 6  # the only header bytes whose position no future version may move
@@ -313,7 +316,7 @@ def _message_body(msg: Message, arrays: list[bytes]) -> dict[str, object]:
         case Abort():
             return {"origin": _origin_body(msg.origin), "room": msg.room, "reason": msg.reason}
         case AbortAck():
-            return {"origin": _origin_body(msg.origin), "room": msg.room}
+            return {"origin": _origin_body(msg.origin), "room": msg.room, "fenced": msg.fenced}
         case Heartbeat():
             return {"origin": _origin_body(msg.origin), "seq": msg.seq, "endpoint": msg.endpoint}
         case HeartbeatAck():
@@ -692,7 +695,10 @@ def _decode_abort(body: _Fields, _: _ArrayFrames) -> Abort:
 
 
 def _decode_abort_ack(body: _Fields, _: _ArrayFrames) -> AbortAck:
-    return _validated("AbortAck", lambda: AbortAck(origin=_origin(body), room=RoomId(body.read_int("room"))))
+    return _validated(
+        "AbortAck",
+        lambda: AbortAck(origin=_origin(body), room=RoomId(body.read_int("room")), fenced=body.read_bool("fenced")),
+    )
 
 
 def _decode_heartbeat(body: _Fields, _: _ArrayFrames) -> Heartbeat:
@@ -753,7 +759,7 @@ _WIRE_TYPES: Final = (
     ),
     _WireType(8, TransferStatus, _keys("room", "outcome", "reason", "metric"), _decode_transfer_status),
     _WireType(9, Abort, _keys("room", "reason"), _decode_abort),
-    _WireType(10, AbortAck, _keys("room"), _decode_abort_ack),
+    _WireType(10, AbortAck, _keys("room", "fenced"), _decode_abort_ack),
     _WireType(11, Heartbeat, _keys("seq", "endpoint"), _decode_heartbeat),
     _WireType(12, HeartbeatAck, _keys("seq"), _decode_heartbeat_ack),
 )

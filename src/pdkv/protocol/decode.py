@@ -53,6 +53,7 @@ from pdkv.protocol.effects import (
     Notice,
     NoticeLevel,
     PeerKey,
+    ReleaseKind,
     ReleasePages,
     RoomFinished,
     Send,
@@ -141,6 +142,14 @@ class DecodeStatistics:
     """Quarantined rooms whose pages came back safely (every rank acknowledged in the end)."""
     quarantines_proven: int
     """Of those, released proven: acknowledged after fences, then the prefill hosts' connections cut."""
+    releases_acked: int = 0
+    """Failed rooms released on the acks alone (every write of the room had completed): proven."""
+    releases_cut: int = 0
+    """Failed rooms released after acks and a cut of the prefill hosts' connections: proven."""
+    releases_settled: int = 0
+    """Failed rooms released ``quarantine_settle`` after the acks, without a cut: not proven."""
+    releases_nothing_sent: int = 0
+    """Failed rooms whose destinations no prefill rank was told: nothing could land."""
     aborts_resent: int
     late_messages: int
     stale_messages: int
@@ -163,6 +172,10 @@ class _Counters:
     quarantines: int = 0
     quarantines_released: int = 0
     quarantines_proven: int = 0
+    releases_acked: int = 0
+    releases_cut: int = 0
+    releases_settled: int = 0
+    releases_nothing_sent: int = 0
     aborts_resent: int = 0
     late_messages: int = 0
     stale_messages: int = 0
@@ -192,12 +205,10 @@ class _ReceiverRoom:
     abort: DecodeAbortMachine | None = None
     must_ack: set[PeerKey] = attrs.Factory(set)
     acked: set[PeerKey] = attrs.Factory(set)
-    released: bool = False
-    release_safe: bool = True
+    fenced: set[PeerKey] = attrs.Factory(set)  # acked after a fence: a write to us had failed
+    release: ReleaseKind | None = None  # how the pages came back (a record for statistics and logs)
     tell_later: set[PeerKey] = attrs.Factory(set)  # failed before these ranks were registered
     resend_at: float | None = None  # next Abort resend to the ranks that have not acknowledged
-    settle_until: float | None = None  # quarantined and fully acknowledged: released at this time
-    cutting: bool = False  # quarantined, fully acknowledged, its prefill hosts' connections being cut
     resends: int = 0
     # Its prefill ranks (all, and those whose Success it waits for), fixed with its targets. Derived
     # once: every status and every peer event asks, and scanning the targets each time made a room
@@ -336,7 +347,7 @@ class DecodeEndpoint(RoomKeeper[_ReceiverRoom]):
         if isinstance(message, TransferStatus):
             return self._on_status(peer, message, now)
         if isinstance(message, AbortAck):
-            return self._on_abort_ack(peer, message.room, now)
+            return self._on_abort_ack(peer, message, now)
         if isinstance(message, Abort):
             r = self._rooms.get(message.room)
             if r is None:
@@ -461,43 +472,51 @@ class DecodeEndpoint(RoomKeeper[_ReceiverRoom]):
         r.machine.fire(ReceiverRoomTrigger.PROGRESS)
         return []
 
-    def _on_abort_ack(self, peer: _PrefillPeer, room: RoomId, now: float) -> list[Effect]:
+    def _on_abort_ack(self, peer: _PrefillPeer, msg: AbortAck, now: float) -> list[Effect]:
+        room = msg.room
         r = self._rooms.get(room)
+        if r is not None and r.abort is not None and r.abort.state in _ACKED_ALREADY:
+            return []  # a duplicate while the connections are cut or the pages settle
         if r is None or r.abort is None or r.abort.state not in _AWAITING_ACKS:
             return self._late_room(room, f"AbortAck from {peer.key[0]}:{peer.key[1]}")
         r.acked.add(peer.key)
+        if msg.fenced:
+            r.fenced.add(peer.key)
         if not r.must_ack <= r.acked:
             return []
-        quarantined = r.abort.state is DecodeAbortState.QUARANTINED
-        if quarantined and self.cuts_connections and not r.cutting and r.settle_until is None:
-            # The acks came after the ranks' fences: their queues drained. What an old connection
-            # still carries ends with the connection.
-            r.cutting = True
-            r.resend_at = None
-            hosts = sorted({_host_of(self._peers[k].session) for k in r.must_ack if k in self._peers})
-            return [CutConnections(room=room, hosts=tuple(hosts))]
-        if quarantined and r.cutting:
-            return []  # a duplicate ack while the cut runs
-        if quarantined and r.settle_until is None:
-            # The acks prove the engines reported every write ended; a rank that was cut off may
-            # still have bytes in its kernel's send buffer: they land within the settle time.
-            r.settle_until = now + self.timeouts.quarantine_settle
-            r.resend_at = None
-            self._set_deadline(r, r.settle_until)
-            return [
-                Notice(
-                    level=NoticeLevel.INFO,
-                    text=f"quarantined room {room}: every prefill rank acknowledged; pages come back "
-                    f"after {self.timeouts.quarantine_settle:g} s of settling",
-                    room=room,
-                )
-            ]
-        if quarantined:
-            return []  # settling already (a duplicate ack)
-        r.abort.fire(DecodeAbortTrigger.ALL_ACKED)
+        return self._all_acked(r, now)
+
+    def _all_acked(self, r: _ReceiverRoom, now: float) -> list[Effect]:
+        """Every rank told the destinations acknowledged (their writes of the room all ended).
+
+        Acks alone are the proof when every write completed (a completed write was applied at the
+        destination). After a failed write (a fenced ack), or a quarantine (a rank was cut off), the
+        fence proved only the prefill engine's queue drained: bytes may still sit in a connection (the
+        measured late landing came 19-30 s after a heal), so the connections from those ranks' hosts
+        are cut first (proven), or, where this rank cannot cut, the pages wait ``quarantine_settle``."""
+        assert r.abort is not None
         r.resend_at = None
-        self._counters.aborts_acked += 1
-        return self._release(r, safe=True, reason="all prefill ranks acknowledged the abort")
+        quarantined = r.abort.state is DecodeAbortState.QUARANTINED
+        if not quarantined and not r.fenced:
+            r.abort.fire(DecodeAbortTrigger.ALL_ACKED)
+            self._counters.aborts_acked += 1
+            return self._release(r, ReleaseKind.ACKED, "all prefill ranks acknowledged the abort")
+        why = "the room was quarantined" if quarantined else "a write of the room failed (fenced)"
+        self._set_deadline(r, now + self.timeouts.quarantine_settle)  # cutting or settling: bounded
+        if self.cuts_connections:
+            r.abort.fire(DecodeAbortTrigger.ACKED_AFTER_FAILURE)
+            keys = r.must_ack if quarantined else r.fenced
+            hosts = sorted({_host_of(self._peers[k].session) for k in keys if k in self._peers})
+            return [CutConnections(room=r.room, hosts=tuple(hosts))]
+        r.abort.fire(DecodeAbortTrigger.ACKED_UNCUTTABLE)
+        return [
+            Notice(
+                level=NoticeLevel.INFO,
+                text=f"room {r.room}: every prefill rank acknowledged, but {why} and this rank cannot cut "
+                f"connections: pages come back after {self.timeouts.quarantine_settle:g} s of settling",
+                room=r.room,
+            )
+        ]
 
     # ------------------------------------------------------------------ scheduler input
 
@@ -649,10 +668,16 @@ class DecodeEndpoint(RoomKeeper[_ReceiverRoom]):
         """True when no prefill rank can still write into the room's pages (or the ack wait timed out);
         True too before ``receiver.init``: no prefill rank was told any page of it."""
         r = self._rooms.get(room)
-        return r is None or r.state is ReceiverRoomState.SUCCESS or r.released
+        return r is None or r.state is ReceiverRoomState.SUCCESS or r.release is not None
 
     def release_was_safe(self, room: RoomId) -> bool:
-        return self._room(room).release_safe
+        """False only after the unsafe release (the quarantine bound passed with an ack missing)."""
+        release = self._room(room).release
+        return release is None or release.safe
+
+    def release_kind(self, room: RoomId) -> ReleaseKind | None:
+        """How the room's pages came back (None: not released, or the room succeeded)."""
+        return self._room(room).release
 
     def metric(self, room: RoomId) -> dict[PeerKey, TransferMetricData]:
         """What each prefill rank reported writing (empty for a room not opened: nothing moved)."""
@@ -709,23 +734,20 @@ class DecodeEndpoint(RoomKeeper[_ReceiverRoom]):
                     )
                 )
                 continue
-            if (
-                r.abort is not None
-                and r.abort.state is DecodeAbortState.QUARANTINED
-                and r.settle_until is not None
-            ):
-                r.abort.fire(DecodeAbortTrigger.ALL_ACKED)
+            if r.abort is not None and r.abort.state in (DecodeAbortState.CUTTING, DecodeAbortState.SETTLING):
+                # Settled: the acks came quarantine_settle ago (a cut that never reported counts so).
+                r.abort.fire(DecodeAbortTrigger.SETTLED)
                 self._counters.aborts_acked += 1
-                self._counters.quarantines_released += 1
                 effects.append(
                     Notice(
                         level=NoticeLevel.WARNING,
-                        text=f"quarantined room {room} released: every prefill rank acknowledged its "
-                        f"abort and the settle time passed ({r.dst_pages.size} pages back)",
+                        text=f"room {room} released after settling: every prefill rank acknowledged its "
+                        f"abort {self.timeouts.quarantine_settle:g} s ago, without a cut of their "
+                        f"connections (not proven; {r.dst_pages.size} pages back)",
                         room=room,
                     )
                 )
-                effects += self._release(r, safe=True, reason="all prefill ranks acknowledged the abort")
+                effects += self._release(r, ReleaseKind.SETTLED, "acknowledged, then settled (not proven)")
                 continue
             if r.abort is not None and r.abort.state is DecodeAbortState.QUARANTINED:
                 r.abort.fire(DecodeAbortTrigger.QUARANTINE_TIMEOUT)
@@ -739,7 +761,7 @@ class DecodeEndpoint(RoomKeeper[_ReceiverRoom]):
                         room=room,
                     )
                 )
-                effects += self._release(r, safe=False, reason=f"quarantine timeout ({', '.join(missing)})")
+                effects += self._release(r, ReleaseKind.UNSAFE, f"quarantine timeout ({', '.join(missing)})")
                 continue
             limit = {
                 ReceiverRoomState.BOOTSTRAPPING: ("bootstrap", self.timeouts.bootstrap),
@@ -769,36 +791,33 @@ class DecodeEndpoint(RoomKeeper[_ReceiverRoom]):
     # ------------------------------------------------------------------ statistics
 
     def connections_cut(self, room: RoomId, ok: bool, reason: str, now: float) -> list[Effect]:
-        """The driver ended (``ok``) every engine connection from the hosts of ``CutConnections``:
-        nothing of the room's failed writes can land any more, so its pages come back. A failed cut
-        falls back to ``quarantine_settle``."""
+        """The driver ended (``ok``) every engine connection from the hosts of ``CutConnections``, and
+        every socket of them is closed: nothing of the room's failed writes can land any more, so its
+        pages come back, proven. A failed cut falls back to ``quarantine_settle``."""
         r = self._rooms.get(room)
-        if r is None or not r.cutting or r.abort is None or r.abort.state is not DecodeAbortState.QUARANTINED:
+        if r is None or r.abort is None or r.abort.state is not DecodeAbortState.CUTTING:
             return []
-        r.cutting = False
         if not ok:
-            r.settle_until = now + self.timeouts.quarantine_settle
-            self._set_deadline(r, r.settle_until)
+            r.abort.fire(DecodeAbortTrigger.CUT_FAILED)
+            self._set_deadline(r, now + self.timeouts.quarantine_settle)
             return [
                 Notice(
                     level=NoticeLevel.WARNING,
-                    text=f"quarantined room {room}: connections could not be cut ({reason}); pages come "
+                    text=f"room {room}: connections could not be cut ({reason}); pages come "
                     f"back after {self.timeouts.quarantine_settle:g} s of settling",
                     room=room,
                 )
             ]
-        r.abort.fire(DecodeAbortTrigger.ALL_ACKED)
+        r.abort.fire(DecodeAbortTrigger.CUT)
         self._counters.aborts_acked += 1
-        self._counters.quarantines_released += 1
-        self._counters.quarantines_proven += 1
         return [
             Notice(
                 level=NoticeLevel.INFO,
-                text=f"quarantined room {room} released: every prefill rank acknowledged after its fence "
-                f"and its connections were cut ({r.dst_pages.size} pages back)",
+                text=f"room {room} released: every prefill rank acknowledged (after its fence, where a "
+                f"write had failed) and its connections were cut ({r.dst_pages.size} pages back)",
                 room=room,
             ),
-            *self._release(r, safe=True, reason="acknowledged after fences; connections cut"),
+            *self._release(r, ReleaseKind.CUT, "acknowledged after fences; connections cut"),
         ]
 
     def quarantine_figures(self) -> tuple[int, int, int, int, int]:
@@ -852,6 +871,7 @@ class DecodeEndpoint(RoomKeeper[_ReceiverRoom]):
                         dst_pages=(),
                         required_dst_info_num=r.required_dst_info_num,
                         dummy=True,
+                        prefix_pages=r.prefix_pages,  # a replica's scheduler starts where the others do
                     )
                 message = dummy
             r.armed.add(t.key)
@@ -895,7 +915,7 @@ class DecodeEndpoint(RoomKeeper[_ReceiverRoom]):
         if not r.must_ack:
             r.abort.fire(DecodeAbortTrigger.ALL_ACKED)
             r.deadline = None
-            return effects + self._release(r, safe=True, reason="no prefill rank had the destinations")
+            return effects + self._release(r, ReleaseKind.NOTHING_SENT, "no prefill rank had the destinations")
         self._set_deadline(r, now + self.timeouts.abort_ack)
         self._schedule_resend(r, now)
         return effects
@@ -939,12 +959,17 @@ class DecodeEndpoint(RoomKeeper[_ReceiverRoom]):
         self._rooms[room] = r
         return r
 
-    def _release(self, r: _ReceiverRoom, *, safe: bool, reason: str) -> list[Effect]:
-        self._quarantined.pop(r.room, None)
-        r.released = True
-        r.release_safe = safe
+    def _release(self, r: _ReceiverRoom, kind: ReleaseKind, reason: str) -> list[Effect]:
+        if self._quarantined.pop(r.room, None) is not None and kind.safe:
+            self._counters.quarantines_released += 1
+            if kind is ReleaseKind.CUT:
+                self._counters.quarantines_proven += 1
+        counter = _RELEASE_COUNTERS.get(kind)
+        if counter is not None:
+            setattr(self._counters, counter, getattr(self._counters, counter) + 1)
+        r.release = kind
         r.deadline = None
-        return [ReleasePages(room=r.room, safe=safe, reason=reason)]
+        return [ReleasePages(room=r.room, kind=kind, reason=reason)]
 
     def _peer_restarted(
         self, old: _PrefillPeer, new: _PrefillPeer, now: float, *, register: bool = True
@@ -1010,6 +1035,14 @@ class DecodeEndpoint(RoomKeeper[_ReceiverRoom]):
 
 
 _AWAITING_ACKS = (DecodeAbortState.REQUESTED, DecodeAbortState.QUARANTINED)
+_ACKED_ALREADY = (DecodeAbortState.CUTTING, DecodeAbortState.SETTLING)
+
+_RELEASE_COUNTERS = {
+    ReleaseKind.ACKED: "releases_acked",
+    ReleaseKind.CUT: "releases_cut",
+    ReleaseKind.SETTLED: "releases_settled",
+    ReleaseKind.NOTHING_SENT: "releases_nothing_sent",
+}  # UNSAFE is counted as unsafe_releases
 
 
 def _clip(text: str) -> str:

@@ -344,10 +344,16 @@ class Abort:
 
 @attrs.frozen(kw_only=True)
 class AbortAck:
-    """Prefill rank -> decode rank: every write of the room already submitted has completed."""
+    """Prefill rank -> decode rank: every write of the room already submitted has ended.
+
+    ``fenced``: one of them failed, and this ack follows a fence write that proved the engine's queue
+    to the decode rank drained; bytes of the failed write may still sit in a connection, so the decode
+    cuts its connections from this rank's host (or waits ``quarantine_settle``) before it reuses the
+    pages. Without it, every write completed (was applied at the destination): the ack is the proof."""
 
     origin: Origin = attrs.field(validator=_origin)
     room: RoomId = attrs.field(validator=_room)
+    fenced: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
 
 
 # ---------------------------------------------------------------- liveness

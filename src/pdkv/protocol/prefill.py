@@ -40,13 +40,14 @@ Safety rules this module enforces (DESIGN section 8):
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Mapping
 
 import attrs
 import numpy as np
 
-from pdkv.errors import LocalProtocolError, MappingError
-from pdkv.mapping import chunk_page_start
+from pdkv.errors import InvalidArgumentError, LocalProtocolError, MappingError
+from pdkv.mapping import OwnershipPolicy, chunk_page_start, cp_owned
 from pdkv.mapping._arrays import summarize
 from pdkv.mapping.layout import BufferKind, BufferLayout
 from pdkv.protocol import arguments
@@ -172,12 +173,21 @@ class _Tombstone:
     cause: FailureCause
 
 
+class FenceState(enum.Enum):
+    """A fence owed to one decode rank for one room (a write of the room to it failed)."""
+
+    OWED = "owed"  # not written yet (or written and failed: retried at ``retry_at`` or the next Abort)
+    RUNNING = "running"  # the fence write is on its way
+    DONE = "done"  # completed: the engine queue to that rank drained; acks to it say ``fenced``
+
+
 @attrs.define(eq=False)
 class _Fence:
-    """A fence owed to a decode rank before the room's AbortAck to it (a write to it failed)."""
+    """A fence owed to a decode rank before the room's AbortAck (or Success) to it; kept, DONE, while
+    the room's id is a tombstone, so every later AbortAck for the room says it was fenced."""
 
     write: FenceWrite
-    running: bool = False
+    state: FenceState = FenceState.OWED
     retry_at: float | None = None  # a failed fence is written again then, without waiting for an Abort
 
 
@@ -241,9 +251,19 @@ class PrefillEndpoint(RoomKeeper[_SenderRoom]):
 
     side = "prefill"
 
-    def __init__(self, *, origin: Origin, layout: BufferLayout, timeouts: Timeouts | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        origin: Origin,
+        layout: BufferLayout,
+        timeouts: Timeouts | None = None,
+        policy: OwnershipPolicy | None = None,
+    ) -> None:
+        """``policy``: CP shared-KV ownership of this rank's instance (None: every page is this
+        rank's, physical == logical), to check a chunk's source pages against this rank's own pool."""
         self.origin = origin
         self.layout = layout
+        self.policy = policy
         self.timeouts = timeouts if timeouts is not None else Timeouts()
         self._peers: dict[PeerKey, DecodePeer] = {}
         self._last_heard: dict[PeerKey, float] = {}
@@ -691,52 +711,16 @@ class PrefillEndpoint(RoomKeeper[_SenderRoom]):
         """The scheduler's chunk against the room's page contract; returns its first position.
 
         Raises ``MappingError`` (naming the room, the argument and both sides) when the chunk would
-        leave a gap, overlap an earlier chunk, run past ``num_pages``, end a room short (a last
-        chunk), or repeat a source page. Changes nothing: ``queue_chunk`` and per-layer
-        registration call it before any byte moves.
+        leave a gap, overlap an earlier chunk, start anywhere but the decode's prefix (a first
+        chunk), run past ``num_pages``, end a room short (a last chunk), or repeat a source page;
+        ``InvalidArgumentError`` for source pages or state slots outside this rank's buffers.
+        Changes nothing: ``queue_chunk`` and per-layer registration call it before any byte moves.
         """
         r = self._opened(room)
         if r.last_queued:
             raise LocalProtocolError(f"room {room}: chunk queued after the last chunk")
-        num_pages = r.num_pages or 0
-        try:
-            start = chunk_page_start(spec.start_token, self.layout.page_size)
-        except MappingError as exc:
-            raise MappingError(f"room {room}: start_token: {exc}", room=room) from None
-        end = start + int(spec.pages.size)
-        where = (
-            f"chunk start_token {spec.start_token} = page {start}, {spec.pages.size} pages -> "
-            f"positions {start}..{end - 1}; room has {num_pages} pages"
-        )
-        prefix = self.decode_prefix(room) or 0
-        if start < prefix:
-            raise MappingError(
-                f"room {room}: chunk_pages start at position {start}, but the decode already holds "
-                f"positions 0..{prefix - 1} (its prefix cache): start at position {prefix}; {where}",
-                room=room,
-            )
-        if r.next_position is not None and start != r.next_position:
-            gap = start - r.next_position
-            what = (
-                f"leaves positions {r.next_position}..{start - 1} unwritten"
-                if gap > 0
-                else (f"overlaps {-gap} position(s) already queued")
-            )
-            raise MappingError(
-                f"room {room}: chunk_pages {what} (the previous chunk ended at position "
-                f"{r.next_position}); {where}",
-                room=room,
-            )
-        if end > num_pages:
-            raise MappingError(
-                f"room {room}: chunk_pages run past the request's last page; {where}", room=room
-            )
-        if spec.last and end != num_pages:
-            raise MappingError(
-                f"room {room}: the last chunk ends at position {end}, short of num_pages {num_pages}: "
-                f"positions {end}..{num_pages - 1} would never be written; {where}",
-                room=room,
-            )
+        start = self._chunk_start(room, spec.start_token)
+        self._check_window(r, start, int(spec.pages.size), last=spec.last, first=r.next_position is None)
         if spec.pages.size > 1:
             repeated = arguments.repeated_ids(spec.pages)
             if repeated.size:
@@ -745,6 +729,7 @@ class PrefillEndpoint(RoomKeeper[_SenderRoom]):
                     f"would read one page; {summarize(spec.pages, 'chunk_pages')}",
                     room=room,
                 )
+        self._check_sources(room, spec, start)
         if r.src_pages and spec.pages.size:
             earlier = np.concatenate(r.src_pages)
             repeated = spec.pages[np.isin(spec.pages, earlier)]
@@ -756,6 +741,95 @@ class PrefillEndpoint(RoomKeeper[_SenderRoom]):
                 )
         return start
 
+    def _chunk_start(self, room: RoomId, start_token: int) -> int:
+        try:
+            return chunk_page_start(start_token, self.layout.page_size)
+        except MappingError as exc:
+            raise MappingError(f"room {room}: start_token: {exc}", room=room) from None
+
+    def _check_window(self, r: _SenderRoom, start: int, size: int, *, last: bool | None, first: bool) -> None:
+        """The one chunk-window rule of a room, for ``send()`` and per-layer registration: a room
+        covers exactly [decode prefix, ``num_pages``). ``last``: None for a per-layer registration
+        (whether it is the last chunk is known at ``send()``), which may also come before the chunk
+        ahead of it was sent (only an overlap with what was queued is refused then). ``first``: no
+        earlier chunk of the room is known, so this one must start at the decode's prefix."""
+        room, num_pages = r.room, r.num_pages or 0
+        end = start + size
+        where = f"chunk at positions {start}..{end - 1} of a {num_pages}-page room"
+        prefix = self.decode_prefix(room)
+        if prefix is not None and start < prefix:
+            raise MappingError(
+                f"room {room}: the {where} starts inside the decode's prefix (positions 0..{prefix - 1}, "
+                f"which it already holds): start at position {prefix}",
+                room=room,
+            )
+        if first and prefix is not None and start != prefix:
+            held = f"positions 0..{prefix - 1}" if prefix else "no prefix"
+            raise MappingError(
+                f"room {room}: the first {where} starts past the decode's prefix (it holds {held}): "
+                f"positions {prefix}..{start - 1} would never be written; start the first chunk at "
+                f"decode_prefix_pages() = {prefix}",
+                room=room,
+            )
+        following = r.next_position
+        if following is not None and last is not None and start != following:
+            gap = start - following
+            what = (
+                f"leaves positions {following}..{start - 1} unwritten"
+                if gap > 0
+                else f"overlaps {-gap} position(s) already queued"
+            )
+            raise MappingError(
+                f"room {room}: chunk_pages {what} (the previous chunk ended at position {following}); {where}",
+                room=room,
+            )
+        if following is not None and last is None and start < following:
+            raise MappingError(
+                f"room {room}: the {where} overlaps chunks already queued (up to {following - 1})", room=room
+            )
+        if end > num_pages:
+            raise MappingError(f"room {room}: the {where} runs past the request's last page", room=room)
+        if last and end != num_pages:
+            raise MappingError(
+                f"room {room}: the last chunk ends at position {end}, short of num_pages {num_pages}: "
+                f"positions {end}..{num_pages - 1} would never be written; {where}",
+                room=room,
+            )
+    def _check_sources(self, room: RoomId, spec: ChunkSpec, start: int) -> None:
+        """The chunk's pages this rank owns, and its state slots, inside this rank's own buffers:
+        a caller's bug is an ``InvalidArgumentError`` at the call, not a failed room later."""
+        if spec.pages.size:
+            cp = 0 if self.policy is None else self.origin.rank.cp
+            owned = cp_owned(spec.pages, start, cp, self.policy).physical
+            capacity = self.layout.min_kv_items
+            if owned.size and int(owned.max()) >= capacity:
+                bad = owned[owned >= capacity]
+                raise InvalidArgumentError(
+                    f"room {room}: chunk_pages hold page(s) {bad[:6].tolist()} (physical, on CP rank "
+                    f"{self.origin.rank.cp}) outside this rank's KV buffers of {capacity} pages; "
+                    f"{summarize(spec.pages, 'chunk_pages')}",
+                    room=room,
+                    argument="chunk_pages",
+                    value=int(bad[0]),
+                )
+        for state in spec.state:
+            if not self.layout.select(state.kind):
+                raise InvalidArgumentError(
+                    f"room {room}: state_indices name kind {state.kind.value}, which this rank did not register",
+                    room=room,
+                    argument="state_indices",
+                    value=state.kind,
+                )
+            slots = self.layout.min_items(state.kind)
+            if state.indices.size and int(state.indices.max()) >= slots:
+                raise InvalidArgumentError(
+                    f"room {room}: state_indices[{state.kind.value}] slot {int(state.indices.max())} is "
+                    f"outside this rank's {state.kind.value} buffers of {slots} slots",
+                    room=room,
+                    argument=f"state_indices[{state.kind.value}]",
+                    value=int(state.indices.max()),
+                )
+
     def queue_chunk(self, room: RoomId, spec: ChunkSpec, now: float) -> list[Effect]:
         """``sender.send``: queue one chunk; returns SubmitChunk unless the room failed (then Skipped).
 
@@ -763,6 +837,11 @@ class PrefillEndpoint(RoomKeeper[_SenderRoom]):
         refused with ``MappingError`` before anything changes.
         """
         r = self._opened(room)
+        if r.state is SenderRoomState.BOOTSTRAPPING:
+            raise LocalProtocolError(
+                f"room {room}: send() before the decode side asked for the room (poll() is "
+                "Bootstrapping): wait until poll() is WaitingForInput, then start at decode_prefix_pages()"
+            )
         start = self.check_chunk(room, spec)
         failed = r.state is SenderRoomState.FAILED
         if not failed:
@@ -875,13 +954,14 @@ class PrefillEndpoint(RoomKeeper[_SenderRoom]):
         return TransferMetricData(pages=r.pages, bytes=r.bytes, seconds=r.seconds)
 
     def layer_destinations(
-        self, room: RoomId, pages: np.ndarray, start_token: int
+        self, room: RoomId, pages: np.ndarray, start_token: int, *, first: bool = False
     ) -> tuple[Destination, ...] | str:
         """Per-layer registration of a chunk before its forward: the destinations its layers go to
         (several when decode TP > prefill TP: each layer goes to every one), or why the chunk goes
         the monolithic way (no destination yet, a dummy rank). A chunk that breaks the room's page
         contract as far as it is known before ``send()`` (inside the decode's prefix, past
-        ``num_pages``, over chunks already queued, a repeated page) is refused with
+        ``num_pages``, over chunks already queued; ``first``: no chunk of the room was queued or
+        registered before, so it must start at the decode's prefix) is refused with
         ``MappingError``: its layers would write wrong positions."""
         dests = self.destinations(room)
         if dests is None:
@@ -889,24 +969,8 @@ class PrefillEndpoint(RoomKeeper[_SenderRoom]):
         if not dests:
             return "this rank is a dummy for the room (nothing to send)"
         r = self._rooms[room]
-        try:
-            start = chunk_page_start(start_token, self.layout.page_size)
-        except MappingError as exc:
-            raise MappingError(f"room {room}: start_token: {exc}", room=room) from None
-        end = start + int(pages.size)
-        prefix = self.decode_prefix(room) or 0
-        where = f"per-layer chunk at positions {start}..{end - 1} of a {r.num_pages or 0}-page room"
-        if start < prefix:
-            raise MappingError(
-                f"room {room}: {where} starts inside the decode's prefix (0..{prefix - 1})", room=room
-            )
-        if end > (r.num_pages or 0):
-            raise MappingError(f"room {room}: {where} runs past the request's last page", room=room)
-        if r.next_position is not None and start < r.next_position:
-            raise MappingError(
-                f"room {room}: {where} overlaps chunks already queued (up to {r.next_position - 1})",
-                room=room,
-            )
+        start = self._chunk_start(room, start_token)
+        self._check_window(r, start, int(pages.size), last=None, first=first and r.next_position is None)
         return dests
 
     def decode_prefix(self, room: RoomId) -> int | None:
@@ -915,7 +979,8 @@ class PrefillEndpoint(RoomKeeper[_SenderRoom]):
         r = self._rooms.get(room)
         if r is None or r.state not in (SenderRoomState.WAITING_FOR_INPUT, SenderRoomState.TRANSFERRING):
             return None
-        return max((q.prefix_pages for q in r.real_requests), default=0)
+        asked = r.real_requests or list(r.requests.values())  # a dummy rank's request says it too
+        return max((q.prefix_pages for q in asked), default=0)
 
     def destinations(self, room: RoomId) -> tuple[Destination, ...] | None:
         """Where the room's bytes go (its non-dummy requests and their registered decode ranks), once
@@ -1019,7 +1084,9 @@ class PrefillEndpoint(RoomKeeper[_SenderRoom]):
 
     def _owe_fences(self, room: RoomId, fences: Mapping[PeerKey, FenceWrite] | None) -> None:
         for key, write in (fences or {}).items():
-            self._fences.setdefault((room, key), _Fence(write=write))
+            known = self._fences.get((room, key))
+            if known is None or known.state is FenceState.DONE:  # a later failed write: fenced again
+                self._fences[(room, key)] = _Fence(write=write)
 
     def _maybe_succeed(self, r: _SenderRoom) -> list[Effect]:
         """Success once every chunk is Done and no per-layer write of the room can still land."""
@@ -1043,6 +1110,11 @@ class PrefillEndpoint(RoomKeeper[_SenderRoom]):
                     r.room,
                 ),
             ]
+        owed = [k for (room, k), f in self._fences.items() if room == r.room and f.state is not FenceState.DONE]
+        if owed:
+            # A write of the room failed (an orphan per-layer context's) and its bytes may still be
+            # queued in the engine: Success waits until a fence to each such rank proved it drained.
+            return [e for key in sorted(owed, key=_peer_order) for e in self._fence(r.room, key)]
         r.machine.fire(SenderRoomTrigger.LAST_CHUNK_DONE)
         r.deadline = None
         r.success_held = False
@@ -1116,14 +1188,14 @@ class PrefillEndpoint(RoomKeeper[_SenderRoom]):
                 now=now,
             )
         for room in self._tombstones.expire(now):
-            if self._fences:  # a fence never asked for by then: the decode released without us
+            if self._fences:  # the room's fences go with its tombstone (one never asked for included)
                 for key in [k for k in self._fences if k[0] == room]:
                     del self._fences[key]
         for room in self._status_resends.pop_due(now, self._status_resend_deadline):
             effects += self._resend_status(self._rooms[room], now)
         for fenced, peer_key in self._fence_retries.pop_due(now, self._fence_retry_deadline):
             self._fences[(fenced, peer_key)].retry_at = None
-            effects += self._abort_ack(fenced, peer_key)  # the fence again (nothing if the rank is gone)
+            effects += self._fence(fenced, peer_key)  # again (nothing if the rank is gone)
         self._free_unopened(now)
         return effects
 
@@ -1272,11 +1344,19 @@ class PrefillEndpoint(RoomKeeper[_SenderRoom]):
         if peer is None:
             return []
         owed = self._fences.get((room, key))
-        if owed is None:
-            return [Send(to=peer.endpoint, message=AbortAck(origin=self.origin, room=room))]
-        if owed.running:
+        if owed is None or owed.state is FenceState.DONE:
+            # After a fence the decode must still cut its connections from us (or settle): it says so.
+            ack = AbortAck(origin=self.origin, room=room, fenced=owed is not None)
+            return [Send(to=peer.endpoint, message=ack)]
+        return self._fence(room, key)
+
+    def _fence(self, room: RoomId, key: PeerKey) -> list[Effect]:
+        """Submit the fence owed to ``key`` for ``room`` (nothing if it is on its way already, or the
+        rank is not registered: it is written when the rank registers again and asks)."""
+        owed = self._fences[(room, key)]
+        if owed.state is not FenceState.OWED or key not in self._peers:
             return []  # a resent Abort while the fence is on its way
-        owed.running = True
+        owed.state = FenceState.RUNNING
         self._counters.fences_submitted += 1
         return [SubmitFence(room=room, peer=key, fence=owed.write)]
 
@@ -1287,10 +1367,10 @@ class PrefillEndpoint(RoomKeeper[_SenderRoom]):
         (a partition, the decode's cut) fails once before the engine reconnects, so the retry does
         not wait for the decode's doubling resend interval."""
         owed = self._fences.get((room, peer))
-        if owed is None or not owed.running:
+        if owed is None or owed.state is not FenceState.RUNNING:
             return []
         if not ok:
-            owed.running = False
+            owed.state = FenceState.OWED
             owed.retry_at = now + self.timeouts.abort_resend
             self._fence_retries.push((room, peer), owed.retry_at)
             self._counters.fences_failed += 1
@@ -1302,12 +1382,15 @@ class PrefillEndpoint(RoomKeeper[_SenderRoom]):
                     room,
                 )
             ]
-        del self._fences[(room, peer)]
+        owed.state = FenceState.DONE
+        r = self._rooms.get(room)
+        if r is not None and r.state is SenderRoomState.TRANSFERRING:
+            return self._maybe_succeed(r)  # the fence Success waited for
         return self._abort_ack(room, peer)
 
     def _fence_retry_deadline(self, key: tuple[RoomId, PeerKey]) -> float | None:
         owed = self._fences.get(key)
-        return None if owed is None or owed.running else owed.retry_at
+        return None if owed is None or owed.state is not FenceState.OWED else owed.retry_at
 
     def _forget_if_idle(self, r: _SenderRoom) -> None:
         if r.closed and not r.in_flight and (r.abort is None or r.abort.state is PrefillAbortState.ACKED):

@@ -196,7 +196,9 @@ class PrefillTransport(EndpointHost[PrefillEndpoint]):
         self.backend = backend
         factory = channel_factory if channel_factory is not None else zmq_channel_factory()
         super().__init__(
-            PrefillEndpoint(origin=config.origin, layout=config.layout, timeouts=config.timeouts),
+            PrefillEndpoint(
+                origin=config.origin, layout=config.layout, timeouts=config.timeouts, policy=config.policy
+            ),
             factory(config.host),
             thread_name=f"pdkv-prefill-{config.rank}",
             logger=log,
@@ -432,17 +434,14 @@ class PrefillTransport(EndpointHost[PrefillEndpoint]):
         with self._lock:
             return self._endpoint.layer_writes_started(room, start_token, self._clock())
 
-    def _layer_writes_ended(self, room: RoomId, start_token: int, fences: Mapping[str, FenceWrite]) -> None:
+    def _layer_writes_ended(
+        self, room: RoomId, start_token: int, fences: Mapping[PeerKey, FenceWrite]
+    ) -> None:
         """Per-layer manager: every write of a context ended (it may release an AbortAck, a
-        RegisterAck or the room's Success); ``fences`` by destination session where one failed."""
+        RegisterAck or the room's Success); ``fences`` by decode rank where one failed."""
         with self._locked():
-            owed = {
-                d.peer.key: fences[d.peer.session]
-                for d in self._endpoint.destinations(room) or ()
-                if d.peer.session in fences
-            }
             self._apply(
-                self._endpoint.layer_writes_ended(room, start_token, self._clock(), fences=owed or None)
+                self._endpoint.layer_writes_ended(room, start_token, self._clock(), fences=fences or None)
             )
 
     def _run_fence(self, fence: SubmitFence) -> None:

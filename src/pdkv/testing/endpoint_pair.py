@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 import attrs
 import numpy as np
 
-from pdkv.mapping import LayerKey
+from pdkv.mapping import LayerKey, PageInterleaved
 from pdkv.mapping.layout import AttentionKind, BufferKind, BufferLayout, BufferSpec, ModelRole
 from pdkv.protocol import codec
 from pdkv.protocol.config import Timeouts
@@ -343,6 +343,7 @@ class EndpointPair:
                 origin=Origin(instance=self.prefill_instance, epoch=Epoch(1), rank=RankCoord(tp=0, cp=cp)),
                 layout=self.layout,
                 timeouts=self.timeouts,
+                policy=PageInterleaved(cp_size=cp_size),
             )
             for cp in range(cp_size)
         ]
@@ -655,6 +656,7 @@ class EndpointPair:
             origin=attrs.evolve(old.origin, epoch=Epoch(old.origin.epoch + 1)),
             layout=self.layout,
             timeouts=self.timeouts,
+            policy=old.policy,
         )
         self.retired.append(old)
         self.prefills[cp] = new
@@ -864,7 +866,8 @@ class EndpointPair:
         the rank reports its layers one by one over ``layer_time``."""
         p = self.prefills[prefill]
         pages = np.asarray(spec.pages, dtype=np.int64)
-        ruling = p.layer_destinations(room, pages, spec.start_token)
+        first = not self.layer_books[prefill].contexts(room)
+        ruling = p.layer_destinations(room, pages, spec.start_token, first=first)
         if isinstance(ruling, str):
             return
         self.layer_books[prefill].register(

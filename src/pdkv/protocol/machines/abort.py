@@ -1,15 +1,21 @@
 """Abort handshakes (DESIGN sections 5 and 8): one machine per side.
 
-Decode side, one per aborted room:
+Decode side, one per aborted room. Its pages are reusable only in RELEASED (proven, or after the
+settle time) and TIMED_OUT (the one unsafe release):
 
-    REQUESTED    Abort sent to every prefill rank of the room (resent with backoff until acked);
-                 pages NOT reusable
-    ACKED        every prefill rank that knew the room's destinations acknowledged: pages reusable
+    REQUESTED    Abort sent to every prefill rank told the destinations (resent with backoff until
+                 acked); pages NOT reusable
     QUARANTINED  abort_ack passed first (a rank silent or cut off): pages still NOT reusable, the
-                 Abort still resent; left when every rank acknowledged (ACKED) or after the long
-                 ``quarantine`` bound
-    TIMED_OUT    the quarantine bound passed: pages released anyway, the only unsafe release,
-                 counted and logged
+                 Abort still resent; left when every rank acknowledged, or after ``quarantine``
+    CUTTING      every rank acknowledged, but an AbortAck said a write of the room had failed (its
+                 fence proved the engine queue drained, not the connections), or the room was
+                 quarantined: the connections from those ranks' hosts are being cut
+    SETTLING     the same, where this rank cannot cut (or the cut failed): pages come back after
+                 ``quarantine_settle`` (a time bound, not a proof)
+    RELEASED     pages reusable: proven by the acks alone (every write of the room completed), or by
+                 the acks and the cut; or settled
+    TIMED_OUT    the quarantine bound passed with an ack missing: pages released anyway, the only
+                 unsafe release, counted and logged
 
 Prefill side, one per aborted room:
 
@@ -28,13 +34,20 @@ from pdkv.protocol.machines._notes import EdgeNote, EdgeNotes
 
 class DecodeAbortState(enum.Enum):
     REQUESTED = "requested"
-    ACKED = "acked"
     QUARANTINED = "quarantined"
+    CUTTING = "cutting"
+    SETTLING = "settling"
+    RELEASED = "released"
     TIMED_OUT = "timed_out"
 
 
 class DecodeAbortTrigger(enum.Enum):
-    ALL_ACKED = "all_acked"
+    ALL_ACKED = "all_acked"  # every rank acknowledged and no write of the room failed
+    ACKED_AFTER_FAILURE = "acked_after_failure"  # every rank acknowledged; a write failed or it was quarantined
+    ACKED_UNCUTTABLE = "acked_uncuttable"  # the same, and this rank cannot cut connections
+    CUT = "cut"  # the connections from those hosts were cut
+    CUT_FAILED = "cut_failed"
+    SETTLED = "settled"  # quarantine_settle passed since the acks (or since the cut began)
     ACK_TIMEOUT = "ack_timeout"
     QUARANTINE_TIMEOUT = "quarantine_timeout"
 
@@ -50,21 +63,24 @@ class PrefillAbortTrigger(enum.Enum):
     DRAINED = "drained"
 
 
+_DA = DecodeAbortState
+_DAT = DecodeAbortTrigger
+_AWAITING = (_DA.REQUESTED, _DA.QUARANTINED)
+
 DECODE_ABORT = MachineSpec(
     name="DecodeAbort",
     states=DecodeAbortState,
     triggers=DecodeAbortTrigger,
-    initial=DecodeAbortState.REQUESTED,
+    initial=_DA.REQUESTED,
     edges=(
-        edges(
-            DecodeAbortTrigger.ALL_ACKED,
-            [DecodeAbortState.REQUESTED, DecodeAbortState.QUARANTINED],
-            DecodeAbortState.ACKED,
-        ),
-        edges(DecodeAbortTrigger.ACK_TIMEOUT, [DecodeAbortState.REQUESTED], DecodeAbortState.QUARANTINED),
-        edges(
-            DecodeAbortTrigger.QUARANTINE_TIMEOUT, [DecodeAbortState.QUARANTINED], DecodeAbortState.TIMED_OUT
-        ),
+        edges(_DAT.ALL_ACKED, [_DA.REQUESTED], _DA.RELEASED),
+        edges(_DAT.ACKED_AFTER_FAILURE, _AWAITING, _DA.CUTTING),
+        edges(_DAT.ACKED_UNCUTTABLE, _AWAITING, _DA.SETTLING),
+        edges(_DAT.CUT, [_DA.CUTTING], _DA.RELEASED),
+        edges(_DAT.CUT_FAILED, [_DA.CUTTING], _DA.SETTLING),
+        edges(_DAT.SETTLED, [_DA.CUTTING, _DA.SETTLING], _DA.RELEASED),
+        edges(_DAT.ACK_TIMEOUT, [_DA.REQUESTED], _DA.QUARANTINED),
+        edges(_DAT.QUARANTINE_TIMEOUT, [_DA.QUARANTINED], _DA.TIMED_OUT),
     ),
 )
 
@@ -84,14 +100,28 @@ PREFILL_ABORT = MachineSpec(
 DECODE_ABORT_NOTES = EdgeNotes(
     DECODE_ABORT,
     {
-        (DecodeAbortTrigger.ALL_ACKED, DecodeAbortState.ACKED): EdgeNote(
-            guard="AbortAck from every rank told the destinations (+ settle time if quarantined)",
-            effects=("ReleasePages(safe)",),
+        (_DAT.ALL_ACKED, _DA.RELEASED): EdgeNote(
+            guard="AbortAck from every rank told the destinations, none after a failed write",
+            effects=("ReleasePages(acked)",),
         ),
-        (DecodeAbortTrigger.ACK_TIMEOUT, DecodeAbortState.QUARANTINED): EdgeNote(
+        (_DAT.ACKED_AFTER_FAILURE, _DA.CUTTING): EdgeNote(
+            guard="every rank acked; one after a fence, or the room was quarantined; this rank can cut",
+            effects=("CutConnections(their hosts)",),
+        ),
+        (_DAT.ACKED_UNCUTTABLE, _DA.SETTLING): EdgeNote(
+            guard="as for cutting, but this rank cannot cut", effects=("wait quarantine_settle",)
+        ),
+        (_DAT.CUT, _DA.RELEASED): EdgeNote(
+            guard="every connection from those hosts closed", effects=("ReleasePages(cut)",)
+        ),
+        (_DAT.CUT_FAILED, _DA.SETTLING): EdgeNote(guard="the cut failed", effects=("wait quarantine_settle",)),
+        (_DAT.SETTLED, _DA.RELEASED): EdgeNote(
+            guard="quarantine_settle passed", effects=("ReleasePages(settled, unproven)",)
+        ),
+        (_DAT.ACK_TIMEOUT, _DA.QUARANTINED): EdgeNote(
             guard="abort_ack passed, an ack missing", effects=("pages held", "Abort still resent")
         ),
-        (DecodeAbortTrigger.QUARANTINE_TIMEOUT, DecodeAbortState.TIMED_OUT): EdgeNote(
+        (_DAT.QUARANTINE_TIMEOUT, _DA.TIMED_OUT): EdgeNote(
             guard="quarantine passed", effects=("ReleasePages(unsafe), counted and logged",)
         ),
     },
