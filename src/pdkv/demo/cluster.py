@@ -35,6 +35,7 @@ from collections.abc import Sequence
 
 import attrs
 
+from pdkv.config import cli_fraction, cli_int
 from pdkv.mapping import AttentionKind, Topology, TopologyError
 from pdkv.protocol.ids import RoomId
 from pdkv.protocol.poll import KVPoll
@@ -216,27 +217,28 @@ def _kv_description(model: ModelSpec, prefill_tp: int, decode_tp: int) -> str:
 
 def main(argv: Sequence[str] = ()) -> int:
     parser = argparse.ArgumentParser(prog="pdkv demo", description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--cp", type=int, default=2, help="prefill context-parallel ranks (default 2)")
-    parser.add_argument("--tp", type=int, default=1, help="prefill tensor-parallel ranks (default 1)")
-    parser.add_argument("--decode-tp", type=int, default=1, help="decode tensor-parallel ranks (default 1)")
-    parser.add_argument("--rooms", type=int, default=32, help="requests (default 32)")
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--page-size", type=int, default=16)
+    positive = cli_int(1)  # every count of the demo: 0 or less is an argument error, never "result OK"
+    parser.add_argument("--cp", type=positive, default=2, help="prefill context-parallel ranks (default 2)")
+    parser.add_argument("--tp", type=positive, default=1, help="prefill tensor-parallel ranks (default 1)")
+    parser.add_argument("--decode-tp", type=positive, default=1, help="decode tensor-parallel ranks (default 1)")
+    parser.add_argument("--rooms", type=positive, default=32, help="requests (default 32)")
+    parser.add_argument("--layers", type=positive, default=8)
+    parser.add_argument("--page-size", type=positive, default=16)
     parser.add_argument(
-        "--bytes-per-token", type=int, default=576, help="KV bytes per token per layer (MLA latent)"
+        "--bytes-per-token", type=positive, default=576, help="KV bytes per token per layer (MLA latent)"
     )
     parser.add_argument(
-        "--kv-heads", type=int, default=8, help="--mha: the model's KV heads (default 8; e.g. 2 over tp 4)"
+        "--kv-heads", type=positive, default=8, help="--mha: the model's KV heads (default 8; e.g. 2 over tp 4)"
     )
     parser.add_argument(
         "--head-bytes",
-        type=int,
+        type=positive,
         default=128,
         help="--mha: bytes of one KV head of one token (head_dim x dtype size; default 128)",
     )
-    parser.add_argument("--max-tokens", type=int, default=2048)
-    parser.add_argument("--aborts", type=float, default=0.15, help="fraction of rooms aborted (default 0.15)")
-    parser.add_argument("--max-active", type=int, default=8, help="rooms in flight at once")
+    parser.add_argument("--max-tokens", type=positive, default=2048)
+    parser.add_argument("--aborts", type=cli_fraction, default=0.15, help="fraction of rooms aborted (default 0.15)")
+    parser.add_argument("--max-active", type=positive, default=8, help="rooms in flight at once")
     parser.add_argument("--mha", action="store_true", help="MHA layout (K and V per layer) instead of MLA")
     parser.add_argument(
         "--per-layer",

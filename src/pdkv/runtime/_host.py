@@ -24,6 +24,7 @@ from pdkv.engine.backend import Registration, TransferBackend
 from pdkv.errors import TransportClosedError
 from pdkv.mapping import BufferLayout
 from pdkv.metrics import TransportMetrics
+from pdkv.protocol import arguments
 from pdkv.protocol.effects import Effect, Failure, ForgetPeer, Notice, NoticeLevel
 from pdkv.protocol.ids import Epoch, RoomId
 from pdkv.protocol.messages import Message, Origin, RankCoord
@@ -103,7 +104,6 @@ class EndpointHost(Generic[E]):
         self.metrics = TransportMetrics()
         """Counters and per-peer latency (``pdkv.metrics.PrometheusExporter(transport.metrics)``)."""
         self._accounting = Accounting(self.metrics)
-        self._forget: list[str] = []  # endpoints whose sockets the control thread (their owner) drops
         self._closed = False
         self._started = False
         self._registrations: list[Registration] = []
@@ -161,6 +161,8 @@ class EndpointHost(Generic[E]):
             if self._closed:
                 return False
             self._closed = True
+        with self._progressed:  # a scheduler blocked in wait_progress() learns of it now
+            self._progressed.notify_all()
         failed = self._fail_open_rooms(reason)
         if failed:
             self._log.info("%s: failed %d open room(s)", reason, failed)
@@ -204,20 +206,24 @@ class EndpointHost(Generic[E]):
 
     def wait_progress(self, seen: int, timeout_s: float) -> int:
         """Block until ``progress()`` has passed ``seen`` or ``timeout_s`` elapsed; return ``progress()``.
+        ``TransportClosedError`` after ``close()`` (also when the close comes while it waits).
 
         For a scheduler loop that would otherwise sleep between polls: it wakes as soon as something
         changed, never later than ``timeout_s``. Nothing is missed between reading ``seen`` and this
         call: a change meanwhile makes it return at once."""
+        timeout_s = arguments.seconds(timeout_s, argument="timeout_s")
+        self._check_open("wait_progress()")
         with self._progressed:
             # Counted before the count is read: a notifier that did not see this waiter grew the
             # count before it was read here (the notifier grows it, then reads the waiters).
             self._progress_waiters += 1
             try:
                 if timeout_s > 0:
-                    self._progressed.wait_for(lambda: self._progress != seen, timeout_s)
+                    self._progressed.wait_for(lambda: self._progress != seen or self._closed, timeout_s)
             finally:
                 self._progress_waiters -= 1
-            return self._progress
+        self._check_open("wait_progress()")  # closed while it waited: woken by close(), told so
+        return self._progress
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
@@ -279,22 +285,13 @@ class EndpointHost(Generic[E]):
             self._accounting.channel(malformed=channel.malformed, unauthenticated=channel.unauthenticated)
             self._apply(self._endpoint.tick(now))
             self._after_tick()
-            self._forget_peers()
             return self._endpoint.next_deadline()
 
     def _after_messages(self) -> float | None:
-        """After a batch of messages (control thread): the sockets they asked to drop go, and the
-        next deadline; the counters and gauges of a tick wait for the next one."""
+        """After a batch of messages (control thread): the next deadline; the counters and gauges of
+        a tick wait for the next one."""
         with self._lock:
-            self._forget_peers()
             return self._endpoint.next_deadline()
-
-    def _forget_peers(self) -> None:
-        """Lock held, on the control thread, before the loop flushes what was posted: those messages
-        go out on fresh sockets. A ForgetPeer from another thread waits for the next tick."""
-        for endpoint in self._forget:
-            self._loop.channel.forget(endpoint)
-        self._forget.clear()
 
     # ------------------------------------------------------------------ effects (lock held)
 
@@ -309,8 +306,10 @@ class EndpointHost(Generic[E]):
             if isinstance(effect, Notice):
                 log_notice(self._log, effect)
             elif isinstance(effect, ForgetPeer):
+                # In the outbox, in the order emitted: a message emitted after it (a RegisterAck, an
+                # Abort) leaves on the new socket, never on the old one that is dropped.
                 self._log.warning("rebuilding the connection to %s: %s", effect.endpoint, effect.reason)
-                self._forget.append(effect.endpoint)
+                self._loop.post_forget(effect.endpoint)
             else:
                 self._apply_effect(effect)
 

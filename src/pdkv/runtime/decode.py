@@ -18,11 +18,13 @@ from typing import Any, TypeVar
 
 import attrs
 
+from pdkv import config
+from pdkv.config import tcp_address_problem
 from pdkv.control.auth import Authenticator
 from pdkv.control.channel import ChannelStatistics
 from pdkv.control.errors import ControlError
 from pdkv.engine.backend import TransferBackend
-from pdkv.errors import ConfigError, LayoutMismatchError, RouteUnavailableError
+from pdkv.errors import ConfigError, InvalidArgumentError, LayoutMismatchError, RouteUnavailableError
 from pdkv.mapping import BufferLayout, Topology, decode_fanout, layout_kv_heads
 from pdkv.metrics import KVTransferMetric, TransportCounter, TransportGauge, TransportMetricsSnapshot
 from pdkv.protocol import arguments
@@ -65,14 +67,14 @@ class DecodeConfig:
     The constructor reads no environment: ``DecodeConfig.from_env(...)`` takes the ``PDKV_*``
     timeout overrides (README, "Environment")."""
 
-    instance: InstanceId
-    rank: RankCoord
-    tp_size: int = attrs.field(validator=attrs.validators.ge(1))
-    layout: BufferLayout
-    host: str = "127.0.0.1"
-    timeouts: Timeouts = attrs.field(factory=Timeouts)
-    epoch: Epoch = attrs.field(factory=new_epoch)
-    register_memory: bool = True
+    instance: InstanceId = attrs.field(validator=config.non_empty_text)
+    rank: RankCoord = attrs.field(validator=config.instance_of(RankCoord))
+    tp_size: int = attrs.field(validator=config.positive_int)
+    layout: BufferLayout = attrs.field(validator=config.instance_of(BufferLayout))
+    host: str = attrs.field(default="127.0.0.1", validator=config.non_empty_text)
+    timeouts: Timeouts = attrs.field(factory=Timeouts, validator=config.instance_of(Timeouts))
+    epoch: Epoch = attrs.field(factory=new_epoch, validator=config.instance_of(int))
+    register_memory: bool = attrs.field(default=True, validator=config.instance_of(bool))
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **fields: Any) -> DecodeConfig:
@@ -131,6 +133,7 @@ class DecodeTransport(EndpointHost[DecodeEndpoint]):
         )
         super().__init__(endpoint, channel, thread_name=f"pdkv-decode-{config.rank}", logger=log, clock=clock)
         self._query_route = query if query is not None else _default_query()
+        self._zmq_registry = query is None  # registry addresses are tcp://host:port (checked at connect)
         self._routes: dict[InstanceId, RouteTable] = {}
         # fanout_targets per prefill instance, with the route table it was derived from: every room
         # from one instance targets the same ranks (recomputed when connect() replaces the table).
@@ -159,6 +162,10 @@ class DecodeTransport(EndpointHost[DecodeEndpoint]):
         ours (they say how when they refuse the registration; that answer is waited for here).
         """
         self._check_open("connect()")
+        timeout_s = arguments.seconds(timeout_s, argument="timeout_s")
+        problem = tcp_address_problem(registry) if self._zmq_registry else None
+        if problem is not None:
+            raise InvalidArgumentError(f"connect(): registry {problem}", argument="registry", value=registry)
         deadline = self._clock() + timeout_s
         query = RouteQuery(origin=self.config.origin)
         cause = "no rank of the instance announced yet"
@@ -196,10 +203,13 @@ class DecodeTransport(EndpointHost[DecodeEndpoint]):
     def wait_registered(self, instance: InstanceId, *, timeout_s: float = 30.0) -> bool:
         """True once every prefill rank of ``instance`` acknowledged registration (False on timeout).
 
-        Raises ``LayoutMismatchError`` with the prefill rank's reason as soon as one refused.
+        Raises ``LayoutMismatchError`` with the prefill rank's reason as soon as one refused, and
+        ``TransportClosedError`` once the transport is closed (its registrations are gone).
         """
+        timeout_s = arguments.seconds(timeout_s, argument="timeout_s")
         deadline = self._clock() + timeout_s
         while True:
+            self._check_open("wait_registered()")
             with self._lock:
                 table = self._routes.get(instance)
                 if table is None:
@@ -229,6 +239,8 @@ class DecodeTransport(EndpointHost[DecodeEndpoint]):
         A room whose prefill ranks did not acknowledge in time may still receive writes: then the
         memory stays registered (``stuck_writes``, an ERROR log) instead of being released under them.
         """
+        if timeout_s is not None:
+            timeout_s = arguments.seconds(timeout_s, argument="timeout_s")
         if not self._begin_close("decode transport closed"):
             return
         wait = self.config.timeouts.abort_ack if timeout_s is None else timeout_s

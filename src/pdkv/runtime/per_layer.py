@@ -420,7 +420,7 @@ class PerLayerTransferManager:
 
     def register(
         self,
-        room: RoomId,
+        room: RoomId | int,
         chunk_pages: IntArray | Sequence[int],
         *,
         start_token: int,
@@ -432,6 +432,7 @@ class PerLayerTransferManager:
         its first ``resident_pages`` pages already hold their KV (the forward does not write them)
         and are submitted now. Never waits on the network.
         """
+        room = arguments.checked_room(room)  # what sender() takes: a RoomId or an int
         if self._closed:
             raise TransportClosedError(f"per_layer.register of room {room}: the transport is closed")
         # A copy (the caller may reuse its array), checked: no duplicate may reach the engine.
@@ -525,6 +526,8 @@ class PerLayerTransferManager:
         Only records and queues the event (never blocks the forward): the peer's submission lane waits
         for ``ready`` and submits the layer for every context the book routed it to.
         """
+        if self._closed:
+            raise TransportClosedError(f"per_layer.on_layer_end of layer {layer_id}: the transport is closed")
         key = LayerKey(model=model, layer_id=layer_id)
         if self._unsupported is None and key not in self._known_keys:
             known = ", ".join(map(str, self._keys[:8])) + (" ..." if len(self._keys) > 8 else "")

@@ -35,6 +35,7 @@ import attrs
 import numpy as np
 
 from pdkv import config
+from pdkv.config import tcp_address_problem
 from pdkv.control.auth import Authenticator
 from pdkv.control.channel import ChannelStatistics
 from pdkv.control.errors import ControlError
@@ -103,6 +104,15 @@ PARTITION_DUMP = config.declare(
 _T = TypeVar("_T")
 
 
+def _ownership_policy(_: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if not all(callable(getattr(value, name, None)) for name in ("owner", "physical")) or not isinstance(
+        getattr(value, "cp_size", None), int
+    ):
+        raise ConfigError(
+            f"{attribute.name} must be an OwnershipPolicy (PageInterleaved, BlockCyclic ...), got {value!r:.60}"
+        )
+
+
 @attrs.frozen(kw_only=True)
 class PrefillConfig:
     """One prefill rank. ``registry`` is the bootstrap registry's address (``tcp://host:port``).
@@ -110,25 +120,27 @@ class PrefillConfig:
     The constructor reads no environment: ``PrefillConfig.from_env(...)`` takes the ``PDKV_*``
     overrides of the timeouts, the executor and the per-layer path (README, "Environment")."""
 
-    instance: InstanceId
-    rank: RankCoord
-    tp_size: int = attrs.field(validator=attrs.validators.ge(1))
-    cp_size: int = attrs.field(default=1, validator=attrs.validators.ge(1))
-    layout: BufferLayout
-    registry: str
-    host: str = "127.0.0.1"
-    ownership: OwnershipPolicy | None = None
+    instance: InstanceId = attrs.field(validator=config.non_empty_text)
+    rank: RankCoord = attrs.field(validator=config.instance_of(RankCoord))
+    tp_size: int = attrs.field(validator=config.positive_int)
+    cp_size: int = attrs.field(default=1, validator=config.positive_int)
+    layout: BufferLayout = attrs.field(validator=config.instance_of(BufferLayout))
+    registry: str = attrs.field(validator=config.non_empty_text)
+    host: str = attrs.field(default="127.0.0.1", validator=config.non_empty_text)
+    ownership: OwnershipPolicy | None = attrs.field(
+        default=None, validator=attrs.validators.optional(_ownership_policy)
+    )
     """CP shared-KV ownership (default: page-interleaved over ``cp_size``)."""
-    timeouts: Timeouts = attrs.field(factory=Timeouts)
-    executor: ExecutorConfig = attrs.field(factory=ExecutorConfig)
-    per_layer: PerLayerConfig = attrs.field(factory=PerLayerConfig)
-    epoch: Epoch = attrs.field(factory=new_epoch)
-    workers: int = attrs.field(default=2, validator=attrs.validators.ge(1))
-    queue_size: int = attrs.field(default=4096, validator=attrs.validators.ge(1))
-    shared_chunks: int = attrs.field(default=32, validator=attrs.validators.ge(1))
+    timeouts: Timeouts = attrs.field(factory=Timeouts, validator=config.instance_of(Timeouts))
+    executor: ExecutorConfig = attrs.field(factory=ExecutorConfig, validator=config.instance_of(ExecutorConfig))
+    per_layer: PerLayerConfig = attrs.field(factory=PerLayerConfig, validator=config.instance_of(PerLayerConfig))
+    epoch: Epoch = attrs.field(factory=new_epoch, validator=config.instance_of(int))
+    workers: int = attrs.field(default=2, validator=config.positive_int)
+    queue_size: int = attrs.field(default=4096, validator=config.positive_int)
+    shared_chunks: int = attrs.field(default=32, validator=config.positive_int)
     """Most chunks a transfer worker takes off its queue at once: the ones already queued (never
     waited for) go to each decode rank as one shared job (1: every chunk on its own)."""
-    register_memory: bool = True
+    register_memory: bool = attrs.field(default=True, validator=config.instance_of(bool))
     """Register every buffer of ``layout`` with the backend (False: the caller registered them)."""
 
     def __attrs_post_init__(self) -> None:
@@ -206,6 +218,10 @@ class PrefillTransport(EndpointHost[PrefillEndpoint]):
         )
         self._executor = TransferExecutor(backend, config.executor)
         self._work: queue.Queue[SubmitChunk | SubmitFence | None] = queue.Queue(maxsize=config.queue_size)
+        if announce is None:  # the zmq registry: an address it can dial, checked now, not 30 s from now
+            problem = tcp_address_problem(self.config.registry)
+            if problem is not None:
+                raise ConfigError(f"PrefillConfig.registry {problem}")
         self._announce = announce if announce is not None else _default_announce()
         self._workers: list[threading.Thread] = []  # started by start(), new ones on a retried start
         self.per_layer = PerLayerTransferManager(
@@ -234,6 +250,8 @@ class PrefillTransport(EndpointHost[PrefillEndpoint]):
         that does not answer within ``announce_timeout_s``, a refused announcement) rolls back
         completely: threads stopped, memory unregistered; it raises and may be retried.
         """
+
+        announce_timeout_s = arguments.seconds(announce_timeout_s, argument="announce_timeout_s", positive=True)
 
         def workers_and_announcement() -> None:
             self._workers = [
@@ -293,6 +311,7 @@ class PrefillTransport(EndpointHost[PrefillEndpoint]):
         after ``timeout_s`` (a stuck engine), it is reported (ERROR log, ``stuck_writes``) and the
         memory stays registered rather than raced.
         """
+        timeout_s = arguments.seconds(timeout_s, argument="timeout_s")
         if not self._begin_close("prefill transport closed"):
             return
         # Contexts waiting for layers that will never come release their workers, and every
