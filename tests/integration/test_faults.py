@@ -288,8 +288,10 @@ def test_network_partition_between_namespaces() -> None:
     if reason is not None:
         pytest.skip(f"network partition via netns/veth: {reason}")
     # The quarantine outlasts the partition; the settle time (the fallback when connections cannot be
-    # cut) is far past the run's bound, so the pages can only come back through the proven release.
-    timeouts = attrs.evolve(FAST, quarantine=90, quarantine_settle=3600)
+    # cut, and what a failed write's fenced ack waits: it proves the engine queue drained, not the
+    # connections) is longer than the heal-to-cut time, so the quarantined rooms come back through the
+    # proven release and only the rooms failed by the cut's after-effects settle.
+    timeouts = attrs.evolve(FAST, quarantine=90, quarantine_settle=15)
     with veth_namespaces("t10") as layout:
         partitioned = attrs.evolve(spec(timeouts=timeouts), netns=layout, engine_transfer_timeout_s=5)
         with Cluster(partitioned) as cluster:
@@ -306,7 +308,8 @@ def test_network_partition_between_namespaces() -> None:
             )
             # The cut also ends the prefill engine's idle lanes to this decode; Mooncake notices a dead
             # lane only when it writes on it, so the first batches after the release may fail (their
-            # rooms fail cleanly, as any engine failure). Later rooms run on fresh connections.
+            # rooms fail cleanly, as any engine failure, and their pages settle: 15 s). Later rooms
+            # run on fresh connections.
             settling = cluster.run([room(n, chunks=1) for n in range(20, 26)], max_active=1)
             after = cluster.run([room(n, chunks=2) for n in (10, 11)], max_active=2)
             reports = cluster.close()

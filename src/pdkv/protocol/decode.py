@@ -14,12 +14,14 @@ Safety rules this module enforces (DESIGN section 8):
   then (``abort_resend``, doubling, ``MAX_ABORT_RESENDS`` times) and again whenever a rank registers
   again. Past ``abort_ack`` the room is quarantined: its pages stay held (``release_ready`` False,
   counted in ``statistics()``) until the missing ranks acknowledge, or until the long
-  ``quarantine`` bound, the only unsafe release, counted and reported. A rank's AbortAck comes
-  after a fence write when one of its writes failed (the prefill endpoint's rule), which proves its
-  engine queue drained; bytes still in an old connection are ended by cutting the connections from
-  the room's prefill hosts (``CutConnections``, ``connections_cut``) when this rank can
-  (``cuts_connections``): the pages come back then, proven. Otherwise, or when the cut fails, they
-  come back ``quarantine_settle`` after the last AbortAck (a time bound, not a proof);
+  ``quarantine`` bound, the only unsafe release, counted and reported. Each release is counted by
+  what proves it (``ReleaseKind``): the acks alone when every write completed (ACKED); a quarantined
+  room's acks and then a cut of the connections from those ranks' hosts (``CutConnections``,
+  ``connections_cut``) when this rank can (``cuts_connections``): proven (CUT); otherwise, and
+  whenever an ack cannot prove the connections empty (a rank's write failed: its AbortAck says
+  ``fenced``, which proves its engine queue drained, not its connections; or it restarted after it
+  was told the destinations), ``quarantine_settle`` after the last AbortAck (SETTLED: a time bound,
+  not a proof, counted as such);
 - Success only when every required (non-dummy) prefill rank reported Success;
 - every non-terminal room and every pending abort has a deadline;
 - liveness of prefill ranks: a Heartbeat goes to every registered prefill rank each
@@ -205,7 +207,10 @@ class _ReceiverRoom:
     abort: DecodeAbortMachine | None = None
     must_ack: set[PeerKey] = attrs.Factory(set)
     acked: set[PeerKey] = attrs.Factory(set)
-    fenced: set[PeerKey] = attrs.Factory(set)  # acked after a fence: a write to us had failed
+    # Ranks whose ack proves nothing about their connections: one acked after a fence (a write of it
+    # to us failed), or restarted after it was told the destinations (the old process's bytes in
+    # kernel sockets outlive it, and the new one acks a room it never knew).
+    unproven: set[PeerKey] = attrs.Factory(set)
     release: ReleaseKind | None = None  # how the pages came back (a record for statistics and logs)
     tell_later: set[PeerKey] = attrs.Factory(set)  # failed before these ranks were registered
     resend_at: float | None = None  # next Abort resend to the ranks that have not acknowledged
@@ -481,7 +486,7 @@ class DecodeEndpoint(RoomKeeper[_ReceiverRoom]):
             return self._late_room(room, f"AbortAck from {peer.key[0]}:{peer.key[1]}")
         r.acked.add(peer.key)
         if msg.fenced:
-            r.fenced.add(peer.key)
+            r.unproven.add(peer.key)
         if not r.must_ack <= r.acked:
             return []
         return self._all_acked(r, now)
@@ -490,30 +495,37 @@ class DecodeEndpoint(RoomKeeper[_ReceiverRoom]):
         """Every rank told the destinations acknowledged (their writes of the room all ended).
 
         Acks alone are the proof when every write completed (a completed write was applied at the
-        destination). After a failed write (a fenced ack), or a quarantine (a rank was cut off), the
-        fence proved only the prefill engine's queue drained: bytes may still sit in a connection (the
-        measured late landing came 19-30 s after a heal), so the connections from those ranks' hosts
-        are cut first (proven), or, where this rank cannot cut, the pages wait ``quarantine_settle``."""
+        destination). After a failed write (a fenced ack) or a writer's restart, an ack proves at
+        most that the prefill engine's queue drained: bytes may still sit in a connection the writer
+        closed (an orphan socket retransmitting; a process that died leaves its in-flight bytes in
+        the kernel), so the pages settle for ``quarantine_settle`` (a bound, not a proof: counted as
+        SETTLED). They are not cut here, since a cut fails every other write in flight on those
+        connections. A quarantined room (a rank was silent or cut off, where late bytes are most
+        likely: the measured landing came 19-30 s after a heal) is cut first when this rank can
+        (proven), else settles too."""
         assert r.abort is not None
         r.resend_at = None
         quarantined = r.abort.state is DecodeAbortState.QUARANTINED
-        if not quarantined and not r.fenced:
+        if not quarantined and not r.unproven:
             r.abort.fire(DecodeAbortTrigger.ALL_ACKED)
             self._counters.aborts_acked += 1
             return self._release(r, ReleaseKind.ACKED, "all prefill ranks acknowledged the abort")
-        why = "the room was quarantined" if quarantined else "a write of the room failed (fenced)"
         self._set_deadline(r, now + self.timeouts.quarantine_settle)  # cutting or settling: bounded
-        if self.cuts_connections:
-            r.abort.fire(DecodeAbortTrigger.ACKED_AFTER_FAILURE)
-            keys = r.must_ack if quarantined else r.fenced
-            hosts = sorted({_host_of(self._peers[k].session) for k in keys if k in self._peers})
+        if quarantined and self.cuts_connections:
+            r.abort.fire(DecodeAbortTrigger.ACKED_AFTER_QUARANTINE)
+            hosts = sorted({_host_of(self._peers[k].session) for k in r.must_ack if k in self._peers})
             return [CutConnections(room=r.room, hosts=tuple(hosts))]
-        r.abort.fire(DecodeAbortTrigger.ACKED_UNCUTTABLE)
+        r.abort.fire(DecodeAbortTrigger.ACKED_UNPROVEN)
+        why = (
+            "the room was quarantined and this rank cannot cut connections"
+            if quarantined
+            else "a write of the room failed or its writer restarted, so bytes may remain in a connection"
+        )
         return [
             Notice(
                 level=NoticeLevel.INFO,
-                text=f"room {r.room}: every prefill rank acknowledged, but {why} and this rank cannot cut "
-                f"connections: pages come back after {self.timeouts.quarantine_settle:g} s of settling",
+                text=f"room {r.room}: every prefill rank acknowledged, but {why}: pages come back after "
+                f"{self.timeouts.quarantine_settle:g} s of settling",
                 room=r.room,
             )
         ]
@@ -983,6 +995,9 @@ class DecodeEndpoint(RoomKeeper[_ReceiverRoom]):
         self._peers[new.key] = new
         effects: list[Effect] = [ForgetPeer(endpoint=old.endpoint, reason=reason)]
         effects += self._peer_lost(old.key, reason, now)
+        for r in self._rooms.values():
+            if old.key in r.armed and r.state is not ReceiverRoomState.SUCCESS and r.release is None:
+                r.unproven.add(old.key)  # the old process's writes may sit in sockets it left
         if register:
             effects += self._send_register(new, now)
         else:

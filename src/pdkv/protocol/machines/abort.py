@@ -7,11 +7,15 @@ settle time) and TIMED_OUT (the one unsafe release):
                  acked); pages NOT reusable
     QUARANTINED  abort_ack passed first (a rank silent or cut off): pages still NOT reusable, the
                  Abort still resent; left when every rank acknowledged, or after ``quarantine``
-    CUTTING      every rank acknowledged, but an AbortAck said a write of the room had failed (its
-                 fence proved the engine queue drained, not the connections), or the room was
-                 quarantined: the connections from those ranks' hosts are being cut
-    SETTLING     the same, where this rank cannot cut (or the cut failed): pages come back after
-                 ``quarantine_settle`` (a time bound, not a proof)
+    CUTTING      a quarantined room (a rank was silent or cut off) is now acknowledged by every rank:
+                 the connections from their hosts are being cut, which ends bytes stuck in them
+    SETTLING     every rank acknowledged, but an ack proves nothing about a connection: a write of
+                 the room failed (its fence proved the engine queue drained, not the connections), or
+                 a rank restarted after it was told the destinations; or this rank cannot cut (or
+                 the cut failed): pages come back after ``quarantine_settle`` (a time bound, not a
+                 proof). A cut is not made here: it would fail every other write in flight on those
+                 connections (measured: each cut failed the next room's write, whose fence led to the
+                 next cut)
     RELEASED     pages reusable: proven by the acks alone (every write of the room completed), or by
                  the acks and the cut; or settled
     TIMED_OUT    the quarantine bound passed with an ack missing: pages released anyway, the only
@@ -43,8 +47,8 @@ class DecodeAbortState(enum.Enum):
 
 class DecodeAbortTrigger(enum.Enum):
     ALL_ACKED = "all_acked"  # every rank acknowledged and no write of the room failed
-    ACKED_AFTER_FAILURE = "acked_after_failure"  # every rank acknowledged; a write failed or it was quarantined
-    ACKED_UNCUTTABLE = "acked_uncuttable"  # the same, and this rank cannot cut connections
+    ACKED_UNPROVEN = "acked_unproven"  # every rank acknowledged, but a write failed or its writer restarted
+    ACKED_AFTER_QUARANTINE = "acked_after_quarantine"  # a quarantined room's last ack, on a rank that cuts
     CUT = "cut"  # the connections from those hosts were cut
     CUT_FAILED = "cut_failed"
     SETTLED = "settled"  # quarantine_settle passed since the acks (or since the cut began)
@@ -74,8 +78,8 @@ DECODE_ABORT = MachineSpec(
     initial=_DA.REQUESTED,
     edges=(
         edges(_DAT.ALL_ACKED, [_DA.REQUESTED], _DA.RELEASED),
-        edges(_DAT.ACKED_AFTER_FAILURE, _AWAITING, _DA.CUTTING),
-        edges(_DAT.ACKED_UNCUTTABLE, _AWAITING, _DA.SETTLING),
+        edges(_DAT.ACKED_UNPROVEN, _AWAITING, _DA.SETTLING),
+        edges(_DAT.ACKED_AFTER_QUARANTINE, [_DA.QUARANTINED], _DA.CUTTING),
         edges(_DAT.CUT, [_DA.CUTTING], _DA.RELEASED),
         edges(_DAT.CUT_FAILED, [_DA.CUTTING], _DA.SETTLING),
         edges(_DAT.SETTLED, [_DA.CUTTING, _DA.SETTLING], _DA.RELEASED),
@@ -101,15 +105,15 @@ DECODE_ABORT_NOTES = EdgeNotes(
     DECODE_ABORT,
     {
         (_DAT.ALL_ACKED, _DA.RELEASED): EdgeNote(
-            guard="AbortAck from every rank told the destinations, none after a failed write",
+            guard="AbortAck from every rank told the destinations, none after a failed write or restart",
             effects=("ReleasePages(acked)",),
         ),
-        (_DAT.ACKED_AFTER_FAILURE, _DA.CUTTING): EdgeNote(
-            guard="every rank acked; one after a fence, or the room was quarantined; this rank can cut",
-            effects=("CutConnections(their hosts)",),
+        (_DAT.ACKED_UNPROVEN, _DA.SETTLING): EdgeNote(
+            guard="every rank acked; one after a fence or a restart, or quarantined and no cut here",
+            effects=("wait quarantine_settle",),
         ),
-        (_DAT.ACKED_UNCUTTABLE, _DA.SETTLING): EdgeNote(
-            guard="as for cutting, but this rank cannot cut", effects=("wait quarantine_settle",)
+        (_DAT.ACKED_AFTER_QUARANTINE, _DA.CUTTING): EdgeNote(
+            guard="a quarantined room's last ack; this rank can cut", effects=("CutConnections(their hosts)",)
         ),
         (_DAT.CUT, _DA.RELEASED): EdgeNote(
             guard="every connection from those hosts closed", effects=("ReleasePages(cut)",)
