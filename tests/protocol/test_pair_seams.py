@@ -4,13 +4,15 @@ defect below made ``EndpointPair`` report nothing before; now each one fails a c
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from pdkv.protocol.config import Timeouts
 from pdkv.protocol.decode import DecodeEndpoint
-from pdkv.protocol.effects import ForgetPeer, ReleaseKind, Target
+from pdkv.protocol.effects import Effect, ForgetPeer, ReleaseKind, Target
 from pdkv.protocol.ids import RoomId
-from pdkv.protocol.messages import AbortAck
+from pdkv.protocol.messages import AbortAck, Message
 from pdkv.protocol.poll import KVPoll
 from pdkv.testing.endpoint_pair import EndpointPair, RoomPlan
 
@@ -107,10 +109,10 @@ def test_planted_a_fenced_ack_taken_as_proof(monkeypatch: pytest.MonkeyPatch) ->
     """Item 7: an AbortAck after a fence released the pages at once, with bytes still in a connection."""
     receive = DecodeEndpoint.receive
 
-    def forget_the_fence(self: DecodeEndpoint, message: object, now: float) -> list[object]:
+    def forget_the_fence(self: DecodeEndpoint, message: Message, now: float) -> list[Effect]:
         if isinstance(message, AbortAck):
             message = AbortAck(origin=message.origin, room=message.room)
-        return receive(self, message, now)  # type: ignore[arg-type]  # the planted bug's input
+        return receive(self, message, now)
 
     monkeypatch.setattr(DecodeEndpoint, "receive", forget_the_fence)
     pair = _failing_pair(cuts_connections=True)
@@ -139,11 +141,11 @@ def test_planted_a_new_incarnations_ack_taken_as_proof(monkeypatch: pytest.Monke
     """The same story with the restart forgotten: the ack releases at once, the old bytes land after."""
     restarted = DecodeEndpoint._peer_restarted
 
-    def forget_the_old_writes(self: DecodeEndpoint, *args: object, **kw: object) -> list[object]:
-        effects = restarted(self, *args, **kw)  # type: ignore[arg-type]  # passed through as given
+    def forget_the_old_writes(self: DecodeEndpoint, *args: Any, **kw: Any) -> list[Effect]:
+        effects = restarted(self, *args, **kw)
         for room in self._rooms.values():
             room.unproven.clear()
-        return effects  # type: ignore[return-value]  # the effects as the original returned them
+        return effects
 
     monkeypatch.setattr(DecodeEndpoint, "_peer_restarted", forget_the_old_writes)
     pair = EndpointPair(transfer_time=0.5, timeouts=FAST, late_write_s=5.0, cuts_connections=True)
@@ -162,8 +164,8 @@ def test_planted_a_socket_dropped_after_the_messages_for_its_new_peer(monkeypatc
     prefill rank went onto the socket that was then dropped with what it held."""
     restarted = DecodeEndpoint._peer_restarted
 
-    def forget_last(self: DecodeEndpoint, *args: object, **kw: object) -> list[object]:
-        effects = restarted(self, *args, **kw)  # type: ignore[arg-type]  # passed through as given
+    def forget_last(self: DecodeEndpoint, *args: Any, **kw: Any) -> list[Effect]:
+        effects = restarted(self, *args, **kw)
         return [e for e in effects if not isinstance(e, ForgetPeer)] + [
             e for e in effects if isinstance(e, ForgetPeer)
         ]
