@@ -414,3 +414,43 @@ def test_an_ack_without_a_failed_write_is_the_proof() -> None:
     [release] = d.receive(AbortAck(origin=PREFILL, room=ROOM), 2.0)
     assert isinstance(release, ReleasePages) and release.kind is ReleaseKind.ACKED
     assert d.statistics().releases_acked == 1
+
+
+def test_a_cut_names_the_host_of_every_rank_of_a_quarantined_room() -> None:
+    """A quarantined room written by two prefill ranks on two hosts: its cut must end the connections
+    from both hosts (a planted cut of the last acking rank's host only passed the suite)."""
+    d = DecodeEndpoint(
+        origin=DECODE,
+        tp_size=1,
+        endpoint=Endpoint("inproc://d"),
+        session=SessionId("d:1"),
+        layout=layout(),
+        timeouts=Timeouts(abort_ack=5, quarantine=100, heartbeat_interval=1000, heartbeat_timeout=4000),
+        cuts_connections=True,
+    )
+    ranks = [RankCoord(tp=0, cp=cp) for cp in (0, 1)]
+    table = RouteTable(
+        origin=PREFILL,
+        tp_size=1,
+        cp_size=2,
+        page_size=16,
+        layout_digest=layout().digest(),
+        ranks=[
+            RankRoute(rank=rank, epoch=PREFILL.epoch, endpoint=Endpoint(f"inproc://p{rank.cp}"),
+                      session=SessionId(f"host-{rank.cp}:7"))
+            for rank in ranks
+        ],
+        complete=True,
+    )
+    d.connect(table, 0.0)
+    origins = [Origin(instance=PREFILL.instance, epoch=PREFILL.epoch, rank=rank) for rank in ranks]
+    for origin in origins:
+        d.receive(RegisterAck(origin=origin), 0.0)
+    targets = [Target(instance=PREFILL.instance, rank=rank) for rank in ranks]
+    d.open_room(ROOM, targets=targets, dst_pages=[1, 2], dst_aux_row=None, now=0.0)
+    d.abort_room(ROOM, "client left", 1.0)
+    d.tick(6.0)
+    assert d.abort_state(ROOM) is DecodeAbortState.QUARANTINED
+    assert d.receive(AbortAck(origin=origins[1], room=ROOM), 7.0) == []
+    effects = d.receive(AbortAck(origin=origins[0], room=ROOM), 8.0)
+    assert effects == [CutConnections(room=ROOM, hosts=("host-0", "host-1"))]

@@ -485,3 +485,19 @@ def test_an_old_incarnations_heartbeat_is_not_answered_register_again() -> None:
     assert sent(p.receive(old, 41.0), RegisterReject) == []
     same = Heartbeat(origin=reborn, seq=10, endpoint=DECODE_EP)
     assert len(sent(p.receive(same, 41.0), RegisterReject)) == 1
+
+
+@pytest.mark.parametrize("given", [3, 5])
+def test_a_destination_list_of_another_length_than_the_room_fails_it(given: int) -> None:
+    """Longer as well as shorter: a request naming 5 destination pages for a 4-page room would map
+    positions the prefill never writes (a planted `<` for `!=` passed the suite)."""
+    for order in ("open first", "request first"):
+        p = prefill()
+        p.receive(register(), 0.0)
+        if order == "open first":
+            p.open_room(ROOM, num_pages=4, aux_row=None, now=0.0)
+        p.receive(request(list(range(10, 10 + given))), 0.1)
+        if order == "request first":
+            p.open_room(ROOM, num_pages=4, aux_row=None, now=0.2)
+        assert p.poll(ROOM) is KVPoll.Failed, order
+        assert f"gave {given} destination pages" in (p.failure(ROOM) or ""), order

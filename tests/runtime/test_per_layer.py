@@ -40,7 +40,7 @@ from pdkv.protocol.messages import Origin, RankCoord, StateIndices, TransferRequ
 from pdkv.protocol.poll import KVPoll
 from pdkv.runtime.chunk_plan import plan_chunk
 from pdkv.runtime.decode import KVReceiver
-from pdkv.runtime.executor import TransferExecutor
+from pdkv.runtime.executor import ExecutorConfig, TransferExecutor
 from pdkv.runtime.per_layer import (
     LayerDestinationsOf,
     PerLayerMode,
@@ -357,6 +357,30 @@ def test_a_layer_write_failing_after_the_decode_aborted_still_owes_its_fence(
     wait_for(room.receivers[0].release_ready)
     stats = rig.prefills[0].statistics()
     assert stats.per_layer.dropped == 1
+    assert stats.endpoint.fences_submitted == 1 and stats.endpoint.fences_failed == 0
+    assert rig.decodes[0].statistics().unsafe_releases == 0
+
+
+def test_a_layer_write_that_times_out_owes_its_fence_before_the_abort_ack(
+    rig_factory: Callable[..., Rig],
+) -> None:
+    """Not only a failed write: a job that ran out of its time budget (its batch finished late) may
+    have left slices in the engine, so the AbortAck waits for a fence to that rank."""
+    rig = started(
+        rig_factory,
+        faults=LoopbackFaults(delay_seconds=0.8, delay_batches={1}),
+        executor=ExecutorConfig(timeout_s=0.3),
+        finish_timeout_s=0.3,
+    )
+    logical = np.arange(6, dtype=np.int64) + 20
+    room = Room(rig, 18, logical, np.arange(6, dtype=np.int64) + 140, slots=0, aux=5)
+    room.register(logical, 0)
+    room.forward(logical)
+    room.send(logical, 0, last=True)
+    wait_for(lambda: room.receivers[0].poll() is KVPoll.Failed)
+    wait_for(room.receivers[0].release_ready)
+    stats = rig.prefills[0].statistics()
+    assert "not finished in time" in str(room.senders[0].failure() or "")
     assert stats.endpoint.fences_submitted == 1 and stats.endpoint.fences_failed == 0
     assert rig.decodes[0].statistics().unsafe_releases == 0
 
