@@ -688,8 +688,9 @@ class DecodeEndpoint(RoomKeeper[_ReceiverRoom]):
         return release is None or release.safe
 
     def release_kind(self, room: RoomId) -> ReleaseKind | None:
-        """How the room's pages came back (None: not released, or the room succeeded)."""
-        return self._room(room).release
+        """How the room's pages came back (None: not released, the room succeeded, or it is unknown)."""
+        r = self._rooms.get(room)
+        return None if r is None else r.release
 
     def metric(self, room: RoomId) -> dict[PeerKey, TransferMetricData]:
         """What each prefill rank reported writing (empty for a room not opened: nothing moved)."""

@@ -11,12 +11,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pdkv.metrics import KVTransferMetric, TransportCounter, TransportMetrics
-from pdkv.protocol.effects import Effect, FailureCause, ReleasePages, RoomFinished, Send
+from pdkv.protocol.effects import Effect, FailureCause, ReleaseKind, ReleasePages, RoomFinished, Send
 from pdkv.protocol.ids import RoomId
-from pdkv.protocol.messages import Abort, AbortAck, Message, TransferMetricData
+from pdkv.protocol.messages import Abort, AbortAck, Message, TransferMetricData, TransferStatus
 from pdkv.protocol.poll import KVPoll
 
 _ABORTED = (FailureCause.ABORTED_HERE, FailureCause.ABORTED_BY_PEER)
+_RELEASE_COUNTER = {
+    ReleaseKind.ACKED: TransportCounter.RELEASES_ACKED,
+    ReleaseKind.CUT: TransportCounter.RELEASES_CUT,
+    ReleaseKind.SETTLED: TransportCounter.RELEASES_SETTLED,
+    ReleaseKind.UNSAFE: TransportCounter.UNSAFE_RELEASES,
+}
 
 
 class Accounting:
@@ -29,13 +35,18 @@ class Accounting:
 
     def effects(self, effects: Sequence[Effect]) -> None:
         count = self.metrics.increment
+        aborted_here: set[RoomId] = set()  # a room fails before its statuses go out (one batch)
         for e in effects:
             if isinstance(e, Send):
                 if isinstance(e.message, Abort):
                     count(TransportCounter.ABORTS_SENT)
                 elif isinstance(e.message, AbortAck):
                     count(TransportCounter.ABORT_ACKS)
+                elif isinstance(e.message, TransferStatus) and e.message.room in aborted_here:
+                    count(TransportCounter.ABORTS_SENT)  # how a prefill tells a decode rank of its abort
             elif isinstance(e, RoomFinished):
+                if e.cause is FailureCause.ABORTED_HERE:
+                    aborted_here.add(e.room)
                 if e.poll is KVPoll.Success:
                     count(TransportCounter.ROOMS_SUCCEEDED)
                 else:
@@ -45,8 +56,10 @@ class Accounting:
                     elif e.cause is FailureCause.TIMEOUT:
                         count(TransportCounter.TIMEOUTS)
                 self._settle(e.room, completed=e.poll is KVPoll.Success)
-            elif isinstance(e, ReleasePages) and not e.safe:
-                count(TransportCounter.UNSAFE_RELEASES)
+            elif isinstance(e, ReleasePages):
+                counter = _RELEASE_COUNTER.get(e.kind)
+                if counter is not None:
+                    count(counter)
 
     def received(self, message: Message) -> None:
         if isinstance(message, Abort):
@@ -74,7 +87,7 @@ class Accounting:
     def reported(self, room: RoomId, peer: str, data: TransferMetricData) -> None:
         """Decode side: a prefill rank's Success status says what it wrote for the room."""
         metric = KVTransferMetric(room=room, pages=data.pages, bytes=data.bytes, seconds=data.seconds)
-        self.metrics.record_room(metric, peer)
+        self.metrics.record_room(metric, peer, received=True)
 
     def _settle(self, room: RoomId, *, completed: bool) -> None:
         for peer, metric in self._rooms.pop(room, {}).items():

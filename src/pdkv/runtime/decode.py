@@ -33,6 +33,7 @@ from pdkv.protocol.decode import DecodeEndpoint, DecodeStatistics
 from pdkv.protocol.effects import (
     CutConnections,
     Effect,
+    ReleaseKind,
     ReleasePages,
     RoomFinished,
     Send,
@@ -99,7 +100,9 @@ class DecodeTransportStatistics:
     endpoint: DecodeStatistics
     metrics: TransportMetricsSnapshot
     channel: ChannelStatistics
-    rooms_released: int
+    failed_rooms_released: int
+    """Failed rooms whose pages came back (by kind: ``endpoint.releases_*``; a room that succeeded
+    needs no release)."""
     unsafe_releases: int
 
 
@@ -273,7 +276,7 @@ class DecodeTransport(EndpointHost[DecodeEndpoint]):
             endpoint=endpoint,
             metrics=self.metrics.snapshot(),
             channel=self._loop.channel.statistics(),
-            rooms_released=self._released,
+            failed_rooms_released=self._released,
             unsafe_releases=self._unsafe,
         )
 
@@ -399,6 +402,12 @@ class KVReceiver(RoomHandle[DecodeEndpoint]):
     def release_was_safe(self) -> bool:
         """False when the pages were released after the abort-ack timeout: a late write may still land."""
         return self.transport._query(lambda e: e.release_was_safe(self.room))
+
+    def release_kind(self) -> ReleaseKind | None:
+        """What let a failed room's pages come back (``ReleaseKind``: ACKED and CUT are proven,
+        SETTLED a time bound, UNSAFE the quarantine bound); None while held, and for a room that
+        succeeded (its pages were never at risk)."""
+        return self.transport._query(lambda e: e.release_kind(self.room))
 
     def metric(self) -> KVTransferMetric:
         """The room's totals as reported by its prefill ranks (pages, bytes, slowest rank's seconds)."""
