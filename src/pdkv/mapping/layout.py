@@ -207,7 +207,7 @@ class BufferLayout:
         keys = [(b.model, b.kind, b.layer_id) for b in self.buffers]
         if len(set(keys)) != len(keys):
             twice = sorted({f"{m.value} {k.value} layer {i}" for m, k, i in keys if keys.count((m, k, i)) > 1})
-            raise LayoutError(f"a layout lists the same buffer twice: {', '.join(twice)}", field="buffers")
+            raise LayoutError(f"a layout lists the same (model, kind, layer) twice: {', '.join(twice)}", field="buffers")
         if keys != sorted(keys, key=_canonical_key):
             raise LayoutError("buffers must be in canonical order (use BufferLayout.build)", field="buffers")
         for b in self.buffers:
