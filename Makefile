@@ -24,13 +24,15 @@ $(SYSLIB): $(STAMP) scripts/ensure-syslibs.sh
 	./scripts/ensure-syslibs.sh $(PY)
 	@touch $@
 
-# SGLang 0.5.23's CPU import closure, for the adapter tests (tests/adapters). --no-deps: SGLang's own
-# requirements pull a CUDA torch and GPU kernels; the pinned list is what its transfer path imports on CPU,
-# and the check after it proves torch is still the CPU 2.13.0 of constraints.txt.
+# SGLang 0.5.23 on CPU, for the adapter tests (tests/adapters) and the server tests (tests/servers):
+# its transfer path's import closure (sglang-cpu.txt) and its serving closure (sglang-serve-cpu.txt:
+# `sglang serve` and SGLang's PD router). --no-deps: SGLang's own requirements pull a CUDA torch and GPU
+# kernels; the check after it proves torch is still the CPU 2.13.0 of constraints.txt.
+SGLANG_LISTS := requirements/sglang-cpu.txt requirements/sglang-serve-cpu.txt
 sglang: $(SGLANG)
 
-$(SGLANG): $(STAMP) requirements/sglang-cpu.txt constraints.txt
-	$(PY) -m pip install -q --no-deps -c constraints.txt -r requirements/sglang-cpu.txt
+$(SGLANG): $(STAMP) $(SGLANG_LISTS) constraints.txt
+	$(PY) -m pip install -q --no-deps -c constraints.txt $(addprefix -r ,$(SGLANG_LISTS))
 	$(PY) -c "import torch; assert torch.__version__.startswith('2.13.0') and torch.version.cuda is None, torch.__version__"
 	@touch $@
 
