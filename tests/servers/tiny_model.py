@@ -125,5 +125,50 @@ def _write_tokenizer(directory: Path) -> None:
     )
 
 
+def write_deepseek(directory: Path) -> Path:
+    """A tiny DeepSeek-V2-style model (MLA attention, dense MLPs: no experts), same vocabulary and seed
+    rule as ``write_llama``; built with transformers' own class so the weight names are its."""
+    import torch
+    import transformers
+
+    directory.mkdir(parents=True, exist_ok=True)
+    config = transformers.DeepseekV2Config(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=INTERMEDIATE,
+        moe_intermediate_size=INTERMEDIATE,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=HEADS,
+        q_lora_rank=None,
+        kv_lora_rank=128,
+        qk_nope_head_dim=32,
+        qk_rope_head_dim=32,
+        v_head_dim=32,
+        first_k_dense_replace=LAYERS,
+        n_routed_experts=1,
+        n_shared_experts=1,
+        num_experts_per_tok=1,
+        max_position_embeddings=MAX_POSITIONS,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        rope_scaling=None,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(SEED)
+    model = transformers.DeepseekV2ForCausalLM(config)
+    generator = torch.Generator().manual_seed(SEED)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                param.copy_(torch.randn(param.shape, generator=generator) * STD)
+    model.save_pretrained(directory, safe_serialization=True)
+    _write_tokenizer(directory)
+    return directory
+
+
 if __name__ == "__main__":
     print(write_llama(Path(sys.argv[1])))
