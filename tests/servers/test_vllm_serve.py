@@ -158,8 +158,10 @@ def test_a_client_disconnecting_mid_transfer_leaves_nothing_behind(cluster: Clus
         )
         try:
             harness.wait_for(
-                lambda: cluster.reports()["decode"]["decode_rooms_open"] == 1
-                and cluster.reports()["prefill"]["prefill_rooms_open"] == 1,
+                lambda: (
+                    cluster.reports()["decode"]["decode_rooms_open"] == 1
+                    and cluster.reports()["prefill"]["prefill_rooms_open"] == 1
+                ),
                 60,
                 "the room open on both servers",
             )

