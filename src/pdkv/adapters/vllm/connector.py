@@ -167,7 +167,9 @@ def refuse_unsupported(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig |
         (
             int(parallel.tensor_parallel_size) > 1,
             f"tensor parallelism (tensor_parallel_size {parallel.tensor_parallel_size}): the adapter "
-            "describes each layer's blocks as opaque items, which needs one rank per instance",
+            "describes each layer's blocks as opaque items, which pdkv treats as replicas across TP ranks "
+            "(a rank's KV heads inside vLLM's CPU block, (2, heads, block, dim), are strided slices of K "
+            "and V that a pdkv buffer cannot describe yet), so it needs one rank per instance",
         ),
         (int(parallel.pipeline_parallel_size) > 1, "pipeline parallelism (pipeline_parallel_size > 1)"),
         (int(parallel.data_parallel_size) > 1, "data parallelism (data_parallel_size > 1)"),
