@@ -257,6 +257,7 @@ def _patch_vllm(connector: types.ModuleType) -> None:
     def worker_register(self: Any, kv_caches: Any) -> None:
         register(self, kv_caches)
         self._test_loads = {}
+        self._test_prefix_loads = 0  # loads that skip blocks the decode's prefix cache already holds
 
         def report() -> dict[str, Any]:
             role = "decode" if self.prefill is None else "prefill" if self.decode is None else "both"
@@ -264,6 +265,7 @@ def _patch_vllm(connector: types.ModuleType) -> None:
                 "kind": f"vllm-worker-{role}",
                 "outgoing": len(self._out),
                 "incoming": len(self._in),
+                "prefix_loads": self._test_prefix_loads,
                 "controls_applied": _controls["applied"],
             }
             for name, transport in (("prefill", self.prefill), ("decode", self.decode)):
@@ -276,6 +278,7 @@ def _patch_vllm(connector: types.ModuleType) -> None:
     def worker_before_forward(self: Any, meta: Any) -> None:
         for load in meta.loads:
             self._test_loads[load.req_id] = load.loaded_pages
+            self._test_prefix_loads += load.prefix_pages > 0
         before_forward(self, meta)
 
     def worker_poll_finished(self: Any) -> tuple[set[str], set[str]]:

@@ -127,6 +127,9 @@ def test_decode_tokens_equal_a_plain_server_and_the_kv_is_what_the_decode_uses(c
         control_prompts=CONTROL_PROMPTS,
     )
     reports = cluster.reports()
+    # the two prompts that extend PROMPTS[4] hit the decode's prefix cache: only their other blocks
+    # came over (and their tokens are the plain server's all the same)
+    assert reports["decode"]["prefix_loads"] >= 2, reports["decode"]
     # every prompt's KV came through pdkv (the decode computed only the last prompt token and beyond)
     assert reports["decode"]["decode_rooms_succeeded"] - before == len(PROMPTS) + len(CONTROL_PROMPTS)
     assert reports["decode"]["decode_rooms_failed"] == 0 and reports["prefill"]["prefill_rooms_failed"] == 0
