@@ -9,7 +9,7 @@ from pdkv.protocol.config import Timeouts
 from pdkv.protocol.decode import DecodeEndpoint
 from pdkv.protocol.effects import (
     CutConnections,
-    Effect,
+    DecodeEffect,
     Notice,
     NoticeLevel,
     ReleaseKind,
@@ -213,7 +213,7 @@ def test_a_late_ack_returns_quarantined_pages_safely_after_they_settle() -> None
     assert (stats.rooms_quarantined, stats.quarantines_released, stats.unsafe_releases) == (0, 1, 0)
 
 
-def _quarantined_and_acked(cuts: bool) -> tuple[DecodeEndpoint, list[Effect]]:
+def _quarantined_and_acked(cuts: bool) -> tuple[DecodeEndpoint, list[DecodeEffect]]:
     d = DecodeEndpoint(
         origin=DECODE,
         tp_size=1,

@@ -10,7 +10,7 @@ import pytest
 
 from pdkv.protocol.config import Timeouts
 from pdkv.protocol.decode import DecodeEndpoint
-from pdkv.protocol.effects import Effect, ForgetPeer, ReleaseKind, Target
+from pdkv.protocol.effects import DecodeEffect, ForgetPeer, ReleaseKind, Target
 from pdkv.protocol.ids import RoomId
 from pdkv.protocol.messages import AbortAck, Message
 from pdkv.protocol.poll import KVPoll
@@ -109,7 +109,7 @@ def test_planted_a_fenced_ack_taken_as_proof(monkeypatch: pytest.MonkeyPatch) ->
     """Item 7: an AbortAck after a fence released the pages at once, with bytes still in a connection."""
     receive = DecodeEndpoint.receive
 
-    def forget_the_fence(self: DecodeEndpoint, message: Message, now: float) -> list[Effect]:
+    def forget_the_fence(self: DecodeEndpoint, message: Message, now: float) -> list[DecodeEffect]:
         if isinstance(message, AbortAck):
             message = AbortAck(origin=message.origin, room=message.room)
         return receive(self, message, now)
@@ -139,15 +139,15 @@ def test_a_restarted_prefill_leaves_its_in_flight_bytes_in_sockets_so_the_pages_
 
 def test_planted_a_new_incarnations_ack_taken_as_proof(monkeypatch: pytest.MonkeyPatch) -> None:
     """The same story with the restart forgotten: the ack releases at once, the old bytes land after."""
-    restarted = DecodeEndpoint._peer_restarted
+    restarted = DecodeEndpoint._replace
 
-    def forget_the_old_writes(self: DecodeEndpoint, *args: Any, **kw: Any) -> list[Effect]:
-        effects = restarted(self, *args, **kw)
-        for room in self._rooms.values():
-            room.unproven.clear()
-        return effects
+    def forget_the_old_writes(self: DecodeEndpoint, *args: Any, **kw: Any) -> None:
+        restarted(self, *args, **kw)
+        for room in self.room_records():
+            if room.abort is not None:
+                room.abort.unproven.clear()
 
-    monkeypatch.setattr(DecodeEndpoint, "_peer_restarted", forget_the_old_writes)
+    monkeypatch.setattr(DecodeEndpoint, "_replace", forget_the_old_writes)
     pair = EndpointPair(transfer_time=0.5, timeouts=FAST, late_write_s=5.0, cuts_connections=True)
     pair.connect()
     pair.run(until=0.1)
@@ -162,12 +162,13 @@ def test_planted_a_new_incarnations_ack_taken_as_proof(monkeypatch: pytest.Monke
 def test_planted_a_socket_dropped_after_the_messages_for_its_new_peer(monkeypatch: pytest.MonkeyPatch) -> None:
     """Item 8: ``ForgetPeer`` applied after the same input's messages: the Register to the restarted
     prefill rank went onto the socket that was then dropped with what it held."""
-    restarted = DecodeEndpoint._peer_restarted
+    restarted = DecodeEndpoint._replace
 
-    def forget_last(self: DecodeEndpoint, *args: Any, **kw: Any) -> list[Effect]:
-        effects = restarted(self, *args, **kw)
-        return [e for e in effects if not isinstance(e, ForgetPeer)] + [
-            e for e in effects if isinstance(e, ForgetPeer)
+    def forget_last(self: DecodeEndpoint, *args: Any, **kw: Any) -> None:
+        restarted(self, *args, **kw)
+        mine = self._out
+        self._out = [e for e in mine if not isinstance(e, ForgetPeer)] + [
+            e for e in mine if isinstance(e, ForgetPeer)
         ]
 
     target = Target(instance=EndpointPair().prefill_instance, rank=EndpointPair().prefills[0].origin.rank)
@@ -180,5 +181,5 @@ def test_planted_a_socket_dropped_after_the_messages_for_its_new_peer(monkeypatc
         return pair.decode.peer_ready(target)
 
     assert registered_soon(EndpointPair(timeouts=FAST))
-    monkeypatch.setattr(DecodeEndpoint, "_peer_restarted", forget_last)
+    monkeypatch.setattr(DecodeEndpoint, "_replace", forget_last)
     assert not registered_soon(EndpointPair(timeouts=FAST))

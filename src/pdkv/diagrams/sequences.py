@@ -414,7 +414,7 @@ SCENARIOS: tuple[Scenario, ...] = (
         title="Prefill abort",
         story="The prefill scheduler aborts mid-transfer: TransferStatus(Failed) tells the decode rank, "
         "which fails the room and answers with Abort; the AbortAck waits for the writes in flight; "
-        "then the pages are released (safe).",
+        "then the pages are released (acked).",
         script=prefill_abort,
     ),
     Scenario(

@@ -263,14 +263,11 @@ class CutConnections:
     hosts: tuple[str, ...]
 
 
-Effect: TypeAlias = (
-    Send
-    | SubmitChunk
-    | RoomFinished
-    | ReleasePages
-    | Notice
-    | ForgetPeer
-    | DropLayers
-    | SubmitFence
-    | CutConnections
-)
+PrefillEffect: TypeAlias = Send | SubmitChunk | RoomFinished | Notice | ForgetPeer | DropLayers | SubmitFence
+"""What a prefill endpoint asks its driver to do."""
+
+DecodeEffect: TypeAlias = Send | RoomFinished | ReleasePages | Notice | ForgetPeer | CutConnections
+"""What a decode endpoint asks its driver to do."""
+
+Effect: TypeAlias = PrefillEffect | DecodeEffect
+"""Either side's (for what reads both: logs, metrics)."""

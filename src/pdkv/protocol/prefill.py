@@ -59,7 +59,7 @@ from pdkv.protocol.effects import (
     DecodePeer,
     Destination,
     DropLayers,
-    Effect,
+    PrefillEffect,
     Failure,
     FailureCause,
     FenceWrite,
@@ -283,10 +283,10 @@ class PrefillEndpoint(RoomKeeper[_SenderRoom]):
 
     # ------------------------------------------------------------------ network input
 
-    def receive(self, message: Message, now: float) -> list[Effect]:
+    def receive(self, message: Message, now: float) -> list[PrefillEffect]:
         """Handle one decoded message from a decode rank."""
         key = (message.origin.instance, message.origin.rank)
-        effects: list[Effect] = []
+        effects: list[PrefillEffect] = []
         known = self._peers.get(key)
         if known is not None and message.origin.epoch > known.epoch:
             # Whatever the message, the incarnation we knew is gone; a Register then registers the
@@ -299,7 +299,7 @@ class PrefillEndpoint(RoomKeeper[_SenderRoom]):
         self._free_unopened(now)
         return effects
 
-    def _dispatch(self, message: Message, now: float) -> list[Effect]:
+    def _dispatch(self, message: Message, now: float) -> list[PrefillEffect]:
         if isinstance(message, Register):
             return self._on_register(message, now)
         if isinstance(message, TransferRequest):
@@ -338,10 +338,10 @@ class PrefillEndpoint(RoomKeeper[_SenderRoom]):
             )
         ]
 
-    def _on_register(self, msg: Register, now: float) -> list[Effect]:
+    def _on_register(self, msg: Register, now: float) -> list[PrefillEffect]:
         key = (msg.origin.instance, msg.origin.rank)
         known = self._peers.get(key)
-        effects: list[Effect] = []
+        effects: list[PrefillEffect] = []
         if known is not None and msg.origin.epoch < known.epoch:
             return self._stale(msg)
         difference = self.layout.difference(msg.layout)
@@ -415,9 +415,9 @@ class PrefillEndpoint(RoomKeeper[_SenderRoom]):
         if rooms:
             self._draining.setdefault(key, set()).update(rooms)
 
-    def _writes_ended(self, room: RoomId) -> list[Effect]:
+    def _writes_ended(self, room: RoomId) -> list[PrefillEffect]:
         """``room`` may have had the last in-flight write to a forgotten rank: send deferred acks."""
-        effects: list[Effect] = []
+        effects: list[PrefillEffect] = []
         if not self._draining or self.in_flight(room):
             return effects
         for key, rooms in list(self._draining.items()):
@@ -434,14 +434,14 @@ class PrefillEndpoint(RoomKeeper[_SenderRoom]):
                 self._lifecycle.pop(key, None)  # forgotten and drained: nothing left to remember
         return effects
 
-    def _peer_restarted(self, key: PeerKey, new: Origin) -> list[Effect]:
+    def _peer_restarted(self, key: PeerKey, new: Origin) -> list[PrefillEffect]:
         """A decode rank came back with a new epoch: its old rooms can never complete."""
         old = self._peers[key]
         self._note_draining(key)
         self._drop_peer(key)
         self._counters.peer_restarts += 1
         reason = f"decode rank {old.instance}:{old.rank} restarted (epoch {old.epoch} -> {new.epoch})"
-        effects: list[Effect] = [
+        effects: list[PrefillEffect] = [
             ForgetPeer(endpoint=old.endpoint, reason=reason),
             _notice(NoticeLevel.WARNING, reason),
         ]
@@ -453,7 +453,7 @@ class PrefillEndpoint(RoomKeeper[_SenderRoom]):
                 r.requests.pop(key)
         return effects
 
-    def _on_request(self, msg: TransferRequest, now: float) -> list[Effect]:
+    def _on_request(self, msg: TransferRequest, now: float) -> list[PrefillEffect]:
         key = (msg.origin.instance, msg.origin.rank)
         peer = self._peers.get(key)
         if peer is None or peer.epoch != msg.origin.epoch:
@@ -579,7 +579,7 @@ class PrefillEndpoint(RoomKeeper[_SenderRoom]):
                 )
         return None
 
-    def _on_abort(self, msg: Abort, now: float) -> list[Effect]:
+    def _on_abort(self, msg: Abort, now: float) -> list[PrefillEffect]:
         self._counters.aborts_received += 1
         key = (msg.origin.instance, msg.origin.rank)
         peer = self._peers.get(key)
@@ -589,7 +589,7 @@ class PrefillEndpoint(RoomKeeper[_SenderRoom]):
         if r is None:
             # Unknown (never seen, or closed): nothing of it is in flight. Remember the id so a
             # reordered TransferRequest cannot start writes after this acknowledgement.
-            effects: list[Effect] = []
+            effects: list[PrefillEffect] = []
             if msg.room not in self._tombstones:
                 self._counters.aborts_unknown_room += 1
                 effects.append(
@@ -627,7 +627,7 @@ class PrefillEndpoint(RoomKeeper[_SenderRoom]):
             return effects + self._abort_ack(r.room, key)
         return effects + self._maybe_drained(r)
 
-    def _peer_silent(self, key: PeerKey, now: float) -> list[Effect]:
+    def _peer_silent(self, key: PeerKey, now: float) -> list[PrefillEffect]:
         """A decode rank sent nothing for ``heartbeat_timeout``: fail its live rooms and forget it.
 
         Its rooms are told Failed (best effort, on a rebuilt socket) while it is still known, so a
@@ -638,7 +638,7 @@ class PrefillEndpoint(RoomKeeper[_SenderRoom]):
         silent = now - self._last_heard.get(key, now)
         reason = f"decode rank {peer.instance}:{peer.rank} silent for {silent:.3g} s"
         self._counters.peers_lost += 1
-        effects: list[Effect] = [
+        effects: list[PrefillEffect] = [
             ForgetPeer(endpoint=peer.endpoint, reason=reason),
             _notice(
                 NoticeLevel.WARNING, f"{reason}: failing its rooms and forgetting it until it registers again"
@@ -649,8 +649,8 @@ class PrefillEndpoint(RoomKeeper[_SenderRoom]):
         self._drop_peer(key)
         return effects
 
-    def _fail_rooms_of(self, key: PeerKey, reason: str, cause: FailureCause, now: float) -> list[Effect]:
-        effects: list[Effect] = []
+    def _fail_rooms_of(self, key: PeerKey, reason: str, cause: FailureCause, now: float) -> list[PrefillEffect]:
+        effects: list[PrefillEffect] = []
         for r in list(self._rooms.values()):
             if key in r.requests and not r.terminal:
                 effects += self._fail(r, reason, cause, now=now, by=key)
@@ -669,13 +669,13 @@ class PrefillEndpoint(RoomKeeper[_SenderRoom]):
         if not self._peers:
             self._heartbeats.stop()
 
-    def _stale(self, msg: Message) -> list[Effect]:
+    def _stale(self, msg: Message) -> list[PrefillEffect]:
         self._counters.stale_messages += 1
         return [_notice(NoticeLevel.INFO, f"dropped {type(msg).__name__} from stale or unknown {msg.origin}")]
 
     # ------------------------------------------------------------------ scheduler input
 
-    def open_room(self, room: RoomId, *, num_pages: int, aux_row: int | None, now: float) -> list[Effect]:
+    def open_room(self, room: RoomId, *, num_pages: int, aux_row: int | None, now: float) -> list[PrefillEffect]:
         """``sender.init``: the request has ``num_pages`` pages; its aux row on this side is ``aux_row``.
 
         Arguments are checked first (``InvalidArgumentError``; nothing changes on a bad call). A
@@ -830,7 +830,7 @@ class PrefillEndpoint(RoomKeeper[_SenderRoom]):
                     value=int(state.indices.max()),
                 )
 
-    def queue_chunk(self, room: RoomId, spec: ChunkSpec, now: float) -> list[Effect]:
+    def queue_chunk(self, room: RoomId, spec: ChunkSpec, now: float) -> list[PrefillEffect]:
         """``sender.send``: queue one chunk; returns SubmitChunk unless the room failed (then Skipped).
 
         The chunk must keep the room's page contract (``check_chunk``); a chunk that breaks it is
@@ -886,7 +886,7 @@ class PrefillEndpoint(RoomKeeper[_SenderRoom]):
             )
         ]
 
-    def abort_room(self, room: RoomId, reason: str, now: float) -> list[Effect]:
+    def abort_room(self, room: RoomId, reason: str, now: float) -> list[PrefillEffect]:
         """``sender.abort``: fail the room and tell every decode rank at once."""
         r = self._rooms.get(room)
         if r is None:
@@ -1032,7 +1032,7 @@ class PrefillEndpoint(RoomKeeper[_SenderRoom]):
         now: float,
         *,
         per_peer: Mapping[PeerKey, TransferMetricData] | None = None,
-    ) -> list[Effect]:
+    ) -> list[PrefillEffect]:
         """Every write of ``chunk`` completed; ``metric`` counts what was actually written, and
         ``per_peer`` what went to each decode rank (each is told only its own share). Without
         ``per_peer`` the whole metric is the share of each real destination (exact for the usual
@@ -1068,7 +1068,7 @@ class PrefillEndpoint(RoomKeeper[_SenderRoom]):
         now: float,
         *,
         fences: Mapping[PeerKey, FenceWrite] | None = None,
-    ) -> list[Effect]:
+    ) -> list[PrefillEffect]:
         """Every write the per-layer context ``start_token`` of ``room`` submitted has ended
         (``fences`` as for ``chunk_failed``, when one of them failed)."""
         self._owe_fences(room, fences)
@@ -1088,7 +1088,7 @@ class PrefillEndpoint(RoomKeeper[_SenderRoom]):
             if known is None or known.state is FenceState.DONE:  # a later failed write: fenced again
                 self._fences[(room, key)] = _Fence(write=write)
 
-    def _maybe_succeed(self, r: _SenderRoom) -> list[Effect]:
+    def _maybe_succeed(self, r: _SenderRoom) -> list[PrefillEffect]:
         """Success once every chunk is Done and no per-layer write of the room can still land."""
         if not (
             r.state is SenderRoomState.TRANSFERRING
@@ -1119,7 +1119,7 @@ class PrefillEndpoint(RoomKeeper[_SenderRoom]):
         r.deadline = None
         r.success_held = False
         self._counters.rooms_succeeded += 1
-        effects: list[Effect] = []
+        effects: list[PrefillEffect] = []
         for key, q in r.requests.items():
             peer = self._peers.get(key)
             if not q.dummy and peer is not None:
@@ -1135,14 +1135,14 @@ class PrefillEndpoint(RoomKeeper[_SenderRoom]):
         now: float,
         *,
         fences: Mapping[PeerKey, FenceWrite] | None = None,
-    ) -> list[Effect]:
+    ) -> list[PrefillEffect]:
         """The engine failed a write of ``chunk``; every write already submitted has ended. ``fences``:
         for each decode rank a write to which failed, one block of it to repeat as a fence before the
         room's AbortAck to that rank (bytes of a failed batch may still be queued in the engine)."""
         self._owe_fences(room, fences)
         r, c = self._chunk(room, chunk)
         c.machine.fire(ChunkTrigger.FAIL)
-        effects: list[Effect] = []
+        effects: list[PrefillEffect] = []
         if not r.terminal:
             effects += self._fail(
                 r, _clip(f"transfer of chunk {chunk} failed: {reason}"), FailureCause.ENGINE, now=now
@@ -1168,10 +1168,10 @@ class PrefillEndpoint(RoomKeeper[_SenderRoom]):
         ]
         return min(candidates, default=None)
 
-    def tick(self, now: float) -> list[Effect]:
+    def tick(self, now: float) -> list[PrefillEffect]:
         """Heartbeat round when due (forget silent decode ranks, greet the others); fail every room
         whose deadline passed; forget expired tombstones."""
-        effects: list[Effect] = []
+        effects: list[PrefillEffect] = []
         if self._heartbeats.is_due(now):
             effects += self._heartbeat_round(now)
         for room in self._due_rooms(now):
@@ -1199,8 +1199,8 @@ class PrefillEndpoint(RoomKeeper[_SenderRoom]):
         self._free_unopened(now)
         return effects
 
-    def _heartbeat_round(self, now: float) -> list[Effect]:
-        effects: list[Effect] = []
+    def _heartbeat_round(self, now: float) -> list[PrefillEffect]:
+        effects: list[PrefillEffect] = []
         for key in sorted(self._peers, key=_peer_order):
             if now - self._last_heard.get(key, now) >= self.timeouts.heartbeat_timeout:
                 effects += self._peer_silent(key, now)
@@ -1255,7 +1255,7 @@ class PrefillEndpoint(RoomKeeper[_SenderRoom]):
         notify: bool = True,
         now: float | None = None,
         by: PeerKey | None = None,
-    ) -> list[Effect]:
+    ) -> list[PrefillEffect]:
         """Fail the room (``by``: the decode rank the failure came from or concerns, for the
         scheduler's ``Failure``), skip its queued chunks and tell its decode ranks (``notify``)."""
         r.machine.fire(SenderRoomTrigger.FAIL)
@@ -1269,7 +1269,7 @@ class PrefillEndpoint(RoomKeeper[_SenderRoom]):
         for c in r.chunks:
             if c.machine.state is ChunkState.REGISTERED:
                 self._skip(c)
-        effects: list[Effect] = [
+        effects: list[PrefillEffect] = [
             RoomFinished(room=r.room, poll=KVPoll.Failed, reason=reason, cause=cause),
             _notice(NoticeLevel.WARNING, f"room {r.room} failed on prefill {self.origin}: {reason}", r.room),
         ]
@@ -1297,8 +1297,8 @@ class PrefillEndpoint(RoomKeeper[_SenderRoom]):
             return None  # nobody registered to tell (a forgotten rank hears of it when it registers)
         return r.status_resend_at
 
-    def _resend_status(self, r: _SenderRoom, now: float) -> list[Effect]:
-        effects: list[Effect] = []
+    def _resend_status(self, r: _SenderRoom, now: float) -> list[PrefillEffect]:
+        effects: list[PrefillEffect] = []
         for key in sorted(r.unanswered, key=_peer_order):
             peer = self._peers.get(key)
             if peer is not None:
@@ -1308,7 +1308,7 @@ class PrefillEndpoint(RoomKeeper[_SenderRoom]):
         self._schedule_status_resend(r, now)
         return effects
 
-    def _status_to(self, r: _SenderRoom, peer: DecodePeer) -> list[Effect]:
+    def _status_to(self, r: _SenderRoom, peer: DecodePeer) -> list[PrefillEffect]:
         """The room's final word to one decode rank (dummy requesters expect none on success)."""
         q = r.requests.get(peer.key)
         if r.state is SenderRoomState.SUCCESS:
@@ -1328,16 +1328,16 @@ class PrefillEndpoint(RoomKeeper[_SenderRoom]):
         c.machine.fire(ChunkTrigger.SKIP)
         self._counters.chunks_skipped += 1
 
-    def _maybe_drained(self, r: _SenderRoom) -> list[Effect]:
+    def _maybe_drained(self, r: _SenderRoom) -> list[PrefillEffect]:
         if r.abort is None or r.abort.state is not PrefillAbortState.DRAINING or r.in_flight:
             return []
         r.abort.fire(PrefillAbortTrigger.DRAINED)
-        effects: list[Effect] = []
+        effects: list[PrefillEffect] = []
         for key in sorted(r.ack_to, key=_peer_order):
             effects += self._abort_ack(r.room, key)
         return effects
 
-    def _abort_ack(self, room: RoomId, key: PeerKey) -> list[Effect]:
+    def _abort_ack(self, room: RoomId, key: PeerKey) -> list[PrefillEffect]:
         """The AbortAck for ``room`` to ``key`` (writes of the room all ended), or first the fence it
         waits for when a write of the room to that rank failed (``SubmitFence``, ``fence_done``)."""
         peer = self._peers.get(key)
@@ -1350,7 +1350,7 @@ class PrefillEndpoint(RoomKeeper[_SenderRoom]):
             return [Send(to=peer.endpoint, message=ack)]
         return self._fence(room, key)
 
-    def _fence(self, room: RoomId, key: PeerKey) -> list[Effect]:
+    def _fence(self, room: RoomId, key: PeerKey) -> list[PrefillEffect]:
         """Submit the fence owed to ``key`` for ``room`` (nothing if it is on its way already, or the
         rank is not registered: it is written when the rank registers again and asks)."""
         owed = self._fences[(room, key)]
@@ -1360,7 +1360,7 @@ class PrefillEndpoint(RoomKeeper[_SenderRoom]):
         self._counters.fences_submitted += 1
         return [SubmitFence(room=room, peer=key, fence=owed.write)]
 
-    def fence_done(self, room: RoomId, peer: PeerKey, ok: bool, reason: str, now: float) -> list[Effect]:
+    def fence_done(self, room: RoomId, peer: PeerKey, ok: bool, reason: str, now: float) -> list[PrefillEffect]:
         """The fence write of ``room`` to ``peer`` ended: COMPLETED (``ok``) lets its AbortAck go; a
         failure keeps it owed, and the fence is written again ``abort_resend`` later (or at the
         decode's next resent Abort, if that comes first). A write on an engine connection that died

@@ -14,7 +14,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any, TypeVar, assert_never
 
 import attrs
 
@@ -32,13 +32,13 @@ from pdkv.protocol.config import Timeouts
 from pdkv.protocol.decode import DecodeEndpoint, DecodeStatistics
 from pdkv.protocol.effects import (
     CutConnections,
-    Effect,
+    DecodeEffect,
+    ForgetPeer,
+    Notice,
     ReleaseKind,
     ReleasePages,
     RoomFinished,
     Send,
-    SubmitChunk,
-    SubmitFence,
     Target,
 )
 from pdkv.protocol.ids import Endpoint, Epoch, InstanceId, RoomId, SessionId
@@ -109,7 +109,7 @@ class DecodeTransportStatistics:
 Query = Callable[[str, RouteQuery, float], RouteTable | None]
 
 
-class DecodeTransport(EndpointHost[DecodeEndpoint]):
+class DecodeTransport(EndpointHost[DecodeEndpoint, DecodeEffect]):
     """One decode rank: registers its buffers and receives rooms from prefill instances."""
 
     def __init__(
@@ -322,24 +322,29 @@ class DecodeTransport(EndpointHost[DecodeEndpoint]):
                 self.metrics.increment(counter, new)
                 self._seen[counter] = total
 
-    def _apply_effect(self, effect: Effect) -> None:
-        if isinstance(effect, Send):
-            self._loop.post(effect.to, effect.message)
-        elif isinstance(effect, ReleasePages):
-            self._released += 1
-            if not effect.safe:
-                self._unsafe += 1
-                log.warning("room %s: pages released UNSAFELY: %s", effect.room, effect.reason)
-        elif isinstance(effect, RoomFinished):
-            if effect.poll is KVPoll.Success:
-                log.debug("room %s succeeded on decode %s", effect.room, self.config.rank)
-                for (instance, rank), data in self._endpoint.metric(effect.room).items():
-                    self._accounting.reported(effect.room, peer_name(instance, rank), data)
-        elif isinstance(effect, CutConnections):
-            # Off the lock: a cut waits until the kernel dropped the sockets (their readers closed them).
-            self._cutter.request(effect)
-        elif isinstance(effect, (SubmitChunk, SubmitFence)):  # prefill-side effects
-            raise AssertionError(f"decode endpoint emitted {effect}")
+    def _apply_effect(self, effect: DecodeEffect) -> None:
+        match effect:
+            case Send():
+                self._loop.post(effect.to, effect.message)
+            case ReleasePages():
+                self._released += 1
+                if not effect.safe:
+                    self._unsafe += 1
+                    log.warning("room %s: pages released UNSAFELY: %s", effect.room, effect.reason)
+            case RoomFinished():
+                if effect.poll is KVPoll.Success:
+                    log.debug("room %s succeeded on decode %s", effect.room, self.config.rank)
+                    for (instance, rank), data in self._endpoint.metric(effect.room).items():
+                        self._accounting.reported(effect.room, peer_name(instance, rank), data)
+            case CutConnections():
+                # Off the lock: a cut waits until this process closed the destroyed sockets.
+                self._cutter.request(effect)
+            case Notice():
+                self._log_notice(effect)
+            case ForgetPeer():
+                self._forget_peer(effect)
+            case _:
+                assert_never(effect)
 
     def _cut_done(self, effect: CutConnections, ok: bool, reason: str) -> None:
         """The cutter ended the connections a quarantined room waited for (or could not)."""
@@ -347,7 +352,7 @@ class DecodeTransport(EndpointHost[DecodeEndpoint]):
             self._apply(self._endpoint.connections_cut(effect.room, ok, reason, self._clock()))
 
 
-class KVReceiver(RoomHandle[DecodeEndpoint]):
+class KVReceiver(RoomHandle[DecodeEndpoint, DecodeEffect]):
     """The scheduler's handle on one room of a decode rank. Every call returns without network waits."""
 
     transport: DecodeTransport
@@ -424,7 +429,7 @@ class KVReceiver(RoomHandle[DecodeEndpoint]):
         self.transport._call(lambda e, now: _close(e, self.room, now))
 
 
-def _close(endpoint: DecodeEndpoint, room: RoomId, now: float) -> list[Effect]:
+def _close(endpoint: DecodeEndpoint, room: RoomId, now: float) -> list[DecodeEffect]:
     endpoint.close_room(room, now)
     return []
 

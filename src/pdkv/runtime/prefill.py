@@ -29,7 +29,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any, TypeVar, assert_never
 
 import attrs
 import numpy as np
@@ -60,13 +60,13 @@ from pdkv.protocol import arguments
 from pdkv.protocol.config import Timeouts
 from pdkv.protocol.effects import (
     ChunkSpec,
-    CutConnections,
     Destination,
     DropLayers,
-    Effect,
     FenceWrite,
+    ForgetPeer,
+    Notice,
     PeerKey,
-    ReleasePages,
+    PrefillEffect,
     RoomFinished,
     Send,
     SubmitChunk,
@@ -192,7 +192,7 @@ class _Written:
     last_completion_at: float
 
 
-class PrefillTransport(EndpointHost[PrefillEndpoint]):
+class PrefillTransport(EndpointHost[PrefillEndpoint, PrefillEffect]):
     """One prefill rank: registers its buffers, announces itself, and serves its rooms."""
 
     def __init__(
@@ -354,35 +354,40 @@ class PrefillTransport(EndpointHost[PrefillEndpoint]):
 
     # ------------------------------------------------------------------ effects (lock held)
 
-    def _apply_effect(self, effect: Effect) -> None:
-        if isinstance(effect, Send):
-            self._loop.post(effect.to, effect.message)
-        elif isinstance(effect, SubmitChunk):
-            try:
-                self._work.put_nowait(effect)
-            except queue.Full:
-                # Never block the caller: the chunk fails, and with it the room (decode is told).
-                now = self._clock()
-                self._endpoint.start_chunk(effect.room, effect.chunk, now)
-                reason = f"transfer queue full ({self.config.queue_size} chunks)"
-                self._apply(self._endpoint.chunk_failed(effect.room, effect.chunk, reason, now))
-        elif isinstance(effect, RoomFinished):
-            if effect.poll is KVPoll.Success:
-                log.debug("room %s succeeded on prefill %s", effect.room, self.config.rank)
-                # Contexts that never wrote (none that wrote can be left: Success waited for them).
-                self.per_layer.cancel(effect.room, "room succeeded without this chunk")
-            else:
-                self.per_layer.cancel(effect.room, effect.reason or "room failed")
-        elif isinstance(effect, DropLayers):
-            self.per_layer.cancel(effect.room, effect.reason)
-        elif isinstance(effect, SubmitFence):
-            try:
-                self._work.put_nowait(effect)
-            except queue.Full:  # the AbortAck stays owed: the decode's next resent Abort fences again
-                reason = f"transfer queue full ({self.config.queue_size} chunks)"
-                self._apply(self._endpoint.fence_done(effect.room, effect.peer, False, reason, self._clock()))
-        elif isinstance(effect, (ReleasePages, CutConnections)):  # decode-side effects
-            raise AssertionError(f"prefill endpoint emitted {effect}")
+    def _apply_effect(self, effect: PrefillEffect) -> None:
+        match effect:
+            case Send():
+                self._loop.post(effect.to, effect.message)
+            case SubmitChunk():
+                try:
+                    self._work.put_nowait(effect)
+                except queue.Full:
+                    # Never block the caller: the chunk fails, and with it the room (decode is told).
+                    now = self._clock()
+                    self._endpoint.start_chunk(effect.room, effect.chunk, now)
+                    reason = f"transfer queue full ({self.config.queue_size} chunks)"
+                    self._apply(self._endpoint.chunk_failed(effect.room, effect.chunk, reason, now))
+            case RoomFinished():
+                if effect.poll is KVPoll.Success:
+                    log.debug("room %s succeeded on prefill %s", effect.room, self.config.rank)
+                    # Contexts that never wrote (none that wrote can be left: Success waited for them).
+                    self.per_layer.cancel(effect.room, "room succeeded without this chunk")
+                else:
+                    self.per_layer.cancel(effect.room, effect.reason or "room failed")
+            case DropLayers():
+                self.per_layer.cancel(effect.room, effect.reason)
+            case SubmitFence():
+                try:
+                    self._work.put_nowait(effect)
+                except queue.Full:  # the AbortAck stays owed: the decode's next resent Abort fences again
+                    reason = f"transfer queue full ({self.config.queue_size} chunks)"
+                    self._apply(self._endpoint.fence_done(effect.room, effect.peer, False, reason, self._clock()))
+            case Notice():
+                self._log_notice(effect)
+            case ForgetPeer():
+                self._forget_peer(effect)
+            case _:
+                assert_never(effect)
 
     # ------------------------------------------------------------------ transfer workers
 
@@ -749,7 +754,7 @@ class PrefillTransport(EndpointHost[PrefillEndpoint]):
             )
 
 
-class KVSender(RoomHandle[PrefillEndpoint]):
+class KVSender(RoomHandle[PrefillEndpoint, PrefillEffect]):
     """The scheduler's handle on one room of a prefill rank. Every call returns without network waits."""
 
     transport: PrefillTransport
@@ -828,7 +833,7 @@ def chunk_spec(
     return ChunkSpec(pages=pages, start_token=token, last=is_last, state=states)
 
 
-def _close(endpoint: PrefillEndpoint, room: RoomId, now: float) -> list[Effect]:
+def _close(endpoint: PrefillEndpoint, room: RoomId, now: float) -> list[PrefillEffect]:
     endpoint.close_room(room, now)
     return []
 

@@ -31,6 +31,7 @@ import itertools
 import random
 from collections import deque
 from collections.abc import Callable, Sequence
+from typing import assert_never
 
 import attrs
 import numpy as np
@@ -744,11 +745,12 @@ class EndpointPair:
         """Hand ``message`` to the endpoint at ``to`` now, bypassing the link (a replay, a forgery);
         its effects are carried out as usual and returned."""
         now = self.clock.now
+        effects: list[Effect]
         if to == self.decode_endpoint:
-            who, effects = "decode", self.decode.receive(message, now)
+            who, effects = "decode", list(self.decode.receive(message, now))
         else:
             cp = self._prefill_address[to]
-            who, effects = f"prefill{cp}", self.prefills[cp].receive(message, now)
+            who, effects = f"prefill{cp}", list(self.prefills[cp].receive(message, now))
         self._apply(who, effects)
         return effects
 
@@ -764,54 +766,45 @@ class EndpointPair:
     # ------------------------------------------------------------------ effects
 
     def _apply(self, who: str, effects: Sequence[Effect]) -> None:
+        """Carry out ``effects`` in the order the endpoint ``who`` emitted them, as the runtime does."""
         now = self.clock.now
+        sender = self.decode_endpoint if who == "decode" else self.prefill_endpoints[int(who.removeprefix("prefill"))]
         for e in effects:
-            if isinstance(e, Send):
-                if who == "decode":
-                    sender = self.decode_endpoint
-                    if isinstance(e.message, TransferRequest):
-                        self._requests.append((e.to, e.message))
-                else:
+            match e:
+                case Send():
+                    if who == "decode":
+                        if isinstance(e.message, TransferRequest):
+                            self._requests.append((e.to, e.message))
+                    else:
+                        self._sent[int(who.removeprefix("prefill"))].append((e.to, e.message))
+                    self.link.post(e.to, e.message, now, sender=sender)
+                case SubmitChunk():
+                    self._start_write(int(who.removeprefix("prefill")), e, now)
+                case RoomFinished():
+                    self.finished[(who, e.room)] = e
+                    if who != "decode":  # contexts of the room stop (those that never wrote, on Success)
+                        self.layer_books[int(who.removeprefix("prefill"))].cancel(e.room, e.reason or "room ended")
+                case ReleasePages():
+                    self._on_release(e, now)
+                case ForgetPeer():
+                    self.forgotten.append((who, e))
+                    self.link.drop_queued(e.endpoint, sender, now)
+                case DropLayers():
+                    self.layer_books[int(who.removeprefix("prefill"))].cancel(e.room, e.reason)
+                case SubmitFence():
                     cp = int(who.removeprefix("prefill"))
-                    sender = self.prefill_endpoints[cp]
-                    self._sent[cp].append((e.to, e.message))
-                self.link.post(e.to, e.message, now, sender=sender)
-            elif isinstance(e, SubmitChunk):
-                prefill = int(who.removeprefix("prefill"))
-                self._start_write(prefill, e, now)
-            elif isinstance(e, RoomFinished):
-                self.finished[(who, e.room)] = e
-                if who != "decode":  # contexts of the room stop (those that never wrote, on Success)
-                    self.layer_books[int(who.removeprefix("prefill"))].cancel(
-                        e.room, e.reason or "room ended"
+                    fence = _FenceInFlight(
+                        room=e.room, peer=e.peer, prefill=cp, endpoint=self.prefills[cp], done_at=now + self.transfer_time
                     )
-            elif isinstance(e, ReleasePages):
-                self._on_release(e, now)
-            elif isinstance(e, ForgetPeer):
-                self.forgotten.append((who, e))
-                sender = (
-                    self.decode_endpoint if who == "decode" else self.prefill_endpoints[int(who.removeprefix("prefill"))]
-                )
-                self.link.drop_queued(e.endpoint, sender, now)
-            elif isinstance(e, DropLayers):
-                self.layer_books[int(who.removeprefix("prefill"))].cancel(e.room, e.reason)
-            elif isinstance(e, SubmitFence):
-                cp = int(who.removeprefix("prefill"))
-                self._fences.append(
-                    _FenceInFlight(
-                        room=e.room,
-                        peer=e.peer,
-                        prefill=cp,
-                        endpoint=self.prefills[cp],
-                        done_at=now + self.transfer_time,
-                    )
-                )
-            elif isinstance(e, CutConnections):
-                self._cuts.append(_CutInFlight(room=e.room, hosts=e.hosts, done_at=now + self.cut_time))
-            else:
-                self.notices_seen += 1
-                if self._notice_limit is None or len(self.notices) < self._notice_limit:
-                    self.notices.append(e)
+                    self._fences.append(fence)
+                case CutConnections():
+                    self._cuts.append(_CutInFlight(room=e.room, hosts=e.hosts, done_at=now + self.cut_time))
+                case Notice():
+                    self.notices_seen += 1
+                    if self._notice_limit is None or len(self.notices) < self._notice_limit:
+                        self.notices.append(e)
+                case _:
+                    assert_never(e)
 
     def _start_write(self, prefill: int, e: SubmitChunk, now: float) -> None:
         if not self.prefills[prefill].start_chunk(e.room, e.chunk, now):
