@@ -32,6 +32,7 @@ from pdkv.engine.mooncake import (
     MooncakeProtocol,
     load_transfer_engine,
 )
+from pdkv.engine.nixl import NixlBackend, NixlConfig
 
 __all__ = [
     "BackendClosedError",
@@ -53,6 +54,8 @@ __all__ = [
     "MooncakeConfig",
     "MooncakeLogLevel",
     "MooncakeProtocol",
+    "NixlBackend",
+    "NixlConfig",
     "Registration",
     "RegistrationError",
     "TransferBackend",
