@@ -553,6 +553,7 @@ class NixlBackend(WorkerThreadBackend[LaunchedWrite]):
         self._registering = threading.local()  # the memory kind of the region being registered
         self._sleep = sleep
         self._peers: dict[str, _Peer] = {}
+        self._refused: dict[str, str] = {}  # session -> why its metadata was refused (no peer then)
         self._registered: dict[int, _Region] = {}  # by address (under the registry lock)
         self._local_kinds = PeerRegions.build([])  # snapshot of ours, replaced on (un)registration
         self._metadata: bytes | None = None  # cached engine_metadata, cleared by (un)registration
@@ -592,21 +593,27 @@ class NixlBackend(WorkerThreadBackend[LaunchedWrite]):
     def add_peer(self, session: str, metadata: bytes) -> None:
         if self.closed:
             raise BackendClosedError(f"backend {self._session_id} is closed")
-        decoded = decode_peer_metadata(metadata)
-        if decoded.agent != session:
-            raise PeerMetadataError(
-                f"peer engine metadata names agent {decoded.agent!r}, but the peer registered as {session!r}"
-            )
-        with self._agent_lock:
-            try:
-                self._live_agent().add_remote_agent(decoded.nixl)
-            except PeerMetadataError:
-                raise
-            except Exception as exc:
+        try:
+            decoded = decode_peer_metadata(metadata)
+            if decoded.agent != session:
                 raise PeerMetadataError(
-                    f"NIXL refused the metadata of {session!r}: {_nixl_error(exc)}"
-                ) from exc
-            self._peers[session] = _Peer(metadata=decoded, loaded=True)
+                    f"peer engine metadata names agent {decoded.agent!r}, but the peer registered as "
+                    f"{session!r}"
+                )
+            with self._agent_lock:
+                try:
+                    self._live_agent().add_remote_agent(decoded.nixl)
+                except Exception as exc:
+                    raise PeerMetadataError(
+                        f"NIXL refused the metadata of {session!r}: {_nixl_error(exc)}"
+                    ) from exc
+                self._peers[session] = _Peer(metadata=decoded, loaded=True)
+                self._refused.pop(session, None)
+        except PeerMetadataError as exc:
+            with self._agent_lock:
+                if session not in self._peers:  # a peer known before keeps its older metadata
+                    self._refused[session] = str(exc)
+            raise
 
     def peers(self) -> list[str]:
         """Sessions whose metadata this backend holds."""
@@ -714,7 +721,10 @@ class NixlBackend(WorkerThreadBackend[LaunchedWrite]):
         name = job.handle.peer
         with self._agent_lock:
             peer = self._peers.get(name)
+            refused = self._refused.get(name)
         if peer is None:
+            if refused is not None:
+                raise PieceFailed(f"cannot write to {name!r}: its engine metadata was refused ({refused})")
             raise PieceFailed(
                 f"no NIXL metadata for peer {name!r}: it never registered with this rank (its Register "
                 "carries the metadata) or it was removed"

@@ -274,6 +274,11 @@ class DecodeEndpoint(RoomKeeper[_ReceiverRoom]):
 
     # ------------------------------------------------------------------ registration
 
+    def set_engine_metadata(self, metadata: bytes) -> None:
+        """What every Register sent from now on carries for the prefill's engine (the backend's
+        ``engine_metadata`` once this rank's buffers are registered)."""
+        self._register = attrs.evolve(self._register, engine_metadata=metadata)
+
     def connect(self, route: RouteTable, now: float) -> list[Effect]:
         """Register with every prefill rank of ``route`` (idempotent for ranks already registered)."""
         effects: list[Effect] = []

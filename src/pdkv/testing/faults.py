@@ -267,6 +267,13 @@ class FaultyBackend:
     def max_entries_in_flight(self) -> int:
         return self._inner.max_entries_in_flight
 
+    @property
+    def engine_metadata(self) -> bytes:
+        return self._inner.engine_metadata
+
+    def add_peer(self, session: str, metadata: bytes) -> None:
+        self._inner.add_peer(session, metadata)
+
     def register(self, memory: TensorLike) -> Registration:
         return self._inner.register(memory)
 
