@@ -30,9 +30,10 @@ How the agent is driven (nixl-cu12 1.5.1, UCX 1.22 bundled; facts in ``notes/nix
   (a few % of a core at 1 ms on this machine; about 1% at 2 ms), every ``busy_poll_s`` for
   ``busy_window_s`` after a write notification arrived (each write carries one) or this backend
   launched a write. Nothing else spins.
-- Failures are FAILED batches: a peer that died gives ``nixlRemoteDisconnectError`` (NIXL then forgets
-  the peer; the backend loads the peer's metadata again on its next write, so a peer that comes back
-  under the same name is reachable again). The backend never sends a standalone notification: one
+- Failures are FAILED batches: a peer that died (or whose connection a decode cut) gives
+  ``nixlRemoteDisconnectError``, and the peer's endpoint stays failed; the backend removes the peer and
+  loads its metadata again on its next write (a new endpoint), so a peer that is still there, or comes
+  back under the same name, is reachable again. The backend never sends a standalone notification: one
   queued to a peer that died before UCX noticed, followed by agent teardown, aborts the process
   inside UCX (``arbiter.c``, exit 134; reproduced here). ``close()`` waits for every batch, removes
   every peer, lets the worker progress for ``teardown_progress_s``, then drops the agent.
@@ -738,6 +739,10 @@ class NixlBackend(WorkerThreadBackend[LaunchedWrite]):
             agent = self._live_agent()
             try:
                 if not peer.loaded:
+                    # NIXL 1.5.1 keeps a peer whose endpoint failed (its connection stays failed):
+                    # remove it first, or loading its metadata again keeps the dead endpoint.
+                    with contextlib.suppress(Exception):
+                        agent.remove_remote_agent(name)
                     agent.add_remote_agent(peer.metadata.nixl)
                     peer.loaded = True
                     self._reconnects += 1
