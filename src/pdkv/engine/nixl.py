@@ -939,6 +939,62 @@ def nixl_available() -> bool:
     return any(importlib.util.find_spec(name) is not None for name in NIXL_MODULES)
 
 
+class RawNixlWriter:
+    """The raw NIXL agent, with no pdkv code in the path: what a benchmark compares ``NixlBackend``
+    with. One agent (progress thread off, as the backend's), one registered source region, peers
+    loaded from the metadata a ``NixlBackend`` published; ``write`` moves a block list as one NIXL
+    WRITE and polls its state without sleeping until it is done (the fastest completion the agent
+    offers, at the cost of a spinning core). DRAM on both sides only.
+
+    Metadata reaches it as pdkv's exchange carries it (``connect`` with a peer's ``engine_metadata``)."""
+
+    def __init__(self, config: NixlConfig, sources: Sequence[tuple[int, int]]) -> None:
+        """``sources``: the (address, length) regions blocks are read from (registered here)."""
+        os.environ.update(config.environment())
+        self.name = f"{config.hostname}:pdkv-raw-{os.getpid()}-{secrets.token_hex(4)}"
+        self._agent: NixlAgentApi | None = real_agent_factory()(self.name, config)
+        self._sources = [
+            self._agent.register_memory([(address, length, 0, "")], "DRAM") for address, length in sources
+        ]
+
+    def connect(self, metadata: bytes) -> str:
+        """Load a peer from its ``engine_metadata``; returns its agent name."""
+        peer = decode_peer_metadata(metadata)
+        self._live().add_remote_agent(peer.nixl)
+        return peer.agent
+
+    def _live(self) -> NixlAgentApi:
+        if self._agent is None:
+            raise RegistrationError(f"raw NIXL agent {self.name} was closed")
+        return self._agent
+
+    def write(self, peer: str, blocks: TransferBlocks) -> None:
+        """``blocks`` (local ``src`` -> ``peer``'s ``dst``) as one WRITE; raises unless it completed."""
+        agent = self._live()
+        zeros = np.zeros(len(blocks), dtype=np.int64)
+        handle = agent.initialize_xfer(
+            "WRITE",
+            agent.get_xfer_descs(_descriptors(blocks.src, blocks.length, zeros), "DRAM"),
+            agent.get_xfer_descs(_descriptors(blocks.dst, blocks.length, zeros), "DRAM"),
+            peer,
+            b"",
+        )
+        try:
+            state = agent.transfer(handle)
+            while state == "PROC":
+                state = agent.check_xfer_state(handle)
+            if state != "DONE":
+                raise RuntimeError(f"raw NIXL write of {len(blocks)} blocks to {peer} ended {state}")
+        finally:
+            handle.release()
+
+    def close(self) -> None:
+        agent, self._agent = self._agent, None
+        if agent is not None:
+            for descriptors in self._sources:
+                agent.deregister_memory(descriptors)
+
+
 __all__ = [
     "ErrorHandling",
     "LaunchedWrite",
@@ -949,6 +1005,7 @@ __all__ = [
     "PeerMetadata",
     "PeerRegions",
     "ProgressStatistics",
+    "RawNixlWriter",
     "decode_peer_metadata",
     "encode_peer_metadata",
     "load_nixl",

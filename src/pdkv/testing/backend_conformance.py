@@ -518,6 +518,9 @@ class MetadataSyncedPeer:
     def digest(self, address: int, length: int) -> str:
         return self._peer.digest(address, length)
 
+    def engine_metadata(self) -> bytes:
+        return self._peer.engine_metadata()
+
     def release(self, region: MemoryRegion) -> None:
         self._peer.release(region)
         self._announce()
