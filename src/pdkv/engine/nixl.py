@@ -46,9 +46,11 @@ How the agent is driven (nixl-cu12 1.5.1, UCX 1.22 bundled; facts in ``notes/nix
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import enum
+import functools
 import importlib
 import importlib.util
 import itertools
@@ -57,6 +59,7 @@ import os
 import secrets
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import ModuleType
 from typing import TYPE_CHECKING, Final, Protocol, cast
@@ -567,6 +570,10 @@ class NixlBackend(WorkerThreadBackend[LaunchedWrite]):
         )
         self._progress = threading.Thread(target=self._progress_loop, name="pdkv-nixl-progress", daemon=True)
         self._progress.start()
+        # A backend nobody closed is closed while the interpreter is still whole: left to the end of the
+        # process, the agent died with the progress thread inside it (a C++ terminate, 1 exit in 6).
+        self._at_exit = functools.partial(_close_at_exit, weakref.ref(self))
+        atexit.register(self._at_exit)
 
     # ------------------------------------------------------------------------- identity
 
@@ -899,6 +906,7 @@ class NixlBackend(WorkerThreadBackend[LaunchedWrite]):
     # ----------------------------------------------------------------------------- closing
 
     def _engine_close(self) -> None:
+        atexit.unregister(self._at_exit)
         self._stop.set()
         self._progress.join(10.0)
         with self._agent_lock:
@@ -924,6 +932,15 @@ class NixlBackend(WorkerThreadBackend[LaunchedWrite]):
                 time.sleep(0.001)
             self._agent = None
         del agent  # the last reference: the agent's destructor releases UCX
+
+
+def _close_at_exit(backend: weakref.ref[NixlBackend]) -> None:
+    alive = backend()
+    if alive is not None and not alive.closed:
+        try:
+            alive.close()
+        except Exception as exc:  # exiting anyway: say why the engine did not close cleanly
+            log.warning("closing NIXL backend %s at exit: %s", alive.session_id, exc)
 
 
 def _listening_ports() -> frozenset[int]:
