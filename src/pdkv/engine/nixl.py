@@ -193,8 +193,9 @@ class NixlConfig:
     busy_window_s: float = attrs.field(default=0.1, validator=_non_negative)
     completion_poll_s: float = attrs.field(default=0.00005, validator=_positive)
     completion_poll_max_s: float = attrs.field(default=0.001, validator=_positive)
-    # The submitting thread posts a piece itself only up to this size (a cma post copies every byte).
-    inline_max_bytes: int = attrs.field(default=1 << 20, validator=_positive_int)
+    # The submitting thread posts a piece itself only up to this size: a cma post copies every byte
+    # before it returns (16 MiB: about 1.5 ms here); larger pieces go to the lane.
+    inline_max_bytes: int = attrs.field(default=16 << 20, validator=_positive_int)
     teardown_progress_s: float = attrs.field(default=0.05, validator=_non_negative)
 
     def environment(self) -> dict[str, str]:
