@@ -5,12 +5,14 @@ exit 134, when teardown meets the wrong state; that must never come from NixlBac
     python -m tests.integration.nixl_peer_killed backend <UCX_TLS>   NixlBackend: prints one JSON line
     python -m tests.integration.nixl_peer_killed raw-notify           the control: the raw agent sequence
                                                                       that aborts (a standalone
-                                                                      notification to the dead peer)
+                                                                      notification to the dead peer),
+                                                                      up to 4 times
 """
 
 from __future__ import annotations
 
 import functools
+import gc
 import json
 import os
 import signal
@@ -70,36 +72,43 @@ def backend_case(tls: str) -> None:
         )
 
 
-def raw_notify_control() -> None:
+def raw_notify_control(attempts: int = 4) -> None:
     """The sequence pdkv avoids: a standalone notification to a peer that died before UCX noticed, a
-    post that finds it dead, then teardown: UCX aborts the process (arbiter.c, SIGABRT)."""
+    post that finds it dead, then teardown: UCX aborts the process (arbiter.c, SIGABRT). Whether the
+    notification is still queued at the teardown is a race (UCX's async thread may fail it first), so
+    the sequence runs up to ``attempts`` times, each agent torn down at once; the first abort ends it."""
     api = load_nixl()
     config = NixlConfig(ucx_net_devices="lo", log_level="FATAL")
-    with SpawnedPeer(functools.partial(NixlBackend, config)) as spawned:
-        region = spawned.allocate(1 << 20)
-        metadata = decode_peer_metadata(spawned.engine_metadata())
-        agent = api.nixl_agent("raw-control", api.nixl_agent_config(enable_prog_thread=False, backends=[]))
-        agent.create_backend("UCX", {"num_workers": "1"})
-        source = np.ones(1 << 20, dtype=np.uint8)
-        agent.register_memory([(int(source.ctypes.data), source.nbytes, 0, "")], "DRAM")
-        name = agent.add_remote_agent(metadata.nixl)
-        name = name.decode() if isinstance(name, bytes) else name
-        local = agent.get_xfer_descs(np.array([[source.ctypes.data, 4096, 0]], dtype=np.uint64), "DRAM")
-        remote = agent.get_xfer_descs(np.array([[region.address, 4096, 0]], dtype=np.uint64), "DRAM")
-        warm = agent.initialize_xfer("WRITE", local, remote, name)
-        state = agent.transfer(warm)
-        while state == "PROC":
-            state = agent.check_xfer_state(warm)
-        warm.release()
-        assert spawned.pid is not None
-        os.kill(spawned.pid, signal.SIGKILL)
-        time.sleep(0.2)
-        agent.send_notif(name, b"x")
-        try:
-            agent.transfer(agent.initialize_xfer("WRITE", local, remote, name))
-        except Exception as exc:
-            print(f"post failed: {type(exc).__name__}", flush=True)
-    # The agent is destroyed at exit: with the notification still queued, UCX aborts here.
+    for attempt in range(attempts):
+        with SpawnedPeer(functools.partial(NixlBackend, config)) as spawned:
+            region = spawned.allocate(1 << 20)
+            metadata = decode_peer_metadata(spawned.engine_metadata())
+            agent = api.nixl_agent(
+                f"raw-control-{attempt}", api.nixl_agent_config(enable_prog_thread=False, backends=[])
+            )
+            agent.create_backend("UCX", {"num_workers": "1"})
+            source = np.ones(1 << 20, dtype=np.uint8)
+            agent.register_memory([(int(source.ctypes.data), source.nbytes, 0, "")], "DRAM")
+            name = agent.add_remote_agent(metadata.nixl)
+            name = name.decode() if isinstance(name, bytes) else name
+            local = agent.get_xfer_descs(np.array([[source.ctypes.data, 4096, 0]], dtype=np.uint64), "DRAM")
+            remote = agent.get_xfer_descs(np.array([[region.address, 4096, 0]], dtype=np.uint64), "DRAM")
+            warm = agent.initialize_xfer("WRITE", local, remote, name)
+            state = agent.transfer(warm)
+            while state == "PROC":
+                state = agent.check_xfer_state(warm)
+            warm.release()
+            assert spawned.pid is not None
+            os.kill(spawned.pid, signal.SIGKILL)
+            time.sleep(0.2)
+            agent.send_notif(name, b"x")
+            try:
+                agent.transfer(agent.initialize_xfer("WRITE", local, remote, name))
+            except Exception as exc:
+                print(f"attempt {attempt}: post failed: {type(exc).__name__}", flush=True)
+            del agent, local, remote, warm  # the agent's destructor: with the notification queued, UCX aborts
+            gc.collect()
+    print(f"no abort in {attempts} attempts", flush=True)
 
 
 if __name__ == "__main__":
