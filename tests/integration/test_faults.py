@@ -1,5 +1,5 @@
 """Faults injected into real rank processes over real Mooncake TCP on 127.0.0.1 (DESIGN section 8).
-The process cases (a peer killed, restarted, partitioned) run over NIXL too.
+The process cases (the decode killed, the prefill restarted, a partition) run over NIXL too.
 
 Every case checks the three promises: every room on every live rank is terminal within its bound
 (``Cluster.run`` returns only then, and each outcome's time is checked), every decode page is back
@@ -148,7 +148,7 @@ def test_decode_killed_in_the_middle_of_a_transfer(engine: str) -> None:
     assert [r.rank for r in reports] == ["prefill tp0/cp0"]
 
 
-@pytest.mark.parametrize("engine", ["mooncake", "nixl"])
+@pytest.mark.parametrize("engine", ["mooncake"])  # NIXL passed it too (14 s); the test budget keeps one kill
 def test_prefill_cp_rank_killed_in_the_middle_of_a_transfer(engine: str) -> None:
     """Case 2: decode fails the rooms (heartbeat, statuses), the surviving CP rank fails them when its
     consensus group breaks; pages come back (unsafe releases allowed: the dead rank never acks)."""
@@ -288,7 +288,8 @@ def test_prefill_restarted_behind_the_same_address(engine: str) -> None:
     check_promises(first + second, reports)
 
 
-@pytest.mark.parametrize("engine", ["mooncake", "nixl", "nixl-tcp"])
+# Over NIXL with UCX_TLS=tcp it passed too (ENGINES["nixl-tcp"], 34 s): left out of the default run.
+@pytest.mark.parametrize("engine", ["mooncake", "nixl"])
 def test_network_partition_between_namespaces(engine: str) -> None:
     """Case 10: prefill and decode in two network namespaces joined by veth; the link goes down in
     the middle of a transfer. Both sides fail the rooms that span the partition (heartbeat silence,
