@@ -36,6 +36,8 @@ from pdkv.engine import (
     LoopbackFabric,
     MooncakeBackend,
     MooncakeConfig,
+    NixlBackend,
+    NixlConfig,
     TransferBackend,
 )
 from pdkv.engine.backend import (
@@ -44,6 +46,7 @@ from pdkv.engine.backend import (
     BatchTimedOutError,
     ForeignHandleError,
     InvalidBatchError,
+    PeerMetadataError,
     RegistrationError,
     UnregisteredMemoryError,
 )
@@ -168,9 +171,12 @@ __all__ = [
     "ModelRole",
     "MooncakeBackend",
     "MooncakeConfig",
+    "NixlBackend",
+    "NixlConfig",
     "OutOfPagesError",
     "PagePool",
     "PdkvError",
+    "PeerMetadataError",
     "PerLayerConfig",
     "PerLayerMode",
     "PerLayerStatistics",

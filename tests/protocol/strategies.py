@@ -212,6 +212,7 @@ def registers(draw: st.DrawFn) -> Register:
         endpoint=draw(_endpoints()),
         session=draw(_sessions()),
         layout=draw(buffer_layouts()),
+        engine_metadata=draw(st.binary(max_size=600) | st.just(b"")),
     )
 
 

@@ -240,6 +240,11 @@ class DecodeEndpoint(RoomKeeper[ReceiverRoom]):
 
     # ------------------------------------------------------------------ registration
 
+    def set_engine_metadata(self, metadata: bytes) -> None:
+        """What every Register sent from now on carries for the prefill's engine (the backend's
+        ``engine_metadata`` once this rank's buffers are registered)."""
+        self.register_message = attrs.evolve(self.register_message, engine_metadata=metadata)
+
     def connect(self, route: RouteTable, now: float) -> list[DecodeEffect]:
         """Register with every prefill rank of ``route`` (idempotent for ranks already registered)."""
         for entry in route.ranks:

@@ -151,7 +151,18 @@ class DecodeTransport(EndpointHost[DecodeEndpoint, DecodeEffect]):
     def start(self) -> None:
         """Register buffers and start the control thread. Idempotent once it succeeded; a failed start
         (memory that cannot be registered) rolls back what it registered and may be retried."""
-        self._start(self.backend, self.config.layout if self.config.register_memory else None)
+        self._start(
+            self.backend,
+            self.config.layout if self.config.register_memory else None,
+            then=self._publish_engine_metadata,
+        )
+
+    def _publish_engine_metadata(self) -> None:
+        """Once the buffers are registered, Register carries what the prefill's engine needs to write
+        into them (NIXL: the agent's metadata and regions; nothing for Mooncake)."""
+        metadata = self.backend.engine_metadata
+        with self._lock:
+            self._endpoint.set_engine_metadata(metadata)
 
     def connect(self, registry: str, *, timeout_s: float = 60.0) -> InstanceId:
         """Fetch the route table of the prefill instance behind ``registry`` and register with its ranks.

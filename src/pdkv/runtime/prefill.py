@@ -75,9 +75,11 @@ from pdkv.protocol.effects import (
 from pdkv.protocol.ids import Endpoint, Epoch, InstanceId, RoomId, SessionId
 from pdkv.protocol.messages import (
     IntArray,
+    Message,
     Origin,
     RankAnnounce,
     RankCoord,
+    Register,
     StateIndices,
     TransferMetricData,
 )
@@ -267,6 +269,16 @@ class PrefillTransport(EndpointHost[PrefillEndpoint, PrefillEffect]):
 
         layout = self.config.layout if self.config.register_memory else None
         self._start(self.backend, layout, then=workers_and_announcement, undo=self._stop_workers)
+
+    def _before_receive(self, message: Message) -> None:
+        """A decode rank's Register carries what this engine needs to write to it (NIXL's metadata):
+        the backend learns it before the endpoint answers. Metadata the engine refuses is logged; each
+        write to that rank then fails with the reason, and the control loop goes on."""
+        if isinstance(message, Register):
+            try:
+                self.backend.add_peer(message.session, message.engine_metadata)
+            except PdkvError as exc:
+                log.warning("engine metadata of decode rank %s refused: %s", message.origin, exc)
 
     def _announce_now(self, timeout_s: float) -> None:
         layout = self.config.layout

@@ -68,7 +68,7 @@ from pdkv.adapters.sglang.translate import (
     prefix_pages_of,
     state_indices_for,
 )
-from pdkv.engine import MooncakeBackend, MooncakeConfig
+from pdkv.engine import MooncakeConfig, NixlConfig, make_backend
 from pdkv.errors import ConfigError, LocalProtocolError, MappingError, PdkvError
 from pdkv.mapping import AttentionKind, BufferLayout
 from pdkv.protocol import RoomId, Timeouts, room_id
@@ -187,6 +187,17 @@ def _mooncake_config(kv_args: KVArgs, host: str) -> MooncakeConfig:
     return attrs.evolve(config, **changes)
 
 
+def _nixl_config(kv_args: KVArgs) -> NixlConfig:
+    """``PDKV_NIXL_*`` settings; UCX's devices are SGLang's IB devices when ``--disaggregation-ib-device``
+    names some and ``PDKV_NIXL_UCX_NET_DEVICES`` does not."""
+    config = NixlConfig.from_env()
+    device = getattr(kv_args, "ib_device", None)
+    if "PDKV_NIXL_UCX_NET_DEVICES" not in os.environ and isinstance(device, str) and device:
+        names = ",".join(f"{d.strip()}:1" for d in device.split(",") if d.strip())
+        config = attrs.evolve(config, ucx_net_devices=names)
+    return config
+
+
 @attrs.frozen(kw_only=True)
 class PrefillInfo:
     """What SGLang's decode scheduler reads from ``prefill_info_table[bootstrap_addr]``."""
@@ -242,7 +253,10 @@ class PdkvKVManager(BaseKVManager):
         self.ready_waiter = ReadyWaiter(self.timeouts.waiting)
         """Chunks whose GPU event has not completed yet wait here (its thread starts on first use)."""
         self.enable_all_cp_ranks_for_transfer = False  # read by SGLang's prefill before host-tensor sends
-        backend = MooncakeBackend(_mooncake_config(args, self.host))
+        # The engine: PDKV_BACKEND (SGLang 0.5.23's --disaggregation-transfer-backend names pdkv itself).
+        self._backend = backend = make_backend(
+            host=self.host, mooncake=_mooncake_config(args, self.host), nixl=_nixl_config(args)
+        )
         self._prefill: PrefillTransport | None = None
         self._decode: DecodeTransport | None = None
         if mode is DisaggregationMode.PREFILL:
@@ -283,11 +297,13 @@ class PdkvKVManager(BaseKVManager):
             self._prefill.start()
 
     def close(self) -> None:
-        """Stop the transport (unregisters memory, closes sockets); the manager is unusable afterwards."""
+        """Stop the transport (unregisters memory, closes sockets) and its engine; the manager is unusable
+        afterwards."""
         self.ready_waiter.close()
         for transport in (self._prefill, self._decode):
             if transport is not None:
                 transport.close()
+        self._backend.close()  # the manager made it: its engine goes with the transport
 
     @property
     def prefill_transport(self) -> PrefillTransport:

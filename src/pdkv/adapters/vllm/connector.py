@@ -58,8 +58,6 @@ from pdkv import (
     KVPoll,
     KVReceiver,
     KVSender,
-    MooncakeBackend,
-    MooncakeConfig,
     PdkvError,
     PerLayerMode,
     PrefillConfig,
@@ -70,6 +68,7 @@ from pdkv import (
 )
 from pdkv.adapters.vllm.layout import layout_from_kv_caches
 from pdkv.adapters.vllm.params import AdapterSettings, ConsumerParams, producer_transfer_id, room_for
+from pdkv.engine import TransferBackend, make_backend
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -549,7 +548,7 @@ class WorkerSide:
         self.registry: Registry | None = None
         self.prefill: PrefillTransport | None = None
         self.decode: DecodeTransport | None = None
-        self._backend: MooncakeBackend | None = None
+        self._backend: TransferBackend | None = None
         self._out: dict[RoomId, _Outgoing] = {}
         self._in: dict[str, _Incoming] = {}
         self._layered_now: list[RoomId] = []  # rooms whose layers this step's forward reports
@@ -573,7 +572,7 @@ class WorkerSide:
             kv_caches, num_blocks=num_blocks, block_size=self.block_size
         )
         host = self.settings.host
-        self._backend = MooncakeBackend(attrs.evolve(MooncakeConfig.from_env(), local_hostname=host))
+        self._backend = make_backend(self.settings.backend, host=host)
         if self.producer:
             instance = InstanceId(self.settings.instance or f"vllm-prefill@{host}:{self.engine_id}")
             self.registry = Registry(
