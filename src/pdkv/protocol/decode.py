@@ -252,7 +252,11 @@ class DecodeEndpoint(RoomKeeper[ReceiverRoom]):
             known = self._ranks.get(key)
             if known is not None and entry.epoch < known.epoch:
                 continue
-            if known is not None and entry.epoch == known.epoch and known.machine.state is not PrefillRankState.REJECTED:
+            if (
+                known is not None
+                and entry.epoch == known.epoch
+                and known.machine.state is not PrefillRankState.REJECTED
+            ):
                 continue
             fresh = self._new_rank(key, entry.epoch, entry.endpoint, entry.session)
             if known is not None and entry.epoch > known.epoch:
@@ -283,7 +287,11 @@ class DecodeEndpoint(RoomKeeper[ReceiverRoom]):
     def _register_deadline(self, key: PeerKey) -> float | None:
         """When the registration with ``key``'s current incarnation is resent (None: not registering)."""
         rank = self._ranks.get(key)
-        return rank.register_due if rank is not None and rank.machine.state is PrefillRankState.REGISTERING else None
+        return (
+            rank.register_due
+            if rank is not None and rank.machine.state is PrefillRankState.REGISTERING
+            else None
+        )
 
     # ------------------------------------------------------------------ network input
 
@@ -375,7 +383,8 @@ class DecodeEndpoint(RoomKeeper[ReceiverRoom]):
             return
         reason = _clip(f"aborted by prefill {message.origin}: {message.reason}")
         room.machine.step(
-            ReceiverRoomInput.PEER_ABORT, RoomStep(self, room, now, rank.key, reason, FailureCause.ABORTED_BY_PEER)
+            ReceiverRoomInput.PEER_ABORT,
+            RoomStep(self, room, now, rank.key, reason, FailureCause.ABORTED_BY_PEER),
         )
 
     def _on_heartbeat(self, rank: PrefillRank, message: Message, now: float) -> None:
@@ -439,8 +448,16 @@ class DecodeEndpoint(RoomKeeper[ReceiverRoom]):
             )
             self._fail(r, reason, FailureCause.INVALID, now)
             return self._effects()
-        r = self._new_room(room, targets, now, pages=index_array(pages), aux_row=aux_row, state=state,
-                           required=required, prefix=prefix)
+        r = self._new_room(
+            room,
+            targets,
+            now,
+            pages=index_array(pages),
+            aux_row=aux_row,
+            state=state,
+            required=required,
+            prefix=prefix,
+        )
         self._set_deadline(r, now + self.timeouts.bootstrap)
         if not r.required:
             why = "every target prefill rank is a dummy" if r.targets else "no target prefill rank was given"
@@ -453,7 +470,9 @@ class DecodeEndpoint(RoomKeeper[ReceiverRoom]):
                 self._fail(r, reason, FailureCause.NO_DESTINATION, now)
                 return self._effects()
             if rank.machine.state is PrefillRankState.REJECTED:
-                reason = _clip(f"target prefill rank {t.instance}:{t.rank} rejected registration: {rank.reason}")
+                reason = _clip(
+                    f"target prefill rank {t.instance}:{t.rank} rejected registration: {rank.reason}"
+                )
                 self._fail(r, reason, FailureCause.INVALID, now)
                 return self._effects()
         if all(self.peer_ready(t) for t in r.targets):
@@ -470,7 +489,9 @@ class DecodeEndpoint(RoomKeeper[ReceiverRoom]):
         them was given a destination, so nothing waits for an ack.
         """
         r = self._rooms.get(room) or self._failed_room(room, targets)
-        step = RoomStep(self, r, now, reason=_clip(f"aborted by decode: {reason}"), cause=FailureCause.ABORTED_HERE)
+        step = RoomStep(
+            self, r, now, reason=_clip(f"aborted by decode: {reason}"), cause=FailureCause.ABORTED_HERE
+        )
         r.machine.step(ReceiverRoomInput.ABORT, step)
         return self._effects()
 
@@ -634,7 +655,9 @@ class DecodeEndpoint(RoomKeeper[ReceiverRoom]):
 
     def _new_rank(self, key: PeerKey, epoch: Epoch, endpoint: Endpoint, session: SessionId) -> PrefillRank:
         label = f"prefill rank {key[0]}:{key[1]} epoch {epoch}"
-        return PrefillRank(key=key, epoch=epoch, endpoint=endpoint, session=session, machine=PrefillRankMachine(label))
+        return PrefillRank(
+            key=key, epoch=epoch, endpoint=endpoint, session=session, machine=PrefillRankMachine(label)
+        )
 
     def _step_rank(self, rank: PrefillRank, what: PrefillRankInput, now: float, *, reason: str = "") -> None:
         rank.machine.step(what, RankStep(side=self, rank=rank, now=now, reason=reason))
@@ -690,7 +713,9 @@ class DecodeEndpoint(RoomKeeper[ReceiverRoom]):
 
     def _failed_room(self, room: RoomId, targets: Sequence[Target]) -> ReceiverRoom:
         """A room record for a room that fails before any request went out (nothing to wait for)."""
-        return self._new_room(room, targets, 0.0, pages=index_array(()), aux_row=None, state=(), required=1, prefix=0)
+        return self._new_room(
+            room, targets, 0.0, pages=index_array(()), aux_row=None, state=(), required=1, prefix=0
+        )
 
     def _fail(
         self, r: ReceiverRoom, reason: str, cause: FailureCause, now: float, *, by: PeerKey | None = None
@@ -701,7 +726,11 @@ class DecodeEndpoint(RoomKeeper[ReceiverRoom]):
     def _late(self, msg: Message, room: RoomId) -> None:
         self.count("late_messages")
         self.emit(
-            Notice(level=NoticeLevel.DEBUG, text=f"late {type(msg).__name__} from {msg.origin} for room {room}", room=room)
+            Notice(
+                level=NoticeLevel.DEBUG,
+                text=f"late {type(msg).__name__} from {msg.origin} for room {room}",
+                room=room,
+            )
         )
 
 

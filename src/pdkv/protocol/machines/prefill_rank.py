@@ -50,7 +50,9 @@ def serve_waiting_rooms(s: RankStep) -> None:
             continue
         if room.machine.state is ReceiverRoomState.BOOTSTRAPPING:
             if all(_ready(s, t.key) for t in room.targets):
-                room.machine.step(ReceiverRoomInput.TARGETS_READY, RoomStep(side=s.side, room=room, now=s.now))
+                room.machine.step(
+                    ReceiverRoomInput.TARGETS_READY, RoomStep(side=s.side, room=room, now=s.now)
+                )
         elif room.abort is not None:
             room.abort.machine.step(
                 DecodeAbortInput.RANK_READY,
@@ -83,7 +85,9 @@ def forget_socket(s: RankStep) -> None:
 
 def warn_lost(s: RankStep) -> None:
     s.side.count("peers_lost")
-    s.side.emit(Notice(level=NoticeLevel.WARNING, text=f"{s.reason}: failing its rooms and registering again"))
+    s.side.emit(
+        Notice(level=NoticeLevel.WARNING, text=f"{s.reason}: failing its rooms and registering again")
+    )
 
 
 def fail_rooms_lost(s: RankStep) -> None:
@@ -119,8 +123,15 @@ PREFILL_RANK = MachineSpec(
             _S.REGISTERING,
             then=[forget_socket, warn_lost, fail_rooms_lost, send_register],
         ),
-        row(_I.NOT_KNOWN, [_S.REGISTERING, _S.REJECTED], None),  # registering already: the next Register answers
-        row(_I.SILENCE, _S.READY, _S.REGISTERING, then=[forget_socket, warn_lost, fail_rooms_lost, send_register]),
+        row(
+            _I.NOT_KNOWN, [_S.REGISTERING, _S.REJECTED], None
+        ),  # registering already: the next Register answers
+        row(
+            _I.SILENCE,
+            _S.READY,
+            _S.REGISTERING,
+            then=[forget_socket, warn_lost, fail_rooms_lost, send_register],
+        ),
         row(_I.REGISTER_DUE, _S.REGISTERING, None, then=[send_register]),
     ),
 )

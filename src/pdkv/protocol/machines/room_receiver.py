@@ -125,7 +125,9 @@ def count_late(s: RoomStep) -> None:
     s.side.count("late_messages")
     who = "?" if s.sender is None else peer_text(s.sender)
     s.side.emit(
-        Notice(level=NoticeLevel.DEBUG, text=f"late message from {who} for room {s.room.room}", room=s.room.room)
+        Notice(
+            level=NoticeLevel.DEBUG, text=f"late message from {who} for room {s.room.room}", room=s.room.room
+        )
     )
 
 
@@ -146,7 +148,11 @@ def fail_room(s: RoomStep) -> None:
     r.abort = abort
     s.side.emit(RoomFinished(room=r.room, poll=KVPoll.Failed, reason=s.reason, cause=s.cause))
     s.side.emit(
-        Notice(level=NoticeLevel.WARNING, text=f"room {r.room} failed on decode {s.side.origin}: {s.reason}", room=r.room)
+        Notice(
+            level=NoticeLevel.WARNING,
+            text=f"room {r.room} failed on decode {s.side.origin}: {s.reason}",
+            room=r.room,
+        )
     )
     for t in r.targets:
         rank = s.side.rank(t.key)
@@ -154,7 +160,9 @@ def fail_room(s: RoomStep) -> None:
             continue
         if rank.machine.state is PrefillRankState.READY or t.key == s.tell_now:
             s.side.count("aborts_sent")
-            s.side.emit(Send(to=rank.endpoint, message=Abort(origin=s.side.origin, room=r.room, reason=s.reason)))
+            s.side.emit(
+                Send(to=rank.endpoint, message=Abort(origin=s.side.origin, room=r.room, reason=s.reason))
+            )
         elif not t.dummy and rank.machine.state is PrefillRankState.REGISTERING:
             abort.tell_later.add(t.key)
     step = AbortStep(side=s.side, room=r, abort=abort, now=s.now)
