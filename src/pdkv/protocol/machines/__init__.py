@@ -6,26 +6,44 @@ from typing import Any
 
 from pdkv.protocol.machines._base import Edge, MachineSpec, StateMachine
 from pdkv.protocol.machines.abort import (
-    DECODE_ABORT,
     PREFILL_ABORT,
-    DecodeAbortMachine,
-    DecodeAbortState,
-    DecodeAbortTrigger,
+    PrefillAbortInput,
     PrefillAbortMachine,
     PrefillAbortState,
     PrefillAbortTrigger,
 )
-from pdkv.protocol.machines.chunk import CHUNK, ChunkMachine, ChunkState, ChunkTrigger
-from pdkv.protocol.machines.peer import PEER, PeerMachine, PeerState, PeerTrigger
+from pdkv.protocol.machines.chunk import CHUNK, ChunkInput, ChunkMachine, ChunkState, ChunkTrigger
+from pdkv.protocol.machines.decode_abort import (
+    DECODE_ABORT,
+    DecodeAbortInput,
+    DecodeAbortMachine,
+    DecodeAbortState,
+    DecodeAbortTrigger,
+)
+from pdkv.protocol.machines.decode_rank import (
+    DECODE_RANK,
+    DecodeRankInput,
+    DecodeRankMachine,
+    DecodeRankState,
+)
+from pdkv.protocol.machines.fence import FENCE, FenceInput, FenceMachine, FenceState
 from pdkv.protocol.machines.per_layer import PER_LAYER, PerLayerMachine, PerLayerState, PerLayerTrigger
+from pdkv.protocol.machines.prefill_rank import (
+    PREFILL_RANK,
+    PrefillRankInput,
+    PrefillRankMachine,
+    PrefillRankState,
+)
 from pdkv.protocol.machines.room_receiver import (
     RECEIVER_ROOM,
+    ReceiverRoomInput,
     ReceiverRoomMachine,
     ReceiverRoomState,
     ReceiverRoomTrigger,
 )
 from pdkv.protocol.machines.room_sender import (
     SENDER_ROOM,
+    SenderRoomInput,
     SenderRoomMachine,
     SenderRoomState,
     SenderRoomTrigger,
@@ -40,39 +58,54 @@ ALL_MACHINES: tuple[MachineSpec[Any, Any], ...] = (
     DECODE_ABORT,
     PREFILL_ABORT,
     PER_LAYER,
-    PEER,
+    DECODE_RANK,
+    PREFILL_RANK,
+    FENCE,
 )
 
 __all__ = [
     "ALL_MACHINES",
     "CHUNK",
     "DECODE_ABORT",
-    "PEER",
+    "DECODE_RANK",
+    "FENCE",
     "PER_LAYER",
     "PREFILL_ABORT",
+    "PREFILL_RANK",
     "RECEIVER_ROOM",
     "SENDER_ROOM",
+    "ChunkInput",
     "ChunkMachine",
     "ChunkState",
     "ChunkTrigger",
+    "DecodeAbortInput",
     "DecodeAbortMachine",
     "DecodeAbortState",
     "DecodeAbortTrigger",
+    "DecodeRankInput",
+    "DecodeRankMachine",
+    "DecodeRankState",
     "Edge",
+    "FenceInput",
+    "FenceMachine",
+    "FenceState",
     "KVPoll",
     "MachineSpec",
-    "PeerMachine",
-    "PeerState",
-    "PeerTrigger",
     "PerLayerMachine",
     "PerLayerState",
     "PerLayerTrigger",
+    "PrefillAbortInput",
     "PrefillAbortMachine",
     "PrefillAbortState",
     "PrefillAbortTrigger",
+    "PrefillRankInput",
+    "PrefillRankMachine",
+    "PrefillRankState",
+    "ReceiverRoomInput",
     "ReceiverRoomMachine",
     "ReceiverRoomState",
     "ReceiverRoomTrigger",
+    "SenderRoomInput",
     "SenderRoomMachine",
     "SenderRoomState",
     "SenderRoomTrigger",

@@ -67,6 +67,10 @@ class ClusterSpec:
     peer kept at the engine's default queue (2,048): headroom for the engine. Under load (many ranks
     on few cores) a stream of small entries (MHA head slices, one per token) met "TCP lane
     queue-full" rejections with the budget equal to the queue. None: the engine's defaults."""
+    backend: str = "mooncake"
+    """The transfer engine of every rank (``pdkv.engine.BackendKind``: mooncake or nixl)."""
+    ucx_tls: str | None = None
+    """NIXL only: ``UCX_TLS`` of every rank (None: UCX's default, cma and tcp on one host)."""
     netns: NetnsLayout | None = None
     """Run prefill ranks (and the registry) in one network namespace and decode ranks in another,
     joined by a veth pair, so a test can partition them (``NetnsLayout.partition``)."""
