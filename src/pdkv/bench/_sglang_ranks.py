@@ -31,6 +31,10 @@ import numpy.typing as npt
 
 from pdkv.bench.latency import wait_poll
 from pdkv.engine import TransferBackend
+from pdkv.engine.choice import make_backend
+from pdkv.engine.mooncake import MooncakeConfig, MooncakeLogLevel
+from pdkv.engine.nixl import NixlConfig
+from pdkv.errors import InvalidArgumentError
 from pdkv.mapping import BufferKind, ModelRole
 from pdkv.protocol.poll import KVPoll
 from pdkv.testing.synthetic import Capacity, ModelSpec, RankMemory, pattern, salt
@@ -39,6 +43,9 @@ IntArray = npt.NDArray[np.int64]
 U8 = npt.NDArray[np.uint8]
 
 SGLANG_SYSTEMS = ("sglang/mooncake", "sglang/nixl")
+PDKV_BACKENDS = ("mooncake", "nixl")
+"""pdkv's engines (``pdkv_backend``); ``pdkv/<engine>`` is compared with ``sglang/<engine>``."""
+LOOPBACK = "127.0.0.1"  # every rank binds here only
 KV_LORA_RANK = 512  # DeepSeek-V3's MLA latent and rope dims: 576 x bf16 = 1,152 B per token
 ROPE_DIM = 64
 PAGE_SIZE = 64
@@ -630,22 +637,20 @@ def _sglang_failure(handle: Any) -> str:
 
 
 def pdkv_backend(name: str) -> TransferBackend:
-    """The seam where ``--backend`` picks pdkv's engine (its ``TransferBackend``). Mooncake runs at
-    its default TCP queue. NIXL: ``pdkv.NixlBackend`` plugs in here once it is merged."""
-    if name == "mooncake":
-        from pdkv import MooncakeBackend, MooncakeConfig
-        from pdkv.engine.mooncake import MooncakeLogLevel
-
-        return MooncakeBackend(MooncakeConfig(log_level=MooncakeLogLevel.ERROR))
-    from pdkv.errors import EngineUnavailableError
-
-    raise EngineUnavailableError(
-        f"backend={name!r}: pdkv's NIXL backend (pdkv.NixlBackend) is not in this build; "
-        "pdkv bench sglang runs pdkv over mooncake only until it is merged"
+    """pdkv's engine ``name`` (``mooncake`` or ``nixl``), bound to 127.0.0.1, its log at ERROR.
+    Mooncake runs at its default TCP queue. NIXL runs over UCX's own choice of transports, written
+    out (``all``: cma for the writes, tcp for the rest on this host) on the loopback device only, as
+    SGLang's NIXL ranks here (``UCX_NET_DEVICES=lo``) and pdkv's own NIXL benches."""
+    if name not in PDKV_BACKENDS:
+        raise InvalidArgumentError(
+            f"backend: {name!r} is not one of {', '.join(PDKV_BACKENDS)}", argument="backend", value=name
+        )
+    return make_backend(
+        name,
+        host=LOOPBACK,
+        mooncake=MooncakeConfig(log_level=MooncakeLogLevel.ERROR),
+        nixl=NixlConfig(ucx_tls="all", ucx_net_devices="lo", log_level="ERROR"),
     )
-
-
-PDKV_BACKENDS = ("mooncake", "nixl")
 
 
 def _pdkv_side(plan: RankPlan) -> tuple[PrefillSide | DecodeSide, Ready]:
