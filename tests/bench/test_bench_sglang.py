@@ -1,14 +1,16 @@
 """`pdkv bench sglang`: a tiny run of SGLang's transfer and pdkv's, and the checks that can fail it.
 
-The slow test runs the bench end to end (SGLang's real Mooncake classes and pdkv's transports, four
-processes, 1 page of 4 layers, 1 round): both systems' bytes verified, both planted wrong bytes
-found, no GPU stub called, every figure present and positive. The others check, without processes,
-the pieces that decide a failure: the byte check finds a planted byte and a missed page, a run with
-a wrong byte, a missed control or a stub call is not ok.
+The slow test runs the bench end to end (SGLang's real Mooncake and NIXL classes and pdkv's transports
+over both engines, a prefill and a decode process per system, 1 page of 4 layers, 1 round): every
+system's bytes verified, every planted wrong byte found, no GPU stub called, every figure present and
+positive, each pdkv system's ratios against SGLang on its own engine. The others check, without
+processes, the pieces that decide a failure or a figure: the byte check finds a planted byte and a
+missed page, a run with a wrong byte, a missed control or a stub call is not ok, ratios pair by engine.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 from typing import Any
@@ -37,24 +39,34 @@ def _records(out: str) -> list[dict[str, Any]]:
     return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
 
 
+# NIXL comes with `make venv` (pdkv's backend) and `make sglang` (SGLang's `nixl` module): the quick run
+# then has both engines, each on both systems.
+SGLANG_ENGINES = ["mooncake", "nixl"] if sglang.nixl_installed() else ["mooncake"]
+PDKV_ENGINES = ["mooncake", "nixl"] if not sglang.nixl_problem() else ["mooncake"]
+
+
 @pytest.mark.slow
 @requires_sglang
-def test_quick_run_verifies_both_systems(capsys: pytest.CaptureFixture[str]) -> None:
-    assert sglang.main(["--quick", "--sglang", "mooncake"]) == 0
+def test_quick_run_verifies_every_system(capsys: pytest.CaptureFixture[str]) -> None:
+    # --quick alone: every engine installed, on both systems (here: Mooncake and NIXL)
+    assert sglang.main(["--quick"]) == 0
     records = _records(capsys.readouterr().out)
     (summary,) = [r for r in records if r["kind"] == "summary"]
-    systems = ["sglang/mooncake", "pdkv/mooncake"]
+    systems = [f"sglang/{e}" for e in SGLANG_ENGINES] + [f"pdkv/{e}" for e in PDKV_ENGINES]
     assert summary["ok"] is True and summary["failures"] == []
     assert summary["systems"] == systems
     # the warm-up and the measured request of each system, every byte checked
     assert summary["verified"] == dict.fromkeys(systems, 2)
     assert summary["controls_detected"] == dict.fromkeys(systems, True)
-    assert summary["stub_calls"] == {"sglang/mooncake prefill": 0, "sglang/mooncake decode": 0}
+    assert summary["stub_calls"] == {
+        f"sglang/{e} {role}": 0 for e in SGLANG_ENGINES for role in ("prefill", "decode")
+    }
     cases = {r["system"]: r for r in records if r["kind"] == "case"}
     assert set(cases) == set(systems)
     for name, record in cases.items():
         assert (record["case"], record["pages"], record["chunks"], record["rounds"]) == ("1", 1, 1, 1)
         assert record["bytes"] == 4 * PAGE
+        assert record["engine"] == name.split("/")[1]
         for figure in (
             "prefill_success_ms",
             "decode_success_ms",
@@ -64,11 +76,78 @@ def test_quick_run_verifies_both_systems(capsys: pytest.CaptureFixture[str]) -> 
             stats = record[figure]
             assert 0 < stats["min"] <= stats["median"] <= stats["max"] < 60_000, (name, figure, stats)
     assert cases["sglang/mooncake"]["tcp_queue"] == 16384
-    assert cases["pdkv/mooncake"]["tcp_queue"] is None
-    (ratio,) = [r for r in records if r["kind"] == "ratio"]
-    assert (ratio["pdkv"], ratio["versus"]) == ("pdkv/mooncake", "sglang/mooncake")
-    for key in ("speed", "cpu"):
-        assert math.isfinite(ratio[key]) and ratio[key] > 0
+    assert all(cases[name]["tcp_queue"] is None for name in systems if name != "sglang/mooncake")
+    ratios = [r for r in records if r["kind"] == "ratio"]
+    paired = [e for e in PDKV_ENGINES if e in SGLANG_ENGINES]
+    assert [(r["pdkv"], r["versus"]) for r in ratios] == [(f"pdkv/{e}", f"sglang/{e}") for e in paired]
+    for ratio in ratios:
+        for key in ("speed", "cpu"):
+            assert math.isfinite(ratio[key]) and ratio[key] > 0
+
+
+# ----------------------------------------------------------------------------- the options
+
+
+def _error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    with pytest.raises(SystemExit) as exited:
+        sglang.parse_args(argv)
+    assert exited.value.code == 2
+    return capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["--backend", "rdma"], "--backend"),
+        (["--backend", "mooncake,mooncake"], "--backend"),
+        (["--backend", ","], "--backend"),
+        (["--sglang", "mooncake,tcp"], "--sglang"),
+        (["--cases", "4/5"], "--cases"),
+        (["--rounds", "0"], "--rounds"),
+    ],
+)
+def test_a_bad_option_exits_naming_it(
+    argv: list[str], named: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert f"error: {named}" in _error(argv, capsys)
+
+
+def test_auto_engines_follow_what_is_installed_quick_or_not(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sglang, "nixl_installed", lambda: False)
+    monkeypatch.setattr(sglang, "nixl_problem", lambda: "")
+    for argv in ([], ["--quick"]):
+        args, _ = sglang.parse_args(argv)
+        assert (args.backend, args.sglang) == (["mooncake", "nixl"], ["mooncake"])
+    monkeypatch.setattr(sglang, "nixl_installed", lambda: True)
+    monkeypatch.setattr(sglang, "nixl_problem", lambda: "no libnixl")
+    args, cases = sglang.parse_args(["--quick"])
+    assert (args.backend, args.sglang) == (["mooncake"], ["mooncake", "nixl"])
+    assert ([c.label for c in cases], args.layers, args.rounds) == (["1"], 4, 1)
+    # named engines are kept as named, in order, whatever is installed
+    args, _ = sglang.parse_args(["--backend", "nixl, mooncake", "--sglang", "nixl"])
+    assert (args.backend, args.sglang) == (["nixl", "mooncake"], ["nixl"])
+
+
+def test_a_named_engine_that_cannot_run_stops_before_any_process(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(sglang, "sglang_installed", lambda: True)
+    monkeypatch.setattr(sglang, "nixl_installed", lambda: False)
+    monkeypatch.setattr(sglang, "nixl_problem", lambda: "no libnixl")
+    started: list[object] = []
+
+    def run(*args: object) -> int:
+        started.append(args)
+        return 0
+
+    monkeypatch.setattr(sglang, "_run", run)
+    assert sglang.main(["--quick", "--backend", "nixl", "--sglang", "mooncake"]) == 1
+    assert "--backend nixl, but pdkv's NIXL backend cannot load: no libnixl" in capsys.readouterr().err
+    assert sglang.main(["--quick", "--backend", "mooncake", "--sglang", "nixl"]) == 1
+    assert "--sglang nixl, but nixl / nixl-cu12 are not installed" in capsys.readouterr().err
+    assert started == []
+    assert sglang.main(["--quick", "--backend", "mooncake", "--sglang", "mooncake"]) == 0
+    assert len(started) == 1
 
 
 # ----------------------------------------------------------------------------- the byte check
@@ -176,6 +255,101 @@ def test_a_stub_call_or_a_missing_report_fails_the_run() -> None:
     run = _run()
     run.stub_report("sglang/mooncake decode", None)
     assert not run.passed() and run.stub_calls == {"sglang/mooncake decode": -1}
+
+
+# ----------------------------------------------------------------------------- the report
+
+
+def _timed(room: int, wall_ms: float, cpu_ms: float) -> Any:
+    prefill = PrefillResult(
+        room=room,
+        state=int(KVPoll.Success),
+        failure="",
+        sent_at=1.0,
+        wall_s=wall_ms / 1e3,
+        cpu_s=cpu_ms / 1e3,
+        thread_cpu_s=0.001,
+    )
+    decode = DecodeResult(
+        room=room,
+        state=int(KVPoll.Success),
+        failure="",
+        success_at=1.0 + wall_ms / 1e3,
+        check=None,
+        planted=None,
+    )
+    return sglang.Outcome(prefill=prefill, decode=decode)
+
+
+def _report_args() -> argparse.Namespace:
+    return argparse.Namespace(
+        layers=4,
+        rounds=3,
+        sglang_tcp_queue=16384,
+        sglang_poll_us=100.0,
+        sleep_poll=False,
+        pdkv_poll_us=5000.0,
+    )
+
+
+def test_ratios_pair_each_pdkv_system_with_sglang_on_its_own_engine(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # ->P and CPU per request (ms), 3 rounds each; the medians are 10/20, 4/8, 5/10 and 8/2. Crossed
+    # pairs would give other figures (sglang/nixl / pdkv/mooncake: 0.8x; sglang/mooncake / pdkv/nixl: 1.25x).
+    timings = {
+        "sglang/mooncake": [(9, 30), (10, 20), (12, 19)],
+        "sglang/nixl": [(4, 8), (3, 9), (5, 7)],
+        "pdkv/mooncake": [(5, 10), (6, 11), (4, 9)],
+        "pdkv/nixl": [(8, 2), (7, 3), (9, 1)],
+    }
+    results = {
+        name: {"1": [_timed(n, wall, cpu) for n, (wall, cpu) in enumerate(runs)]}
+        for name, runs in timings.items()
+    }
+    sglang.report(_report_args(), [Case(pages=1)], results)
+    captured = capsys.readouterr()
+    ratios = {r["pdkv"]: r for r in _records(captured.out) if r["kind"] == "ratio"}
+    assert set(ratios) == {"pdkv/mooncake", "pdkv/nixl"}
+    mooncake, nixl = ratios["pdkv/mooncake"], ratios["pdkv/nixl"]
+    assert (mooncake["versus"], mooncake["engine"]) == ("sglang/mooncake", "mooncake")
+    assert (nixl["versus"], nixl["engine"]) == ("sglang/nixl", "nixl")
+    assert mooncake["speed"] == pytest.approx(2.0) and mooncake["cpu"] == pytest.approx(0.5)
+    assert nixl["speed"] == pytest.approx(0.5) and nixl["cpu"] == pytest.approx(0.25)
+    # the table: pairs side by side, each pdkv row naming the SGLang row it is compared with
+    rows = [line.split() for line in captured.err.splitlines() if line.strip().startswith("1 ")]
+    assert [row[2] for row in rows] == ["sglang/mooncake", "pdkv/mooncake", "sglang/nixl", "pdkv/nixl"]
+    assert rows[1][-4:] == ["2.00x", "0.50", "vs", "sglang/mooncake"]
+    assert rows[3][-4:] == ["0.50x", "0.25", "vs", "sglang/nixl"]
+    assert len(rows[0]) == len(rows[2]) == 9  # SGLang's rows carry no ratio
+
+
+def test_a_pdkv_system_without_sglang_on_its_engine_gets_no_ratio() -> None:
+    figures = {
+        name: sglang.case_figures([_timed(1, wall, cpu)])
+        for name, (wall, cpu) in {
+            "sglang/mooncake": (6, 3),
+            "pdkv/mooncake": (3, 3),
+            "pdkv/nixl": (1, 1),
+        }.items()
+    }
+    assert sglang.paired_ratios(figures) == {
+        "pdkv/mooncake": sglang.Ratio(pdkv="pdkv/mooncake", versus="sglang/mooncake", speed=2.0, cpu=1.0)
+    }
+    assert sglang.report_order(["sglang/nixl", "pdkv/mooncake", "pdkv/nixl", "sglang/mooncake"]) == [
+        "sglang/nixl",
+        "pdkv/nixl",
+        "sglang/mooncake",
+        "pdkv/mooncake",
+    ]
+
+
+def test_engine_lists() -> None:
+    assert sglang.parse_names(" nixl, mooncake ", ("mooncake", "nixl"), "backend") == ["nixl", "mooncake"]
+    for bad in ("", "mooncake,mooncake", "rdma", "mooncake,tcp"):
+        with pytest.raises(InvalidArgumentError, match="backend") as raised:
+            sglang.parse_names(bad, ("mooncake", "nixl"), "backend")
+        assert raised.value.argument == "backend"
 
 
 # ----------------------------------------------------------------------------- the workload

@@ -17,17 +17,20 @@ request's bytes are checked on the decode (its pages zeroed before, every KV byt
 compared after): a wrong byte fails the run. One request per system after warm-up plants a wrong
 byte as a control, which the check must find. The systems run interleaved, one request each per
 size per round, the order turning each round; figures are medians and ranges over the rounds, and
-the ratios are pdkv's speed (SGLang's median / pdkv's) and CPU (pdkv's median / SGLang's).
+the ratios are pdkv's speed (SGLang's median / pdkv's) and CPU (pdkv's median / SGLang's), each
+pdkv system against SGLang on its own engine.
 
 SGLang's Mooncake backend sends a request's KV as one engine batch (5,063 entries at 128 pages),
 which Mooncake's default per-peer TCP queue (2,048) rejects: its processes run with
 ``MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER`` raised (``--sglang-tcp-queue``); pdkv's at the default.
 SGLang's GPU-only imports are stood in for by ``pdkv.testing.gpu_stubs`` in its processes; every
 call into a stub after import is counted and printed, and any fails the run. ``--sglang``
-names SGLang's backends to run (Mooncake, and NIXL when ``nixl`` and ``nixl-cu12`` are installed);
-SGLang's NIXL processes (its progress thread spins a core each, idle or not) are stopped (SIGSTOP)
-outside their turns. ``--backend`` picks pdkv's engine (``nixl`` once ``pdkv.NixlBackend`` is
-merged: ``pdkv_backend`` in ``_sglang_ranks`` is the one place to add it).
+names SGLang's backends to run (Mooncake, and NIXL when ``nixl`` and ``nixl-cu12`` are installed),
+``--backend`` pdkv's engines (Mooncake, and NIXL when ``pdkv.NixlBackend`` loads); the ratios pair
+each pdkv system with SGLang on the same engine, never across engines. SGLang's NIXL processes
+(its progress thread spins a core each, idle or not) are stopped (SIGSTOP) outside their turns;
+pdkv's NIXL processes are not (its backend drives progress itself: 0.7% of a core per idle process
+here, against 98% for SGLang's).
 
 This module owns the start-up, the rounds, the checks that fail a run and the report; the ranks
 are ``_sglang_ranks``'. It must not import SGLang (its stubs stay in SGLang's own processes) and
@@ -46,7 +49,7 @@ import socket
 import statistics
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 import attrs
@@ -71,11 +74,11 @@ from pdkv.bench._sglang_ranks import (
     RankPlan,
     Stop,
     Stopped,
-    pdkv_backend,
     rank_main,
 )
 from pdkv.bench.latency import RAW_TCP_QUEUE, Progress, place_pages
-from pdkv.errors import InvalidArgumentError
+from pdkv.engine.nixl import load_nixl
+from pdkv.errors import EngineUnavailableError, InvalidArgumentError
 from pdkv.protocol.poll import KVPoll
 
 DEFAULT_CASES = "1,16,128,128/4"
@@ -85,6 +88,10 @@ SGLANG_BACKENDS = ("mooncake", "nixl")
 # processes were stopped right after the one before, 130 ms when stopped 0.3 s after it, 128 ms when
 # never stopped).
 PAUSE_GRACE_S = 0.3
+PAUSED_SYSTEMS = ("sglang/nixl",)
+"""Stopped (SIGSTOP) outside their turns: SGLang's NIXL progress threads spin a core per process (98%
+of one, idle, measured here). Not pdkv/nixl: 0.7% of a core per idle process (its backend polls every
+2 ms), and a pdkv rank stopped for long would be declared silent by its peer."""
 
 
 # ----------------------------------------------------------------------------- the parent's side of a rank
@@ -239,6 +246,33 @@ def nixl_installed() -> bool:
     return any(importlib.util.find_spec(name) is not None for name in ("nixl_cu12", "nixl_cu13"))
 
 
+def nixl_problem() -> str:
+    """Why pdkv's NIXL backend cannot load here ("" when it can): its own import check."""
+    try:
+        load_nixl()
+    except EngineUnavailableError as exc:
+        return str(exc)
+    return ""
+
+
+def pdkv_nixl_loads() -> bool:
+    return not nixl_problem()
+
+
+def parse_names(text: str, choices: Sequence[str], argument: str) -> list[str]:
+    """``mooncake,nixl``: distinct names of ``choices``, in order; ``InvalidArgumentError`` naming
+    ``argument`` otherwise."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = sorted(set(names) - set(choices))
+    if unknown or not names or len(set(names)) != len(names):
+        raise InvalidArgumentError(
+            f"{argument}: a list of distinct names of {', '.join(choices)}, got {text!r}",
+            argument=argument,
+            value=text,
+        )
+    return names
+
+
 def sglang_installed() -> bool:
     return importlib.util.find_spec("sglang") is not None
 
@@ -293,7 +327,7 @@ def start_systems(args: argparse.Namespace, cases: list[Case], progress: Progres
     )
     ctx = mp.get_context("spawn")
     names = [f"sglang/{backend}" for backend in args.sglang]
-    pdkv_name = f"pdkv/{args.backend}"
+    pdkv_names = [f"pdkv/{backend}" for backend in args.backend]
     started: list[RankProcess] = []
 
     def start(system: str, role: str) -> RankProcess:
@@ -303,11 +337,11 @@ def start_systems(args: argparse.Namespace, cases: list[Case], progress: Progres
 
     try:
         # Every process starts now (imports take most of the start-up); each gets its plan once
-        # what it needs is up: SGLang's decode its prefill's bootstrap server, pdkv's prefill the
-        # size of SGLang's metadata row, pdkv's decode its prefill's registry.
+        # what it needs is up: SGLang's decode its prefill's bootstrap server, pdkv's prefills the
+        # size of SGLang's metadata row, pdkv's decodes their prefill's registry.
         pairs = [(name, start(name, "prefill"), start(name, "decode")) for name in names]
-        pdkv_prefill, pdkv_decode = start(pdkv_name, "prefill"), start(pdkv_name, "decode")
-        progress.show(f"starting {', '.join(names)} and {pdkv_name} (SGLang's import takes a while) ...")
+        pdkv_pairs = [(name, start(name, "prefill"), start(name, "decode")) for name in pdkv_names]
+        progress.show(f"starting {', '.join(names + pdkv_names)} (SGLang's import takes a while) ...")
         ports = {name: free_port() for name in names}
         for name, prefill, _ in pairs:
             plan = attrs.evolve(base, system=name, tcp_queue=_queue(args, name))
@@ -317,25 +351,28 @@ def start_systems(args: argparse.Namespace, cases: list[Case], progress: Progres
             readies.append(prefill.receive(300))
             plan = attrs.evolve(base, system=name, tcp_queue=_queue(args, name))
             decode.configure(attrs.evolve(plan, role="decode", bootstrap=f"127.0.0.1:{ports[name]}"))
-        plan = attrs.evolve(
-            base,
-            system=pdkv_name,
-            poll_s=args.pdkv_poll_us / 1e6,
-            wake=not args.sleep_poll,
-            aux_bytes=readies[0].aux_bytes,
-            backend=args.backend,
-        )
-        pdkv_prefill.configure(attrs.evolve(plan, role="prefill"))
-        registry = pdkv_prefill.receive(300).address
-        pdkv_decode.configure(attrs.evolve(plan, role="decode", bootstrap=registry))
+        pdkv_plans = {
+            name: attrs.evolve(
+                base,
+                system=name,
+                poll_s=args.pdkv_poll_us / 1e6,
+                wake=not args.sleep_poll,
+                aux_bytes=readies[0].aux_bytes,
+                backend=engine_of(name),
+            )
+            for name in pdkv_names
+        }
+        for name, prefill, _ in pdkv_pairs:
+            prefill.configure(attrs.evolve(pdkv_plans[name], role="prefill"))
+        for name, prefill, decode in pdkv_pairs:
+            registry = prefill.receive(300).address
+            decode.configure(attrs.evolve(pdkv_plans[name], role="decode", bootstrap=registry))
         systems: list[System] = []
-        for name, prefill, decode in pairs:
+        for name, prefill, decode in pairs + pdkv_pairs:
             decode.receive(300)
-            system = System(name, prefill, decode, pause_between_turns=name == "sglang/nixl")
+            system = System(name, prefill, decode, pause_between_turns=name in PAUSED_SYSTEMS)
             system.idle()
             systems.append(system)
-        pdkv_decode.receive(300)
-        systems.append(System(pdkv_name, pdkv_prefill, pdkv_decode))
         stubbed = sorted({name for ready in readies for name in ready.stubbed})
         progress.show(f"ready: {', '.join(s.name for s in systems)}; GPU-only imports stubbed: {stubbed}")
         return systems
@@ -463,6 +500,12 @@ def controls(run: Run) -> None:
 # ----------------------------------------------------------------------------- the report
 
 
+PREFILL_MS = "prefill_success_ms"
+CPU_MS = "prefill_cpu_ms"
+Figures = dict[str, dict[str, float]]
+"""One system's figures at one case: figure name -> median, min and max (ms)."""
+
+
 def _spread(values: Sequence[float]) -> dict[str, float]:
     if not values:
         return {"median": float("nan"), "min": float("nan"), "max": float("nan")}
@@ -473,22 +516,73 @@ def _ms(stats: dict[str, float]) -> dict[str, float]:
     return {key: value * 1e3 for key, value in stats.items()}
 
 
-def report(args: argparse.Namespace, run: Run) -> None:
-    pdkv = next(s for s in run.systems if s.is_pdkv)
+def case_figures(outcomes: Sequence[Outcome]) -> Figures:
+    """One system's measured requests at one case, in ms: ->P, ->D, prefill CPU, scheduler thread CPU."""
+    return {
+        PREFILL_MS: _ms(_spread([o.prefill.wall_s for o in outcomes])),
+        "decode_success_ms": _ms(_spread([o.decode.success_at - o.prefill.sent_at for o in outcomes])),
+        CPU_MS: _ms(_spread([o.prefill.cpu_s for o in outcomes])),
+        "scheduler_thread_cpu_ms": _ms(_spread([o.prefill.thread_cpu_s for o in outcomes])),
+    }
+
+
+def engine_of(system: str) -> str:
+    """The engine a system runs on: ``pdkv/nixl`` and ``sglang/nixl`` -> ``nixl``."""
+    return system.partition("/")[2]
+
+
+@attrs.frozen(kw_only=True)
+class Ratio:
+    """One pdkv system against SGLang on the same engine, at one case."""
+
+    pdkv: str
+    versus: str
+    speed: float
+    """SGLang's ->P median / pdkv's: above 1, pdkv is faster."""
+    cpu: float
+    """pdkv's prefill CPU median / SGLang's: below 1, pdkv spends less."""
+
+
+def _quotient(numerator: float, denominator: float) -> float:
+    return numerator / denominator if denominator else float("nan")
+
+
+def paired_ratios(figures: Mapping[str, Figures]) -> dict[str, Ratio]:
+    """Each pdkv system's ratios against SGLang on its own engine (pdkv/mooncake vs sglang/mooncake,
+    pdkv/nixl vs sglang/nixl), by pdkv system; none for a pdkv system whose engine SGLang did not run
+    (engines are never crossed: the ratio is about the transfer layer, not the engine under it)."""
+    ratios: dict[str, Ratio] = {}
+    for name, mine in figures.items():
+        versus = f"sglang/{engine_of(name)}"
+        theirs = figures.get(versus)
+        if not name.startswith("pdkv/") or theirs is None:
+            continue
+        ratios[name] = Ratio(
+            pdkv=name,
+            versus=versus,
+            speed=_quotient(theirs[PREFILL_MS]["median"], mine[PREFILL_MS]["median"]),
+            cpu=_quotient(mine[CPU_MS]["median"], theirs[CPU_MS]["median"]),
+        )
+    return ratios
+
+
+def report_order(names: Sequence[str]) -> list[str]:
+    """The table's rows at one case: grouped by engine (in the order each engine first appears), SGLang's
+    system first, then pdkv's on the same engine, so each pair sits together."""
+    engines = list(dict.fromkeys(engine_of(name) for name in names))
+    return sorted(names, key=lambda name: (engines.index(engine_of(name)), name.startswith("pdkv/"), name))
+
+
+def report(
+    args: argparse.Namespace, cases: Sequence[Case], results: Mapping[str, Mapping[str, Sequence[Outcome]]]
+) -> None:
+    """JSON lines (a ``case`` record per system and case, a ``ratio`` record per pair) and the table.
+    ``results``: by system, by case label, the measured requests."""
     rows: list[list[object]] = []
-    for case in run.cases:
+    for case in cases:
         nbytes = case.pages * args.layers * PAGE_BYTES
-        figures: dict[str, dict[str, dict[str, float]]] = {}
-        for system in run.systems:
-            outcomes = system.runs.get(case.label, [])
-            figures[system.name] = {
-                "prefill_success_ms": _ms(_spread([o.prefill.wall_s for o in outcomes])),
-                "decode_success_ms": _ms(
-                    _spread([o.decode.success_at - o.prefill.sent_at for o in outcomes])
-                ),
-                "prefill_cpu_ms": _ms(_spread([o.prefill.cpu_s for o in outcomes])),
-                "scheduler_thread_cpu_ms": _ms(_spread([o.prefill.thread_cpu_s for o in outcomes])),
-            }
+        figures = {name: case_figures(runs.get(case.label, [])) for name, runs in results.items()}
+        for name, figure in figures.items():
             emit(
                 {
                     "bench": "sglang",
@@ -498,43 +592,44 @@ def report(args: argparse.Namespace, run: Run) -> None:
                     "chunks": case.chunks,
                     "layers": args.layers,
                     "bytes": nbytes,
-                    "system": system.name,
-                    "rounds": len(outcomes),
-                    "tcp_queue": _queue(args, system.name),
-                    **figures[system.name],
+                    "system": name,
+                    "engine": engine_of(name),
+                    "rounds": len(results[name].get(case.label, [])),
+                    "tcp_queue": _queue(args, name),
+                    **figure,
                 }
             )
-        mine = figures[pdkv.name]
-        for system in run.systems:
-            theirs = figures[system.name]
-            speed = cpu_ratio = float("nan")
-            if not system.is_pdkv:
-                speed = theirs["prefill_success_ms"]["median"] / mine["prefill_success_ms"]["median"]
-                cpu_ratio = mine["prefill_cpu_ms"]["median"] / theirs["prefill_cpu_ms"]["median"]
-                emit(
-                    {
-                        "bench": "sglang",
-                        "kind": "ratio",
-                        "case": case.label,
-                        "pdkv": pdkv.name,
-                        "versus": system.name,
-                        "speed": speed,
-                        "cpu": cpu_ratio,
-                    }
-                )
+        ratios = paired_ratios(figures)
+        for ratio in ratios.values():
+            emit(
+                {
+                    "bench": "sglang",
+                    "kind": "ratio",
+                    "case": case.label,
+                    "engine": engine_of(ratio.pdkv),
+                    "pdkv": ratio.pdkv,
+                    "versus": ratio.versus,
+                    "speed": ratio.speed,
+                    "cpu": ratio.cpu,
+                }
+            )
+        for name in report_order(list(figures)):
+            theirs = figures[name]
+            pair = ratios.get(name)
             rows.append(
                 [
                     case.label,
                     f"{nbytes / 1e6:.1f}",
-                    system.name,
-                    theirs["prefill_success_ms"]["median"],
-                    f"{theirs['prefill_success_ms']['min']:.3g}-{theirs['prefill_success_ms']['max']:.3g}",
+                    name,
+                    theirs[PREFILL_MS]["median"],
+                    f"{theirs[PREFILL_MS]['min']:.3g}-{theirs[PREFILL_MS]['max']:.3g}",
                     theirs["decode_success_ms"]["median"],
-                    theirs["prefill_cpu_ms"]["median"],
-                    f"{theirs['prefill_cpu_ms']['min']:.3g}-{theirs['prefill_cpu_ms']['max']:.3g}",
+                    theirs[CPU_MS]["median"],
+                    f"{theirs[CPU_MS]['min']:.3g}-{theirs[CPU_MS]['max']:.3g}",
                     theirs["scheduler_thread_cpu_ms"]["median"],
-                    "" if system.is_pdkv else f"{speed:.2f}x",
-                    "" if system.is_pdkv else f"{cpu_ratio:.2f}",
+                    "" if pair is None else f"{pair.speed:.2f}x",
+                    "" if pair is None else f"{pair.cpu:.2f}",
+                    "" if pair is None else f"vs {pair.versus}",
                 ]
             )
     queue = args.sglang_tcp_queue
@@ -545,9 +640,11 @@ def report(args: argparse.Namespace, run: Run) -> None:
                 f"round{'s' if args.rounds > 1 else ''} interleaved (medians and ranges over the rounds)",
                 "  ->P: send() -> the prefill's poll sees Success; ->D: send() -> the decode's poll does; "
                 "CPU: the prefill process over ->P, every thread (sched: its scheduler thread alone)",
-                "  pdkv speed: SGLang's ->P median / pdkv's; CPU ratio: pdkv's CPU median / SGLang's",
+                "  pdkv speed: SGLang's ->P median / pdkv's, on the same engine (pdkv/mooncake vs "
+                "sglang/mooncake, pdkv/nixl vs sglang/nixl); CPU ratio: pdkv's CPU median / SGLang's",
                 f"  SGLang's Mooncake TCP queue: {f'raised to {queue:,}' if queue else 'the default'} "
-                "(it sends a request as one engine batch); pdkv's: Mooncake's default",
+                "(it sends a request as one engine batch); pdkv's: Mooncake's default; NIXL: UCX's "
+                "default transports on lo, both",
                 f"  schedulers: SGLang's sleep {args.sglang_poll_us:g} us between polls, pdkv's "
                 f"{'sleep' if args.sleep_poll else 'wait for progress up to'} {args.pdkv_poll_us:g} us",
             ]
@@ -564,6 +661,7 @@ def report(args: argparse.Namespace, run: Run) -> None:
             "sched CPU",
             "pdkv speed",
             "CPU ratio",
+            "pair",
         ],
         rows,
     )
@@ -572,7 +670,10 @@ def report(args: argparse.Namespace, run: Run) -> None:
 # ----------------------------------------------------------------------------- main
 
 
-def main(argv: Sequence[str]) -> int:
+def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[Case]]:
+    """The options, checked (a bad one exits 2 naming it, as argparse does), ``auto`` resolved:
+    ``--sglang`` and ``--backend`` become lists of engines. ``--quick`` shrinks the workload only: its
+    engines are the same as a full run's."""
     parser = argparse.ArgumentParser(prog="pdkv bench sglang", description=(__doc__ or "").splitlines()[0])
     parser.add_argument(
         "--cases",
@@ -590,7 +691,12 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--run-fraction", type=float, default=0.7)
     parser.add_argument("--max-run", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--backend", choices=PDKV_BACKENDS, default="mooncake", help="pdkv's engine")
+    parser.add_argument(
+        "--backend",
+        default="auto",
+        help="pdkv's engines, comma-separated: mooncake, nixl (auto: mooncake, and nixl when pdkv's NIXL "
+        "backend loads); each is compared with SGLang on the same engine",
+    )
     parser.add_argument(
         "--sglang",
         default="auto",
@@ -618,40 +724,45 @@ def main(argv: Sequence[str]) -> int:
         "--sleep-poll", action="store_true", help="pdkv's schedulers sleep between polls, as SGLang's"
     )
     parser.add_argument(
-        "--quick", action="store_true", help="tiny run for tests: 4 layers, 1 page, 1 round, no NIXL"
+        "--quick",
+        action="store_true",
+        help="tiny run for tests: 4 layers, 1 page, 1 round, the same engines",
     )
     args = parser.parse_args(list(argv))
     if args.quick:
         args.layers, args.cases, args.rounds, args.warmup = 4, "1", 1, 1
-        args.sglang = "mooncake" if args.sglang == "auto" else args.sglang
-    try:
-        cases = parse_cases(args.cases)
-    except InvalidArgumentError as exc:
-        parser.error(f"--{exc}")
     if args.rounds < 1 or args.warmup < 0 or args.layers < 1:
         parser.error("--rounds must be >= 1, --warmup >= 0 and --layers >= 1")
     if args.pdkv_poll_us is None:
         args.pdkv_poll_us = 100.0 if args.sleep_poll else 5000.0
-    if not sglang_installed():
-        print(
-            "pdkv bench sglang: SGLang is not installed (make sglang installs its pinned CPU closure)",
-            file=sys.stderr,
-        )
-        return 1
-    if args.backend != "mooncake":
-        try:
-            pdkv_backend(args.backend).close()
-        except Exception as exc:
-            print(f"pdkv bench sglang: --backend {args.backend}: {exc}", file=sys.stderr)
-            return 1
+    if args.backend == "auto":
+        args.backend = "mooncake,nixl" if pdkv_nixl_loads() else "mooncake"
     if args.sglang == "auto":
         args.sglang = "mooncake,nixl" if nixl_installed() else "mooncake"
-    args.sglang = [name.strip() for name in args.sglang.split(",") if name.strip()]
-    unknown = sorted(set(args.sglang) - set(SGLANG_BACKENDS))
-    if unknown or not args.sglang or len(set(args.sglang)) != len(args.sglang):
-        parser.error(f"--sglang: a list of {', '.join(SGLANG_BACKENDS)} (got {unknown or args.sglang})")
+    try:
+        cases = parse_cases(args.cases)
+        args.backend = parse_names(args.backend, PDKV_BACKENDS, "backend")
+        args.sglang = parse_names(args.sglang, SGLANG_BACKENDS, "sglang")
+    except InvalidArgumentError as exc:
+        parser.error(f"--{exc}")
+    return args, cases
+
+
+def unavailable(args: argparse.Namespace) -> str:
+    """Why the systems ``args`` names cannot run here ("" when they can)."""
+    if not sglang_installed():
+        return "SGLang is not installed (make sglang installs its pinned CPU closure)"
+    if "nixl" in args.backend and (problem := nixl_problem()):
+        return f"--backend nixl, but pdkv's NIXL backend cannot load: {problem}"
     if "nixl" in args.sglang and not nixl_installed():
-        print("pdkv bench sglang: --sglang nixl, but nixl / nixl-cu12 are not installed", file=sys.stderr)
+        return "--sglang nixl, but nixl / nixl-cu12 are not installed"
+    return ""
+
+
+def main(argv: Sequence[str]) -> int:
+    args, cases = parse_args(argv)
+    if problem := unavailable(args):
+        print(f"pdkv bench sglang: {problem}", file=sys.stderr)
         return 1
     return _run(args, cases)
 
@@ -672,7 +783,7 @@ def _run(args: argparse.Namespace, cases: list[Case]) -> int:
                 if not system.is_pdkv:
                     run.stub_report(rank.name, None if rank.stopped is None else rank.stopped.stub_calls)
     if any(system.runs for system in systems):
-        report(args, run)
+        report(args, cases, {system.name: system.runs for system in systems})
     emit(
         {
             "bench": "sglang",
