@@ -92,7 +92,9 @@ def test_the_sans_io_core_imports_without_torch_or_zmq() -> None:
         "import sys, pdkv.protocol, pdkv.protocol.codec, pdkv.protocol.prefill, pdkv.protocol.decode;"
         "print(sorted(m for m in ('torch', 'zmq', 'pdkv.runtime', 'pdkv.engine') if m in sys.modules))"
     )
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True
+    )
     assert out.stdout.strip() == "[]"
 
 

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
         OutOfPagesError,
         ReentrantAllocationError,
     )
+    from pdkv.control.channel import ChannelStatistics
     from pdkv.control.errors import (
         AuthenticationError,
         ChannelClosedError,
@@ -50,6 +51,7 @@ if TYPE_CHECKING:
     )
     from pdkv.engine.backend import (
         BackendClosedError,
+        BackendStatistics,
         BatchFailedError,
         BatchTimedOutError,
         ForeignHandleError,
@@ -84,8 +86,6 @@ if TYPE_CHECKING:
     from pdkv.mapping.fanout import (
         TopologyError,
     )
-    from pdkv.control.channel import ChannelStatistics
-    from pdkv.engine.backend import BackendStatistics
     from pdkv.metrics import KVTransferMetric, TransportMetrics, TransportMetricsSnapshot
     from pdkv.metrics.errors import (
         MetricValueError,
@@ -94,9 +94,9 @@ if TYPE_CHECKING:
     from pdkv.protocol import KVPoll, RoomId, Timeouts, room_id
     from pdkv.protocol.decode import DecodeStatistics
     from pdkv.protocol.effects import Failure, FailureCause, ReleaseKind
-    from pdkv.protocol.prefill import PrefillStatistics
     from pdkv.protocol.ids import InstanceId
     from pdkv.protocol.messages import RankCoord, StateIndices
+    from pdkv.protocol.prefill import PrefillStatistics
     from pdkv.runtime import (
         DecodeConfig,
         DecodeTransport,
@@ -114,14 +114,14 @@ if TYPE_CHECKING:
         ConsensusError,
     )
     from pdkv.runtime.decode import DecodeTransportStatistics
-    from pdkv.runtime.per_layer import PerLayerStatistics
-    from pdkv.runtime.prefill import PrefillTransportStatistics
     from pdkv.runtime.executor import (
         JobFinishedError,
     )
     from pdkv.runtime.per_layer import (
+        PerLayerStatistics,
         UnknownLayerError,
     )
+    from pdkv.runtime.prefill import PrefillTransportStatistics
 
 __version__ = "0.1.0"
 
@@ -328,7 +328,7 @@ __all__ = [
     "TransportMetricsSnapshot",
     "UnknownLayerError",
     "UnregisteredMemoryError",
+    "__version__",
     "mapping",
     "room_id",
-    "__version__",
 ]
