@@ -93,6 +93,8 @@ from pdkv.runtime import (
     PrefillConfig,
     PrefillTransport,
     Registry,
+    StagingConfig,
+    StagingPool,
 )
 from pdkv.runtime.consensus import (
     ConsensusError,
@@ -174,6 +176,8 @@ __all__ = [
     "RemoteProtocolError",
     "RoomId",
     "RouteUnavailableError",
+    "StagingConfig",
+    "StagingPool",
     "StateIndices",
     "Timeouts",
     "TopologyError",

@@ -93,6 +93,7 @@ from pdkv.runtime.per_layer import (
     PerLayerStatistics,
     PerLayerTransferManager,
 )
+from pdkv.runtime.staging import StagingPool
 
 log = logging.getLogger(__name__)
 
@@ -191,7 +192,10 @@ class PrefillTransport(EndpointHost[PrefillEndpoint]):
         channel_factory: ChannelFactory | None = None,
         announce: Callable[[str, RankAnnounce, float], object] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        staging: StagingPool | None = None,
     ) -> None:
+        """``staging``: a pool over this rank's buffers, registered with ``backend``, that the executor
+        gathers scattered writes into (``pdkv.runtime.staging``); the caller closes it after ``close()``."""
         self.config = config
         self.backend = backend
         factory = channel_factory if channel_factory is not None else zmq_channel_factory()
@@ -202,7 +206,7 @@ class PrefillTransport(EndpointHost[PrefillEndpoint]):
             logger=log,
             clock=clock,
         )
-        self._executor = TransferExecutor(backend, config.executor)
+        self._executor = TransferExecutor(backend, config.executor, staging=staging)
         self._work: queue.Queue[SubmitChunk | SubmitFence | None] = queue.Queue(maxsize=config.queue_size)
         self._announce = announce if announce is not None else _default_announce()
         self._workers: list[threading.Thread] = []  # started by start(), new ones on a retried start

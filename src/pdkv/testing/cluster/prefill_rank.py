@@ -89,7 +89,13 @@ def _prefill_rank(args: _RankArgs, conn: Connection) -> None:
         host=spec.host(Side.PREFILL),
         timeouts=spec.timeouts,
     )
-    transport = PrefillTransport(config, backend, channel_factory=wiring.channel_factory)
+    staging = None
+    if spec.staging is not None:
+        from pdkv.runtime.staging import StagingPool
+
+        sources = [memory.tensors[(b.model, b.kind, b.layer_id)] for b in memory.layout.buffers]
+        staging = StagingPool(backend, memory.layout, sources, spec.staging)
+    transport = PrefillTransport(config, backend, channel_factory=wiring.channel_factory, staging=staging)
     name = f"prefill tp{args.tp}/cp{args.cp}"
     consensus: _RankConsensus | None = None
     try:
@@ -193,6 +199,8 @@ def _prefill_rank(args: _RankArgs, conn: Connection) -> None:
         if consensus is not None:
             consensus.close()
         transport.close()
+        if staging is not None:
+            staging.close()
         backend.close()
 
 

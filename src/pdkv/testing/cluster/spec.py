@@ -17,6 +17,7 @@ from pdkv.mapping import BufferKind, OwnershipPolicy, PageInterleaved, chunk_pag
 from pdkv.protocol.config import Timeouts
 from pdkv.protocol.ids import RoomId
 from pdkv.protocol.messages import Side
+from pdkv.runtime.staging import StagingConfig
 from pdkv.testing.faults import (
     FaultCounts,
     NetnsLayout,
@@ -67,6 +68,9 @@ class ClusterSpec:
     peer kept at the engine's default queue (2,048): headroom for the engine. Under load (many ranks
     on few cores) a stream of small entries (MHA head slices, one per token) met "TCP lane
     queue-full" rejections with the budget equal to the queue. None: the engine's defaults."""
+    staging: StagingConfig | None = None
+    """Each prefill rank's executor gathers scattered writes (MHA/GQA head slices towards a decode rank
+    of a higher TP) into a staging pool of this shape (``pdkv.runtime.staging``); None: no pool."""
     netns: NetnsLayout | None = None
     """Run prefill ranks (and the registry) in one network namespace and decode ranks in another,
     joined by a veth pair, so a test can partition them (``NetnsLayout.partition``)."""
