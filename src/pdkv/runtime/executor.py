@@ -263,6 +263,7 @@ class TransferJob:
         with the job not failed: the pool could not hold the piece even with every live lease back
         (quarantined space, or the pool closed), so the piece goes unstaged.
         """
+        waited = False
         while True:
             lease = pool.acquire_nowait(self.peer, piece.nbytes)
             if lease is not None:
@@ -280,7 +281,8 @@ class TransferJob:
                     f"no staging space for a {piece.nbytes}-byte piece within the transfer deadline",
                 )
                 return None
-            pool.wait_for_space(min(remaining, 0.1))
+            pool.wait_for_space(min(remaining, 0.1), first=not waited)
+            waited = True
 
     def _submit_blocks(self, blocks: TransferBlocks, lease: StagingLease | None) -> None:
         batches = shape_batches(

@@ -308,7 +308,9 @@ class StagingPool:
             raise ConfigError(f"{len(sources)} source tensors for {len(layout.buffers)} layout buffers")
         self._regions, self.sources, device = _regions(layout, sources)
         self.device = device
-        self._tensor = torch.empty(self.config.capacity_bytes, dtype=torch.uint8, device=device)
+        # Zeroed, not just allocated: the pages are touched (faulted in) here, once, rather than by the
+        # first gathers (a fresh 8 MiB piece cost several times its copy on the CPU here).
+        self._tensor = torch.zeros(self.config.capacity_bytes, dtype=torch.uint8, device=device)
         self.address = int(self._tensor.data_ptr())
         self._stream: Any = None
         if device.type == "cuda":
@@ -411,11 +413,12 @@ class StagingPool:
                 cursor = max(cursor, end)
             return False
 
-    def wait_for_space(self, timeout: float) -> None:
-        """Block until a lease comes back, the pool closes, or ``timeout`` seconds passed."""
+    def wait_for_space(self, timeout: float, *, first: bool = True) -> None:
+        """Block until a lease comes back, the pool closes, or ``timeout`` seconds passed. ``first``: the
+        piece's first wait (``waits`` counts pieces that waited, ``wait_seconds`` all the time)."""
         started = self._clock()
         with self._cond:
-            self._counts["waits"] += 1
+            self._counts["waits"] += first
             if not self._closed:
                 self._cond.wait(max(0.0, timeout))
             self._wait_s += max(0.0, self._clock() - started)

@@ -189,6 +189,12 @@ def _prefill_rank(args: _RankArgs, conn: Connection) -> None:
                     fences=stats.endpoint.fences_submitted,
                     writes=stats.metrics.counters.writes,
                     write_jobs=stats.metrics.counters.write_jobs,
+                    staged_writes=staging.statistics().staged_writes if staging is not None else 0,
+                    staging_leased_at_end=(
+                        staging.statistics().in_use_bytes + staging.statistics().quarantined_bytes
+                        if staging is not None
+                        else 0
+                    ),
                     cpu_s=cpu,
                     consensus_lost=consensus.lost if consensus is not None else "",
                     faults=wiring.fault_counts(),

@@ -205,6 +205,10 @@ class RankReport:
     """Prefill: chunk writes to decode ranks (one per chunk and destination with bytes)."""
     write_jobs: int = 0
     """Prefill: transfer jobs those writes went in (``writes / write_jobs`` rooms shared a job on average)."""
+    staged_writes: int = 0
+    """Prefill: writes its staging pool gathered (``ClusterSpec.staging``); 0 without a pool."""
+    staging_leased_at_end: int = 0
+    """Prefill: staging bytes still leased or quarantined at its final report (must be 0)."""
     cpu_s: dict[str, float] = attrs.Factory(dict)
     """CPU seconds from the end of the rank's start-up to its final report, by thread group
     (``_rank.thread_cpu``)."""
