@@ -93,7 +93,8 @@ def test_landing_then_scatter_writes_every_decode_head_byte_once_from_the_right_
                 for key in world.keys:
                     rank.put(key, int(logical[q]) // cp, rank.item(key, q))
     decode = {
-        d: Rank(world, case.decode_tp, d, pages=2 * n, item_layout=case.dst_layout) for d in range(case.decode_tp)
+        d: Rank(world, case.decode_tp, d, pages=2 * n, item_layout=case.dst_layout)
+        for d in range(case.decode_tp)
     }
     dst_pages = {d: rng.permutation(2 * n)[:n] for d in decode}
     topology = mha(case.prefill_tp, case.decode_tp, case.kv_heads, prefill_cp=cp)
@@ -155,7 +156,9 @@ def test_landing_then_scatter_writes_every_decode_head_byte_once_from_the_right_
                 start = rank.base[key] + int(dst_pages[d][q]) * rank.item_bytes
                 expected[start : start + rank.item_bytes] = rank.item(key, q)
                 expected_writes[start : start + rank.item_bytes] = 1
-        assert np.array_equal(rank.writes, expected_writes), f"decode rank {d}: bytes not written exactly once"
+        assert np.array_equal(rank.writes, expected_writes), (
+            f"decode rank {d}: bytes not written exactly once"
+        )
         assert np.array_equal(rank.memory, expected), f"decode rank {d}: wrong bytes"
 
 
@@ -179,7 +182,9 @@ def test_a_lease_is_one_aligned_region_per_real_source_laid_out_as_that_ranks_it
     assert landing_slots([3, 7], plan).tolist() == [0, 4]
     with pytest.raises(MappingError, match=r"positions 2\.\.8 are outside the landing window 3\.\.7"):
         landing_slots([2, 8], plan)
-    with pytest.raises(MappingError, match=r"prefill tp rank 0 has no landing region here \(sources: \[2, 3\]\)"):
+    with pytest.raises(
+        MappingError, match=r"prefill tp rank 0 has no landing region here \(sources: \[2, 3\]\)"
+    ):
         plan.region_of(0)
 
 
