@@ -12,12 +12,15 @@ import attrs
 import numpy as np
 import pytest
 
+from pdkv.engine.loopback import LoopbackFaults
 from pdkv.mapping import AttentionKind
 from pdkv.mapping.staging import StagedPiece
+from pdkv.protocol.poll import KVPoll
+from pdkv.runtime.decode import KVReceiver
 from pdkv.runtime.per_layer import PerLayerMode
 from pdkv.runtime.staging import StagingConfig
 from pdkv.testing.synthetic import ModelSpec
-from tests.runtime.rig import PREFILL_PAGES, Rig
+from tests.runtime.rig import PREFILL_PAGES, Rig, wait_for
 from tests.runtime.test_per_layer import Room, expected_bytes, run_request, started
 
 # 4 KV heads of 8 bytes: the prefill TP rank holds all 4, decode rank d of TP 2 heads 2d, 2d + 1, so a
@@ -97,3 +100,40 @@ def test_a_wrong_gather_is_caught_by_the_byte_check(
     handle = request(rig, 4, per_layer=False)
     with pytest.raises(AssertionError):
         handle.verify(prefix_pages=2)
+
+
+def failed_and_released(receivers: list[KVReceiver]) -> None:
+    wait_for(lambda: all(r.poll() is KVPoll.Failed for r in receivers), timeout=30)
+    wait_for(lambda: all(r.release_ready() for r in receivers), timeout=30)
+
+
+def test_staging_comes_back_after_an_abort_and_after_a_failed_write(rig_factory: Callable[..., Rig]) -> None:
+    """Every room returns its staging: one aborted while its staged writes are in flight (they end, then
+    their leases come back), one whose staged write failed (its lease stays quarantined until the fence
+    the AbortAck waits for completes to the same decode rank: the peer's drain point)."""
+    rig = started(
+        rig_factory,
+        spec=HEADS4,
+        decode_tp=2,
+        staging=STAGING,
+        faults=LoopbackFaults(delay_seconds=0.3),
+    )
+    pool = rig.staging[0]
+    backend = rig.prefill_backends[0]
+    for room in (5, 6):
+        rng = np.random.default_rng(room)
+        logical = rng.choice(PREFILL_PAGES, size=12, replace=False).astype(np.int64)
+        handle = Room(rig, room, logical, np.arange(12, dtype=np.int64) + 20 * room, slots=0, aux=room)
+        if room == 6:  # the room's first batch fails
+            failing = backend.statistics().batches_submitted + 1
+            backend.set_faults(LoopbackFaults(delay_seconds=0.3, fail_batches={failing}))
+        handle.send(logical, 0, last=True)
+        if room == 5:
+            wait_for(lambda: rig.batches_in_flight() > 0)
+            handle.senders[0].abort("scheduler gave up")
+        failed_and_released(handle.receivers)
+        wait_for(lambda: pool.statistics().in_use_bytes == 0, timeout=30)
+    stats = pool.statistics()
+    assert stats.staged_writes >= 2 and stats.quarantined >= 1
+    assert (stats.quarantined_bytes, stats.released_unproven) == (0, 0)
+    assert stats.released_proven == stats.quarantined

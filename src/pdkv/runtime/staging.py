@@ -97,14 +97,19 @@ log = logging.getLogger(__name__)
 ALIGNMENT: Final = 256
 """Every lease starts on a multiple of this many bytes (wide copies, GPU-friendly offsets)."""
 
-# Defaults (pdkv bench transfer --mha, this 2-core machine; see README "Heterogeneous TP").
+# Defaults, from `pdkv bench transfer --mha --tp 2 --decode-tp 4` on this 2-core machine (Mooncake TCP,
+# 134 MB in 262,144 head slices; specs/mapping.md section 14.5): pieces of 2, 4, 16, 32 MiB gave 0.58x,
+# 0.67x, 0.65x, 0.82x the homogeneous path in one loaded sweep, 8 MiB 0.86x (then 0.82x under the
+# exclusive lock, best of 3). 128 MiB holds 16 pieces: room for the executor's 4 batches in flight of
+# several jobs at once. min_gain 4: whole pages, GQA replicas and fences (nothing merges) stay unstaged.
 DEFAULT_CAPACITY_BYTES: Final = 128 << 20
 DEFAULT_PIECE_BYTES: Final = 8 << 20
 DEFAULT_MIN_GAIN: Final = 4
 DEFAULT_QUARANTINE_S: Final = 1200.0
 # A CPU gather runs on one thread by default: on this 2-core machine, with the engine's threads and
-# other processes busy, torch's 2-thread index_select of 8 MiB pieces took 50-450 ms for 134 MB where
-# one thread took 10-20 ms (OpenMP's fork-join waits for a descheduled worker). See _copy_threads.
+# other processes busy, torch's 2-thread index_select of 134 MB (8 MiB pieces, or page runs) took 50 to
+# 450 ms where one thread took 10 to 56 ms (OpenMP's fork-join waits for a descheduled worker); idle,
+# both took about 20 ms. See _copy_threads.
 DEFAULT_COPY_THREADS: Final = 1
 
 
