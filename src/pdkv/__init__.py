@@ -36,6 +36,8 @@ from pdkv.engine import (
     LoopbackFabric,
     MooncakeBackend,
     MooncakeConfig,
+    NixlBackend,
+    NixlConfig,
     TransferBackend,
 )
 from pdkv.engine.backend import (
@@ -44,6 +46,7 @@ from pdkv.engine.backend import (
     BatchTimedOutError,
     ForeignHandleError,
     InvalidBatchError,
+    PeerMetadataError,
     RegistrationError,
     UnregisteredMemoryError,
 )
@@ -56,6 +59,7 @@ from pdkv.errors import (
     DiagramScenarioError,
     EngineUnavailableError,
     InvalidArgumentError,
+    LayoutError,
     LayoutMismatchError,
     LocalProtocolError,
     MappingError,
@@ -72,13 +76,17 @@ from pdkv.mapping import AttentionKind, BufferKind, BufferLayout, BufferSpec, Mo
 from pdkv.mapping.fanout import (
     TopologyError,
 )
-from pdkv.metrics import KVTransferMetric, TransportMetrics
+from pdkv.control.channel import ChannelStatistics
+from pdkv.engine.backend import BackendStatistics
+from pdkv.metrics import KVTransferMetric, TransportMetrics, TransportMetricsSnapshot
 from pdkv.metrics.errors import (
     MetricValueError,
     PrometheusUnavailableError,
 )
 from pdkv.protocol import KVPoll, RoomId, Timeouts, room_id
-from pdkv.protocol.effects import Failure, FailureCause
+from pdkv.protocol.decode import DecodeStatistics
+from pdkv.protocol.effects import Failure, FailureCause, ReleaseKind
+from pdkv.protocol.prefill import PrefillStatistics
 from pdkv.protocol.ids import InstanceId
 from pdkv.protocol.messages import RankCoord, StateIndices
 from pdkv.runtime import (
@@ -99,6 +107,9 @@ from pdkv.runtime import (
 from pdkv.runtime.consensus import (
     ConsensusError,
 )
+from pdkv.runtime.decode import DecodeTransportStatistics
+from pdkv.runtime.per_layer import PerLayerStatistics
+from pdkv.runtime.prefill import PrefillTransportStatistics
 from pdkv.runtime.executor import (
     JobFinishedError,
 )
@@ -113,6 +124,7 @@ __all__ = [
     "AttentionKind",
     "AuthenticationError",
     "BackendClosedError",
+    "BackendStatistics",
     "BatchFailedError",
     "BatchTimedOutError",
     "BufferKind",
@@ -120,6 +132,7 @@ __all__ = [
     "BufferSpec",
     "ChannelClosedError",
     "ChannelOwnershipError",
+    "ChannelStatistics",
     "ConfigError",
     "ConnectionCutUnavailableError",
     "ConsensusError",
@@ -127,7 +140,9 @@ __all__ = [
     "ControlError",
     "ControlTimeoutError",
     "DecodeConfig",
+    "DecodeStatistics",
     "DecodeTransport",
+    "DecodeTransportStatistics",
     "DiagramScenarioError",
     "DoubleFreeError",
     "EngineInitError",
@@ -148,6 +163,7 @@ __all__ = [
     "KVReceiver",
     "KVSender",
     "KVTransferMetric",
+    "LayoutError",
     "LayoutMismatchError",
     "LocalProtocolError",
     "LoopbackBackend",
@@ -157,15 +173,21 @@ __all__ = [
     "ModelRole",
     "MooncakeBackend",
     "MooncakeConfig",
+    "NixlBackend",
+    "NixlConfig",
     "OutOfPagesError",
     "PagePool",
     "PdkvError",
+    "PeerMetadataError",
     "PerLayerConfig",
     "PerLayerMode",
+    "PerLayerStatistics",
     "PerLayerTransferManager",
     "PoolStatistics",
     "PrefillConfig",
+    "PrefillStatistics",
     "PrefillTransport",
+    "PrefillTransportStatistics",
     "PrometheusUnavailableError",
     "ProtocolError",
     "RankCoord",
@@ -173,6 +195,7 @@ __all__ = [
     "RegistrationError",
     "Registry",
     "RegistryError",
+    "ReleaseKind",
     "RemoteProtocolError",
     "RoomId",
     "RouteUnavailableError",
@@ -186,9 +209,10 @@ __all__ = [
     "TransferError",
     "TransportClosedError",
     "TransportMetrics",
+    "TransportMetricsSnapshot",
     "UnknownLayerError",
     "UnregisteredMemoryError",
-    "__version__",
     "mapping",
     "room_id",
+    "__version__",
 ]

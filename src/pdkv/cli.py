@@ -18,8 +18,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub.add_parser(
         "demo", help="run the demo (main job); --protocol-only for the in-memory one", add_help=False
     )
-    bench = sub.add_parser("bench", help="run a benchmark: pdkv bench NAME [args] (NAME 'list' or 'all')")
-    bench.add_argument("name")
+    bench = sub.add_parser(
+        "bench",
+        help="run a benchmark: pdkv bench NAME [args] (NAME 'list' or 'all')",
+        description="Benchmarks: pdkv bench list names them; pdkv bench NAME --help describes one.",
+    )
+    bench.add_argument("name", help="a benchmark's name, 'list' or 'all'")
     diagram = sub.add_parser(
         "diagram", help="write the state and sequence diagrams into specs/diagrams/ and specs/protocol.md"
     )
@@ -56,7 +60,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from pdkv.demo import main as demo_main
 
         return demo_main(args[1:])
-    if args and args[0] == "bench" and len(args) >= 2:
+    if args and args[0] == "bench" and len(args) >= 2 and not args[1].startswith("-"):
         return _bench(args[1], args[2:])
     ns = parser.parse_args(args)
     if ns.command == "registry":

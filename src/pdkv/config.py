@@ -13,6 +13,7 @@ must not read the environment at import: only ``from_env`` reads, and only the m
 
 from __future__ import annotations
 
+import argparse
 import math
 import os
 from collections.abc import Callable, Mapping
@@ -74,7 +75,7 @@ def env_var_of(field: attrs.Attribute[Any]) -> EnvVar | None:
 def from_env(cls: type[C], env: Mapping[str, str] | None = None, **overrides: object) -> C:
     """``cls`` built from its defaults, then every variable its fields name that is set in ``env``
     (``os.environ`` by default), then ``overrides``. A value that does not parse is a
-    ``ConfigError`` naming the variable; a parsed value the class refuses raises as the class does."""
+    ``ConfigError`` naming the variable, and so is a value the field's own validator refuses."""
     source = os.environ if env is None else env
     values: dict[str, object] = {}
     for field in attrs.fields(cls):  # type: ignore[arg-type]  # C is an attrs class by contract
@@ -83,11 +84,19 @@ def from_env(cls: type[C], env: Mapping[str, str] | None = None, **overrides: ob
             continue
         raw = source[var.name]
         try:
-            values[field.alias] = var.parse(raw)
+            value = var.parse(raw)
         except (ValueError, ConfigError) as exc:
             what = var.unit or "valid"
             detail = f": {exc}" if isinstance(exc, ConfigError) else ""
             raise ConfigError(f"{var.name}={raw!r} is not {what}{detail}") from None
+        try:  # the field's own rule, here, so that the error names the variable that broke it
+            if field.converter is not None and callable(field.converter):
+                value = field.converter(value)
+            if field.validator is not None:
+                field.validator(None, field, value)
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(f"{var.name}={raw!r}: {exc}") from None
+        values[field.alias] = value
     values.update(overrides)
     return cls(**values)
 
@@ -121,16 +130,89 @@ def positive_int(_: object, attribute: attrs.Attribute[int], value: int) -> None
         raise ConfigError(f"{attribute.name} must be a positive int, got {value!r}")
 
 
+def instance_of(*types: type) -> Callable[[object, attrs.Attribute[Any], object], None]:
+    """A validator: the value is one of ``types`` (a bool is never an int), else ``ConfigError``
+    naming the field, the types and the value."""
+    names = " or ".join(t.__name__ for t in types)
+
+    def check(_: object, attribute: attrs.Attribute[Any], value: object) -> None:
+        if isinstance(value, bool) and bool not in types:
+            ok = False
+        else:
+            ok = isinstance(value, types)
+        if not ok:
+            raise ConfigError(f"{attribute.name} must be {names}, got {type(value).__name__} {value!r:.60}")
+
+    return check
+
+
+def non_empty_text(_: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+    """A non-empty str without surrounding whitespace (names, hosts)."""
+    if not isinstance(value, str) or not value or value != value.strip():
+        raise ConfigError(f"{attribute.name} must be a non-empty str, got {value!r:.60}")
+
+
+def tcp_address(_: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+    """``tcp://host:port`` with a port in 1..65535 (a registry, a control endpoint)."""
+    problem = tcp_address_problem(value)
+    if problem is not None:
+        raise ConfigError(f"{attribute.name} {problem}")
+
+
+def cli_int(minimum: int) -> Callable[[str], int]:
+    """An argparse ``type``: a whole number >= ``minimum`` (``--rooms -1`` is an error, not a no-op)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{value} is below the least allowed value {minimum}")
+        return value
+
+    parse.__name__ = f"int >= {minimum}"
+    return parse
+
+
+def cli_fraction(text: str) -> float:
+    """An argparse ``type``: a number in [0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"{value} is not in [0, 1]")
+    return value
+
+
+def tcp_address_problem(value: object) -> str | None:
+    """Why ``value`` is not ``tcp://host:port`` (None when it is)."""
+    if not isinstance(value, str):
+        return f"must be a str tcp://host:port, got {type(value).__name__} {value!r:.60}"
+    rest = value.removeprefix("tcp://")
+    host, _, port = rest.rpartition(":")
+    if rest == value or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        return f"must be tcp://host:port (port 1..65535), got {value!r:.80}"
+    return None
+
+
 __all__ = [
     "ENVIRONMENT",
+    "cli_fraction",
+    "cli_int",
     "EnvVar",
     "declare",
     "env_var_of",
     "env_vars",
     "from_env",
     "int_var",
+    "instance_of",
+    "non_empty_text",
     "positive_int",
     "positive_seconds",
     "seconds_var",
+    "tcp_address",
+    "tcp_address_problem",
     "text_var",
 ]

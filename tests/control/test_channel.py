@@ -121,7 +121,7 @@ def test_message_queued_for_a_peer_not_yet_listening_is_delivered_when_it_binds(
 def _garbage_frame_sets() -> list[list[bytes]]:
     good = codec.encode(heartbeat(1))
     wrong_version = bytearray(good[0])
-    struct.pack_into("<H", wrong_version, 4, 2)  # this side speaks version 3
+    struct.pack_into("<H", wrong_version, 4, 2)  # an older version than this side's
     rng = random.Random(5)
     random_sets = [
         [rng.randbytes(rng.randrange(0, 64)) for _ in range(rng.randrange(1, 5))] for _ in range(20)
@@ -154,7 +154,7 @@ def test_garbage_is_counted_logged_and_skipped_and_the_channel_keeps_serving(
     assert (stats.malformed, stats.received) == (len(garbage), 1)
     text = caplog.text
     assert "malformed" in text
-    assert "peer speaks protocol version 2, this side speaks version 3" in text
+    assert f"peer speaks protocol version 2, this side speaks version {codec.PROTOCOL_VERSION}" in text
 
 
 def test_garbage_does_not_end_wait_early(make_channel: MakeChannel, raw_socket: RawSocket) -> None:
@@ -342,6 +342,22 @@ def test_a_second_thread_receiving_is_refused_but_may_send(make_channel: MakeCha
     assert not errors
     channel.close()  # the owner has ended: any thread may close
     assert channel.closed
+
+
+def test_once_its_owner_ended_another_thread_takes_the_receiving_side_over(make_channel: MakeChannel) -> None:
+    """A transport whose start failed stops its control thread; started again, a new thread receives
+    on the same channel (seams issue, item 9: it used to get ChannelOwnershipError ~100 times a second)."""
+    channel = make_channel()
+    peer = make_channel()
+    first = threading.Thread(target=lambda: channel.recv(0))
+    first.start()
+    first.join(5.0)
+    got: list[object] = []
+    second = threading.Thread(target=lambda: got.append(channel.recv(5.0)))
+    second.start()
+    assert peer.send(channel.address, heartbeat(7))
+    second.join(10.0)
+    assert [m.seq for m in got if isinstance(m, Heartbeat)] == [7]
 
 
 def test_sends_from_many_threads_arrive_whole_and_in_order_per_thread(make_channel: MakeChannel) -> None:

@@ -77,7 +77,7 @@ def test_decode_abort_acks_only_after_the_writes_drained_then_releases() -> None
     done = [i for i, line in enumerate(lines) if re.search(r"Note over P0: .*C\d DONE", line)]
     assert started and len(done) == len(started)
     assert max(done) < ack  # every write that started ended before the AbortAck
-    release = index(lines, r"Note over D: .*ReleasePages\(safe\)", ack)
+    release = index(lines, r"Note over D: .*ReleasePages\(acked\)", ack)
     assert time_of(lines[release]) >= time_of(lines[ack])
 
 
@@ -86,7 +86,7 @@ def test_prefill_abort_tells_decode_which_answers_with_abort() -> None:
     failed = index(lines, r"Note over P0: .*R FAILED \(aborted_here\)")
     status = index(lines, r"P0->>D: .* TransferStatus\(Failed\)$", failed)
     abort = index(lines, r"D->>P0: .* Abort$", index(lines, r"Note over D: .*aborted_by_peer", status))
-    index(lines, r"Note over D: .*ReleasePages\(safe\)", index(lines, r"P0->>D: .* AbortAck$", abort))
+    index(lines, r"Note over D: .*ReleasePages\(acked\)", index(lines, r"P0->>D: .* AbortAck$", abort))
 
 
 def test_lost_abort_ack_is_answered_again_after_the_resend() -> None:
@@ -96,7 +96,7 @@ def test_lost_abort_ack_is_answered_again_after_the_resend() -> None:
     resent = index(lines, r"D->>P0: .* Abort$", lost)
     assert time_of(lines[resent]) - time_of(lines[first]) == pytest.approx(1.0, abs=0.002)  # abort_resend
     assert not any("ReleasePages" in line for line in lines[:resent])  # pages held meanwhile
-    index(lines, r"Note over D: .*ReleasePages\(safe\)", index(lines, r"P0->>D: .* AbortAck$", resent))
+    index(lines, r"Note over D: .*ReleasePages\(acked\)", index(lines, r"P0->>D: .* AbortAck$", resent))
 
 
 def test_restarted_prefill_fails_the_room_registers_again_and_gets_the_ack() -> None:
@@ -104,7 +104,11 @@ def test_restarted_prefill_fails_the_room_registers_again_and_gets_the_ack() -> 
     failed = index(lines, r"Note over D: .*R FAILED \(peer_restart\).*ForgetPeer\(P0\)")
     register = index(lines, r"D->>P0: .* Register$", failed)
     abort = index(lines, r"D->>P0: .* Abort$", index(lines, r"P0->>D: .* RegisterAck$", register))
-    index(lines, r"Note over D: .*ReleasePages\(safe\)", index(lines, r"P0->>D: .* AbortAck$", abort))
+    ack = index(lines, r"P0->>D: .* AbortAck$", abort)
+    # The new process's ack says nothing of the old one's sockets: the pages settle, then come back.
+    settling = index(lines, r"Note over D: .*A SETTLING", ack)
+    release = index(lines, r"Note over D: .*ReleasePages\(settled\)", settling)
+    assert time_of(lines[release]) - time_of(lines[settling]) == pytest.approx(1.0, abs=0.01)
 
 
 def test_silent_decode_is_forgotten_after_the_heartbeat_timeout() -> None:
@@ -148,5 +152,6 @@ def test_failed_write_is_fenced_then_acknowledged_then_released() -> None:
     fence = index(lines, r"P0-->>D: .* fence: ", abort)
     ack = index(lines, r"P0->>D: .* AbortAck$", fence)
     assert time_of(lines[ack]) > time_of(lines[fence])  # the ack waited for the fence write
-    index(lines, r"Note over D: .*ReleasePages\(safe\)", ack)
-    assert not any("ReleasePages" in line for line in lines[:ack])
+    settling = index(lines, r"Note over D: .*A SETTLING", ack)  # the fence drained the queue only
+    index(lines, r"Note over D: .*ReleasePages\(settled\)", settling)
+    assert not any("ReleasePages" in line for line in lines[:settling])

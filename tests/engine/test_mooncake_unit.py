@@ -264,13 +264,14 @@ class FakeTime:
     now: float = 100.0
     transfer_s: float = 0.0
     slept: list[float] = attrs.Factory(list)
+    late_wake_s: float = 0.0  # a sleeper wakes this much after its sleep was due (a busy interpreter)
 
     def clock(self) -> float:
         return self.now
 
     def sleep(self, seconds: float) -> None:
         self.slept.append(seconds)
-        self.now += seconds
+        self.now += seconds + self.late_wake_s
 
 
 @attrs.define
@@ -395,3 +396,27 @@ def test_expected_engine_startup_lines_go_to_debug_and_real_errors_stay(
         assert any(noise in record.getMessage() for record in caplog.records)
     print("after", file=sys.stderr)  # fd 2 is back where it was
     assert "after" in capfd.readouterr().err
+
+
+def test_a_late_wake_from_a_pacing_sleep_never_raises_the_next_sleep() -> None:
+    """The backend tells the pacer that it slept before a status wait: a piece that ended during the
+    sleep, seen late because the sleeper woke late (a busy interpreter), says only that the piece
+    took at most that long, so the floor, and every later sleep, stays (a planted ``slept=False`` at
+    the call site let each late wake ratchet the floor up)."""
+    engine = TimedEngine()
+    times = engine.times
+    source = HostBuffer(1 << 20)
+    with MooncakeBackend(engine_class=lambda: engine, clock=times.clock, sleep=times.sleep) as backend:
+        backend.register(source)
+        blocks = _blocks(2, source, length=1 << 10)  # 2 KiB per batch: paced by the lane floor
+        times.transfer_s = 0.004
+        backend.write("peer:1", blocks)  # teaches the floor: 4 ms
+        times.now += 1.0
+        times.late_wake_s = 0.005
+        backend.write("peer:1", blocks)  # slept 3 ms, woke at 8 ms: seen as an 8 ms piece
+        times.late_wake_s = 0.0
+        times.now += 1.0
+        backend.write("peer:1", blocks)
+        floor = backend.pacer("peer:1").floor
+    assert floor == pytest.approx(0.004)
+    assert times.slept == [pytest.approx(0.003), pytest.approx(0.003)]  # the same 75% both times

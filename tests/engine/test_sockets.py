@@ -1,14 +1,18 @@
-"""Cutting connections through sock_diag: exactly the connections named, gone from the kernel's table."""
+"""Cutting connections through sock_diag: exactly the connections named, closed by their owner."""
 
 from __future__ import annotations
 
+import fcntl
 import socket
+import struct
+import termios
 import threading
 from collections.abc import Iterator
 
 import pytest
 
 from pdkv.engine import sockets
+from pdkv.errors import TransferError
 
 _WHY = sockets.can_cut_connections()
 needs_cut = pytest.mark.skipif(_WHY is not None, reason=f"cannot destroy sockets here: {_WHY}")
@@ -78,3 +82,59 @@ def test_cut_ends_only_the_named_port_connections_and_their_readers_see_an_abort
         reader.join(5.0)
         for s in (client_a, client_b, accepted_b):
             s.close()
+
+
+@needs_cut
+def test_a_cut_is_no_proof_while_the_owner_can_still_read_queued_bytes(listeners: list[socket.socket]) -> None:
+    # Seams issue, item 4: a destroyed socket leaves the kernel's table at once, but the bytes in its
+    # receive queue stay readable by the owner. The cut used to "prove" itself there; the owner then
+    # read every queued byte (the engine would have copied them into pages released as proven).
+    v4, _ = listeners
+    client = socket.create_connection(("127.0.0.1", _port(v4)))
+    accepted, _ = v4.accept()
+    try:
+        client.sendall(b"x" * 65536)
+        pause = threading.Event()
+        for _ in range(500):  # until every byte is queued at the receiver (at most 5 s)
+            if _rqueue_of(accepted) >= 65536:
+                break
+            pause.wait(0.01)
+        with pytest.raises(TransferError, match="still open in this process .* may still be read"):
+            sockets.cut_connections({"127.0.0.1"}, {_port(v4)}, timeout_s=0.3)
+        assert sockets.connections_from({"127.0.0.1"}, {_port(v4)}) == []  # gone from the table ...
+        accepted.setblocking(False)
+        read = len(accepted.recv(1 << 17))
+        assert read == 65536  # ... yet every queued byte was still there to be read
+    finally:
+        client.close()
+        accepted.close()
+
+
+@needs_cut
+def test_a_cut_is_proof_once_the_owner_closed_the_destroyed_sockets(listeners: list[socket.socket]) -> None:
+    v4, _ = listeners
+    client = socket.create_connection(("127.0.0.1", _port(v4)))
+    accepted, _ = v4.accept()
+
+    def owner() -> None:  # the engine's reader: its read fails, and it closes the socket
+        try:
+            accepted.recv(16)
+        except OSError:
+            pass
+        finally:
+            accepted.close()
+
+    reader = threading.Thread(target=owner)
+    reader.start()
+    try:
+        report = sockets.cut_connections({"127.0.0.1"}, {_port(v4)}, timeout_s=5.0)
+        assert [c.local_port for c in report.cut] == [_port(v4)]
+        assert accepted.fileno() == -1  # returned only after the owner closed it
+    finally:
+        reader.join(5.0)
+        client.close()
+
+
+def _rqueue_of(s: socket.socket) -> int:
+    """Bytes waiting in ``s``'s receive queue (FIONREAD)."""
+    return int(struct.unpack("i", fcntl.ioctl(s.fileno(), termios.FIONREAD, b"\0\0\0\0"))[0])

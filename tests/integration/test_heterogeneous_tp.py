@@ -65,7 +65,8 @@ def test_prefill_tp1_cp2_splits_two_heads_over_decode_tp2(staged: bool) -> None:
     assert all(r.staging_leased_at_end == 0 for r in prefills)
 
 
-def test_prefill_tp2_merges_eight_heads_into_decode_tp1_and_one_rank_writes_extras() -> None:
+@pytest.mark.parametrize("backend", ["mooncake", "nixl"])
+def test_prefill_tp2_merges_eight_heads_into_decode_tp1_and_one_rank_writes_extras(backend: str) -> None:
     """P > D, per layer: both prefill TP ranks are real (4 heads each); only tp0 writes state and aux.
 
     Both write the same KV bytes (half the heads each), so tp0 reports exactly the extras more: the
@@ -79,6 +80,7 @@ def test_prefill_tp2_merges_eight_heads_into_decode_tp1_and_one_rank_writes_extr
         state_slots_per_room=STATE_SLOTS_PER_ROOM,
         per_layer=True,
         forward_writes_kv=True,
+        backend=backend,
     )
     with Cluster(spec) as cluster:
         outcomes = cluster.run(plans(aborts=False))

@@ -212,6 +212,7 @@ def registers(draw: st.DrawFn) -> Register:
         endpoint=draw(_endpoints()),
         session=draw(_sessions()),
         layout=draw(buffer_layouts()),
+        engine_metadata=draw(st.binary(max_size=600) | st.just(b"")),
     )
 
 
@@ -268,7 +269,7 @@ def aborts() -> st.SearchStrategy[Abort]:
 
 
 def abort_acks() -> st.SearchStrategy[AbortAck]:
-    return st.builds(AbortAck, origin=origins(), room=rooms())
+    return st.builds(AbortAck, origin=origins(), room=rooms(), fenced=st.booleans())
 
 
 def heartbeats() -> st.SearchStrategy[Heartbeat]:

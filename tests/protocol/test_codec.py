@@ -7,7 +7,8 @@ Generated decode inputs in the default run (the issue asks for at least 10,000 a
   test_any_other_version_is_named_with_ours               200
   test_any_other_magic_is_rejected                        100
   test_mutated_head_layouts_decode_or_raise_remote_error  60 x 40 = 2,400 (version 2 heads)
-  total                                                15,900
+  test_mutated_engine_metadata_decode_or_raise_remote_error 60 x 40 = 2,400 (version 5 metadata)
+  total                                                18,300
 plus 780 round-trip examples (60 per class, 60 for the buffer types) and every prefix and extension of
 every frame of one message. Every fuzz input must decode to a message that survives re-encoding, or
 raise RemoteProtocolError whose reason is not the decoder's catch-all (UNEXPECTED_FAILURE).
@@ -51,6 +52,7 @@ from pdkv.protocol.codec import (
 )
 from pdkv.protocol.ids import Endpoint, Epoch, InstanceId, RoomId, SessionId
 from pdkv.protocol.messages import (
+    MAX_ENGINE_METADATA_BYTES,
     MAX_INDEX,
     MESSAGE_TYPES,
     Abort,
@@ -157,7 +159,7 @@ def test_type_codes_are_the_documented_stable_numbers() -> None:
 
 def test_golden_transfer_request_bytes() -> None:
     """Written by hand from the codec docstring; a change here is a change of the wire format."""
-    header = b"PDKV" + b"\x03\x00" + b"\x07\x00" + b"\x02\x00"  # version 3, type 7, two array frames
+    header = b"PDKV" + b"\x05\x00" + b"\x07\x00" + b"\x02\x00"  # version 5, type 7, two array frames
     body = (
         b"\x88"  # map of 8, keys in the documented order
         + b"\xa6origin"
@@ -186,8 +188,8 @@ def test_golden_transfer_request_bytes() -> None:
 def test_header_layout() -> None:
     frames = encode(Heartbeat(origin=ORIGIN, seq=1))
     assert len(frames) == 2
-    assert frames[0] == b"PDKV\x03\x00\x0b\x00\x00\x00"
-    assert HEADER.size == 10 and MAGIC == b"PDKV" and PROTOCOL_VERSION == 3
+    assert frames[0] == b"PDKV\x05\x00\x0b\x00\x00\x00"
+    assert HEADER.size == 10 and MAGIC == b"PDKV" and PROTOCOL_VERSION == 5
 
 
 @pytest.mark.parametrize(
@@ -258,9 +260,9 @@ def test_header_errors() -> None:
 
 def test_other_version_is_reported_before_the_header_size() -> None:
     """A later version may lengthen the header: the peer still learns it is a version mismatch."""
-    v4_header = MAGIC + struct.pack("<H", 4) + bytes(30)
-    reason = rejection([v4_header, b"whatever v4 sends"])
-    assert reason == "peer speaks protocol version 4, this side speaks version 3"
+    v6_header = MAGIC + struct.pack("<H", 6) + bytes(30)
+    reason = rejection([v6_header, b"whatever v6 sends"])
+    assert reason == "peer speaks protocol version 6, this side speaks version 5"
 
 
 def test_body_msgpack_errors() -> None:
@@ -271,7 +273,13 @@ def test_body_msgpack_errors() -> None:
     # A declared length far beyond the frame must fail on the limit, not allocate.
     assert "exceeds max_array_len" in rejection([good[0], b"\xdd\xff\xff\xff\xff", *good[2:]])
     assert "body is not valid msgpack" in rejection([good[0], b"\x91" * 5000 + b"\x00", *good[2:]])
-    assert "body is not valid msgpack" in rejection([good[0], msgpack.packb({"origin": b"raw"}), *good[2:]])
+    # bin is parsed (Register.engine_metadata is one), bounded, and refused where the schema has none.
+    over = MAX_ENGINE_METADATA_BYTES + 1
+    too_long_bin = b"\xc6" + over.to_bytes(4, "big") + bytes(over)
+    assert "exceeds max_bin_len" in rejection([good[0], too_long_bin, *good[2:]])
+    assert "body.origin must be a map, got bin" in rejection(
+        with_body(good, {**body_of(good), "origin": b"raw"})
+    )
     ext = msgpack.packb({"origin": msgpack.ExtType(5, b"x")})
     assert "body is not valid msgpack" in rejection([good[0], ext, *good[2:]])
     duplicated = b"\x82" + b"\xa4room" + b"\x01" + b"\xa4room" + b"\x02"
@@ -348,7 +356,7 @@ def test_nested_validation_errors_for_layouts_and_routes() -> None:
     layout_body["buffers"] = [other, layout_body["buffers"][0]]  # K before KV: not canonical order
     assert "invalid BufferLayout: buffers must be in canonical order" in rejection(with_body(frames, body))
     layout_body["buffers"] = [dict(other, length=65)]
-    assert "invalid BufferSpec: k layer 0: length 65 is not a multiple of item_bytes 16" in rejection(
+    assert "invalid BufferSpec: target k layer 0: length 65 is not a multiple of item_bytes 16" in rejection(
         with_body(frames, body)
     )
 
@@ -569,7 +577,7 @@ def _mutate_body(body_frame: bytes, rng: random.Random) -> bytes:
 
 
 def _mutate_header(header: bytes, rng: random.Random) -> bytes:
-    magic, version, code, arrays = header[:4], 3, 7, 0
+    magic, version, code, arrays = header[:4], PROTOCOL_VERSION, 7, 0
     if len(header) == HEADER.size:
         magic, version, code, arrays = HEADER.unpack(header)
     field = rng.randrange(3)
@@ -578,7 +586,7 @@ def _mutate_header(header: bytes, rng: random.Random) -> bytes:
     elif field == 1:
         arrays = rng.randint(0, 5)
     else:
-        version = rng.choice([0, 1, 2, 4, 65535])
+        version = rng.choice([0, 1, 2, 3, 4, 6, 65535])
     return HEADER.pack(magic, version, code, arrays)
 
 
@@ -739,7 +747,7 @@ def test_random_msgpack_bodies_raise_only_remote_error(
 def test_any_other_version_is_named_with_ours(message: Message, version: int) -> None:
     frames = encode(message)
     frames[0] = MAGIC + struct.pack("<H", version) + frames[0][6:]
-    assert rejection(frames) == f"peer speaks protocol version {version}, this side speaks version 3"
+    assert rejection(frames) == f"peer speaks protocol version {version}, this side speaks version 5"
 
 
 @settings(max_examples=100)
@@ -843,7 +851,8 @@ def test_golden_heads_map_bytes() -> None:
         + (b"\xaahead_bytes" + b"\xcd\x01\x00")
         + (b"\xabitem_layout" + b"\xaahead_token")
     )
-    assert frames[1].endswith(golden)  # the last buffer's last key, at the end of the body
+    # The last buffer's last key, then (version 5) the Register's empty engine metadata.
+    assert frames[1].endswith(golden + b"\xafengine_metadata\xc4\x00")
     assert frames[1].count(b"\xa5heads") == 1
 
 
@@ -872,7 +881,7 @@ def test_heads_are_validated_on_decode() -> None:
 
     assert "invalid Heads: heads 7..8 are outside the model's 8 KV heads" in reason(head_start=7)
     assert "item_layout must be one of ['token_head', 'head_token'], got 'nhd'" in reason(item_layout="nhd")
-    assert "invalid BufferSpec: kv layer 0: only K and V buffers describe heads" in reason(kind="kv")
+    assert "invalid BufferSpec: target kv layer 0: only K and V buffers describe heads" in reason(kind="kv")
     assert "item_bytes 16 != page_size 2 x 2 heads x 8 bytes per head" in reason(head_bytes=8)
     assert "heads must be a map, got int" in reason(heads=3)
     assert "has missing keys ['item_layout']" in reason(
@@ -889,6 +898,89 @@ def test_mutated_head_layouts_decode_or_raise_remote_error(layout: BufferLayout,
     """60 x 40 more mutation chains, on Registers whose layouts carry heads (the version 2 schema)."""
     rng = random.Random(seed)
     original: list[object] = list(encode(_register(layout)))
+    for _ in range(MUTATIONS_PER_MESSAGE):
+        frames = original
+        for _ in range(rng.choice([1, 1, 2, 3])):
+            frames = _mutate(frames, rng)
+        decode_or_reject(frames)
+
+
+# ================================================================ version 5: engine metadata in Register
+
+
+def _register_with(metadata: bytes) -> Register:
+    layout = BufferLayout.build(
+        attention=AttentionKind.MLA,
+        page_size=4,
+        buffers=[
+            BufferSpec(
+                kind=BufferKind.KV,
+                model=ModelRole.TARGET,
+                layer_id=0,
+                base_ptr=4096,
+                length=64,
+                item_bytes=16,
+            )
+        ],
+    )
+    return Register(
+        origin=ORIGIN,
+        tp_size=2,
+        endpoint=Endpoint("tcp://h:1"),
+        session=SessionId("h:2"),
+        layout=layout,
+        engine_metadata=metadata,
+    )
+
+
+def test_golden_engine_metadata_bytes() -> None:
+    """The last key of a version 5 Register, written by hand: msgpack bin 8 (0xc4, one length byte)."""
+    frames = encode(_register_with(b"\x00\xffnixl"))
+    assert frames[1].endswith(b"\xafengine_metadata" + b"\xc4\x06" + b"\x00\xffnixl")
+    assert list(body_of(frames))[-1] == "engine_metadata"
+    assert encode(_register_with(b""))[1].endswith(b"\xafengine_metadata\xc4\x00")
+    assert decode(frames) == _register_with(b"\x00\xffnixl")
+
+
+def test_engine_metadata_is_validated_on_decode() -> None:
+    frames = encode(_register_with(b"md"))
+
+    def reason(value: object) -> str:
+        body = body_of(frames)
+        body["engine_metadata"] = value
+        return rejection(with_body(frames, body))
+
+    assert "body.engine_metadata must be bin, got str" in reason("md")
+    assert "body.engine_metadata must be bin, got nil" in reason(None)
+    body = body_of(frames)
+    del body["engine_metadata"]  # a version 4 Register
+    assert "has missing keys ['engine_metadata']" in rejection(with_body(frames, body))
+    too_long = msgpack.packb({**body_of(frames), "engine_metadata": bytes(MAX_ENGINE_METADATA_BYTES + 1)})
+    assert "body is not valid msgpack" in rejection([frames[0], too_long])
+    biggest = _register_with(bytes(MAX_ENGINE_METADATA_BYTES))
+    assert decode(encode(biggest)) == biggest
+    with pytest.raises(ValueError, match="at most 262144 bytes"):
+        _register_with(bytes(MAX_ENGINE_METADATA_BYTES + 1))
+
+
+def test_bin_values_are_refused_everywhere_else() -> None:
+    """engine_metadata is the format's only bin value: a bin in any text field is a type error."""
+    frames = encode(golden_request())
+    body = body_of(frames)
+    body["origin"]["instance"] = b"d0"  # type: ignore[index]  # plain msgpack data
+    assert "body.origin.instance must be a str, got bin" in rejection(with_body(frames, body))
+    register = encode(_register_with(b"md"))
+    body = body_of(register)
+    body["session"] = b"h:2"
+    assert "body.session must be a str, got bin" in rejection(with_body(register, body))
+
+
+@settings(max_examples=60)
+@given(metadata=st.binary(max_size=512), seed=st.integers(0, 2**32 - 1))
+def test_mutated_engine_metadata_decode_or_raise_remote_error(metadata: bytes, seed: int) -> None:
+    """60 x 40 more mutation chains, on Registers that carry engine metadata (the version 5 schema)."""
+    rng = random.Random(seed)
+    original: list[object] = list(encode(_register_with(metadata)))
     for _ in range(MUTATIONS_PER_MESSAGE):
         frames = original
         for _ in range(rng.choice([1, 1, 2, 3])):

@@ -7,7 +7,16 @@ import pytest
 from pdkv.errors import LocalProtocolError
 from pdkv.protocol.config import Timeouts
 from pdkv.protocol.decode import DecodeEndpoint
-from pdkv.protocol.effects import CutConnections, Effect, Notice, NoticeLevel, ReleasePages, Send, Target
+from pdkv.protocol.effects import (
+    CutConnections,
+    DecodeEffect,
+    Notice,
+    NoticeLevel,
+    ReleaseKind,
+    ReleasePages,
+    Send,
+    Target,
+)
 from pdkv.protocol.ids import Endpoint, Epoch, InstanceId, RoomId, SessionId
 from pdkv.protocol.machines import DecodeAbortState, ReceiverRoomState
 from pdkv.protocol.messages import (
@@ -140,8 +149,8 @@ def test_failed_status_aborts_and_pages_wait_for_ack() -> None:
     assert d.poll(ROOM) is KVPoll.Failed
     assert not d.release_ready(ROOM)
     released = d.receive(AbortAck(origin=PREFILL, room=ROOM), 2.0)
-    assert released == [ReleasePages(room=ROOM, safe=True, reason="all prefill ranks acknowledged the abort")]
-    assert d.abort_state(ROOM) is DecodeAbortState.ACKED
+    assert released == [ReleasePages(room=ROOM, kind=ReleaseKind.ACKED, reason="all prefill ranks acknowledged the abort")]
+    assert d.abort_state(ROOM) is DecodeAbortState.RELEASED
     d.close_room(ROOM, 1.0)
     assert ROOM not in d.rooms()
 
@@ -167,7 +176,9 @@ def test_abort_is_resent_with_backoff_then_quarantined_then_released_unsafely_at
     assert [e for e in effects if isinstance(e, ReleasePages)] == []
     effects = d.tick(106.0)
     assert [e for e in effects if isinstance(e, ReleasePages)] == [
-        ReleasePages(room=ROOM, safe=False, reason=f"quarantine timeout ({PREFILL.instance}:{PREFILL.rank})")
+        ReleasePages(
+            room=ROOM, kind=ReleaseKind.UNSAFE, reason=f"quarantine timeout ({PREFILL.instance}:{PREFILL.rank})"
+        )
     ]
     assert d.release_ready(ROOM) and not d.release_was_safe(ROOM)
     assert d.abort_state(ROOM) is DecodeAbortState.TIMED_OUT
@@ -193,13 +204,16 @@ def test_a_late_ack_returns_quarantined_pages_safely_after_they_settle() -> None
     assert [e for e in effects if isinstance(e, ReleasePages)] == [] and not d.release_ready(ROOM)
     assert d.next_deadline() == 50.0 + d.timeouts.quarantine_settle
     effects = d.tick(50.0 + d.timeouts.quarantine_settle)
-    assert ReleasePages(room=ROOM, safe=True, reason="all prefill ranks acknowledged the abort") in effects
+    assert (
+        ReleasePages(room=ROOM, kind=ReleaseKind.SETTLED, reason="acknowledged, then settled (not proven)")
+        in effects
+    )
     assert d.release_ready(ROOM) and d.release_was_safe(ROOM)
     stats = d.statistics()
     assert (stats.rooms_quarantined, stats.quarantines_released, stats.unsafe_releases) == (0, 1, 0)
 
 
-def _quarantined_and_acked(cuts: bool) -> tuple[DecodeEndpoint, list[Effect]]:
+def _quarantined_and_acked(cuts: bool) -> tuple[DecodeEndpoint, list[DecodeEffect]]:
     d = DecodeEndpoint(
         origin=DECODE,
         tp_size=1,
@@ -227,7 +241,7 @@ def test_a_quarantined_room_is_released_once_its_prefill_hosts_connections_are_c
     assert not d.release_ready(ROOM)
     assert d.receive(AbortAck(origin=PREFILL, room=ROOM), 50.1) == []  # a duplicate while cutting
     released = d.connections_cut(ROOM, True, "", 50.5)
-    assert ReleasePages(room=ROOM, safe=True, reason="acknowledged after fences; connections cut") in released
+    assert ReleasePages(room=ROOM, kind=ReleaseKind.CUT, reason="acknowledged after fences; connections cut") in released
     assert d.release_ready(ROOM) and d.release_was_safe(ROOM)
     stats = d.statistics()
     assert (stats.quarantines_released, stats.quarantines_proven, stats.unsafe_releases) == (1, 1, 0)
@@ -255,7 +269,7 @@ def test_abort_before_registration_releases_at_once() -> None:
     d2.connect(route(), 0.0)
     d2.open_room(ROOM, targets=[TARGET], dst_pages=[1], dst_aux_row=None, now=0.0)
     effects = d2.abort_room(ROOM, "early", 0.5)
-    assert ReleasePages(room=ROOM, safe=True, reason="no prefill rank had the destinations") in effects
+    assert ReleasePages(room=ROOM, kind=ReleaseKind.NOTHING_SENT, reason="no prefill rank had the destinations") in effects
     assert sent(effects, Abort) == []  # the peer never acked registration: it cannot know the room
 
 
@@ -356,3 +370,87 @@ def test_abort_for_unknown_room_is_logged_with_its_id() -> None:
     d.receive(ok(), 0.1)
     d.receive(Abort(origin=PREFILL, room=ROOM, reason="x"), 0.2)
     assert d.statistics().late_messages == 1 and d.statistics().aborts_unknown_room == 1
+
+
+def _aborted(cuts: bool) -> DecodeEndpoint:
+    d = DecodeEndpoint(
+        origin=DECODE,
+        tp_size=1,
+        endpoint=Endpoint("inproc://d"),
+        session=SessionId("d:1"),
+        layout=layout(),
+        timeouts=Timeouts(abort_ack=5, quarantine_settle=20, heartbeat_interval=1000, heartbeat_timeout=4000),
+        cuts_connections=cuts,
+    )
+    d.connect(route(), 0.0)
+    d.receive(RegisterAck(origin=PREFILL), 0.0)
+    d.open_room(ROOM, targets=[TARGET], dst_pages=[1, 2], dst_aux_row=None, now=0.0)
+    d.abort_room(ROOM, "client left", 1.0)
+    return d
+
+
+@pytest.mark.parametrize("cuts", [True, False])
+def test_an_ack_after_a_failed_write_is_no_proof_so_the_pages_settle_and_say_so(cuts: bool) -> None:
+    """Seams issue, item 7: a prefill whose write to us failed acknowledges after a fence, which proves
+    its engine queue drained, not that no byte sits in an old connection (the measured late landing
+    was 19-30 s after a heal). Within abort_ack, such an ack used to release the pages at once, as if
+    proven. They settle now, counted as unproven, also where this rank could cut: a cut fails every
+    other write in flight on those connections."""
+    d = _aborted(cuts=cuts)
+    effects = d.receive(AbortAck(origin=PREFILL, room=ROOM, fenced=True), 2.0)
+    assert not [e for e in effects if isinstance(e, (ReleasePages, CutConnections))]
+    assert d.abort_state(ROOM) is DecodeAbortState.SETTLING and d.next_deadline() == 22.0
+    assert not d.release_ready(ROOM)
+    assert not [e for e in d.tick(21.9) if isinstance(e, ReleasePages)]
+    [release] = [e for e in d.tick(22.0) if isinstance(e, ReleasePages)]
+    assert release.kind is ReleaseKind.SETTLED and not release.kind.proven and release.safe
+    assert d.release_kind(ROOM) is ReleaseKind.SETTLED
+    stats = d.statistics()
+    assert (stats.releases_settled, stats.releases_acked, stats.releases_cut) == (1, 0, 0)
+
+
+def test_an_ack_without_a_failed_write_is_the_proof() -> None:
+    d = _aborted(cuts=True)
+    [release] = d.receive(AbortAck(origin=PREFILL, room=ROOM), 2.0)
+    assert isinstance(release, ReleasePages) and release.kind is ReleaseKind.ACKED
+    assert d.statistics().releases_acked == 1
+
+
+def test_a_cut_names_the_host_of_every_rank_of_a_quarantined_room() -> None:
+    """A quarantined room written by two prefill ranks on two hosts: its cut must end the connections
+    from both hosts (a planted cut of the last acking rank's host only passed the suite)."""
+    d = DecodeEndpoint(
+        origin=DECODE,
+        tp_size=1,
+        endpoint=Endpoint("inproc://d"),
+        session=SessionId("d:1"),
+        layout=layout(),
+        timeouts=Timeouts(abort_ack=5, quarantine=100, heartbeat_interval=1000, heartbeat_timeout=4000),
+        cuts_connections=True,
+    )
+    ranks = [RankCoord(tp=0, cp=cp) for cp in (0, 1)]
+    table = RouteTable(
+        origin=PREFILL,
+        tp_size=1,
+        cp_size=2,
+        page_size=16,
+        layout_digest=layout().digest(),
+        ranks=[
+            RankRoute(rank=rank, epoch=PREFILL.epoch, endpoint=Endpoint(f"inproc://p{rank.cp}"),
+                      session=SessionId(f"host-{rank.cp}:7"))
+            for rank in ranks
+        ],
+        complete=True,
+    )
+    d.connect(table, 0.0)
+    origins = [Origin(instance=PREFILL.instance, epoch=PREFILL.epoch, rank=rank) for rank in ranks]
+    for origin in origins:
+        d.receive(RegisterAck(origin=origin), 0.0)
+    targets = [Target(instance=PREFILL.instance, rank=rank) for rank in ranks]
+    d.open_room(ROOM, targets=targets, dst_pages=[1, 2], dst_aux_row=None, now=0.0)
+    d.abort_room(ROOM, "client left", 1.0)
+    d.tick(6.0)
+    assert d.abort_state(ROOM) is DecodeAbortState.QUARANTINED
+    assert d.receive(AbortAck(origin=origins[1], room=ROOM), 7.0) == []
+    effects = d.receive(AbortAck(origin=origins[0], room=ROOM), 8.0)
+    assert effects == [CutConnections(room=ROOM, hosts=("host-0", "host-1"))]

@@ -44,10 +44,11 @@ def test_abort_of_a_room_whose_write_failed_fences_before_the_ack() -> None:
     again = p.receive(Abort(origin=DECODE, room=ROOM, reason="prefill failed"), 2.0)
     assert sent(again, AbortAck) == [] and not [e for e in again if isinstance(e, SubmitFence)]
     done = p.fence_done(ROOM, KEY, True, "", 2.5)
-    assert sent(done, AbortAck) == [AbortAck(origin=p.origin, room=ROOM)]
-    # Owed once: a later duplicate Abort is answered at once.
+    # The ack says it follows a fence: the decode still cuts (or settles) before reusing the pages.
+    assert sent(done, AbortAck) == [AbortAck(origin=p.origin, room=ROOM, fenced=True)]
+    # Owed once: a later duplicate Abort is answered at once, and says the same.
     late = p.receive(Abort(origin=DECODE, room=ROOM, reason="prefill failed"), 3.0)
-    assert sent(late, AbortAck) == [AbortAck(origin=p.origin, room=ROOM)]
+    assert sent(late, AbortAck) == [AbortAck(origin=p.origin, room=ROOM, fenced=True)]
     assert p.statistics().fences_submitted == 1
 
 
@@ -60,7 +61,9 @@ def test_a_failed_fence_keeps_the_ack_owed_until_a_later_abort_fences_again() ->
     assert notice.level is NoticeLevel.WARNING and "link down" in notice.text
     retry = p.receive(Abort(origin=DECODE, room=ROOM, reason="x"), 1.6)  # before its own retry
     assert [e for e in retry if isinstance(e, SubmitFence)] == [SubmitFence(room=ROOM, peer=KEY, fence=FENCE)]
-    assert sent(p.fence_done(ROOM, KEY, True, "", 1.7), AbortAck) == [AbortAck(origin=p.origin, room=ROOM)]
+    assert sent(p.fence_done(ROOM, KEY, True, "", 1.7), AbortAck) == [
+        AbortAck(origin=p.origin, room=ROOM, fenced=True)
+    ]
     stats = p.statistics()
     assert (stats.fences_submitted, stats.fences_failed) == (2, 1)
     assert not [e for e in p.tick(10.0) if isinstance(e, SubmitFence)]  # acknowledged: no retry
@@ -79,7 +82,7 @@ def test_a_failed_fence_is_written_again_without_waiting_for_the_next_abort() ->
     retry = p.tick(1.5 + resend)
     assert [e for e in retry if isinstance(e, SubmitFence)] == [SubmitFence(room=ROOM, peer=KEY, fence=FENCE)]
     assert sent(p.fence_done(ROOM, KEY, True, "", 2.0 + resend), AbortAck) == [
-        AbortAck(origin=p.origin, room=ROOM)
+        AbortAck(origin=p.origin, room=ROOM, fenced=True)
     ]
     assert (p.statistics().fences_submitted, p.statistics().fences_failed) == (2, 1)
 
@@ -92,7 +95,9 @@ def test_the_fence_outlives_the_room_clear_in_its_tombstone_time() -> None:
     assert [e for e in effects if isinstance(e, SubmitFence)] == [
         SubmitFence(room=ROOM, peer=KEY, fence=FENCE)
     ]
-    assert sent(p.fence_done(ROOM, KEY, True, "", 30.5), AbortAck) == [AbortAck(origin=p.origin, room=ROOM)]
+    assert sent(p.fence_done(ROOM, KEY, True, "", 30.5), AbortAck) == [
+        AbortAck(origin=p.origin, room=ROOM, fenced=True)
+    ]
 
 
 def test_a_room_without_failed_writes_is_acked_at_once() -> None:

@@ -21,6 +21,7 @@ from pdkv.protocol.effects import (
     ForgetPeer,
     Notice,
     NoticeLevel,
+    ReleaseKind,
     ReleasePages,
     RoomFinished,
     Send,
@@ -290,7 +291,7 @@ def test_decode_silent_prefill_fails_rooms_but_pages_wait_for_its_ack() -> None:
     ]
     released = d.receive(AbortAck(origin=PREFILL, room=ROOM), 6.1)
     assert [e for e in released if isinstance(e, ReleasePages)] == [
-        ReleasePages(room=ROOM, safe=True, reason="all prefill ranks acknowledged the abort")
+        ReleasePages(room=ROOM, kind=ReleaseKind.ACKED, reason="all prefill ranks acknowledged the abort")
     ]
 
 
@@ -331,10 +332,14 @@ def test_decode_prefill_restart_fails_rooms_and_the_new_incarnation_acks_the_abo
         Abort(origin=DECODE, room=ROOM, reason=d.failure(ROOM) or "")
     ]
     d.receive(AbortAck(origin=PREFILL_2, room=ROOM), 1.2)
-    assert d.release_ready(ROOM) and d.release_was_safe(ROOM)
+    # The new process knows nothing of the old one's writes, whose bytes may still sit in the sockets
+    # it left: its ack is no proof. This rank cannot cut, so the pages settle first.
+    assert not d.release_ready(ROOM) and d.abort_state(ROOM) is DecodeAbortState.SETTLING
     # New rooms go to the new incarnation.
     effects = d.open_room(RoomId(2), targets=[TARGET], dst_pages=[2], dst_aux_row=None, now=1.3)
     assert sends_to(effects) == [(PREFILL_EP, TransferRequest)]
+    d.tick(1.2 + d.timeouts.quarantine_settle)
+    assert d.release_ready(ROOM) and d.release_kind(ROOM) is ReleaseKind.SETTLED
 
 
 def test_decode_restart_found_through_silence_then_register_ack_of_the_new_epoch() -> None:
@@ -350,7 +355,9 @@ def test_decode_restart_found_through_silence_then_register_ack_of_the_new_epoch
     assert forget_comes_first(effects, PREFILL_EP)
     assert sent(effects) == [Abort(origin=DECODE, room=ROOM, reason=d.failure(ROOM) or "")]
     d.receive(AbortAck(origin=PREFILL_2, room=ROOM), 3.3)
-    assert d.release_ready(ROOM) and d.release_was_safe(ROOM)
+    assert not d.release_ready(ROOM)  # settles first, as above
+    d.tick(3.3 + d.timeouts.quarantine_settle)
+    assert d.release_ready(ROOM) and d.release_kind(ROOM) is ReleaseKind.SETTLED
 
 
 def test_decode_drops_every_old_epoch_message_after_a_restart() -> None:

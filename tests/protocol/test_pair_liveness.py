@@ -7,7 +7,7 @@ pages and the abort-safety record of the harness.
 from __future__ import annotations
 
 from pdkv.protocol.config import Timeouts
-from pdkv.protocol.effects import FailureCause
+from pdkv.protocol.effects import FailureCause, ReleaseKind
 from pdkv.protocol.ids import Endpoint, Epoch, RoomId
 from pdkv.protocol.messages import Abort, Message, TransferRequest
 from pdkv.protocol.poll import KVPoll
@@ -22,11 +22,20 @@ TIMEOUTS = Timeouts(
     register_retry=0.5,
     heartbeat_interval=1,
     heartbeat_timeout=3,
+    quarantine_settle=2,
 )
 
 
 def pair(cp: int = 1) -> EndpointPair:
-    p = EndpointPair(cp_size=cp, timeouts=TIMEOUTS, transfer_time=0.05, faults=LinkFaults(latency=0.001))
+    # The decode cuts connections, as a decode transport does: a restarted rank's rooms come back
+    # once its host's connections are cut (the old process's bytes may sit in its sockets).
+    p = EndpointPair(
+        cp_size=cp,
+        timeouts=TIMEOUTS,
+        transfer_time=0.05,
+        faults=LinkFaults(latency=0.001),
+        cuts_connections=True,
+    )
     p.connect()
     p.run(until=0.1)
     assert all(p.decode.peer_ready(t) for t in p.targets())
@@ -95,13 +104,17 @@ def test_restart_announced_by_the_route_table() -> None:
     assert p.finished[("decode", RoomId(1))].cause is FailureCause.PEER_RESTART
     assert [(who, f.endpoint) for who, f in p.forgotten] == [("decode", p.prefill_endpoints[0])]
     # The new process acknowledged the abort at once; rank 1 acks when its write ends (at ~1.0).
+    # Rank 0's old process may have left bytes in its sockets: the pages settle (2 s) after that.
     assert not p.decode.release_ready(RoomId(1))
-    p.run(until=1.2)
+    p.run(until=2.9)
+    assert not p.decode.release_ready(RoomId(1))
+    p.run(until=3.2)
     assert p.decode.release_ready(RoomId(1)) and p.decode.release_was_safe(RoomId(1))
+    assert p.decode.release_kind(RoomId(1)) is ReleaseKind.SETTLED
     assert p.violations == []
     p.transfer_time = 0.05
     p.add_room(RoomPlan(room=RoomId(2), num_pages=4, chunk_pages=(4,)))
-    p.run(until=1.5)
+    p.run(until=3.5)
     assert p.decode.poll(RoomId(2)) is KVPoll.Success
 
 

@@ -9,8 +9,8 @@ import pytest
 
 from pdkv.errors import MappingError
 from pdkv.protocol.config import Timeouts
-from pdkv.protocol.effects import ChunkSpec, DropLayers, SubmitChunk
-from pdkv.protocol.ids import Epoch, RoomId
+from pdkv.protocol.effects import ChunkSpec, DropLayers, FenceWrite, SubmitChunk, SubmitFence
+from pdkv.protocol.ids import Epoch, RoomId, SessionId
 from pdkv.protocol.messages import (
     Abort,
     AbortAck,
@@ -144,6 +144,20 @@ def test_the_endpoint_rules_which_chunks_go_per_layer() -> None:
     assert not isinstance(p.layer_destinations(ROOM, np.array([1, 2]), 2 * PAGE), str)
 
 
+def test_a_first_per_layer_chunk_must_start_at_the_decode_prefix() -> None:
+    # Seams issue, item 2, at registration: the first context of a room starting past the decode's
+    # prefix would leave those positions unwritten; a later context (the forward of chunk N+1 may
+    # register before chunk N was sent) may start further on.
+    p = prefill()
+    p.receive(register(), 0.0)
+    p.open_room(ROOM, num_pages=8, aux_row=None, now=0.0)
+    p.receive(request(list(range(10, 18))), 0.1)
+    with pytest.raises(MappingError, match=r"first chunk .* past the decode's prefix .* 0\.\.3 would never"):
+        p.layer_destinations(ROOM, np.arange(4, 8), 4 * PAGE, first=True)
+    assert not isinstance(p.layer_destinations(ROOM, np.arange(0, 4), 0, first=True), str)
+    assert not isinstance(p.layer_destinations(ROOM, np.arange(4, 8), 4 * PAGE, first=False), str)
+
+
 def test_a_dummy_rank_goes_monolithic_and_several_destinations_are_each_named() -> None:
     dummy = prefill()
     dummy.receive(register(), 0.0)
@@ -181,3 +195,36 @@ def test_the_pairs_per_layer_rooms_go_through_the_layer_book_and_its_writes_are_
     assert (stats.registered, stats.finished, stats.failed, stats.dropped) == (2, 2, 0, 0)
     assert stats.layers_submitted == 2 * layers
     assert pair.writes_started == 2 * layers  # layer writes only: no chunk was written whole
+
+
+def test_success_waits_for_the_fence_of_an_orphan_context_whose_write_failed() -> None:
+    """Seams issue, item 6: every chunk is done while a per-layer context that no sent chunk finished
+    (an orphan) still writes; its write then fails. Bytes of that write may still be queued in the
+    engine, so the room used to report Success with a fence still owed. Success now waits for it."""
+    p = prefill()
+    p.receive(register(), 0.0)
+    p.open_room(ROOM, num_pages=2, aux_row=None, now=0.0)
+    p.receive(request([5, 6]), 0.0)
+    assert p.layer_writes_started(ROOM, PAGE, 0.1)  # registered for a chunk at position 1, never sent
+    queued = p.queue_chunk(ROOM, ChunkSpec(pages=[3, 4], start_token=0, last=True), 0.2)
+    [submit] = [e for e in queued if isinstance(e, SubmitChunk)]
+    assert p.start_chunk(ROOM, submit.chunk, 0.3)
+    effects = p.chunk_done(ROOM, submit.chunk, TransferMetricData(pages=2), 0.4)
+    assert any(isinstance(e, DropLayers) for e in effects) and p.poll(ROOM) is KVPoll.Transferring
+    key = (DECODE.instance, DECODE.rank)
+    fence = FenceWrite(session=SessionId("d:1"), src=0x1000, dst=0x2000, length=64)
+    effects = p.layer_writes_ended(ROOM, PAGE, 0.5, fences={key: fence})
+    owed = SubmitFence(room=ROOM, peer=key, fence=fence)
+    assert [e for e in effects if isinstance(e, SubmitFence)] == [owed]
+    assert p.poll(ROOM) is KVPoll.Transferring and sent(effects, TransferStatus) == []
+    effects = p.fence_done(ROOM, key, False, "link down", 0.6)  # a failed fence is retried, no Success
+    assert p.poll(ROOM) is KVPoll.Transferring and sent(effects, TransferStatus) == []
+    retry = p.next_deadline()
+    assert retry is not None
+    effects = p.tick(retry)
+    assert [e for e in effects if isinstance(e, SubmitFence)] == [owed]
+    effects = p.fence_done(ROOM, key, True, "", retry + 0.1)
+    assert p.poll(ROOM) is KVPoll.Success
+    [status] = sent(effects, TransferStatus)
+    assert isinstance(status, TransferStatus) and status.outcome is Outcome.SUCCESS
+    assert sent(effects, AbortAck) == []  # the decode never aborted: no AbortAck for it

@@ -7,6 +7,8 @@ import numpy as np
 import pytest
 
 from pdkv.errors import InvalidArgumentError, LocalProtocolError, MappingError
+from pdkv.mapping import PageInterleaved
+from pdkv.mapping.layout import BufferKind
 from pdkv.protocol.config import Timeouts
 from pdkv.protocol.effects import ChunkSpec, FailureCause, SubmitChunk, Target
 from pdkv.protocol.ids import Epoch, RoomId
@@ -20,6 +22,7 @@ from pdkv.protocol.messages import (
     Register,
     RegisterAck,
     RegisterReject,
+    StateIndices,
     TransferMetricData,
     TransferRequest,
     TransferStatus,
@@ -37,6 +40,8 @@ from tests.protocol.helpers import (
     request,
     route,
     sent,
+    swa_layout,
+    layout,
 )
 
 PAGE = 16  # the helpers' page size
@@ -113,7 +118,7 @@ def test_the_same_chunk_twice_and_overlapping_chunks_are_refused() -> None:
         p.queue_chunk(ROOM, _chunk(0, 4, last=False), 0.2)
     with pytest.raises(MappingError, match="overlaps 2 position"):
         p.queue_chunk(ROOM, _chunk(2, 6, last=True), 0.2)
-    with pytest.raises(MappingError, match="run past the request's last page"):
+    with pytest.raises(MappingError, match="runs past the request's last page"):
         p.queue_chunk(ROOM, _chunk(4, 6, last=True), 0.2)
 
 
@@ -126,8 +131,64 @@ def test_repeated_source_pages_are_refused_within_and_across_chunks() -> None:
         p.queue_chunk(ROOM, ChunkSpec(pages=[3, 4, 5, 6], start_token=4 * PAGE, last=True), 0.2)
 
 
-def test_a_cached_prefix_starts_past_zero_and_succeeds() -> None:
+def test_a_first_chunk_past_the_decode_prefix_is_refused_and_changes_nothing() -> None:
+    # Seams issue, item 2: the decode holds no prefix, so positions 0..2 would never be written, yet
+    # this used to end in Success on both sides.
     p = _transferring(8)
+    with pytest.raises(MappingError, match=r"first chunk .* starts past the decode's prefix .* 0\.\.2 would never"):
+        p.queue_chunk(ROOM, _chunk(3, 5, last=True), 0.1)
+    assert p.poll(ROOM) is KVPoll.WaitingForInput and p.chunk_states(ROOM) == []
+    submits = _submits(p.queue_chunk(ROOM, _chunk(0, 8, last=True), 0.2))  # the corrected call
+    _finish_all(p, submits)
+    assert p.poll(ROOM) is KVPoll.Success
+
+
+def test_source_pages_and_state_slots_outside_this_ranks_pool_are_refused_at_the_call() -> None:
+    # Seams issue, item 3: page 5000 of a 4,096-page pool used to be accepted and fail the room later
+    # as an engine failure ("mapping for d:tp0/cp0 ... past the end"), blaming the decode.
+    lay = swa_layout()  # 4,096 KV pages, 8 SWA slots
+    p = prefill(lay=lay)
+    p.receive(register(lay), 0.0)
+    p.open_room(ROOM, num_pages=2, aux_row=None, now=0.0)
+    p.receive(request([7, 8], state=[StateIndices(kind=BufferKind.SWA, indices=[1])]), 0.0)
+    with pytest.raises(InvalidArgumentError, match=r"page\(s\) \[5000\] .* outside this rank's KV buffers of 4096") as bad:
+        p.queue_chunk(ROOM, ChunkSpec(pages=[3, 5000], start_token=0, last=True), 0.1)
+    assert bad.value.argument == "chunk_pages" and bad.value.room == ROOM
+    beyond = (StateIndices(kind=BufferKind.SWA, indices=[8]),)
+    with pytest.raises(InvalidArgumentError, match=r"state_indices\[swa\] slot 8 is outside .* 8 slots"):
+        p.queue_chunk(ROOM, ChunkSpec(pages=[3, 4], start_token=0, last=True, state=beyond), 0.1)
+    unknown = (StateIndices(kind=BufferKind.INDEX_K, indices=[0]),)
+    with pytest.raises(InvalidArgumentError, match="index_k, which this rank did not register"):
+        p.queue_chunk(ROOM, ChunkSpec(pages=[3, 4], start_token=0, last=True, state=unknown), 0.1)
+    assert p.poll(ROOM) is KVPoll.WaitingForInput and p.chunk_states(ROOM) == []
+    fine = (StateIndices(kind=BufferKind.SWA, indices=[7]),)
+    assert _submits(p.queue_chunk(ROOM, ChunkSpec(pages=[3, 4], start_token=0, last=True, state=fine), 0.2))
+
+
+def test_a_cp_rank_checks_the_physical_pages_it_owns() -> None:
+    # Under CP shared KV, logical page L lives on rank L % cp as physical page L // cp: rank 1 of 2
+    # may name logical pages up to 2 x its pool, and no more.
+    origin = Origin(instance=PREFILL.instance, epoch=PREFILL.epoch, rank=RankCoord(tp=0, cp=1))
+    p = PrefillEndpoint(origin=origin, layout=layout(), policy=PageInterleaved(cp_size=2))
+    p.receive(register(), 0.0)
+    p.open_room(ROOM, num_pages=2, aux_row=None, now=0.0)
+    p.receive(request([7, 8]), 0.0)
+    with pytest.raises(InvalidArgumentError, match=r"page\(s\) \[4096\] \(physical, on CP rank 1\)"):
+        p.queue_chunk(ROOM, ChunkSpec(pages=[8193, 2], start_token=0, last=True), 0.1)
+    assert _submits(p.queue_chunk(ROOM, ChunkSpec(pages=[8191, 8192], start_token=0, last=True), 0.1))
+
+
+def test_a_cached_prefix_starts_the_first_chunk_past_zero_and_succeeds() -> None:
+    p = prefill()
+    p.receive(register(), 0.0)
+    p.open_room(ROOM, num_pages=8, aux_row=None, now=0.0)
+    held = TransferRequest(
+        origin=DECODE, room=ROOM, dst_pages=list(range(100, 108)), required_dst_info_num=1, prefix_pages=3
+    )
+    p.receive(held, 0.0)
+    assert p.decode_prefix(ROOM) == 3
+    with pytest.raises(MappingError, match="first chunk .* past the decode's prefix"):
+        p.queue_chunk(ROOM, _chunk(4, 4, last=True), 0.1)
     submits = _submits(p.queue_chunk(ROOM, _chunk(3, 2, last=False), 0.1))
     submits += _submits(p.queue_chunk(ROOM, _chunk(5, 3, last=True), 0.2))
     _finish_all(p, submits)
@@ -385,7 +446,7 @@ def test_the_decode_prefix_travels_with_the_request_and_no_chunk_may_write_into_
     assert p.decode_prefix(ROOM) is None  # not asked yet
     p.receive(req, 0.1)
     assert p.decode_prefix(ROOM) == 2
-    with pytest.raises(MappingError, match=r"the decode already holds positions 0\.\.1"):
+    with pytest.raises(MappingError, match=r"starts inside the decode's prefix \(positions 0\.\.1"):
         p.queue_chunk(ROOM, _chunk(0, 4, last=True), 0.2)
     submits = _submits(p.queue_chunk(ROOM, _chunk(2, 2, last=True), 0.3))
     _finish_all(p, submits)
@@ -424,3 +485,19 @@ def test_an_old_incarnations_heartbeat_is_not_answered_register_again() -> None:
     assert sent(p.receive(old, 41.0), RegisterReject) == []
     same = Heartbeat(origin=reborn, seq=10, endpoint=DECODE_EP)
     assert len(sent(p.receive(same, 41.0), RegisterReject)) == 1
+
+
+@pytest.mark.parametrize("given", [3, 5])
+def test_a_destination_list_of_another_length_than_the_room_fails_it(given: int) -> None:
+    """Longer as well as shorter: a request naming 5 destination pages for a 4-page room would map
+    positions the prefill never writes (a planted `<` for `!=` passed the suite)."""
+    for order in ("open first", "request first"):
+        p = prefill()
+        p.receive(register(), 0.0)
+        if order == "open first":
+            p.open_room(ROOM, num_pages=4, aux_row=None, now=0.0)
+        p.receive(request(list(range(10, 10 + given))), 0.1)
+        if order == "request first":
+            p.open_room(ROOM, num_pages=4, aux_row=None, now=0.2)
+        assert p.poll(ROOM) is KVPoll.Failed, order
+        assert f"gave {given} destination pages" in (p.failure(ROOM) or ""), order

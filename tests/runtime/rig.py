@@ -20,7 +20,9 @@ from pdkv.runtime.staging import StagingConfig
 from pdkv.testing.synthetic import Capacity, ModelSpec
 from pdkv.testing.transport_pair import TransportPair
 
-TIMEOUTS = Timeouts(bootstrap=20, waiting=20, inflight=20, transfer=20, abort_ack=5, register_retry=0.2)
+TIMEOUTS = Timeouts(
+    bootstrap=20, waiting=20, inflight=20, transfer=20, abort_ack=5, register_retry=0.2, quarantine_settle=0.5
+)
 SPEC = ModelSpec(layers=3, page_size=16, state_layers=(1,), draft_layers=1)
 PREFILL_PAGES = 64
 DECODE_PAGES = 256

@@ -1,7 +1,7 @@
 """Property: over random chunk sequences (cached-prefix starts included) through the real transports,
 Success implies every covered decode position holds the prefill's bytes, and any sequence that
-breaks the page contract (gap, overlap, short last chunk, a chunk twice, a repeated page) gives an
-error at the call or a Failed room, never Success."""
+breaks the page contract (gap, overlap, short last chunk, a chunk twice, a repeated page, a first
+chunk past the decode's prefix) gives an error at the call or a Failed room, never Success."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from pdkv.protocol.poll import KVPoll
 from pdkv.testing.synthetic import verify_room
 from tests.runtime.rig import DECODE_PAGES, PREFILL_PAGES, SPEC, Rig, wait_for
 
-MUTATIONS = ("none", "gap", "overlap", "short", "twice", "repeated_page")
+MUTATIONS = ("none", "gap", "overlap", "short", "twice", "repeated_page", "past_prefix")
 
 
 @attrs.frozen
@@ -66,6 +66,11 @@ def plans(draw: st.DrawFn) -> Plan:
         chunks.insert(1, chunks[0])
     elif mutation == "repeated_page" and any(b - a >= 2 for a, b, _ in chunks):
         repeated = True
+    elif mutation == "past_prefix" and chunks[0][1] > chunks[0][0]:
+        # The first chunk starts one position past what the decode holds: that position is never
+        # written (seams issue, item 2; this used to end in Success).
+        a, b, last = chunks[0]
+        chunks[0] = (a + 1, b, last)
     else:
         mutation = "none"
     return Plan(
@@ -109,7 +114,7 @@ def test_success_only_when_every_covered_position_holds_the_prefill_bytes(rig: R
     dst = np.array(plan.dst, dtype=np.int64)
     _zero_decode_pages(s, dst)
     receiver = s.decode.receiver(room, s.prefill_instance)
-    receiver.init(dst, None)
+    receiver.init(dst, None, prefix_pages=plan.prefix)  # the decode holds the prefix it is asked for
     sender = s.prefills[0].sender(room)
     sender.init(plan.num_pages, None)
     wait_for(lambda: sender.poll() is KVPoll.WaitingForInput)

@@ -82,5 +82,5 @@ def test_a_room_aborted_by_decode_traced_across_real_transports(
         ack = at(f"{p}->>{d}: ", abort)
         assert "AbortAck" in lines[ack]
     assert "Failed" in lines[at(f"Note over {d}: ", at(f"Note over {d}: ") + 1)]
-    assert "pages released (safe)" in lines[-1] and lines[-1].startswith(f"  Note over {d}: ")
+    assert "pages released (acked)" in lines[-1] and lines[-1].startswith(f"  Note over {d}: ")
     assert not any("-x" in line for line in lines)  # every message sent was received and logged

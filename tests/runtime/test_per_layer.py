@@ -40,8 +40,9 @@ from pdkv.protocol.messages import Origin, RankCoord, StateIndices, TransferRequ
 from pdkv.protocol.poll import KVPoll
 from pdkv.runtime.chunk_plan import plan_chunk
 from pdkv.runtime.decode import KVReceiver
-from pdkv.runtime.executor import TransferExecutor
+from pdkv.runtime.executor import ExecutorConfig, TransferExecutor
 from pdkv.runtime.per_layer import (
+    LayerDestinationsOf,
     PerLayerMode,
     PerLayerTransferManager,
     UnknownLayerError,
@@ -64,7 +65,15 @@ class Room:
     """One request on every rank: receivers opened, senders initialised and WaitingForInput."""
 
     def __init__(
-        self, rig: Rig, room: int, logical: np.ndarray, dst: np.ndarray, *, slots: int, aux: int
+        self,
+        rig: Rig,
+        room: int,
+        logical: np.ndarray,
+        dst: np.ndarray,
+        *,
+        slots: int,
+        aux: int,
+        prefix_pages: int = 0,
     ) -> None:
         self.rig = rig
         self.room = RoomId(room)
@@ -77,7 +86,10 @@ class Room:
         for d in rig.decodes:
             receiver = d.receiver(self.room, rig.prefill_instance)
             receiver.init(
-                dst, aux, [StateIndices(kind=k, indices=self.dst_slots) for k in rig.spec.state_kinds]
+                dst,
+                aux,
+                [StateIndices(kind=k, indices=self.dst_slots) for k in rig.spec.state_kinds],
+                prefix_pages=prefix_pages,
             )
             self.receivers.append(receiver)
         self.senders: list[KVSender] = [p.sender(self.room) for p in rig.prefills]
@@ -177,10 +189,10 @@ def test_per_layer_equals_monolithic_byte_for_byte(
     chunks = [5, 6, 4, 3]  # 4 chunks after a 2-page decode-side prefix (20 pages in all)
     dst_mono = np.arange(20, dtype=np.int64) + 10
     dst_layer = rng.choice(np.arange(100, DECODE_PAGES), size=20, replace=False).astype(np.int64)
-    mono = Room(rig, 1, logical, dst_mono, slots=0, aux=0)
+    mono = Room(rig, 1, logical, dst_mono, slots=0, aux=0, prefix_pages=2)
     run_request(rig, mono, chunks, prefix_pages=2, resident_pages=0, per_layer=False)
     sent_mono = rig.bytes_sent()
-    layered = Room(rig, 2, logical, dst_layer, slots=4, aux=5)
+    layered = Room(rig, 2, logical, dst_layer, slots=4, aux=5, prefix_pages=2)
     modes = run_request(rig, layered, chunks, prefix_pages=2, resident_pages=2, per_layer=True)
     assert all(m is PerLayerMode.PER_LAYER for chunk in modes for m in chunk)
     # Same bytes, byte for byte, as the monolithic run; and both are the content rule.
@@ -325,6 +337,52 @@ def test_decode_abort_mid_forward_acknowledged_only_after_layer_writes(
     time.sleep(0.2)
     assert rig.batches_submitted() == submitted
     assert rig.prefills[0].per_layer.statistics().dropped == 1
+
+
+def test_a_layer_write_failing_after_the_decode_aborted_still_owes_its_fence(
+    rig_factory: Callable[..., Rig],
+) -> None:
+    """Seams issue, item 5: the decode aborts while a layer batch is in flight, then that batch fails.
+    The room is FAILED by then, and the runtime used to translate the context's fences from engine
+    session to decode rank through the room's destinations, which a failed room no longer has: the
+    AbortAck went out with no fence after a failed write (``fences_submitted == 0``)."""
+    rig = started(rig_factory, faults=LoopbackFaults(delay_seconds=0.4, fail_batches={1}))
+    logical = np.arange(8, dtype=np.int64) + 30
+    room = Room(rig, 17, logical, np.arange(8, dtype=np.int64) + 120, slots=0, aux=6)
+    room.register(logical, 0)
+    room.forward(logical, layers=1)
+    wait_for(lambda: rig.batches_in_flight() > 0)
+    room.receivers[0].abort("client went away")
+    wait_for(lambda: room.senders[0].poll() is KVPoll.Failed)
+    wait_for(room.receivers[0].release_ready)
+    stats = rig.prefills[0].statistics()
+    assert stats.per_layer.dropped == 1
+    assert stats.endpoint.fences_submitted == 1 and stats.endpoint.fences_failed == 0
+    assert rig.decodes[0].statistics().unsafe_releases == 0
+
+
+def test_a_layer_write_that_times_out_owes_its_fence_before_the_abort_ack(
+    rig_factory: Callable[..., Rig],
+) -> None:
+    """Not only a failed write: a job that ran out of its time budget (its batch finished late) may
+    have left slices in the engine, so the AbortAck waits for a fence to that rank."""
+    rig = started(
+        rig_factory,
+        faults=LoopbackFaults(delay_seconds=0.8, delay_batches={1}),
+        executor=ExecutorConfig(timeout_s=0.3),
+        finish_timeout_s=0.3,
+    )
+    logical = np.arange(6, dtype=np.int64) + 20
+    room = Room(rig, 18, logical, np.arange(6, dtype=np.int64) + 140, slots=0, aux=5)
+    room.register(logical, 0)
+    room.forward(logical)
+    room.send(logical, 0, last=True)
+    wait_for(lambda: room.receivers[0].poll() is KVPoll.Failed)
+    wait_for(room.receivers[0].release_ready)
+    stats = rig.prefills[0].statistics()
+    assert "not finished in time" in str(room.senders[0].failure() or "")
+    assert stats.endpoint.fences_submitted == 1 and stats.endpoint.fences_failed == 0
+    assert rig.decodes[0].statistics().unsafe_releases == 0
 
 
 def test_ready_event_is_awaited_before_the_layer_is_submitted(rig_factory: Callable[..., Rig]) -> None:
@@ -540,8 +598,11 @@ def test_layers_and_resident_pages_are_exactly_the_monolithic_plan(
             assert np.array_equal(got.view(key), expected.view(key)), (rank, key)
 
 
-def always(destination: Destination) -> Callable[[RoomId, np.ndarray, int], tuple[Destination, ...] | str]:
-    return lambda _room, _pages, _start: (destination,)
+def always(destination: Destination) -> LayerDestinationsOf:
+    def ruling(room: RoomId, pages: np.ndarray, start_token: int, *, first: bool = False) -> tuple[Destination]:
+        return (destination,)
+
+    return ruling
 
 
 def attrs_evolve_layout(destination: Destination, layout: BufferLayout) -> Destination:

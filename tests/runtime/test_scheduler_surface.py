@@ -4,7 +4,9 @@ and one failing message that never costs the others."""
 
 from __future__ import annotations
 
+import math
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -173,13 +175,82 @@ def test_close_fails_open_rooms_tells_peers_and_refuses_later_calls(rig_factory:
     for call in calls:
         with pytest.raises(TransportClosedError, match="closed"):
             call()
+    # Seams issue, item 10: these answered as if nothing happened (True, a full timeout, accepted).
+    with pytest.raises(TransportClosedError, match="wait_progress"):
+        s.prefills[0].wait_progress(s.prefills[0].progress(), 5.0)
+    with pytest.raises(TransportClosedError, match="on_layer_end"):
+        s.prefills[0].per_layer.on_layer_end(0)
     s.decode.close()
+    with pytest.raises(TransportClosedError, match="wait_registered"):
+        s.decode.wait_registered(prefill, timeout_s=5.0)
+    with pytest.raises(TransportClosedError, match="wait_progress"):
+        s.decode.wait_progress(s.decode.progress(), 5.0)
     with pytest.raises(TransportClosedError):
         s.decode.receiver(RoomId(8), prefill)
     with pytest.raises(TransportClosedError):
         s.decode.connect(s.registry.address, timeout_s=1)
     with pytest.raises(TransportClosedError):
         s.decode.start()
+
+
+def test_a_scheduler_blocked_in_wait_progress_is_woken_by_close_and_told(
+    rig_factory: Callable[..., Rig],
+) -> None:
+    s = rig_factory()
+    s.start_registered()
+    errors: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            s.decode.wait_progress(s.decode.progress(), 30.0)
+        except TransportClosedError as exc:
+            errors.append(exc)
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    time.sleep(0.1)
+    started = time.monotonic()
+    s.decode.close()
+    waiter.join(10.0)
+    assert not waiter.is_alive() and time.monotonic() - started < 10.0
+    assert len(errors) == 1
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -1.0, "5", True])
+def test_every_duration_argument_is_checked_before_anything_changes(
+    rig_factory: Callable[..., Rig], bad: object
+) -> None:
+    """Seams issue, item 11: start(announce_timeout_s=nan) never returned; close(timeout_s=nan) logged
+    a false "transfers still running" and kept memory registered."""
+    s = rig_factory()
+    prefill = s.start_registered()
+    calls: list[tuple[str, Callable[[], object]]] = [
+        ("announce_timeout_s", lambda: s.prefills[0].start(announce_timeout_s=bad)),  # type: ignore[arg-type]  # the bad value under test
+        ("timeout_s", lambda: s.prefills[0].close(timeout_s=bad)),  # type: ignore[arg-type]  # the same
+        ("timeout_s", lambda: s.decode.close(timeout_s=bad)),  # type: ignore[arg-type]  # the same
+        ("timeout_s", lambda: s.decode.connect(s.registry.address, timeout_s=bad)),  # type: ignore[arg-type]  # the same
+        ("timeout_s", lambda: s.decode.wait_registered(prefill, timeout_s=bad)),  # type: ignore[arg-type]  # the same
+        ("timeout_s", lambda: s.decode.wait_progress(0, bad)),  # type: ignore[arg-type]  # the same
+    ]
+    for argument, call in calls:
+        with pytest.raises(InvalidArgumentError, match=f"{argument} must be a finite number of seconds") as info:
+            call()
+        assert info.value.argument == argument
+    sender, receiver = _ready_room(s, prefill, ROOM, 2)  # nothing was closed or broken by them
+    sender.send([1, 2], start_token=0, last=True)
+    wait_for(lambda: receiver.poll() is KVPoll.Success)
+
+
+@pytest.mark.parametrize("registry", ["not a url", 8998, "tcp://127.0.0.1", "tcp://127.0.0.1:0", "http://h:1"])
+def test_a_registry_that_is_not_an_address_is_refused_at_once(
+    rig_factory: Callable[..., Rig], registry: object
+) -> None:
+    s = rig_factory()
+    s.start()
+    started = time.monotonic()
+    with pytest.raises(InvalidArgumentError, match="registry must be"):
+        s.decode.connect(registry, timeout_s=30)  # type: ignore[arg-type]  # the bad value under test
+    assert time.monotonic() - started < 5.0  # at once, not after the 30 s of retries
 
 
 def test_decode_close_fails_its_rooms_and_the_prefill_hears_of_it(rig_factory: Callable[..., Rig]) -> None:
@@ -219,10 +290,26 @@ def test_a_failed_start_rolls_back_and_can_be_retried() -> None:
         from pdkv.runtime.channels import start_registry
 
         registry = start_registry(instance=InstanceId("p"), tp_size=1, cp_size=1, port=port)
+        decode_memory = RankMemory(SPEC, Capacity(kv_pages=8, state_slots=2, aux_rows=2))
+        decode_backend = LoopbackBackend(fabric=LoopbackFabric("alone"))
+        decode = DecodeTransport(
+            DecodeConfig(
+                instance=InstanceId("d"), rank=RankCoord(tp=0), tp_size=1, layout=decode_memory.layout
+            ),
+            decode_backend,
+        )
         try:
             transport.start(announce_timeout_s=10)
             assert backend.statistics().registrations > 0
+            # The retried start serves: its new control thread receives (seams issue, item 9: it
+            # used to log ChannelOwnershipError about 100 times a second and answer nothing).
+            decode.start()
+            prefill = decode.connect(registry.address, timeout_s=10)
+            assert decode.wait_registered(prefill, timeout_s=10)
+            assert transport._loop.handler_errors == 0
         finally:
+            decode.close(timeout_s=2)
+            decode_backend.close()
             transport.close()
             registry.stop()
     finally:
@@ -240,6 +327,41 @@ def test_connect_to_a_dead_registry_raises_route_unavailable_with_the_cause() ->
     ):
         decode.connect(f"tcp://127.0.0.1:{free_port()}", timeout_s=0.5)
     backend.close()
+
+
+@pytest.mark.parametrize(
+    ("registry_key", "decode_key", "says"),
+    [
+        ("a" * 16, "b" * 16, "PDKV_AUTH_KEY is set here but the peer's key differs or is unset"),
+        ("a" * 16, None, "the peer may require PDKV_AUTH_KEY, which is not set here"),
+        (None, "b" * 16, "PDKV_AUTH_KEY is set here but the peer's key differs or is unset"),
+    ],
+)
+def test_a_registry_with_another_auth_key_is_named_in_the_error(
+    monkeypatch: pytest.MonkeyPatch, registry_key: str | None, decode_key: str | None, says: str
+) -> None:
+    """Seams issue, item 13: the registry dropped requests it could not authenticate, so the client
+    timed out with nothing about the key. It now answers them with a refusal the client cannot verify."""
+    from pdkv.runtime.channels import start_registry
+
+    def key(value: str | None) -> None:
+        if value is None:
+            monkeypatch.delenv("PDKV_AUTH_KEY", raising=False)
+        else:
+            monkeypatch.setenv("PDKV_AUTH_KEY", value)
+
+    key(registry_key)
+    registry = start_registry(instance=InstanceId("p"), tp_size=1, cp_size=1)
+    key(decode_key)
+    memory = RankMemory(SPEC, Capacity(kv_pages=8, state_slots=2, aux_rows=2))
+    backend = LoopbackBackend(fabric=LoopbackFabric("keys"))
+    config = DecodeConfig(instance=InstanceId("d"), rank=RankCoord(tp=0), tp_size=1, layout=memory.layout)
+    try:
+        with DecodeTransport(config, backend) as decode, pytest.raises(RouteUnavailableError, match=says):
+            decode.connect(registry.address, timeout_s=1.0)
+    finally:
+        registry.stop()
+        backend.close()
 
 
 def test_fanout_targets_follow_a_route_table_that_connect_replaced() -> None:

@@ -47,7 +47,7 @@ def request(rig: Rig, room: int, *, per_layer: bool) -> Room:
     logical = np.concatenate([np.arange(8), scattered]).astype(np.int64)
     dst = rng.choice(np.arange(40, 200), size=18, replace=False).astype(np.int64)
     dst[2:9] = np.arange(20, 27)  # a run of destination pages: staged pages merge into one block
-    handle = Room(rig, room, logical, dst, slots=room % 4, aux=room % 8)
+    handle = Room(rig, room, logical, dst, slots=room % 4, aux=room % 8, prefix_pages=2)
     modes = run_request(rig, handle, [5, 6, 5], prefix_pages=2, resident_pages=1, per_layer=per_layer)
     if per_layer:
         assert all(m is PerLayerMode.PER_LAYER for chunk in modes for m in chunk)

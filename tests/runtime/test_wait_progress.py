@@ -75,3 +75,32 @@ def test_a_change_before_the_wait_is_not_missed() -> None:
         started = time.monotonic()
         assert pair.prefills[0].wait_progress(seen, LONG_S) > seen
         assert time.monotonic() - started < LONG_S / 2
+
+
+def test_a_scheduler_blocked_in_wait_progress_is_woken_by_its_room_succeeding() -> None:
+    """Woken by the transfer worker's Success (the worker reports under the deferred-notify lock),
+    long before the wait's own timeout."""
+    with TransportPair(model=MODEL) as pair:
+        room = RoomId(9)
+        prefill = pair.prefills[0]
+        receiver = pair.decode.receiver(room, pair.prefill_instance)
+        receiver.init(np.array([6, 7]), None)
+        sender = prefill.sender(room)
+        sender.init(2, None)
+        wait_for(lambda: sender.poll() is KVPoll.WaitingForInput)
+        woke: list[tuple[float, KVPoll]] = []
+
+        def scheduler() -> None:
+            seen = prefill.progress()
+            started = time.monotonic()
+            while sender.poll() is not KVPoll.Success and time.monotonic() - started < LONG_S:
+                seen = prefill.wait_progress(seen, LONG_S)
+            woke.append((time.monotonic() - started, sender.poll()))
+
+        thread = threading.Thread(target=scheduler)
+        thread.start()
+        time.sleep(0.05)  # blocked in its wait by now
+        sender.send(np.array([0, 1]), start_token=0, last=True)
+        thread.join(LONG_S)
+        [(elapsed, poll)] = woke
+        assert poll is KVPoll.Success and elapsed < LONG_S / 4

@@ -44,7 +44,7 @@ SOAK_TIMEOUTS = Timeouts(
     transfer=2.0,
     abort_ack=1.0,
     quarantine=4.0,
-    quarantine_settle=0.5,
+    quarantine_settle=3.0,  # longer than LATE_WRITE_S: the bound within which stuck bytes land
     abort_resend=0.2,
     register_retry=0.2,
     tombstone=5.0,
@@ -55,9 +55,7 @@ TRANSFER_TIME = 0.002  # fake seconds per chunk write
 ABORT_WINDOW = 0.03  # aborts land uniformly in the first 30 ms of a room: bootstrap, transfer, or after
 CLOSE_EVERY = 50  # rooms between two clears of the settled ones
 PARTITION_S = 3.0  # longer than the heartbeat timeout: both sides lose the peer, then find it again
-LATE_WRITE_S = (
-    2.0  # bytes of a failed write still queued in the engine land this long after it, unless fenced
-)
+LATE_WRITE_S = 2.0  # bytes of a failed write land this long after it, unless the decode's cut ends them
 
 
 def resident_bytes() -> int:
@@ -131,6 +129,7 @@ def main(argv: Sequence[str]) -> int:
         fail_write=lambda room, chunk, rank: (room, chunk, rank) in failing,
         notice_limit=100,
         late_write_s=LATE_WRITE_S,
+        cuts_connections=True,  # as a decode transport does: a failed write's pages come back proven
     )
     pair.connect()
     pair.run(until=0.05)
@@ -219,6 +218,11 @@ def main(argv: Sequence[str]) -> int:
         "pages_leaked": pages_leaked,
         "canary_violations": len(pair.violations),
         "unsafe_releases": stats.unsafe_releases,
+        "releases_acked": stats.releases_acked,
+        "releases_cut": stats.releases_cut,
+        "releases_settled": stats.releases_settled,
+        "releases_nothing_sent": stats.releases_nothing_sent,
+        "cuts": pair.cuts_made,
         "fences": sum(p.statistics().fences_submitted for p in [*pair.prefills, *pair.retired]),
         "late_writes_landed": pair.late_writes_landed,
         "partitions": args.partitions,

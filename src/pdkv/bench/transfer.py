@@ -1,4 +1,4 @@
-"""A 32K-token MLA request across two processes over Mooncake: executor vs raw engine vs one batch of runs.
+"""A 32K-token MLA request across two processes over Mooncake or NIXL: executor vs raw engine vs one batch.
 
 The request: ``--tokens`` tokens in pages of ``--page-size``, ``--layers`` layers of
 ``--bytes-per-token`` bytes per token (DeepSeek-style MLA latent: 576 bf16 values = 1,152 B). Each
@@ -14,7 +14,10 @@ scattered. Four ways to move it, round-robin for ``--repeats`` rounds (best roun
   blocks gets from the engine, so executor / same runs is the executor's own cost, and
   same runs / raw what the engine charges for scattered entries;
 - plain: one block per maximal run, all layers in a single batch (what a simple integration does;
-  the engine's TCP queue is raised so that it stays one engine batch).
+  the engine's TCP queue is raised so that it stays one engine batch);
+- raw agent (``--backend nixl`` only): a NIXL agent of its own, no pdkv code in the path, moving the
+  executor's blocks as one WRITE and polling it without sleeping: executor / raw agent is what pdkv
+  costs over NIXL itself.
 
 The destination is zeroed before and checked (SHA-1 against an image built here) after every
 timed run. Memory: the request is tokens x layers x bytes-per-token per side (2.3 GB at the
@@ -50,8 +53,9 @@ import numpy.typing as npt
 import torch
 
 from pdkv.bench._report import emit, table
-from pdkv.bench.engine import Shape, add_engine_options, engine_config, human_size, mooncake_endpoints
-from pdkv.engine import BatchHandle, MooncakeBackend
+from pdkv.bench.engine import Shape, add_engine_options, backend_of, endpoints, human_size, nixl_config
+from pdkv.engine import BackendKind, BatchHandle, TransferBackend
+from pdkv.engine.nixl import RawNixlWriter
 from pdkv.mapping import (
     AttentionKind,
     BufferKind,
@@ -71,7 +75,7 @@ from pdkv.mapping.landing import LandingPlan, plan_landing, plan_scatter
 from pdkv.mapping.staging import staged_entries
 from pdkv.runtime.executor import ExecutorConfig, TransferExecutor
 from pdkv.runtime.staging import LandingRegions, StagingConfig, StagingPool
-from pdkv.testing.backend_conformance import HostBuffer, SpawnedPeer
+from pdkv.testing.backend_conformance import HostBuffer, MetadataSyncedPeer, PeerMemory
 
 IntArray = npt.NDArray[np.int64]
 
@@ -146,7 +150,7 @@ def expected_digest(request: Request, source: HostBuffer) -> str:
     return digest.hexdigest()
 
 
-def write_shaped(sender: MooncakeBackend, peer: str, batches: list[TransferBlocks], in_flight: int) -> None:
+def write_shaped(sender: TransferBackend, peer: str, batches: list[TransferBlocks], in_flight: int) -> None:
     """The raw path: pre-shaped batches straight to the backend, ``in_flight`` at a time."""
     outstanding: list[BatchHandle] = []
     for batch in batches:
@@ -225,10 +229,10 @@ def main(argv: Sequence[str]) -> int:
     permuted_digest = expected_digest(request, source)
     identity_digest = hashlib.sha1(source.array.data).hexdigest()
 
-    config = engine_config(args, tcp_queue=PLAIN_TCP_QUEUE)
+    nixl = backend_of(args) is BackendKind.NIXL
     best: dict[str, float] = {}
     verified = True
-    with mooncake_endpoints(config) as (sender, peer), sender.register(source):
+    with endpoints(args, tcp_queue=PLAIN_TCP_QUEUE) as (sender, peer), sender.register(source):
         region = peer.allocate(total)
         runs = run_blocks(request, source.data_ptr(), region.address)
         executor = TransferExecutor(sender, ExecutorConfig.from_env())
@@ -264,6 +268,18 @@ def main(argv: Sequence[str]) -> int:
             Method("same runs", run_same_runs, permuted_digest),
             Method("plain", run_plain, permuted_digest),
         ]
+        raw_agent: RawNixlWriter | None = None
+        if nixl and isinstance(peer, MetadataSyncedPeer):
+            # The raw NIXL agent (no pdkv code) moving the executor's very blocks as one WRITE.
+            raw_agent = RawNixlWriter(nixl_config(args), [(source.data_ptr(), total)])
+            agent_peer = raw_agent.connect(peer.engine_metadata())
+            raw_agent.write(agent_peer, runs)  # warm-up: connection, first touch
+
+            def run_raw_agent() -> None:
+                assert raw_agent is not None
+                raw_agent.write(agent_peer, runs)
+
+            methods.append(Method("raw agent", run_raw_agent, permuted_digest))
         for _ in range(args.repeats):
             for method in methods:
                 peer.fill(region.address, region.length, 0)
@@ -284,12 +300,15 @@ def main(argv: Sequence[str]) -> int:
                         "verified": landed,
                     }
                 )
+        if raw_agent is not None:
+            raw_agent.close()
     del source  # 2.3 GB at the defaults: give it back before printing
     gbps = {name: total / seconds / 1e9 for name, seconds in best.items()}
     defaults = ExecutorConfig.from_env()
+    engine = f"NIXL (UCX_TLS={args.ucx_tls})" if nixl else f"Mooncake {args.protocol}"
     table(
-        f"pdkv bench transfer: {args.tokens} tokens x {args.layers} layers = {total / 1e9:.2f} GB, "
-        f"{len(runs)} run blocks, best of {args.repeats}",
+        f"pdkv bench transfer over {engine}: {args.tokens} tokens x {args.layers} layers = "
+        f"{total / 1e9:.2f} GB, {len(runs)} run blocks, best of {args.repeats}",
         ["method", "shape", "seconds", "GB/s"],
         [
             [
@@ -314,12 +333,26 @@ def main(argv: Sequence[str]) -> int:
                 gbps["same runs"],
             ],
             ["plain", f"{len(runs)} runs in one batch", best["plain"], gbps["plain"]],
-        ],
+        ]
+        + (
+            [
+                [
+                    "raw agent",
+                    f"NIXL alone: the {len(runs)} runs as one WRITE",
+                    best["raw agent"],
+                    gbps["raw agent"],
+                ]
+            ]
+            if "raw agent" in best
+            else []
+        ),
     )
     emit(
         {
             "bench": "transfer",
             "kind": "summary",
+            "backend": "nixl" if nixl else "mooncake",
+            "ucx_tls": args.ucx_tls if nixl else None,
             "tokens": args.tokens,
             "layers": args.layers,
             "bytes": total,
@@ -332,9 +365,17 @@ def main(argv: Sequence[str]) -> int:
             "executor_vs_same_runs": best["same runs"] / best["executor"],
             "same_runs_vs_raw": best["raw"] / best["same runs"],
             "executor_vs_plain": best["plain"] / best["executor"],
+            "executor_vs_raw_agent": best["raw agent"] / best["executor"] if "raw agent" in best else None,
             "verified": verified,
         }
     )
+    if "raw agent" in best:
+        print(
+            f"pdkv bench transfer: executor {best['raw agent'] / best['executor']:.2f}x the raw NIXL agent "
+            "moving the same blocks",
+            file=sys.stderr,
+            flush=True,
+        )
     print(
         f"pdkv bench transfer: executor {best['raw'] / best['executor']:.2f}x the raw best shape "
         f"(contiguous layers) and "
@@ -356,8 +397,8 @@ def shaped(blocks: TransferBlocks, shape: Shape) -> list[TransferBlocks]:
 
 
 def pick_raw_shape(
-    sender: MooncakeBackend,
-    peer: SpawnedPeer,
+    sender: TransferBackend,
+    peer: PeerMemory,
     blocks: TransferBlocks,
     *,
     quick: bool,
@@ -500,12 +541,11 @@ def mha_main(args: argparse.Namespace, topology: Topology) -> int:
         source, buffers=buffers, pages=pages, item=homogeneous_item, request=request, region_bytes=dst_total
     )
 
-    config = engine_config(args, tcp_queue=PLAIN_TCP_QUEUE)
     best: dict[str, float] = {}
     verified = True
     src_tensor = torch.from_numpy(source.array)  # the pool's sources: views of the one prefill region
     src_item = request.item_bytes(src_heads)
-    with mooncake_endpoints(config) as (sender, peer), sender.register(source):
+    with endpoints(args, tcp_queue=PLAIN_TCP_QUEUE) as (sender, peer), sender.register(source):
         region = peer.allocate(dst_total)
         src_layout = request.layout(src_heads, source.data_ptr())
         dst_layout = request.layout(dst_heads, region.address)
@@ -729,7 +769,7 @@ def landing_methods(
     args: argparse.Namespace,
     request: HeadRequest,
     source: HostBuffer,
-    peer: SpawnedPeer,
+    peer: PeerMemory,
     executor: TransferExecutor,
     dst_layout: BufferLayout,
     src_layout: BufferLayout,

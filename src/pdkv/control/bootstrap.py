@@ -85,9 +85,14 @@ class RegistryService(Generic[M]):
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
         context: zmq.Context[zmq.Socket[bytes]] | None = None,
         name: str = "pdkv-registry",
+        refuse: Callable[[str], M] | None = None,
     ) -> None:
+        """``refuse(reason)``: the reply to a request this service cannot read (its authentication
+        failed, or it does not decode), so that the requester's timeout error can say why, e.g. that
+        ``PDKV_AUTH_KEY`` differs (None: such requests go unanswered)."""
         self._codec = codec
         self._handle = handle
+        self._refuse = refuse
         self._auth = auth
         self._name = name
         if isinstance(max_frame_bytes, bool) or not isinstance(max_frame_bytes, int) or max_frame_bytes < 1:
@@ -207,12 +212,14 @@ class RegistryService(Generic[M]):
             except AuthenticationError as exc:
                 self._unauthenticated += 1
                 self._warnings.warning("registry %s rejected a request: %s", self._address, exc)
+                self._answer_unreadable(routing_id, f"authentication failed at the registry: {exc}")
                 return
         try:
             request = self._codec.decode(payload)
         except self._codec.decode_error as exc:
             self._malformed += 1
             self._warnings.warning("registry %s skipped a malformed request: %s", self._address, exc)
+            self._answer_unreadable(routing_id, f"the registry could not read the request: {exc}")
             return
         self._requests += 1
         try:
@@ -224,6 +231,21 @@ class RegistryService(Generic[M]):
             self._handler_errors += 1
             log.exception("registry %s: handler failed on %s", self._address, type(request).__name__)
             return
+        self._reply(routing_id, reply_frames)
+
+    def _answer_unreadable(self, routing_id: bytes, reason: str) -> None:
+        """Tell a requester whose request could not be read why (signed as every reply: a requester
+        with another key, or none, cannot verify it, and that is what its error then says)."""
+        if self._refuse is None:
+            return
+        try:
+            frames = self._codec.encode(self._refuse(reason))
+        except Exception:
+            log.exception("registry %s: could not encode a refusal", self._address)
+            return
+        self._reply(routing_id, frames)
+
+    def _reply(self, routing_id: bytes, reply_frames: list[bytes]) -> None:
         if self._auth is not None:
             reply_frames = self._auth.sign(reply_frames, unix_ms())
         try:

@@ -7,7 +7,8 @@ matters (registration retries, heartbeats, deadlines).
 
 Threads. zmq sockets are not thread-safe (concurrent use corrupts them or aborts the process), so
 each socket has one user at a time. Receiving has an owner: the first thread that receives or waits
-becomes it, and any other thread doing so gets ``ChannelOwnershipError``. Sending is serialised
+becomes it, and any other thread doing so while the owner lives gets ``ChannelOwnershipError``; once
+the owner thread ended, the next thread that receives takes over. Sending is serialised
 instead: ``send``, ``send_many`` and ``forget`` touch only the outbound sockets, under one lock, from
 any thread (a lock is the full memory barrier zmq asks for when a socket changes threads), so the
 thread that produced a message can send it without a hand-off to the owner; a send never blocks, so
@@ -376,7 +377,9 @@ class ControlChannel(Generic[M]):
             return
         with self._claim_lock:
             owner = self._owner
-            if owner is None:
+            if owner is None or not owner.is_alive():
+                # Unclaimed, or its owner ended (a transport whose start failed and was retried
+                # starts a new control thread on the same channel): the next receiver takes it.
                 self._owner = current
                 return
         raise ChannelOwnershipError(

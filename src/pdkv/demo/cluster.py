@@ -1,4 +1,4 @@
-"""``pdkv demo``: prefill CP ranks and a decode rank in real processes, real Mooncake TCP on 127.0.0.1.
+"""``pdkv demo``: prefill CP ranks and a decode rank in real processes over Mooncake TCP or NIXL on loopback.
 
 Owns: the demo workload and its report. It starts a bootstrap registry, ``--cp`` prefill rank
 processes (x ``--tp``) and ``--decode-tp`` decode processes (``pdkv.testing.cluster``), runs a
@@ -36,6 +36,10 @@ from collections.abc import Sequence
 
 import attrs
 
+from pdkv.config import cli_fraction, cli_int
+from pdkv.engine import BackendKind, backend_kind
+from pdkv.engine.choice import CHOICES
+from pdkv.errors import ConfigError
 from pdkv.mapping import AttentionKind, Topology, TopologyError
 from pdkv.protocol.ids import RoomId
 from pdkv.protocol.poll import KVPoll
@@ -223,27 +227,35 @@ def _kv_description(model: ModelSpec, prefill_tp: int, decode_tp: int) -> str:
 
 def main(argv: Sequence[str] = ()) -> int:
     parser = argparse.ArgumentParser(prog="pdkv demo", description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--cp", type=int, default=2, help="prefill context-parallel ranks (default 2)")
-    parser.add_argument("--tp", type=int, default=1, help="prefill tensor-parallel ranks (default 1)")
-    parser.add_argument("--decode-tp", type=int, default=1, help="decode tensor-parallel ranks (default 1)")
-    parser.add_argument("--rooms", type=int, default=32, help="requests (default 32)")
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--page-size", type=int, default=16)
+    positive = cli_int(1)  # every count of the demo: 0 or less is an argument error, never "result OK"
+    parser.add_argument("--cp", type=positive, default=2, help="prefill context-parallel ranks (default 2)")
+    parser.add_argument("--tp", type=positive, default=1, help="prefill tensor-parallel ranks (default 1)")
     parser.add_argument(
-        "--bytes-per-token", type=int, default=576, help="KV bytes per token per layer (MLA latent)"
+        "--decode-tp", type=positive, default=1, help="decode tensor-parallel ranks (default 1)"
+    )
+    parser.add_argument("--rooms", type=positive, default=32, help="requests (default 32)")
+    parser.add_argument("--layers", type=positive, default=8)
+    parser.add_argument("--page-size", type=positive, default=16)
+    parser.add_argument(
+        "--bytes-per-token", type=positive, default=576, help="KV bytes per token per layer (MLA latent)"
     )
     parser.add_argument(
-        "--kv-heads", type=int, default=8, help="--mha: the model's KV heads (default 8; e.g. 2 over tp 4)"
+        "--kv-heads",
+        type=positive,
+        default=8,
+        help="--mha: the model's KV heads (default 8; e.g. 2 over tp 4)",
     )
     parser.add_argument(
         "--head-bytes",
-        type=int,
+        type=positive,
         default=128,
         help="--mha: bytes of one KV head of one token (head_dim x dtype size; default 128)",
     )
-    parser.add_argument("--max-tokens", type=int, default=2048)
-    parser.add_argument("--aborts", type=float, default=0.15, help="fraction of rooms aborted (default 0.15)")
-    parser.add_argument("--max-active", type=int, default=8, help="rooms in flight at once")
+    parser.add_argument("--max-tokens", type=positive, default=2048)
+    parser.add_argument(
+        "--aborts", type=cli_fraction, default=0.15, help="fraction of rooms aborted (default 0.15)"
+    )
+    parser.add_argument("--max-active", type=positive, default=8, help="rooms in flight at once")
     parser.add_argument("--mha", action="store_true", help="MHA layout (K and V per layer) instead of MLA")
     parser.add_argument(
         "--per-layer",
@@ -284,6 +296,15 @@ def main(argv: Sequence[str] = ()) -> int:
         "token and head slice)",
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--backend",
+        choices=CHOICES[:2],
+        default=None,
+        help="transfer engine (default: PDKV_BACKEND, else mooncake)",
+    )
+    parser.add_argument(
+        "--ucx-tls", default=None, help="--backend nixl: UCX_TLS (default: UCX's own, cma + tcp here)"
+    )
     parser.add_argument("--json", action="store_true", help="JSON lines on stdout instead of the table")
     parser.add_argument(
         "--log-dir", default=None, help="where rank logs go (default: a new temporary folder)"
@@ -318,6 +339,12 @@ def main(argv: Sequence[str] = ()) -> int:
         seed=args.seed,
         layer_compute_s=args.layer_ms / 1000,
     )
+    try:
+        backend = backend_kind(args.backend)
+    except ConfigError as exc:
+        parser.error(str(exc))
+    if backend is BackendKind.LOOPBACK:
+        parser.error("the demo's ranks are processes: PDKV_BACKEND=loopback cannot reach across them")
     pages_total = sum(-(-p.tokens // args.page_size) for p in plans)
     max_room_pages = -(-args.max_tokens // args.page_size)
     spec = ClusterSpec(
@@ -338,11 +365,14 @@ def main(argv: Sequence[str] = ()) -> int:
         consensus=args.consensus,
         engine_transfer_timeout_s=args.engine_timeout_s or (120 if args.mha else None),
         engine_tcp_queue=args.engine_tcp_queue or (16384 if args.mha else None),
+        backend=backend.value,
+        ucx_tls=args.ucx_tls,
         staging=StagingConfig.from_env() if args.mha and args.staging else None,
     )
+    engine = f"NIXL (UCX_TLS={args.ucx_tls or 'all'})" if backend is BackendKind.NIXL else "Mooncake TCP"
     print(
         f"pdkv demo: prefill tp{args.tp} x cp{args.cp}, decode tp{args.decode_tp}, "
-        "Mooncake TCP on 127.0.0.1; "
+        f"{engine} on 127.0.0.1; "
         f"{args.rooms} rooms, {model.layers} layers + {model.draft_layers} draft, page {model.page_size}, "
         f"{_kv_description(model, args.tp, args.decode_tp)}; "
         f"{'per-layer' if args.per_layer else 'monolithic'} transfer, {args.layer_ms:g} ms compute per layer"

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 
 import attrs
 
+from pdkv.config import cli_int
 from pdkv.protocol.config import Timeouts
 from pdkv.protocol.ids import RoomId
 from pdkv.protocol.messages import TransferRequest
@@ -71,7 +72,7 @@ def main(argv: Sequence[str] = ()) -> int:
     parser = argparse.ArgumentParser(
         prog="pdkv demo --protocol-only", description=__doc__.splitlines()[0] if __doc__ else None
     )
-    parser.add_argument("--cp", type=int, default=2, help="prefill CP ranks (default 2)")
+    parser.add_argument("--cp", type=cli_int(1), default=2, help="prefill CP ranks (default 2)")
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--json", action="store_true", help="one JSON object per room on stdout")
     args = parser.parse_args(list(argv))

@@ -157,7 +157,7 @@ class Recorder(EndpointPair):
                     )
                 )
             elif isinstance(effect, ReleasePages) and effect.room == ROOM:
-                self.note(who, f"ReleasePages({'safe' if effect.safe else 'UNSAFE'})")
+                self.note(who, f"ReleasePages({effect.kind.value})")
             elif isinstance(effect, ForgetPeer):
                 self.note(who, f"ForgetPeer({self._lane_of(effect.endpoint)})")
             self._look()
@@ -265,7 +265,8 @@ def _pair(
 ) -> Recorder:
     return Recorder(
         cp_size=cp,
-        timeouts=timeouts or Timeouts(),
+        # The settle time is short here (real default: 300 s) so that the stories show the release.
+        timeouts=timeouts or Timeouts(quarantine_settle=1.0),
         transfer_time=transfer_time,
         show=show,
         fail_write=fail_write,
@@ -413,7 +414,7 @@ SCENARIOS: tuple[Scenario, ...] = (
         title="Prefill abort",
         story="The prefill scheduler aborts mid-transfer: TransferStatus(Failed) tells the decode rank, "
         "which fails the room and answers with Abort; the AbortAck waits for the writes in flight; "
-        "then the pages are released (safe).",
+        "then the pages are released (acked).",
         script=prefill_abort,
     ),
     Scenario(
@@ -430,8 +431,10 @@ SCENARIOS: tuple[Scenario, ...] = (
         story="The engine fails chunk 0's write: the prefill rank fails the room and says so; the "
         "decode rank answers with Abort. Bytes of a failed batch may still sit in the engine's queue, "
         "so before acknowledging, the prefill rank writes one block of it again through the same "
-        "queue (a fence) and sends AbortAck only once that write completed; then the pages are "
-        "released (safe).",
+        "queue (a fence) and sends AbortAck only once that write completed, saying it was fenced. "
+        "The fence drained the engine's queue, not the connection that carried the failed write, "
+        "so the decode rank lets the pages settle (quarantine_settle, 1 s here) before they come "
+        "back: a time bound, counted as settled, not a proof.",
         script=failed_write_fenced,
     ),
     Scenario(
@@ -440,7 +443,8 @@ SCENARIOS: tuple[Scenario, ...] = (
         story="The prefill process restarts behind the same address (epoch 2) while it writes; the "
         "route table announces it. The decode rank fails the room (peer_restart), rebuilds the socket "
         "(ForgetPeer), registers again, and the new process acknowledges the Abort of a room it never "
-        "had.",
+        "had. That ack says nothing of the bytes the old process left in its sockets: the pages "
+        "settle (1 s here) before they come back.",
         script=restarted_prefill,
     ),
     Scenario(

@@ -44,13 +44,18 @@ def notes_for(spec: MachineSpec[Any, Any]) -> EdgeNotes[Any, Any] | None:
 
 
 def edge_rows(spec: MachineSpec[Any, Any]) -> list[tuple[enum.Enum, enum.Enum, tuple[str, ...]]]:
-    """``(source, dest, label lines)`` per table row and source, in table order; the lines are the
-    trigger, then ``[guard]`` and ``/ effects`` when the row's note has them."""
+    """``(source, dest, label lines)`` per table row and source, in table order (a row that keeps the
+    state is a loop); the lines are the input, then ``[guard]`` and ``/ effects``: the names the row
+    runs (or, for a row without either, its note's prose, where the machine has notes)."""
     notes = notes_for(spec)
     rows: list[tuple[enum.Enum, enum.Enum, tuple[str, ...]]] = []
     for edge in spec.edges:
-        parts = (edge.trigger.value,) if notes is None else notes.parts(edge.trigger, edge.dest)
-        rows.extend((source, edge.dest, parts) for source in edge.sources)
+        plain = edge.guard_name is None and not edge.effects and edge.dest is not None
+        if notes is not None and plain and edge.dest is not None:
+            parts = notes.parts(edge.trigger, edge.dest)
+        else:
+            parts = edge.label()  # the row's own guard and effects, by name: what runs
+        rows.extend((source, source if edge.dest is None else edge.dest, parts) for source in edge.sources)
     return rows
 
 

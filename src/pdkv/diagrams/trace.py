@@ -67,6 +67,12 @@ def read_logs(paths: Iterable[str | Path]) -> Logs:
                     skipped += 1
                 else:
                     records.append(record)
+    if not records:
+        names = ", ".join(str(p) for p in _files(paths)) or ", ".join(map(str, paths))
+        what = f"{skipped} line(s), none a JSON log record" if skipped else "no lines"
+        raise TraceLogError(
+            f"no pdkv JSON log record in {names} ({what}): write them with PDKV_LOG_JSON=<folder or file>"
+        )
     records.sort(key=lambda r: r.t)
     return Logs(records=tuple(records), skipped=skipped)
 

@@ -213,6 +213,7 @@ class MooncakeConfig:
     # The address peers reach this engine at (no port).
     local_hostname: str = attrs.field(
         default="127.0.0.1",
+        validator=config.non_empty_text,
         metadata=config.text_var(
             "PDKV_MOONCAKE_HOSTNAME", "Mooncake: the address peers reach this engine at"
         ),

@@ -218,29 +218,31 @@ def _raw(family: int, ip: str) -> bytes:
 def cut_connections(
     remote: Collection[str], local_ports: Collection[int], *, timeout_s: float = 5.0
 ) -> CutReport:
-    """Destroy every connection from ``remote`` to ``local_ports`` and wait until none of them is in the
-    kernel's table any more (their owners saw ECONNABORTED and closed them).
+    """Destroy every connection from ``remote`` to ``local_ports`` and wait until this process closed every
+    one of them (their owners saw ECONNABORTED and closed the descriptors): only then can no byte already
+    queued in them be copied into memory any more.
 
     Raises ``ConnectionCutUnavailableError`` when destroying is not possible here (nothing was cut), or
-    ``TransferError`` when a destroyed socket is still in the table after ``timeout_s`` (its owner did not
-    close it: bytes already in its receive queue could still be read)."""
+    ``TransferError`` when a destroyed socket is still open in this process after ``timeout_s`` (its owner
+    may still read bytes queued in it: the cut proves nothing)."""
     started = time.monotonic()
     victims = connections_from(remote, local_ports)
     with _netlink() as sock:
         for seq, conn in enumerate(victims, start=2):
             _destroy(sock, conn, seq)
-    cookies = {c.cookie for c in victims}
+    inodes = {c.inode for c in victims if c.inode}  # 0: no descriptor (an orphan): nothing to read it
     deadline = started + timeout_s
     while True:
-        left = [c for c in _table() if c.cookie in cookies]
+        left = [c for c in victims if c.inode in inodes & _own_inodes()]
         if not left:
             return CutReport(cut=tuple(victims), seconds=time.monotonic() - started)
         if time.monotonic() >= deadline:
             raise TransferError(
-                f"{len(left)} destroyed connection(s) still open after {timeout_s:g} s: "
+                f"{len(left)} destroyed connection(s) still open in this process after {timeout_s:g} s "
+                "(bytes queued in them may still be read into memory): "
                 + ", ".join(c.describe() for c in left[:4])
             )
-        time.sleep(0.01)
+        time.sleep(0.005)
 
 
 def can_cut_connections() -> str | None:

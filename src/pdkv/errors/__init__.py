@@ -11,6 +11,8 @@ importable from ``pdkv``. Must not import anything from pdkv (it is the bottom l
         RemoteProtocolError    ... by the peer (undecodable or invalid message)
       InvalidArgumentError     a scheduler call got a value of the wrong type or range
       MappingError             page-count or layout contract violated (would corrupt KV)
+      LayoutError              a buffer layout (or a tensor behind it) cannot be described
+                               truthfully: not contiguous, overlapping, empty, sizes that disagree
       LayoutMismatchError      two sides' buffer layouts differ
       TransferError            the transfer engine failed or timed out
       EngineUnavailableError   the engine module or its system libraries are missing
@@ -73,6 +75,17 @@ class InvalidArgumentError(PdkvError, ValueError, TypeError):
 
 class MappingError(PdkvError, ValueError):
     """A mapping contract was violated: moving these pages would write the wrong bytes."""
+
+
+class LayoutError(PdkvError, ValueError):
+    """A buffer layout that does not describe its memory truthfully: a non-contiguous tensor view, two
+    buffers that overlap, an empty buffer, bytes per item that disagree with the tensor's shape, a field
+    out of range. Raised while the layout is built, before any byte is registered or moved; the
+    message names the buffer (kind, model, layer) and the rule. ``field``: the field or argument."""
+
+    def __init__(self, message: str, *, field: str = "") -> None:
+        super().__init__(message)
+        self.field = field
 
 
 class LayoutMismatchError(PdkvError, ValueError):

@@ -2,7 +2,8 @@
 
 Owns: ``BufferSpec`` / ``BufferLayout`` (kind, model, layer id, base address, length, bytes per item)
 and the layout comparison used at registration. Must not import torch or do I/O: ``from_tensors``
-accepts anything with ``data_ptr()``, ``numel()`` and ``element_size()`` (torch tensors qualify).
+accepts anything with ``data_ptr()``, ``numel()``, ``element_size()``, ``is_contiguous()``, ``dim()`` and
+``size(d)`` (torch tensors qualify) and refuses a tensor that does not describe its bytes truthfully.
 
 Items: for KV buffers an item is one page (``page_size`` tokens); for state buffers one state slot
 (page-indexed state such as SWA or NSA index K/scale uses its own index space); for aux one row.
@@ -24,7 +25,7 @@ from typing import Protocol
 
 import attrs
 
-from pdkv.errors import LayoutMismatchError
+from pdkv.errors import LayoutError, LayoutMismatchError
 
 
 class BufferKind(enum.Enum):
@@ -78,17 +79,25 @@ class TensorLike(Protocol):
     def element_size(self) -> int: ...
 
 
+class LayoutTensor(TensorLike, Protocol):
+    """What ``BufferLayout.from_tensors`` reads of a tensor to check that it describes its bytes."""
+
+    def is_contiguous(self) -> bool: ...
+    def dim(self) -> int: ...
+    def size(self, dim: int) -> int: ...
+
+
 _MAX = 2**63 - 1  # addresses and sizes are signed 64-bit on the wire and in numpy
 
 
 def _non_negative(_: object, attribute: attrs.Attribute[int], value: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= _MAX:
-        raise ValueError(f"{attribute.name} must be an int in [0, 2**63), got {value!r}")
+        raise LayoutError(f"{attribute.name} must be an int in [0, 2**63), got {value!r}", field=attribute.name)
 
 
 def _positive(_: object, attribute: attrs.Attribute[int], value: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= _MAX:
-        raise ValueError(f"{attribute.name} must be an int in [1, 2**63), got {value!r}")
+        raise LayoutError(f"{attribute.name} must be an int in [1, 2**63), got {value!r}", field=attribute.name)
 
 
 @attrs.frozen(kw_only=True)
@@ -110,9 +119,10 @@ class HeadGeometry:
 
     def __attrs_post_init__(self) -> None:
         if self.head_start + self.head_count > self.kv_heads:
-            raise ValueError(
+            raise LayoutError(
                 f"heads {self.head_start}..{self.head_start + self.head_count - 1} are outside the "
-                f"model's {self.kv_heads} KV heads"
+                f"model's {self.kv_heads} KV heads",
+                field="head_start",
             )
 
     @property
@@ -152,12 +162,16 @@ class BufferSpec:
 
     def __attrs_post_init__(self) -> None:
         if self.heads is not None and self.kind not in (BufferKind.K, BufferKind.V):
-            raise ValueError(f"{self.kind.value} layer {self.layer_id}: only K and V buffers describe heads")
+            raise LayoutError(f"{self.describe()}: only K and V buffers describe heads", field="heads")
         if self.length % self.item_bytes:
-            raise ValueError(
-                f"{self.kind.value} layer {self.layer_id}: length {self.length} is not a multiple of "
-                f"item_bytes {self.item_bytes}"
+            raise LayoutError(
+                f"{self.describe()}: length {self.length} is not a multiple of item_bytes {self.item_bytes}",
+                field="length",
             )
+
+    def describe(self) -> str:
+        """``target kv layer 3``: how errors and logs name the buffer."""
+        return f"{self.model.value} {self.kind.value} layer {self.layer_id}"
 
     @property
     def num_items(self) -> int:
@@ -192,19 +206,20 @@ class BufferLayout:
     def __attrs_post_init__(self) -> None:
         keys = [(b.model, b.kind, b.layer_id) for b in self.buffers]
         if len(set(keys)) != len(keys):
-            raise ValueError("a layout lists the same (model, kind, layer) twice")
+            twice = sorted({f"{m.value} {k.value} layer {i}" for m, k, i in keys if keys.count((m, k, i)) > 1})
+            raise LayoutError(f"a layout lists the same (model, kind, layer) twice: {', '.join(twice)}", field="buffers")
         if keys != sorted(keys, key=_canonical_key):
-            raise ValueError("buffers must be in canonical order (use BufferLayout.build)")
+            raise LayoutError("buffers must be in canonical order (use BufferLayout.build)", field="buffers")
         for b in self.buffers:
             if b.heads is None:
                 continue
             if self.attention is not AttentionKind.MHA:
-                raise ValueError(f"{b.kind.value} layer {b.layer_id}: only MHA layouts describe heads")
+                raise LayoutError(f"{b.describe()}: only MHA layouts describe heads", field="heads")
             if b.item_bytes != b.heads.item_bytes(self.page_size):
-                raise ValueError(
-                    f"{b.model.value} {b.kind.value} layer {b.layer_id}: item_bytes {b.item_bytes} != "
-                    f"page_size {self.page_size} x {b.heads.head_count} heads x {b.heads.head_bytes} "
-                    "bytes per head"
+                raise LayoutError(
+                    f"{b.describe()}: item_bytes {b.item_bytes} != page_size {self.page_size} x "
+                    f"{b.heads.head_count} heads x {b.heads.head_bytes} bytes per head",
+                    field="item_bytes",
                 )
         self._derive_views()
 
@@ -240,27 +255,45 @@ class BufferLayout:
         *,
         attention: AttentionKind,
         page_size: int,
-        tensors: Sequence[tuple[BufferKind, ModelRole, int, TensorLike, int]],
+        tensors: Sequence[tuple[BufferKind, ModelRole, int, LayoutTensor, int]],
         heads: Mapping[ModelRole, HeadGeometry] | None = None,
     ) -> BufferLayout:
         """Build from ``(kind, model, layer_id, tensor, item_bytes)`` entries (torch tensors work).
 
         ``heads`` (MHA/GQA): the head geometry of each model's K and V buffers on this rank.
+
+        Every tensor must describe its bytes truthfully, or ``LayoutError`` names it and the rule:
+        contiguous (a strided view such as ``base[:, :64]`` would move bytes the scheduler never
+        wrote there), not empty, a whole number of items, and for a tensor of two or more
+        dimensions, an item that is one row of it or a whole number of rows (a KV item: one row, a
+        page of ``page_size`` rows, or rows that ``heads`` describes); no two buffers may overlap.
         """
         per_model = {} if heads is None else dict(heads)
-        specs = [
-            BufferSpec(
-                kind=kind,
-                model=model,
-                layer_id=layer_id,
-                base_ptr=t.data_ptr(),
-                length=t.numel() * t.element_size(),
-                item_bytes=item_bytes,
-                heads=per_model.get(model) if kind in (BufferKind.K, BufferKind.V) else None,
+        specs = []
+        for kind, model, layer_id, t, item_bytes in tensors:
+            name = f"{model.value} {kind.value} layer {layer_id}"
+            _check_tensor(name, kind, t, item_bytes, page_size)
+            specs.append(
+                BufferSpec(
+                    kind=kind,
+                    model=model,
+                    layer_id=layer_id,
+                    base_ptr=t.data_ptr(),
+                    length=t.numel() * t.element_size(),
+                    item_bytes=item_bytes,
+                    heads=per_model.get(model) if kind in (BufferKind.K, BufferKind.V) else None,
+                )
             )
-            for kind, model, layer_id, t, item_bytes in tensors
-        ]
-        return cls.build(attention=attention, page_size=page_size, buffers=specs)
+        layout = cls.build(attention=attention, page_size=page_size, buffers=specs)
+        layout.refuse_overlaps()
+        return layout
+
+    def refuse_overlaps(self) -> None:
+        """``LayoutError`` naming two buffers that share bytes (one's writes would land in the other).
+
+        ``from_tensors`` checks it; a layout built from raw addresses (an adapter's) should too. Not
+        part of construction: protocol tests and decoded peers' layouts carry fictitious addresses."""
+        _refuse_overlaps(self.buffers)
 
     def select(self, *kinds: BufferKind, model: ModelRole | None = None) -> tuple[BufferSpec, ...]:
         """Buffers of the given kinds (all kinds if none given), optionally of one model, in order."""
@@ -349,6 +382,61 @@ class BufferLayout:
         diff = self.difference(other)
         if diff is not None:
             raise LayoutMismatchError(f"buffer layouts are incompatible: {diff}")
+
+
+def _check_tensor(name: str, kind: BufferKind, t: LayoutTensor, item_bytes: int, page_size: int) -> None:
+    """The rules ``from_tensors`` holds a tensor to (see there); ``LayoutError`` naming ``name``."""
+    shape = tuple(t.size(d) for d in range(t.dim()))
+    if not t.is_contiguous():
+        raise LayoutError(
+            f"{name}: the tensor (shape {shape}) is not contiguous: the engine moves raw memory from its "
+            "data pointer, so a strided view would send bytes the scheduler never wrote there; register "
+            "the whole pool tensor (or .contiguous() it before the scheduler writes into it)",
+            field="tensors",
+        )
+    length = t.numel() * t.element_size()
+    if length == 0:
+        raise LayoutError(f"{name}: the tensor (shape {shape}) holds no bytes", field="tensors")
+    if isinstance(item_bytes, bool) or not isinstance(item_bytes, int) or item_bytes <= 0:
+        raise LayoutError(f"{name}: item_bytes must be a positive int, got {item_bytes!r}", field="item_bytes")
+    if length % item_bytes:
+        raise LayoutError(
+            f"{name}: the tensor holds {length} bytes (shape {shape} x {t.element_size()} B), not a whole "
+            f"number of items of {item_bytes} B",
+            field="item_bytes",
+        )
+    if len(shape) < 2:
+        return  # a flat buffer: nothing more to compare
+    row = length // shape[0]
+    whole_rows = item_bytes % row == 0
+    if kind.is_kv:
+        # A KV item is one row (a pool indexed by page), a page of rows (indexed by token), or, for
+        # MHA with ``heads``, rows of another width: only a whole number of rows is checked there.
+        fits = whole_rows if kind is not BufferKind.KV else item_bytes in (row, page_size * row)
+    else:
+        fits = whole_rows or row % item_bytes == 0
+    if not fits:
+        raise LayoutError(
+            f"{name}: item_bytes {item_bytes} disagrees with the tensor: shape {shape} with "
+            f"{t.element_size()} B elements has {row} B per row"
+            + (f" (a KV page is {row} or {page_size} x {row} B)" if kind is BufferKind.KV else ""),
+            field="item_bytes",
+        )
+
+
+def _refuse_overlaps(buffers: Sequence[BufferSpec]) -> None:
+    """Two buffers sharing bytes would let one's writes land in the other: ``LayoutError`` naming both."""
+    spans = sorted((b for b in buffers if b.length), key=lambda b: b.base_ptr)
+    reach: BufferSpec | None = None  # of the buffers so far, the one that ends last
+    for b in spans:
+        if reach is not None and b.base_ptr < reach.base_ptr + reach.length:
+            raise LayoutError(
+                f"{reach.describe()} [{reach.base_ptr:#x}, +{reach.length}) and {b.describe()} "
+                f"[{b.base_ptr:#x}, +{b.length}) overlap",
+                field="buffers",
+            )
+        if reach is None or b.base_ptr + b.length > reach.base_ptr + reach.length:
+            reach = b
 
 
 def _head_difference(mine: list[BufferSpec], theirs: list[BufferSpec]) -> str | None:

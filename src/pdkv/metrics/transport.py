@@ -32,6 +32,8 @@ class TransportCounter(enum.Enum):
     ROOMS_ABORTED = "rooms_aborted"
     BYTES_SENT = "bytes_sent"
     PAGES_SENT = "pages_sent"
+    BYTES_RECEIVED = "bytes_received"
+    PAGES_RECEIVED = "pages_received"
     CHUNKS_SENT = "chunks_sent"
     CHUNKS_SKIPPED = "chunks_skipped"
     ABORTS_SENT = "aborts_sent"
@@ -46,6 +48,9 @@ class TransportCounter(enum.Enum):
     QUARANTINES = "quarantines"
     QUARANTINES_RELEASED = "quarantines_released"
     QUARANTINES_PROVEN = "quarantines_proven"
+    RELEASES_ACKED = "releases_acked"
+    RELEASES_CUT = "releases_cut"
+    RELEASES_SETTLED = "releases_settled"
     FENCES = "fences"
     WRITES = "writes"
     WRITE_JOBS = "write_jobs"
@@ -79,11 +84,15 @@ COUNTER_DESCRIPTIONS: Final[Mapping[TransportCounter, str]] = {
     TransportCounter.ROOMS_SUCCEEDED: "Rooms that reached Success on this transport.",
     TransportCounter.ROOMS_FAILED: "Rooms that reached Failed on this transport (aborted rooms included).",
     TransportCounter.ROOMS_ABORTED: "Rooms that failed because either side aborted them.",
-    TransportCounter.BYTES_SENT: "KV, state and aux bytes actually written by the transfer engine.",
-    TransportCounter.PAGES_SENT: "KV pages actually written by the transfer engine.",
+    TransportCounter.BYTES_SENT: "Prefill: KV, state and aux bytes this rank's engine actually wrote.",
+    TransportCounter.PAGES_SENT: "Prefill: KV pages this rank's engine actually wrote.",
+    TransportCounter.BYTES_RECEIVED: "Decode: KV, state and aux bytes prefill ranks reported writing here.",
+    TransportCounter.PAGES_RECEIVED: "Decode: KV pages prefill ranks reported writing here.",
     TransportCounter.CHUNKS_SENT: "Prefill chunks whose writes all completed.",
     TransportCounter.CHUNKS_SKIPPED: "Queued chunks not written because their room had already failed.",
-    TransportCounter.ABORTS_SENT: "Abort messages sent to a peer.",
+    TransportCounter.ABORTS_SENT: (
+        "Aborts told to a peer: Abort messages (decode), Failed statuses of rooms aborted here (prefill)."
+    ),
     TransportCounter.ABORTS_RECEIVED: "Abort messages received from a peer.",
     TransportCounter.ABORT_ACKS: "AbortAck messages (sent by prefill, received by decode).",
     TransportCounter.UNSAFE_RELEASES: (
@@ -105,6 +114,17 @@ COUNTER_DESCRIPTIONS: Final[Mapping[TransportCounter, str]] = {
     TransportCounter.QUARANTINES_PROVEN: (
         "Of those, released proven: acknowledged after fences, then the prefill hosts' connections cut."
     ),
+    TransportCounter.RELEASES_ACKED: (
+        "Decode: failed rooms whose pages came back on the acks alone (every write completed): proven."
+    ),
+    TransportCounter.RELEASES_CUT: (
+        "Decode: failed rooms whose pages came back after the acks and a cut of the prefill hosts' "
+        "connections: proven."
+    ),
+    TransportCounter.RELEASES_SETTLED: (
+        "Decode: failed rooms whose pages came back quarantine_settle after the acks (a write had failed, "
+        "or its writer restarted, and no cut): a time bound, not a proof."
+    ),
     TransportCounter.FENCES: "Fence writes made before an AbortAck because a write of the room had failed.",
     TransportCounter.WRITES: "Chunk writes to a decode rank (one per chunk and destination with bytes).",
     TransportCounter.WRITE_JOBS: (
@@ -122,6 +142,8 @@ class CounterValues:
     rooms_aborted: int = 0
     bytes_sent: int = 0
     pages_sent: int = 0
+    bytes_received: int = 0
+    pages_received: int = 0
     chunks_sent: int = 0
     chunks_skipped: int = 0
     aborts_sent: int = 0
@@ -136,6 +158,9 @@ class CounterValues:
     quarantines: int = 0
     quarantines_released: int = 0
     quarantines_proven: int = 0
+    releases_acked: int = 0
+    releases_cut: int = 0
+    releases_settled: int = 0
     fences: int = 0
     writes: int = 0
     write_jobs: int = 0
@@ -196,6 +221,10 @@ def _check_peer(peer: str) -> None:
         raise MetricValueError(f"a peer is named by a non-empty string, got {peer!r}")
 
 
+_SENT: Final = (TransportCounter.BYTES_SENT, TransportCounter.PAGES_SENT)
+_RECEIVED: Final = (TransportCounter.BYTES_RECEIVED, TransportCounter.PAGES_RECEIVED)
+
+
 class TransportMetrics:
     """Thread-safe counters and per-peer transfer latency for one transport.
 
@@ -221,9 +250,11 @@ class TransportMetrics:
         with self._lock:
             self._counts[counter] += by
 
-    def record_room(self, metric: KVTransferMetric, peer: str, *, completed: bool = True) -> None:
-        """Count what ``metric`` says was written to (or from) ``peer``, and its engine seconds as a
-        latency sample of that peer.
+    def record_room(
+        self, metric: KVTransferMetric, peer: str, *, completed: bool = True, received: bool = False
+    ) -> None:
+        """Count what ``metric`` says was written to ``peer`` (``received``: written here by ``peer``,
+        counted as received), and its engine seconds as a latency sample of that peer.
 
         An empty metric (a dummy rank, a fake sender) records nothing at all, so it can neither
         inflate the byte counters nor drag the peer's latency towards 0. ``completed=False`` (a room
@@ -236,9 +267,10 @@ class TransportMetrics:
         _check_peer(peer)
         if metric.is_empty:
             return
+        byte_counter, page_counter = _RECEIVED if received else _SENT
         with self._lock:
-            self._counts[TransportCounter.BYTES_SENT] += metric.bytes
-            self._counts[TransportCounter.PAGES_SENT] += metric.pages
+            self._counts[byte_counter] += metric.bytes
+            self._counts[page_counter] += metric.pages
             if completed:
                 distribution = self._latency.get(peer)
                 if distribution is None:

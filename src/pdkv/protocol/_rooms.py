@@ -2,14 +2,18 @@
 heartbeat schedule, and the scheduler's view of a failed room.
 
 Owns: ``RoomKeeper`` (the base of ``PrefillEndpoint`` and ``DecodeEndpoint``: ``has_room``,
-``rooms``, room deadlines in a lazy ``DeadlineQueue``, ``Failure`` of a room record) and
-``Heartbeats`` (when the next round is due, its sequence number). Must not decide anything about a
+``rooms``, room deadlines in a lazy ``DeadlineQueue``, ``Failure`` of a room record),
+``Heartbeats`` (when the next round is due, its sequence number) and ``Counts`` (an endpoint's
+counters, named by the fields of its statistics class: declared once, there). Must not decide anything about a
 room: the endpoints do; this only keeps records and times.
 """
 
 from __future__ import annotations
 
-from typing import ClassVar, Generic, Protocol, TypeVar
+from collections.abc import Collection
+from typing import Any, ClassVar, Generic, Protocol, TypeVar
+
+import attrs
 
 from pdkv.errors import LocalProtocolError
 from pdkv.protocol._deadlines import DeadlineQueue
@@ -115,4 +119,22 @@ class Heartbeats:
         self.due = None
 
 
-__all__ = ["Heartbeats", "RoomKeeper", "RoomRecord", "peer_text"]
+class Counts:
+    """An endpoint's counters: every field of its frozen statistics class that is not a level (a
+    figure computed when asked, such as the rooms open now), each an int from 0. A name that is no
+    field is a ``KeyError`` at once: the statistics class is the one declaration."""
+
+    def __init__(self, statistics: type[Any], *, levels: Collection[str] = ()) -> None:
+        self._values = {f.name: 0 for f in attrs.fields(statistics) if f.name not in levels}
+
+    def add(self, name: str, by: int = 1) -> None:
+        self._values[name] += by
+
+    def __getitem__(self, name: str) -> int:
+        return self._values[name]
+
+    def values(self) -> dict[str, int]:
+        return dict(self._values)
+
+
+__all__ = ["Counts", "Heartbeats", "RoomKeeper", "RoomRecord", "peer_text"]

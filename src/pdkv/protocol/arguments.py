@@ -11,6 +11,7 @@ page lists that would corrupt KV if moved (duplicates) raise ``MappingError`` wi
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from typing import Final
 
@@ -43,6 +44,22 @@ def _bad(text: str, room: int | None, argument: str, value: object) -> InvalidAr
 
 def _where(room: int | None) -> str:
     return "" if room is None else f"room {room}: "
+
+
+def seconds(value: object, *, argument: str, positive: bool = False) -> float:
+    """A duration a call takes: a finite number of seconds >= 0 (``positive``: > 0), not a bool. A NaN
+    deadline never passes and an infinite one never ends, so both are refused with the argument's name."""
+    bad = (
+        isinstance(value, (bool, np.bool_))
+        or not isinstance(value, (int, float, np.integer, np.floating))
+        or not math.isfinite(value)
+        or value < 0
+        or (positive and value == 0)
+    )
+    if bad:
+        bound = "> 0" if positive else ">= 0"
+        raise _bad(f"{argument} must be a finite number of seconds {bound}, got {describe(value)}", None, argument, value)
+    return float(value)  # type: ignore[arg-type]  # checked above: a real number
 
 
 def checked_room(value: object) -> RoomId:

@@ -1,4 +1,4 @@
-"""The pdkv wire format (protocol version 3): messages <-> ZMQ multipart frames.
+"""The pdkv wire format (protocol version 5): messages <-> ZMQ multipart frames.
 
 Owns: every byte of the control protocol: the header, the type-code table, the msgpack body schema of
 each message, and the raw array frames. Must not import zmq, do I/O, or know any message's meaning
@@ -6,10 +6,16 @@ beyond its fields: ``encode`` takes a validated message, ``decode`` returns one 
 ``messages`` validate themselves). ``decode`` is the trust boundary: for ANY input it returns a
 message or raises ``RemoteProtocolError``, never anything else.
 
-Wire format, version 3 (normative; another implementation can be written from this text)
+Wire format, version 5 (normative; another implementation can be written from this text)
 =========================================================================================
 
-Changes from version 2: a side may send several messages to one peer in one envelope
+Changes from version 4: ``Register`` gains the key ``engine_metadata`` (``bin``, at most 256 KiB),
+what the prefill's transfer engine needs beside the session to write into the decode's buffers (NIXL's
+agent metadata and registered regions; empty for Mooncake). It is the only ``bin`` value of the format.
+Changes from version 3 to 4: ``AbortAck`` gains the key ``fenced`` (bool): a write of the room to the
+decode rank failed and the ack follows the fence that proved the engine queue drained (the decode then
+cuts its connections from that host, or settles, before reusing the pages).
+Changes from version 2 to 3: a side may send several messages to one peer in one envelope
 (``pdkv.control.envelope``); the messages themselves are unchanged. The version changed so that a
 side that cannot read envelopes refuses the other at registration instead of dropping them.
 Changes from version 1 to 2: ``BufferSpec`` gains the key ``heads`` (``Heads | nil``), the KV heads
@@ -19,7 +25,7 @@ A message is a sequence of ``2 + n`` byte frames (one ZMQ multipart message)::
 
     frame 0        header, exactly 10 bytes, little-endian, struct "<4sHHH":
                      magic    4 bytes   b"PDKV"
-                     version  u16       3
+                     version  u16       5
                      type     u16       message type code (table below)
                      arrays   u16       n, the number of array frames after the body
     frame 1        body: exactly one msgpack map (at most 1 MiB)
@@ -35,7 +41,8 @@ Message type codes (stable; never reuse or renumber, 0 is reserved)::
     1 RankAnnounce   2 RouteQuery   3 RouteTable   4 Register    5 RegisterAck   6 RegisterReject
     7 TransferRequest  8 TransferStatus  9 Abort  10 AbortAck  11 Heartbeat  12 HeartbeatAck
 
-Body. msgpack with str (UTF-8) map keys, str for text, no bin and no ext types, no duplicate keys.
+Body. msgpack with str (UTF-8) map keys, str for text, no ext types, no duplicate keys, and no bin
+value but ``Register.engine_metadata``.
 Every map has exactly the keys listed (no missing, no extra); senders write them in the listed order
 and receivers do not depend on the order. Integers use msgpack's shortest int encoding on the send
 side (receivers accept any int encoding); bool is msgpack true/false and is never an integer; ``float``
@@ -74,7 +81,8 @@ Bodies by type (key order as written)::
     2 RouteQuery      {"origin": Origin}
     3 RouteTable      {"origin": Origin, "tp_size": int, "cp_size": int, "page_size": int,
                        "layout_digest": str, "ranks": [RankRoute, ...], "complete": bool}
-    4 Register        {"origin": Origin, "tp_size": int, "endpoint": str, "session": str, "layout": Layout}
+    4 Register        {"origin": Origin, "tp_size": int, "endpoint": str, "session": str, "layout": Layout,
+                       "engine_metadata": bin}
     5 RegisterAck     {"origin": Origin}
     6 RegisterReject  {"origin": Origin, "reason": str, "retry": bool}
     7 TransferRequest {"origin": Origin, "room": int, "dst_pages": ARRAY, "dst_aux_row": int | nil,
@@ -83,12 +91,12 @@ Bodies by type (key order as written)::
     8 TransferStatus  {"origin": Origin, "room": int, "outcome": str, "reason": str, "metric": Metric}
                                                     outcome: success failed
     9 Abort           {"origin": Origin, "room": int, "reason": str}
-   10 AbortAck        {"origin": Origin, "room": int}
+   10 AbortAck        {"origin": Origin, "room": int, "fenced": bool}
    11 Heartbeat       {"origin": Origin, "seq": int, "endpoint": str | nil}
    12 HeartbeatAck    {"origin": Origin, "seq": int}
 
-Limits: at most 64 frames, body at most 1 MiB (msgpack strings at most 16 KiB, lists at most 65,536
-items, maps at most 16 keys), array frames at most 256 MiB each. ``encode`` refuses (with
+Limits: at most 64 frames, body at most 1 MiB (msgpack strings at most 16 KiB, bin at most 256 KiB,
+lists at most 65,536 items, maps at most 16 keys), array frames at most 256 MiB each. ``encode`` refuses (with
 ``LocalProtocolError``) to produce anything a receiver would reject for size or representability
 (an int outside msgpack's range, a str that is not valid Unicode).
 
@@ -120,6 +128,7 @@ from pdkv.mapping.layout import (
 )
 from pdkv.protocol.ids import Endpoint, Epoch, InstanceId, RoomId, SessionId
 from pdkv.protocol.messages import (
+    MAX_ENGINE_METADATA_BYTES,
     Abort,
     AbortAck,
     Heartbeat,
@@ -142,7 +151,7 @@ from pdkv.protocol.messages import (
     TransferStatus,
 )
 
-PROTOCOL_VERSION: Final = 3
+PROTOCOL_VERSION: Final = 5
 MAGIC: Final = b"PDKV"
 HEADER: Final = struct.Struct("<4sHHH")  # magic, version, type code, number of array frames
 _MAGIC_AND_VERSION_BYTES: Final = 6  # the only header bytes whose position no future version may move
@@ -153,6 +162,7 @@ MAX_ARRAY_BYTES: Final = 256 << 20
 MAX_BODY_STR_BYTES: Final = 16 << 10  # 4,096 characters (the longest text field) of up to 4 UTF-8 bytes
 MAX_BODY_LIST_ITEMS: Final = 1 << 16
 MAX_BODY_MAP_KEYS: Final = 16
+MAX_BODY_BIN_BYTES: Final = MAX_ENGINE_METADATA_BYTES
 
 _INT32_LIMIT: Final = 2**31
 _INT32_LE: Final = np.dtype(np.int32).newbyteorder("<")
@@ -280,6 +290,7 @@ def _message_body(msg: Message, arrays: list[bytes]) -> dict[str, object]:
                 "endpoint": msg.endpoint,
                 "session": msg.session,
                 "layout": _layout_body(msg.layout),
+                "engine_metadata": msg.engine_metadata,
             }
         case RegisterReject():
             return {"origin": _origin_body(msg.origin), "reason": msg.reason, "retry": msg.retry}
@@ -313,7 +324,7 @@ def _message_body(msg: Message, arrays: list[bytes]) -> dict[str, object]:
         case Abort():
             return {"origin": _origin_body(msg.origin), "room": msg.room, "reason": msg.reason}
         case AbortAck():
-            return {"origin": _origin_body(msg.origin), "room": msg.room}
+            return {"origin": _origin_body(msg.origin), "room": msg.room, "fenced": msg.fenced}
         case Heartbeat():
             return {"origin": _origin_body(msg.origin), "seq": msg.seq, "endpoint": msg.endpoint}
         case HeartbeatAck():
@@ -388,6 +399,12 @@ class _Fields:
 
     def read_optional_text(self, key: str) -> str | None:
         return None if self._values[key] is None else self.read_text(key)
+
+    def read_bytes(self, key: str) -> bytes:
+        value = self._values[key]
+        if not isinstance(value, bytes):
+            raise self._wrong(key, "bin")
+        return value
 
     def read_bool(self, key: str) -> bool:
         value = self._values[key]
@@ -633,6 +650,7 @@ def _decode_register(body: _Fields, _: _ArrayFrames) -> Register:
             endpoint=Endpoint(body.read_text("endpoint")),
             session=SessionId(body.read_text("session")),
             layout=_layout(body.read_map("layout", _LAYOUT_KEYS)),
+            engine_metadata=body.read_bytes("engine_metadata"),
         ),
     )
 
@@ -692,7 +710,10 @@ def _decode_abort(body: _Fields, _: _ArrayFrames) -> Abort:
 
 
 def _decode_abort_ack(body: _Fields, _: _ArrayFrames) -> AbortAck:
-    return _validated("AbortAck", lambda: AbortAck(origin=_origin(body), room=RoomId(body.read_int("room"))))
+    return _validated(
+        "AbortAck",
+        lambda: AbortAck(origin=_origin(body), room=RoomId(body.read_int("room")), fenced=body.read_bool("fenced")),
+    )
 
 
 def _decode_heartbeat(body: _Fields, _: _ArrayFrames) -> Heartbeat:
@@ -740,7 +761,9 @@ _WIRE_TYPES: Final = (
         _keys("tp_size", "cp_size", "page_size", "layout_digest", "ranks", "complete"),
         _decode_route_table,
     ),
-    _WireType(4, Register, _keys("tp_size", "endpoint", "session", "layout"), _decode_register),
+    _WireType(
+        4, Register, _keys("tp_size", "endpoint", "session", "layout", "engine_metadata"), _decode_register
+    ),
     _WireType(5, RegisterAck, _keys(), _decode_register_ack),
     _WireType(6, RegisterReject, _keys("reason", "retry"), _decode_register_reject),
     _WireType(
@@ -753,7 +776,7 @@ _WIRE_TYPES: Final = (
     ),
     _WireType(8, TransferStatus, _keys("room", "outcome", "reason", "metric"), _decode_transfer_status),
     _WireType(9, Abort, _keys("room", "reason"), _decode_abort),
-    _WireType(10, AbortAck, _keys("room"), _decode_abort_ack),
+    _WireType(10, AbortAck, _keys("room", "fenced"), _decode_abort_ack),
     _WireType(11, Heartbeat, _keys("seq", "endpoint"), _decode_heartbeat),
     _WireType(12, HeartbeatAck, _keys("seq"), _decode_heartbeat_ack),
 )
@@ -817,7 +840,7 @@ def _unpack_body(view: memoryview) -> object:
             strict_map_key=True,
             object_pairs_hook=_strict_map,
             max_str_len=MAX_BODY_STR_BYTES,
-            max_bin_len=0,  # the format has no bin values
+            max_bin_len=MAX_BODY_BIN_BYTES,  # Register.engine_metadata, the only bin value
             max_ext_len=0,  # ... and no ext types (not even msgpack's timestamp)
             max_array_len=MAX_BODY_LIST_ITEMS,
             max_map_len=MAX_BODY_MAP_KEYS,

@@ -1,40 +1,36 @@
 """Sans-IO decode endpoint: the protocol of one decode rank, driven by inputs, answering with effects.
 
-Owns: registration with prefill ranks, the receiver rooms of one rank, their abort handshakes and
-the rank's deadlines. Must not do I/O, start threads or read a clock: every input carries ``now``;
-the driver calls ``tick(now)`` at ``next_deadline()``.
+Owns: the records of one decode rank (a ``PrefillRank`` per prefill rank it registered with, a
+``ReceiverRoom`` per room, each failed room's ``AbortRecord``), the rank's deadlines and tombstones,
+and the routing of every input to its machine's rows. The rules themselves are those rows
+(``machines.prefill_rank``, ``machines.room_receiver``, ``machines.decode_abort``): this module
+finds the record, builds the step and runs the row; it holds no rule of its own beyond what an
+input needs to reach its record (a stale epoch is dropped, a newer one is a new record, a
+message for no room is counted). Must not do I/O, start threads or read a clock: every input
+carries ``now``; the driver calls ``tick(now)`` at ``next_deadline()``.
 
 Inputs: ``connect(route_table)`` (register with every prefill rank of an instance), ``receive``
-(messages), the scheduler's ``open_room`` (``receiver.init``), ``abort_room``, ``close_room`` and
-the queries ``poll`` / ``failure`` / ``release_ready``.
+(messages), the scheduler's ``open_room`` (``receiver.init``), ``abort_room``, ``close_room``, the
+driver's ``connections_cut`` and the queries ``poll`` / ``failure`` / ``release_ready``.
 
-Safety rules this module enforces (DESIGN section 8):
+Safety rules these rows enforce (DESIGN section 8):
 - a failed room's pages are reusable only after every prefill rank that was told the destinations
-  acknowledged the abort (after its in-flight writes ended). The Abort is resent with backoff until
-  then (``abort_resend``, doubling, ``MAX_ABORT_RESENDS`` times) and again whenever a rank registers
-  again. Past ``abort_ack`` the room is quarantined: its pages stay held (``release_ready`` False,
-  counted in ``statistics()``) until the missing ranks acknowledge, or until the long
-  ``quarantine`` bound, the only unsafe release, counted and reported. A rank's AbortAck comes
-  after a fence write when one of its writes failed (the prefill endpoint's rule), which proves its
-  engine queue drained; bytes still in an old connection are ended by cutting the connections from
-  the room's prefill hosts (``CutConnections``, ``connections_cut``) when this rank can
-  (``cuts_connections``): the pages come back then, proven. Otherwise, or when the cut fails, they
-  come back ``quarantine_settle`` after the last AbortAck (a time bound, not a proof);
+  acknowledged the abort (after its in-flight writes ended), or the counted ``quarantine`` bound.
+  Each release is counted by what proves it (``ReleaseKind``, ``machines.decode_abort``);
 - Success only when every required (non-dummy) prefill rank reported Success;
 - every non-terminal room and every pending abort has a deadline;
 - liveness of prefill ranks: a Heartbeat goes to every registered prefill rank each
-  ``heartbeat_interval``, and any message of its current epoch is a sign of life. A rank silent for
-  ``heartbeat_timeout`` fails every room that targets it and is registered with again (its socket
-  rebuilt first: ``ForgetPeer``). Silence is not proof that the rank stopped writing, so those rooms'
-  pages still wait for its AbortAck (resent when it registers again) or the counted ``abort_ack``
-  timeout. A newer epoch means the old process is gone: its rooms fail, the new incarnation is
-  registered with at once, and the rooms' pages wait for the new incarnation's AbortAck (a request
-  sent to the address may have reached it) or the same counted timeout.
+  ``heartbeat_interval``, and any message of its current epoch is a sign of life. A silent rank fails
+  its rooms and is registered with again; silence is no proof that it stopped writing, so those
+  rooms' pages still wait for its AbortAck. A newer epoch means the old process is gone: its rooms
+  fail, the new incarnation is registered with at once, and the rooms' pages wait for the new
+  incarnation's AbortAck (a request sent to the address may have reached it) and then settle (the old
+  process's bytes may still be in the sockets it left).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import attrs
 
@@ -42,34 +38,36 @@ from pdkv.errors import InvalidArgumentError, LocalProtocolError
 from pdkv.mapping.layout import BufferKind, BufferLayout
 from pdkv.protocol import arguments
 from pdkv.protocol._deadlines import DeadlineQueue, Tombstones
-from pdkv.protocol._rooms import Heartbeats, RoomKeeper
+from pdkv.protocol._rooms import Counts, Heartbeats, RoomKeeper
 from pdkv.protocol.config import Timeouts
 from pdkv.protocol.effects import (
-    CutConnections,
-    Effect,
+    DecodeEffect,
     Failure,
     FailureCause,
     ForgetPeer,
     Notice,
     NoticeLevel,
     PeerKey,
-    ReleasePages,
-    RoomFinished,
+    ReleaseKind,
     Send,
     Target,
 )
 from pdkv.protocol.ids import Endpoint, Epoch, RoomId, SessionId
-from pdkv.protocol.machines import (
-    DecodeAbortMachine,
+from pdkv.protocol.machines._decode_side import (
+    AbortStep,
+    DecodeAbortInput,
     DecodeAbortState,
-    DecodeAbortTrigger,
-    PeerMachine,
-    PeerState,
-    PeerTrigger,
-    ReceiverRoomMachine,
+    PrefillRank,
+    PrefillRankInput,
+    PrefillRankState,
+    RankStep,
+    ReceiverRoom,
+    ReceiverRoomInput,
     ReceiverRoomState,
-    ReceiverRoomTrigger,
+    RoomStep,
 )
+from pdkv.protocol.machines.prefill_rank import PrefillRankMachine
+from pdkv.protocol.machines.room_receiver import ReceiverRoomMachine
 from pdkv.protocol.messages import (
     MAX_REASON_CHARS,
     Abort,
@@ -86,7 +84,6 @@ from pdkv.protocol.messages import (
     RouteTable,
     StateIndices,
     TransferMetricData,
-    TransferRequest,
     TransferStatus,
     index_array,
 )
@@ -99,126 +96,58 @@ _POLL = {
     ReceiverRoomState.SUCCESS: KVPoll.Success,
     ReceiverRoomState.FAILED: KVPoll.Failed,
 }
+_AWAITING_ACKS = (DecodeAbortState.REQUESTED, DecodeAbortState.QUARANTINED)
+_RELEASED = (DecodeAbortState.RELEASED, DecodeAbortState.TIMED_OUT)
 
-
-@attrs.define(eq=False)
-class _PrefillPeer:
-    key: PeerKey
-    epoch: Epoch
-    endpoint: Endpoint
-    session: SessionId
-    machine: PeerMachine = attrs.field(init=False)
-    reason: str = ""
-    register_due: float = 0.0
-    last_heard: float = 0.0  # meaningful while READY: set when the registration was acknowledged
-
-    def __attrs_post_init__(self) -> None:
-        self.machine = PeerMachine(f"prefill rank {self.key[0]}:{self.key[1]} epoch {self.epoch}")
-
-    @property
-    def state(self) -> PeerState:
-        return self.machine.state
+PeerState = PrefillRankState  # the name earlier code imported from here
 
 
 @attrs.frozen(kw_only=True)
 class DecodeStatistics:
-    """Counters of one decode endpoint since it started."""
+    """Counters of one decode endpoint since it started (``rooms_open``, ``rooms_quarantined`` and
+    ``pages_quarantined`` are levels, counted when asked). The one declaration of its counters."""
 
-    rooms_open: int
-    rooms_succeeded: int
-    rooms_failed: int
-    aborts_sent: int
-    aborts_acked: int
-    unsafe_releases: int
-    """Pages released after the quarantine bound with an AbortAck still missing."""
-    rooms_quarantined: int
-    """Rooms whose pages are held now because a prefill rank has not acknowledged their abort."""
-    pages_quarantined: int
-    """Destination pages of those rooms."""
-    quarantines: int
-    """Rooms ever quarantined (the abort-ack wait timed out)."""
-    quarantines_released: int
-    """Quarantined rooms whose pages came back safely (every rank acknowledged in the end)."""
-    quarantines_proven: int
-    """Of those, released proven: acknowledged after fences, then the prefill hosts' connections cut."""
-    aborts_resent: int
-    late_messages: int
-    stale_messages: int
-    unexpected_messages: int
-    aborts_unknown_room: int
-    """Abort from a prefill rank for a room this rank does not hold (logged with the room id)."""
-    peers_lost: int
-    """Prefill ranks that went silent for ``heartbeat_timeout`` (registered with again)."""
-    peer_restarts: int
-    """Prefill ranks seen with a newer epoch."""
-
-
-@attrs.define(eq=False)
-class _Counters:
+    rooms_open: int = 0
     rooms_succeeded: int = 0
     rooms_failed: int = 0
     aborts_sent: int = 0
     aborts_acked: int = 0
     unsafe_releases: int = 0
+    """Pages released after the quarantine bound with an AbortAck still missing."""
+    rooms_quarantined: int = 0
+    """Rooms whose pages are held now because a prefill rank has not acknowledged their abort."""
+    pages_quarantined: int = 0
+    """Destination pages of those rooms."""
     quarantines: int = 0
+    """Rooms ever quarantined (the abort-ack wait timed out)."""
     quarantines_released: int = 0
+    """Quarantined rooms whose pages came back safely (every rank acknowledged in the end)."""
     quarantines_proven: int = 0
+    """Of those, released proven: acknowledged after fences, then the prefill hosts' connections cut."""
+    releases_acked: int = 0
+    """Failed rooms released on the acks alone (every write of the room had completed): proven."""
+    releases_cut: int = 0
+    """Failed rooms released after acks and a cut of the prefill hosts' connections: proven."""
+    releases_settled: int = 0
+    """Failed rooms released ``quarantine_settle`` after the acks, without a cut: not proven."""
+    releases_nothing_sent: int = 0
+    """Failed rooms whose destinations no prefill rank was told: nothing could land."""
     aborts_resent: int = 0
     late_messages: int = 0
     stale_messages: int = 0
     unexpected_messages: int = 0
     aborts_unknown_room: int = 0
+    """Abort from a prefill rank for a room this rank does not hold (logged with the room id)."""
     peers_lost: int = 0
+    """Prefill ranks that went silent for ``heartbeat_timeout`` (registered with again)."""
     peer_restarts: int = 0
+    """Prefill ranks seen with a newer epoch."""
 
 
-@attrs.define(eq=False)
-class _ReceiverRoom:
-    room: RoomId
-    machine: ReceiverRoomMachine
-    targets: tuple[Target, ...]
-    dst_pages: IntArray
-    dst_aux_row: int | None
-    dst_state: tuple[StateIndices, ...]
-    required_dst_info_num: int
-    deadline: float | None
-    prefix_pages: int = 0  # positions this rank already holds (its prefix cache): never written
-    armed: set[PeerKey] = attrs.Factory(set)
-    succeeded: set[PeerKey] = attrs.Factory(set)
-    metric: dict[PeerKey, TransferMetricData] = attrs.Factory(dict)
-    failure: str | None = None
-    cause: FailureCause | None = None
-    failure_peer: PeerKey | None = None
-    abort: DecodeAbortMachine | None = None
-    must_ack: set[PeerKey] = attrs.Factory(set)
-    acked: set[PeerKey] = attrs.Factory(set)
-    released: bool = False
-    release_safe: bool = True
-    tell_later: set[PeerKey] = attrs.Factory(set)  # failed before these ranks were registered
-    resend_at: float | None = None  # next Abort resend to the ranks that have not acknowledged
-    settle_until: float | None = None  # quarantined and fully acknowledged: released at this time
-    cutting: bool = False  # quarantined, fully acknowledged, its prefill hosts' connections being cut
-    resends: int = 0
-    # Its prefill ranks (all, and those whose Success it waits for), fixed with its targets. Derived
-    # once: every status and every peer event asks, and scanning the targets each time made a room
-    # cost O(ranks^2) on the decode (`pdkv bench scale`).
-    target_keys: frozenset[PeerKey] = attrs.field(init=False)
-    required: frozenset[PeerKey] = attrs.field(init=False)
-
-    def __attrs_post_init__(self) -> None:
-        self.target_keys = frozenset(t.key for t in self.targets)
-        self.required = frozenset(t.key for t in self.targets if not t.dummy)
-
-    @property
-    def state(self) -> ReceiverRoomState:
-        return self.machine.state
-
-    @property
-    def terminal(self) -> bool:
-        return self.machine.is_terminal
+_LEVELS = ("rooms_open", "rooms_quarantined", "pages_quarantined")
 
 
-class DecodeEndpoint(RoomKeeper[_ReceiverRoom]):
+class DecodeEndpoint(RoomKeeper[ReceiverRoom]):
     """The protocol state of one decode rank (sans-IO)."""
 
     side = "decode"
@@ -240,264 +169,218 @@ class DecodeEndpoint(RoomKeeper[_ReceiverRoom]):
         self.origin = origin
         self.cuts_connections = cuts_connections
         self.timeouts = timeouts if timeouts is not None else Timeouts()
-        self._register = Register(
+        self.register_message = Register(
             origin=origin, tp_size=tp_size, endpoint=endpoint, session=session, layout=layout
         )
-        self._peers: dict[PeerKey, _PrefillPeer] = {}
+        self._ranks: dict[PeerKey, PrefillRank] = {}
         self._keep_rooms()
         self._resends: DeadlineQueue[RoomId] = DeadlineQueue()
         # Registrations to resend, by when: a tick or a deadline query touches only the due ones, not
-        # every peer (at hundreds of prefill ranks a scan per control-loop pass adds up).
+        # every rank (at hundreds of prefill ranks a scan per control-loop pass adds up).
         self._register_resends: DeadlineQueue[PeerKey] = DeadlineQueue()
         self._quarantined: dict[RoomId, int] = {}  # room -> destination pages held
         # Cleared room ids, refused until they expire: a late status of the room that had the id
         # must never complete a new room that reuses it.
         self._tombstones: Tombstones[RoomId, None] = Tombstones()
         self._heartbeats = Heartbeats(self.timeouts.heartbeat_interval)  # due while a rank is READY
-        self._counters = _Counters()
+        self._counts = Counts(DecodeStatistics, levels=_LEVELS)
+        self._out: list[DecodeEffect] = []
+        # What each message type does (aioquic's frame table): its handler, given the sender's
+        # record of the current epoch.
+        self._handlers: dict[type[Message], Callable[[PrefillRank, Message, float], None]] = {
+            RegisterAck: self._on_register_ack,
+            RegisterReject: self._on_register_reject,
+            TransferStatus: self._on_status,
+            AbortAck: self._on_abort_ack,
+            Abort: self._on_abort,
+            Heartbeat: self._on_heartbeat,
+            HeartbeatAck: lambda rank, message, now: None,  # its only news: the rank is alive
+        }
+
+    # ------------------------------------------------------------------ services of the rows
+
+    def count(self, name: str, by: int = 1) -> None:
+        self._counts.add(name, by)
+
+    def emit(self, effect: DecodeEffect) -> None:
+        self._out.append(effect)
+
+    def rank(self, key: PeerKey) -> PrefillRank | None:
+        return self._ranks.get(key)
+
+    def room_records(self) -> Iterable[ReceiverRoom]:
+        return self._rooms.values()
+
+    def set_deadline(self, room: ReceiverRoom, when: float) -> None:
+        self._set_deadline(room, when)
+
+    def schedule_register(self, rank: PrefillRank, now: float) -> None:
+        rank.register_due = now + self.timeouts.register_retry
+        self._register_resends.push(rank.key, rank.register_due)
+
+    def schedule_abort_resend(self, room: ReceiverRoom, now: float) -> None:
+        assert room.abort is not None
+        room.abort.resend_at = self.timeouts.resend_at(now, room.abort.resends)
+        if room.abort.resend_at is not None:
+            self._resends.push(room.room, room.abort.resend_at)
+
+    def arm_heartbeats(self, now: float) -> None:
+        self._heartbeats.arm(now)
+
+    def hold_quarantined(self, room: ReceiverRoom) -> None:
+        self._quarantined[room.room] = int(room.dst_pages.size)
+
+    def drop_quarantined(self, room: ReceiverRoom) -> bool:
+        return self._quarantined.pop(room.room, None) is not None
+
+    def _effects(self) -> list[DecodeEffect]:
+        """What the steps of the current input emitted, in order (and a fresh list for the next)."""
+        out, self._out = self._out, []
+        return out
 
     # ------------------------------------------------------------------ registration
 
-    def connect(self, route: RouteTable, now: float) -> list[Effect]:
+    def set_engine_metadata(self, metadata: bytes) -> None:
+        """What every Register sent from now on carries for the prefill's engine (the backend's
+        ``engine_metadata`` once this rank's buffers are registered)."""
+        self.register_message = attrs.evolve(self.register_message, engine_metadata=metadata)
+
+    def connect(self, route: RouteTable, now: float) -> list[DecodeEffect]:
         """Register with every prefill rank of ``route`` (idempotent for ranks already registered)."""
-        effects: list[Effect] = []
-        for rank in route.ranks:
-            key = (route.origin.instance, rank.rank)
-            known = self._peers.get(key)
-            if known is not None and rank.epoch < known.epoch:
+        for entry in route.ranks:
+            key = (route.origin.instance, entry.rank)
+            known = self._ranks.get(key)
+            if known is not None and entry.epoch < known.epoch:
                 continue
-            if known is not None and rank.epoch == known.epoch and known.state is not PeerState.REJECTED:
+            if known is not None and entry.epoch == known.epoch and known.machine.state is not PrefillRankState.REJECTED:
                 continue
-            peer = _PrefillPeer(key=key, epoch=rank.epoch, endpoint=rank.endpoint, session=rank.session)
-            if known is not None and rank.epoch > known.epoch:
-                effects += self._peer_restarted(known, peer, now)
+            fresh = self._new_rank(key, entry.epoch, entry.endpoint, entry.session)
+            if known is not None and entry.epoch > known.epoch:
+                self._replace(known, fresh, now)
             else:
-                self._peers[key] = peer
-                effects += self._send_register(peer, now)
-        return effects
+                self._ranks[key] = fresh
+                self._step_rank(fresh, PrefillRankInput.REGISTER_DUE, now)
+        return self._effects()
 
     def peer_ready(self, target: Target) -> bool:
-        peer = self._peers.get(target.key)
-        return peer is not None and peer.state is PeerState.READY
+        rank = self._ranks.get(target.key)
+        return rank is not None and rank.machine.state is PrefillRankState.READY
 
     def peer_refusal(self, target: Target) -> str | None:
         """The reason ``target``'s prefill rank refused our registration (None unless it did)."""
-        peer = self._peers.get(target.key)
-        return peer.reason if peer is not None and peer.state is PeerState.REJECTED else None
+        rank = self._ranks.get(target.key)
+        return rank.reason if rank is not None and rank.machine.state is PrefillRankState.REJECTED else None
 
     def peer_session(self, target: Target) -> SessionId | None:
-        peer = self._peers.get(target.key)
-        return None if peer is None else peer.session
+        rank = self._ranks.get(target.key)
+        return None if rank is None else rank.session
 
-    def _send_register(self, peer: _PrefillPeer, now: float) -> list[Effect]:
-        peer.register_due = now + self.timeouts.register_retry
-        self._register_resends.push(peer.key, peer.register_due)
-        return [Send(to=peer.endpoint, message=self._register)]
+    def peer_epoch(self, target: Target) -> Epoch | None:
+        """The epoch this rank knows for ``target``'s prefill rank (None if unknown)."""
+        rank = self._ranks.get(target.key)
+        return None if rank is None else rank.epoch
 
     def _register_deadline(self, key: PeerKey) -> float | None:
         """When the registration with ``key``'s current incarnation is resent (None: not registering)."""
-        peer = self._peers.get(key)
-        return peer.register_due if peer is not None and peer.state is PeerState.REGISTERING else None
+        rank = self._ranks.get(key)
+        return rank.register_due if rank is not None and rank.machine.state is PrefillRankState.REGISTERING else None
 
     # ------------------------------------------------------------------ network input
 
-    def receive(self, message: Message, now: float) -> list[Effect]:
+    def receive(self, message: Message, now: float) -> list[DecodeEffect]:
         """Handle one decoded message from a prefill rank."""
         key = (message.origin.instance, message.origin.rank)
-        peer = self._peers.get(key)
-        if peer is not None and message.origin.epoch > peer.epoch:
-            # The rank restarted behind the same address: its old rooms can never complete; the new
-            # incarnation is registered with at once. A RegisterAck/Reject of the new epoch answers
-            # a Register we sent to that address, so it counts; anything else of the new epoch
-            # belongs to no room of ours.
-            reborn = _PrefillPeer(
-                key=key, epoch=message.origin.epoch, endpoint=peer.endpoint, session=peer.session
-            )
+        rank = self._ranks.get(key)
+        if rank is not None and message.origin.epoch > rank.epoch:
+            # The rank restarted behind the same address: a new record. A RegisterAck/Reject of the
+            # new epoch answers a Register we sent to that address, so it counts; anything else of the
+            # new epoch belongs to no room of ours.
+            reborn = self._new_rank(key, message.origin.epoch, rank.endpoint, rank.session)
             answer = isinstance(message, (RegisterAck, RegisterReject))
-            effects = self._peer_restarted(peer, reborn, now, register=not answer)
-            if isinstance(message, RegisterAck):
-                effects += self._on_register_ack(reborn, now)
-            elif isinstance(message, RegisterReject):
-                effects += self._on_register_reject(reborn, message, now)
-            return effects
-        if peer is None or message.origin.epoch != peer.epoch:
-            self._counters.stale_messages += 1
-            return [
+            self._replace(rank, reborn, now, register=not answer)
+            if answer:
+                self._handlers[type(message)](reborn, message, now)
+            return self._effects()
+        if rank is None or message.origin.epoch != rank.epoch:
+            self.count("stale_messages")
+            self.emit(
                 Notice(
                     level=NoticeLevel.INFO,
                     text=f"dropped {type(message).__name__} from stale or unknown {message.origin}",
                 )
-            ]
-        peer.last_heard = now
-        if isinstance(message, RegisterAck):
-            return self._on_register_ack(peer, now)
-        if isinstance(message, RegisterReject):
-            return self._on_register_reject(peer, message, now)
-        if isinstance(message, TransferStatus):
-            return self._on_status(peer, message, now)
-        if isinstance(message, AbortAck):
-            return self._on_abort_ack(peer, message.room, now)
-        if isinstance(message, Abort):
-            r = self._rooms.get(message.room)
-            if r is None:
-                self._counters.aborts_unknown_room += 1
-                return [
-                    Notice(
-                        level=NoticeLevel.WARNING,
-                        text=f"abort for unknown room {message.room} from {message.origin}: {message.reason}",
-                        room=message.room,
-                    )
-                ]
-            if r.terminal:
-                return self._late(message, message.room)
-            return self._fail(
-                r,
-                _clip(f"aborted by prefill {message.origin}: {message.reason}"),
-                FailureCause.ABORTED_BY_PEER,
-                now,
-                by=peer.key,
             )
-        if isinstance(message, Heartbeat):
-            return [Send(to=peer.endpoint, message=HeartbeatAck(origin=self.origin, seq=message.seq))]
-        if isinstance(message, HeartbeatAck):
-            return []
-        self._counters.unexpected_messages += 1
-        return [
-            Notice(
-                level=NoticeLevel.WARNING,
-                text=f"decode got unexpected {type(message).__name__} from {message.origin}",
+            return self._effects()
+        rank.last_heard = now
+        handler = self._handlers.get(type(message))
+        if handler is None:
+            self.count("unexpected_messages")
+            self.emit(
+                Notice(
+                    level=NoticeLevel.WARNING,
+                    text=f"decode got unexpected {type(message).__name__} from {message.origin}",
+                )
             )
-        ]
+        else:
+            handler(rank, message, now)
+        return self._effects()
 
-    def _on_register_ack(self, peer: _PrefillPeer, now: float) -> list[Effect]:
-        if peer.state is not PeerState.REGISTERING:
-            return []  # a duplicate ack, or one that comes after a refusal: nothing to change
-        peer.machine.fire(PeerTrigger.ACKNOWLEDGED)
-        peer.last_heard = now
-        self._heartbeats.arm(now)
-        effects: list[Effect] = []
-        for r in list(self._rooms.values()):
-            if (
-                r.state is ReceiverRoomState.BOOTSTRAPPING
-                and peer.key in r.target_keys  # only its own ranks' acks can complete its registration
-                and all(self.peer_ready(t) for t in r.targets)
-            ):
-                effects += self._send_requests(r, now)
-            elif peer.key in r.tell_later:
-                r.tell_later.discard(peer.key)
-                self._counters.aborts_sent += 1
-                abort = Abort(origin=self.origin, room=r.room, reason=r.failure or "failed")
-                effects.append(Send(to=peer.endpoint, message=abort))
-            elif r.abort is not None and r.abort.state in _AWAITING_ACKS and peer.key in r.must_ack - r.acked:
-                # Registered again after silence: the same process may still hold the room, and its
-                # ack is the only safe way to release the pages; the first Abort may have been lost.
-                self._counters.aborts_sent += 1
-                abort = Abort(origin=self.origin, room=r.room, reason=r.failure or "failed")
-                effects.append(Send(to=peer.endpoint, message=abort))
-        return effects
+    def _on_register_ack(self, rank: PrefillRank, message: Message, now: float) -> None:
+        self._step_rank(rank, PrefillRankInput.REGISTER_ACK, now)
 
-    def _on_register_reject(self, peer: _PrefillPeer, message: RegisterReject, now: float) -> list[Effect]:
+    def _on_register_reject(self, rank: PrefillRank, message: Message, now: float) -> None:
+        assert isinstance(message, RegisterReject)
         if message.retry:
             # Not a refusal of our layout: the rank no longer knows us (it forgot us after silence,
-            # or restarted) and says so in answer to a heartbeat. Registered with again at once,
-            # rather than after our own heartbeat timeout; our rooms with it cannot complete.
-            if peer.state is not PeerState.READY:
-                return []  # registering already: the next Register answers it
-            return self._peer_silent(
-                peer, now, reason=f"prefill rank {peer.key[0]}:{peer.key[1]} no longer knows this rank"
-            )
-        reason = message.reason
-        peer.machine.fire(PeerTrigger.REFUSED)
-        peer.reason = reason
-        effects: list[Effect] = [
-            Notice(
-                level=NoticeLevel.WARNING,
-                text=f"prefill rank {peer.key[0]}:{peer.key[1]} rejected registration: {reason}",
-            )
-        ]
-        for r in list(self._rooms.values()):
-            if not r.terminal and peer.key in r.target_keys:
-                effects += self._fail(
-                    r,
-                    _clip(f"registration rejected by {peer.key[0]}:{peer.key[1]}: {reason}"),
-                    FailureCause.INVALID,
-                    now,
-                    by=peer.key,
-                )
-        return effects
+            # or restarted) and says so in answer to a heartbeat.
+            reason = f"prefill rank {rank.name} no longer knows this rank"
+            self._step_rank(rank, PrefillRankInput.NOT_KNOWN, now, reason=reason)
+        else:
+            self._step_rank(rank, PrefillRankInput.REFUSED, now, reason=message.reason)
 
-    def _on_status(self, peer: _PrefillPeer, msg: TransferStatus, now: float) -> list[Effect]:
-        r = self._rooms.get(msg.room)
-        if r is None or r.terminal:
-            return self._late(msg, msg.room)
-        if peer.key not in r.armed:
-            return self._late(msg, msg.room)
-        if msg.outcome is Outcome.FAILED:
-            return self._fail(
-                r,
-                _clip(f"prefill {msg.origin} failed: {msg.reason}"),
-                FailureCause.ABORTED_BY_PEER,
-                now,
-                by=peer.key,
-            )
-        if peer.key not in r.required:
-            # A dummy target has nothing to report; its success message is harmless but unexpected.
-            return [
-                Notice(level=NoticeLevel.DEBUG, text=f"success from dummy target {msg.origin}", room=r.room)
-            ]
-        if peer.key in r.succeeded:
-            return []
-        r.succeeded.add(peer.key)
-        r.metric[peer.key] = msg.metric
-        # Only required ranks are added (above), so equal sizes mean every one succeeded: O(1) where
-        # comparing the sets cost O(ranks) per status.
-        if len(r.succeeded) == len(r.required):
-            r.machine.fire(ReceiverRoomTrigger.ALL_SUCCEEDED)
-            r.deadline = None
-            self._counters.rooms_succeeded += 1
-            return [RoomFinished(room=r.room, poll=KVPoll.Success)]
-        if r.state is ReceiverRoomState.WAITING_FOR_INPUT:
-            self._set_deadline(r, now + self.timeouts.transfer)
-        r.machine.fire(ReceiverRoomTrigger.PROGRESS)
-        return []
+    def _on_status(self, rank: PrefillRank, message: Message, now: float) -> None:
+        assert isinstance(message, TransferStatus)
+        room = self._rooms.get(message.room)
+        if room is None:
+            self._late(message, message.room)
+            return
+        if message.outcome is Outcome.FAILED:
+            reason = _clip(f"prefill {message.origin} failed: {message.reason}")
+            step = RoomStep(self, room, now, rank.key, reason, FailureCause.ABORTED_BY_PEER)
+            room.machine.step(ReceiverRoomInput.FAILED, step)
+        else:
+            step = RoomStep(self, room, now, rank.key, metric=message.metric)
+            room.machine.step(ReceiverRoomInput.SUCCESS, step)
 
-    def _on_abort_ack(self, peer: _PrefillPeer, room: RoomId, now: float) -> list[Effect]:
-        r = self._rooms.get(room)
-        if r is None or r.abort is None or r.abort.state not in _AWAITING_ACKS:
-            return self._late_room(room, f"AbortAck from {peer.key[0]}:{peer.key[1]}")
-        r.acked.add(peer.key)
-        if not r.must_ack <= r.acked:
-            return []
-        quarantined = r.abort.state is DecodeAbortState.QUARANTINED
-        if quarantined and self.cuts_connections and not r.cutting and r.settle_until is None:
-            # The acks came after the ranks' fences: their queues drained. What an old connection
-            # still carries ends with the connection.
-            r.cutting = True
-            r.resend_at = None
-            hosts = sorted({_host_of(self._peers[k].session) for k in r.must_ack if k in self._peers})
-            return [CutConnections(room=room, hosts=tuple(hosts))]
-        if quarantined and r.cutting:
-            return []  # a duplicate ack while the cut runs
-        if quarantined and r.settle_until is None:
-            # The acks prove the engines reported every write ended; a rank that was cut off may
-            # still have bytes in its kernel's send buffer: they land within the settle time.
-            r.settle_until = now + self.timeouts.quarantine_settle
-            r.resend_at = None
-            self._set_deadline(r, r.settle_until)
-            return [
+    def _on_abort_ack(self, rank: PrefillRank, message: Message, now: float) -> None:
+        assert isinstance(message, AbortAck)
+        room = self._rooms.get(message.room)
+        if room is None or room.abort is None:
+            self._late(message, message.room)
+            return
+        step = AbortStep(self, room, room.abort, now, rank.key, fenced=message.fenced)
+        room.abort.machine.step(DecodeAbortInput.ABORT_ACK, step)
+
+    def _on_abort(self, rank: PrefillRank, message: Message, now: float) -> None:
+        assert isinstance(message, Abort)
+        room = self._rooms.get(message.room)
+        if room is None:
+            self.count("aborts_unknown_room")
+            self.emit(
                 Notice(
-                    level=NoticeLevel.INFO,
-                    text=f"quarantined room {room}: every prefill rank acknowledged; pages come back "
-                    f"after {self.timeouts.quarantine_settle:g} s of settling",
-                    room=room,
+                    level=NoticeLevel.WARNING,
+                    text=f"abort for unknown room {message.room} from {message.origin}: {message.reason}",
+                    room=message.room,
                 )
-            ]
-        if quarantined:
-            return []  # settling already (a duplicate ack)
-        r.abort.fire(DecodeAbortTrigger.ALL_ACKED)
-        r.resend_at = None
-        self._counters.aborts_acked += 1
-        return self._release(r, safe=True, reason="all prefill ranks acknowledged the abort")
+            )
+            return
+        reason = _clip(f"aborted by prefill {message.origin}: {message.reason}")
+        room.machine.step(
+            ReceiverRoomInput.PEER_ABORT, RoomStep(self, room, now, rank.key, reason, FailureCause.ABORTED_BY_PEER)
+        )
+
+    def _on_heartbeat(self, rank: PrefillRank, message: Message, now: float) -> None:
+        assert isinstance(message, Heartbeat)
+        self.emit(Send(to=rank.endpoint, message=HeartbeatAck(origin=self.origin, seq=message.seq)))
 
     # ------------------------------------------------------------------ scheduler input
 
@@ -512,7 +395,7 @@ class DecodeEndpoint(RoomKeeper[_ReceiverRoom]):
         required_dst_info_num: int = 1,
         prefix_pages: int = 0,
         now: float,
-    ) -> list[Effect]:
+    ) -> list[DecodeEffect]:
         """``receiver.init``: the room's destinations (by position) and the prefill ranks it needs;
         ``prefix_pages``: the first positions this rank already holds (no prefill rank writes them).
 
@@ -523,13 +406,8 @@ class DecodeEndpoint(RoomKeeper[_ReceiverRoom]):
             raise LocalProtocolError(f"room {room} was already opened on decode {self.origin}")
         if len({t.key for t in targets}) != len(targets):
             raise LocalProtocolError(f"room {room}: a prefill rank is listed twice in targets")
-        layout = self._register.layout
-        pages = arguments.page_list(
-            dst_pages,
-            room=room,
-            argument="dst_pages",
-            limit=layout.min_kv_items,
-        )
+        layout = self.register_message.layout
+        pages = arguments.page_list(dst_pages, room=room, argument="dst_pages", limit=layout.min_kv_items)
         rows = layout.min_items(BufferKind.AUX)
         aux_row = arguments.optional_row(dst_aux_row, room=room, argument="aux_row", rows=rows)
         state = arguments.state_list(dst_state, room=room, argument="state_indices")
@@ -555,64 +433,46 @@ class DecodeEndpoint(RoomKeeper[_ReceiverRoom]):
             # Reused too soon: no request goes out, so no prefill rank writes; the room fails at
             # once instead of waiting for a deadline (or taking a late status of the old room).
             r = self._failed_room(room, targets)
-            return self._fail(
-                r,
+            reason = (
                 f"room id reused: room {room} was cleared on decode {self.origin} less than "
-                f"{self.timeouts.tombstone:g} s ago",
-                FailureCause.INVALID,
-                now,
+                f"{self.timeouts.tombstone:g} s ago"
             )
-        r = _ReceiverRoom(
-            room=room,
-            machine=ReceiverRoomMachine(f"room {room}"),
-            targets=tuple(targets),
-            dst_pages=index_array(pages),
-            dst_aux_row=aux_row,
-            dst_state=state,
-            required_dst_info_num=required,
-            deadline=None,
-            prefix_pages=prefix,
-        )
-        self._rooms[room] = r
+            self._fail(r, reason, FailureCause.INVALID, now)
+            return self._effects()
+        r = self._new_room(room, targets, now, pages=index_array(pages), aux_row=aux_row, state=state,
+                           required=required, prefix=prefix)
         self._set_deadline(r, now + self.timeouts.bootstrap)
         if not r.required:
             why = "every target prefill rank is a dummy" if r.targets else "no target prefill rank was given"
-            return self._fail(r, f"room has no transfer destination: {why}", FailureCause.NO_DESTINATION, now)
+            self._fail(r, f"room has no transfer destination: {why}", FailureCause.NO_DESTINATION, now)
+            return self._effects()
         for t in r.targets:
-            peer = self._peers.get(t.key)
-            if peer is None:
-                return self._fail(
-                    r,
-                    f"target prefill rank {t.instance}:{t.rank} is unknown (connect() first)",
-                    FailureCause.NO_DESTINATION,
-                    now,
-                )
-            if peer.state is PeerState.REJECTED:
-                return self._fail(
-                    r,
-                    _clip(f"target prefill rank {t.instance}:{t.rank} rejected registration: {peer.reason}"),
-                    FailureCause.INVALID,
-                    now,
-                )
+            rank = self._ranks.get(t.key)
+            if rank is None:
+                reason = f"target prefill rank {t.instance}:{t.rank} is unknown (connect() first)"
+                self._fail(r, reason, FailureCause.NO_DESTINATION, now)
+                return self._effects()
+            if rank.machine.state is PrefillRankState.REJECTED:
+                reason = _clip(f"target prefill rank {t.instance}:{t.rank} rejected registration: {rank.reason}")
+                self._fail(r, reason, FailureCause.INVALID, now)
+                return self._effects()
         if all(self.peer_ready(t) for t in r.targets):
-            return self._send_requests(r, now)
-        return []
+            r.machine.step(ReceiverRoomInput.TARGETS_READY, RoomStep(self, r, now))
+        return self._effects()
 
     def abort_room(
         self, room: RoomId, reason: str, now: float, *, targets: Sequence[Target] = ()
-    ) -> list[Effect]:
+    ) -> list[DecodeEffect]:
         """``receiver.abort``: fail the room and tell every prefill rank; pages wait for the acks.
 
         A room not opened yet is created Failed and its ``targets`` (the prefill ranks it would
         have asked) are told, so a prefill scheduler that opens it sees Failed at once; none of
         them was given a destination, so nothing waits for an ack.
         """
-        r = self._rooms.get(room)
-        if r is None:
-            r = self._failed_room(room, targets)
-        if r.terminal:
-            return []
-        return self._fail(r, _clip(f"aborted by decode: {reason}"), FailureCause.ABORTED_HERE, now)
+        r = self._rooms.get(room) or self._failed_room(room, targets)
+        step = RoomStep(self, r, now, reason=_clip(f"aborted by decode: {reason}"), cause=FailureCause.ABORTED_HERE)
+        r.machine.step(ReceiverRoomInput.ABORT, step)
+        return self._effects()
 
     def close_room(self, room: RoomId, now: float) -> None:
         """``receiver.clear``: forget a room whose pages are no longer at risk; its id is refused for
@@ -622,15 +482,18 @@ class DecodeEndpoint(RoomKeeper[_ReceiverRoom]):
             return
         if not self.release_ready(room):
             raise LocalProtocolError(
-                f"room {room} closed before its pages were safe to reuse ({r.state.name})"
+                f"room {room} closed before its pages were safe to reuse ({r.machine.state.name}); "
+                "wait until release_ready() is True"
             )
         del self._rooms[room]
         self._tombstones.put(room, None, now + self.timeouts.tombstone)
 
+    # ------------------------------------------------------------------ queries
+
     def poll(self, room: RoomId) -> KVPoll:
         """The room's state; a room not opened yet (``receiver.init`` not called) is Bootstrapping."""
         r = self._rooms.get(room)
-        return KVPoll.Bootstrapping if r is None else _POLL[r.state]
+        return KVPoll.Bootstrapping if r is None else _POLL[r.machine.state]
 
     def failure(self, room: RoomId) -> str | None:
         r = self._rooms.get(room)
@@ -649,10 +512,19 @@ class DecodeEndpoint(RoomKeeper[_ReceiverRoom]):
         """True when no prefill rank can still write into the room's pages (or the ack wait timed out);
         True too before ``receiver.init``: no prefill rank was told any page of it."""
         r = self._rooms.get(room)
-        return r is None or r.state is ReceiverRoomState.SUCCESS or r.released
+        if r is None or r.machine.state is ReceiverRoomState.SUCCESS:
+            return True
+        return r.abort is not None and r.abort.machine.state in _RELEASED
 
     def release_was_safe(self, room: RoomId) -> bool:
-        return self._room(room).release_safe
+        """False only after the unsafe release (the quarantine bound passed with an ack missing)."""
+        kind = self.release_kind(room)
+        return kind is None or kind.safe
+
+    def release_kind(self, room: RoomId) -> ReleaseKind | None:
+        """How the room's pages came back (None: not released, the room succeeded, or it is unknown)."""
+        r = self._rooms.get(room)
+        return None if r is None or r.abort is None else r.abort.release
 
     def metric(self, room: RoomId) -> dict[PeerKey, TransferMetricData]:
         """What each prefill rank reported writing (empty for a room not opened: nothing moved)."""
@@ -664,7 +536,7 @@ class DecodeEndpoint(RoomKeeper[_ReceiverRoom]):
 
     def abort_state(self, room: RoomId) -> DecodeAbortState | None:
         r = self._room(room)
-        return None if r.abort is None else r.abort.state
+        return None if r.abort is None else r.abort.machine.state
 
     # ------------------------------------------------------------------ timers
 
@@ -678,128 +550,66 @@ class DecodeEndpoint(RoomKeeper[_ReceiverRoom]):
         ]
         return min(candidates, default=None)
 
-    def tick(self, now: float) -> list[Effect]:
+    def tick(self, now: float) -> list[DecodeEffect]:
         """Heartbeat round when due (register again with silent ranks, greet the others); resend due
-        registrations; fail rooms past their deadline; release after ack timeouts."""
-        effects: list[Effect] = []
+        registrations and Aborts; the deadlines of rooms and aborts; expired tombstones."""
         if self._heartbeats.is_due(now):
-            effects += self._heartbeat_round(now)
+            self._heartbeat_round(now)
         for key in self._register_resends.pop_due(now, self._register_deadline):
-            effects += self._send_register(self._peers[key], now)
+            self._step_rank(self._ranks[key], PrefillRankInput.REGISTER_DUE, now)
         self._tombstones.expire(now)
         for room in self._resends.pop_due(now, self._resend_deadline):
-            effects += self._resend_abort(self._rooms[room], now)
+            r = self._rooms[room]
+            assert r.abort is not None
+            r.abort.machine.step(DecodeAbortInput.RESEND_DUE, AbortStep(self, r, r.abort, now))
         for room in self._due_rooms(now):
             r = self._rooms[room]
-            missing = sorted(f"{k[0]}:{k[1]}" for k in r.must_ack - r.acked)
-            if r.abort is not None and r.abort.state is DecodeAbortState.REQUESTED:
-                # A rank is silent or cut off: its writes may still land. The pages stay held.
-                r.abort.fire(DecodeAbortTrigger.ACK_TIMEOUT)
-                self._counters.quarantines += 1
-                self._quarantined[room] = int(r.dst_pages.size)
-                # Counted from when the ack wait ended, not from when this tick noticed it.
-                self._set_deadline(r, (r.deadline or now) + self.timeouts.quarantine)
-                effects.append(
-                    Notice(
-                        level=NoticeLevel.WARNING,
-                        text=f"room {room} quarantined: no AbortAck from {missing} within "
-                        f"{self.timeouts.abort_ack:g} s; its {r.dst_pages.size} pages stay held until "
-                        f"they acknowledge (at most {self.timeouts.quarantine:g} s)",
-                        room=room,
-                    )
-                )
-                continue
-            if (
-                r.abort is not None
-                and r.abort.state is DecodeAbortState.QUARANTINED
-                and r.settle_until is not None
-            ):
-                r.abort.fire(DecodeAbortTrigger.ALL_ACKED)
-                self._counters.aborts_acked += 1
-                self._counters.quarantines_released += 1
-                effects.append(
-                    Notice(
-                        level=NoticeLevel.WARNING,
-                        text=f"quarantined room {room} released: every prefill rank acknowledged its "
-                        f"abort and the settle time passed ({r.dst_pages.size} pages back)",
-                        room=room,
-                    )
-                )
-                effects += self._release(r, safe=True, reason="all prefill ranks acknowledged the abort")
-                continue
-            if r.abort is not None and r.abort.state is DecodeAbortState.QUARANTINED:
-                r.abort.fire(DecodeAbortTrigger.QUARANTINE_TIMEOUT)
-                r.resend_at = None
-                self._counters.unsafe_releases += 1
-                effects.append(
-                    Notice(
-                        level=NoticeLevel.WARNING,
-                        text=f"UNSAFE release of room {room}: no AbortAck from {missing} within the "
-                        f"{self.timeouts.quarantine:g} s quarantine",
-                        room=room,
-                    )
-                )
-                effects += self._release(r, safe=False, reason=f"quarantine timeout ({', '.join(missing)})")
+            if r.abort is not None:
+                r.abort.machine.step(DecodeAbortInput.DEADLINE, AbortStep(self, r, r.abort, now))
                 continue
             limit = {
                 ReceiverRoomState.BOOTSTRAPPING: ("bootstrap", self.timeouts.bootstrap),
                 ReceiverRoomState.WAITING_FOR_INPUT: ("waiting", self.timeouts.waiting),
                 ReceiverRoomState.TRANSFERRING: ("transfer", self.timeouts.transfer),
-            }[r.state]
-            effects += self._fail(
-                r, f"{limit[0]} timeout: still {r.state.name} after {limit[1]:g} s", FailureCause.TIMEOUT, now
-            )
-        return effects
+            }[r.machine.state]
+            reason = f"{limit[0]} timeout: still {r.machine.state.name} after {limit[1]:g} s"
+            self._fail(r, reason, FailureCause.TIMEOUT, now)
+        return self._effects()
 
-    def _heartbeat_round(self, now: float) -> list[Effect]:
-        effects: list[Effect] = []
+    def _heartbeat_round(self, now: float) -> None:
         seq = self._heartbeats.next_seq()
-        for peer in list(self._peers.values()):
-            if peer.state is not PeerState.READY:
+        for rank in list(self._ranks.values()):
+            if rank.machine.state is not PrefillRankState.READY:
                 continue
-            if now - peer.last_heard >= self.timeouts.heartbeat_timeout:
-                effects += self._peer_silent(peer, now)
+            if now - rank.last_heard >= self.timeouts.heartbeat_timeout:
+                reason = f"prefill rank {rank.name} silent for {now - rank.last_heard:.3g} s"
+                self._step_rank(rank, PrefillRankInput.SILENCE, now, reason=reason)
             else:
-                beat = Heartbeat(origin=self.origin, seq=seq, endpoint=self._register.endpoint)
-                effects.append(Send(to=peer.endpoint, message=beat))
-        ready = any(p.state is PeerState.READY for p in self._peers.values())
+                beat = Heartbeat(origin=self.origin, seq=seq, endpoint=self.register_message.endpoint)
+                self.emit(Send(to=rank.endpoint, message=beat))
+        ready = any(r.machine.state is PrefillRankState.READY for r in self._ranks.values())
         self._heartbeats.reschedule(now, again=ready)
-        return effects
+
+    def _resend_deadline(self, room: RoomId) -> float | None:
+        r = self._rooms.get(room)
+        if r is None or r.abort is None or r.abort.machine.state not in _AWAITING_ACKS:
+            return None
+        return r.abort.resend_at
+
+    # ------------------------------------------------------------------ the driver's answers
+
+    def connections_cut(self, room: RoomId, ok: bool, reason: str, now: float) -> list[DecodeEffect]:
+        """The driver ended (``ok``) every engine connection from the hosts of ``CutConnections``, and
+        every socket of them is closed: nothing of the room's failed writes can land any more, so its
+        pages come back, proven. A failed cut falls back to ``quarantine_settle``."""
+        r = self._rooms.get(room)
+        if r is None or r.abort is None or r.abort.machine.state is not DecodeAbortState.CUTTING:
+            return []
+        step = AbortStep(self, r, r.abort, now, reason=reason)
+        r.abort.machine.step(DecodeAbortInput.CUT if ok else DecodeAbortInput.CUT_FAILED, step)
+        return self._effects()
 
     # ------------------------------------------------------------------ statistics
-
-    def connections_cut(self, room: RoomId, ok: bool, reason: str, now: float) -> list[Effect]:
-        """The driver ended (``ok``) every engine connection from the hosts of ``CutConnections``:
-        nothing of the room's failed writes can land any more, so its pages come back. A failed cut
-        falls back to ``quarantine_settle``."""
-        r = self._rooms.get(room)
-        if r is None or not r.cutting or r.abort is None or r.abort.state is not DecodeAbortState.QUARANTINED:
-            return []
-        r.cutting = False
-        if not ok:
-            r.settle_until = now + self.timeouts.quarantine_settle
-            self._set_deadline(r, r.settle_until)
-            return [
-                Notice(
-                    level=NoticeLevel.WARNING,
-                    text=f"quarantined room {room}: connections could not be cut ({reason}); pages come "
-                    f"back after {self.timeouts.quarantine_settle:g} s of settling",
-                    room=room,
-                )
-            ]
-        r.abort.fire(DecodeAbortTrigger.ALL_ACKED)
-        self._counters.aborts_acked += 1
-        self._counters.quarantines_released += 1
-        self._counters.quarantines_proven += 1
-        return [
-            Notice(
-                level=NoticeLevel.INFO,
-                text=f"quarantined room {room} released: every prefill rank acknowledged after its fence "
-                f"and its connections were cut ({r.dst_pages.size} pages back)",
-                room=room,
-            ),
-            *self._release(r, safe=True, reason="acknowledged after fences; connections cut"),
-        ]
 
     def quarantine_figures(self) -> tuple[int, int, int, int, int]:
         """(rooms quarantined now, their pages, quarantines ever, released safely, of which proven):
@@ -807,9 +617,9 @@ class DecodeEndpoint(RoomKeeper[_ReceiverRoom]):
         return (
             len(self._quarantined),
             sum(self._quarantined.values()),
-            self._counters.quarantines,
-            self._counters.quarantines_released,
-            self._counters.quarantines_proven,
+            self._counts["quarantines"],
+            self._counts["quarantines_released"],
+            self._counts["quarantines_proven"],
         )
 
     def statistics(self) -> DecodeStatistics:
@@ -817,199 +627,82 @@ class DecodeEndpoint(RoomKeeper[_ReceiverRoom]):
             rooms_open=sum(1 for r in self._rooms.values() if not r.terminal),
             rooms_quarantined=len(self._quarantined),
             pages_quarantined=sum(self._quarantined.values()),
-            **attrs.asdict(self._counters),  # every counter field, by name
+            **self._counts.values(),
         )
-
-    def peer_epoch(self, target: Target) -> Epoch | None:
-        """The epoch this rank knows for ``target``'s prefill rank (None if unknown)."""
-        peer = self._peers.get(target.key)
-        return None if peer is None else peer.epoch
 
     # ------------------------------------------------------------------ internals
 
-    def _send_requests(self, r: _ReceiverRoom, now: float) -> list[Effect]:
-        # Every required rank gets the same request, every dummy the same dummy: one immutable message
-        # each (its page array is read-only), built and validated once rather than once per rank.
-        request = TransferRequest(
-            origin=self.origin,
-            room=r.room,
-            dst_pages=r.dst_pages,
-            dst_aux_row=r.dst_aux_row,
-            dst_state=r.dst_state,
-            required_dst_info_num=r.required_dst_info_num,
-            prefix_pages=r.prefix_pages,
-        )
-        dummy: TransferRequest | None = None
-        effects: list[Effect] = []
-        for t in r.targets:
-            peer = self._peers[t.key]
-            message = request
-            if t.dummy:
-                if dummy is None:
-                    dummy = TransferRequest(
-                        origin=self.origin,
-                        room=r.room,
-                        dst_pages=(),
-                        required_dst_info_num=r.required_dst_info_num,
-                        dummy=True,
-                    )
-                message = dummy
-            r.armed.add(t.key)
-            effects.append(Send(to=peer.endpoint, message=message))
-        r.machine.fire(ReceiverRoomTrigger.REQUESTS_SENT)
-        self._set_deadline(r, now + self.timeouts.waiting)
-        return effects
+    def _new_rank(self, key: PeerKey, epoch: Epoch, endpoint: Endpoint, session: SessionId) -> PrefillRank:
+        label = f"prefill rank {key[0]}:{key[1]} epoch {epoch}"
+        return PrefillRank(key=key, epoch=epoch, endpoint=endpoint, session=session, machine=PrefillRankMachine(label))
 
-    def _fail(
-        self, r: _ReceiverRoom, reason: str, cause: FailureCause, now: float, *, by: PeerKey | None = None
-    ) -> list[Effect]:
-        """Fail the room and start the abort handshake with every prefill rank of the room (``by``:
-        the prefill rank the failure came from or concerns, for the scheduler's ``Failure``)."""
-        r.machine.fire(ReceiverRoomTrigger.FAIL)
-        r.failure = reason
-        r.cause = cause
-        r.failure_peer = by
-        self._counters.rooms_failed += 1
-        r.abort = DecodeAbortMachine(f"room {r.room}")
-        # Only a rank that was told the destinations can write; dummies never write.
-        r.must_ack = {t.key for t in r.targets if not t.dummy and t.key in r.armed}
-        effects: list[Effect] = [
-            RoomFinished(room=r.room, poll=KVPoll.Failed, reason=reason, cause=cause),
-            Notice(
-                level=NoticeLevel.WARNING,
-                text=f"room {r.room} failed on decode {self.origin}: {reason}",
-                room=r.room,
-            ),
-        ]
-        for t in r.targets:
-            peer = self._peers.get(t.key)
-            if peer is not None and peer.state is PeerState.READY:
-                self._counters.aborts_sent += 1
-                effects.append(
-                    Send(to=peer.endpoint, message=Abort(origin=self.origin, room=r.room, reason=reason))
-                )
-            elif not t.dummy and peer is not None and peer.state is PeerState.REGISTERING:
-                # Not registered yet (it would drop our message): told once it acknowledges, so a
-                # prefill scheduler that opened the room learns of the abort instead of a deadline.
-                r.tell_later.add(t.key)
-        if not r.must_ack:
-            r.abort.fire(DecodeAbortTrigger.ALL_ACKED)
-            r.deadline = None
-            return effects + self._release(r, safe=True, reason="no prefill rank had the destinations")
-        self._set_deadline(r, now + self.timeouts.abort_ack)
-        self._schedule_resend(r, now)
-        return effects
+    def _step_rank(self, rank: PrefillRank, what: PrefillRankInput, now: float, *, reason: str = "") -> None:
+        rank.machine.step(what, RankStep(side=self, rank=rank, now=now, reason=reason))
 
-    def _schedule_resend(self, r: _ReceiverRoom, now: float) -> None:
-        r.resend_at = self.timeouts.resend_at(now, r.resends)
-        if r.resend_at is not None:
-            self._resends.push(r.room, r.resend_at)
+    def _replace(self, old: PrefillRank, new: PrefillRank, now: float, *, register: bool = True) -> None:
+        """A prefill rank restarted behind the same address: its record is replaced (before its rooms
+        fail, so their Aborts wait until the new process acknowledged registration: before that it
+        would drop our messages as from an unregistered rank), every live room that targets it fails,
+        and every room it was told the destinations of can no longer be proven by an ack: the old
+        process's bytes in the sockets it left outlive it, and the new one acks a room it never knew.
+        The new incarnation is registered with at once, unless ``register`` is False: it has just
+        answered a Register of ours (then its resend is due now, as for any registering rank)."""
+        reason = f"prefill rank {old.name} restarted (epoch {old.epoch} -> {new.epoch})"
+        self.count("peer_restarts")
+        self._ranks[new.key] = new
+        self.emit(ForgetPeer(endpoint=old.endpoint, reason=reason))
+        self.emit(Notice(level=NoticeLevel.WARNING, text=reason))
+        for r in list(self._rooms.values()):
+            if not r.terminal and old.key in r.target_keys:
+                self._fail(r, reason, FailureCause.PEER_RESTART, now, by=old.key)
+            if r.abort is not None and old.key in r.armed and r.abort.machine.state in _AWAITING_ACKS:
+                r.abort.unproven.add(old.key)
+        if register:
+            self._step_rank(new, PrefillRankInput.REGISTER_DUE, now)
+        else:
+            self._register_resends.push(new.key, new.register_due)
 
-    def _resend_deadline(self, room: RoomId) -> float | None:
-        r = self._rooms.get(room)
-        if r is None or r.abort is None or r.abort.state not in _AWAITING_ACKS:
-            return None
-        return r.resend_at
-
-    def _resend_abort(self, r: _ReceiverRoom, now: float) -> list[Effect]:
-        """The Abort (or its AbortAck) may have been lost: tell the ranks that have not answered again."""
-        effects: list[Effect] = []
-        for key in sorted(r.must_ack - r.acked, key=lambda k: (k[0], k[1].tp, k[1].cp)):
-            peer = self._peers.get(key)
-            if peer is not None and peer.state is PeerState.READY:
-                self._counters.aborts_resent += 1
-                abort = Abort(origin=self.origin, room=r.room, reason=r.failure or "failed")
-                effects.append(Send(to=peer.endpoint, message=abort))
-        r.resends += 1
-        self._schedule_resend(r, now)
-        return effects
-
-    def _failed_room(self, room: RoomId, targets: Sequence[Target]) -> _ReceiverRoom:
-        """A room record for a room that fails before any request went out (nothing to wait for)."""
-        r = _ReceiverRoom(
+    def _new_room(
+        self,
+        room: RoomId,
+        targets: Sequence[Target],
+        now: float,
+        *,
+        pages: IntArray,
+        aux_row: int | None,
+        state: tuple[StateIndices, ...],
+        required: int,
+        prefix: int,
+    ) -> ReceiverRoom:
+        r = ReceiverRoom(
             room=room,
             machine=ReceiverRoomMachine(f"room {room}"),
             targets=tuple(targets),
-            dst_pages=index_array(()),
-            dst_aux_row=None,
-            dst_state=(),
-            required_dst_info_num=1,
+            dst_pages=pages,
+            dst_aux_row=aux_row,
+            dst_state=state,
+            required_dst_info_num=required,
             deadline=None,
+            prefix_pages=prefix,
         )
         self._rooms[room] = r
         return r
 
-    def _release(self, r: _ReceiverRoom, *, safe: bool, reason: str) -> list[Effect]:
-        self._quarantined.pop(r.room, None)
-        r.released = True
-        r.release_safe = safe
-        r.deadline = None
-        return [ReleasePages(room=r.room, safe=safe, reason=reason)]
+    def _failed_room(self, room: RoomId, targets: Sequence[Target]) -> ReceiverRoom:
+        """A room record for a room that fails before any request went out (nothing to wait for)."""
+        return self._new_room(room, targets, 0.0, pages=index_array(()), aux_row=None, state=(), required=1, prefix=0)
 
-    def _peer_restarted(
-        self, old: _PrefillPeer, new: _PrefillPeer, now: float, *, register: bool = True
-    ) -> list[Effect]:
-        """Replace ``old`` by its new incarnation ``new``: fail the old one's rooms, register again
-        (unless ``register`` is False: the new incarnation has just answered a Register)."""
-        reason = f"prefill rank {old.key[0]}:{old.key[1]} restarted (epoch {old.epoch} -> {new.epoch})"
-        self._counters.peer_restarts += 1
-        # Replaced before the rooms fail, so their Abort waits until the new process acknowledged
-        # registration (before that it would drop our messages as from an unregistered rank).
-        self._peers[new.key] = new
-        effects: list[Effect] = [ForgetPeer(endpoint=old.endpoint, reason=reason)]
-        effects += self._peer_lost(old.key, reason, now)
-        if register:
-            effects += self._send_register(new, now)
-        else:
-            # It answered a Register of ours: until its answer makes it ready, it is a registering
-            # rank whose resend is due now (the next tick sends one, as for any other).
-            self._register_resends.push(new.key, new.register_due)
-        return effects
+    def _fail(
+        self, r: ReceiverRoom, reason: str, cause: FailureCause, now: float, *, by: PeerKey | None = None
+    ) -> None:
+        """A failure decided here (a deadline, a restart, no destination): the room's ``fail`` row."""
+        r.machine.step(ReceiverRoomInput.FAIL, RoomStep(self, r, now, by, reason, cause))
 
-    def _peer_silent(self, peer: _PrefillPeer, now: float, *, reason: str | None = None) -> list[Effect]:
-        """``peer`` sent nothing for ``heartbeat_timeout``: fail the rooms that target it, register again.
-
-        Its rooms go through the normal abort handshake (the Abort is sent while it is still READY,
-        on the rebuilt socket): a silent process may still be writing, so only its AbortAck or the
-        counted ``abort_ack`` timeout releases their pages.
-        """
-        if reason is None:
-            reason = f"prefill rank {peer.key[0]}:{peer.key[1]} silent for {now - peer.last_heard:.3g} s"
-        self._counters.peers_lost += 1
-        effects: list[Effect] = [
-            ForgetPeer(endpoint=peer.endpoint, reason=reason),
-            Notice(level=NoticeLevel.WARNING, text=f"{reason}: failing its rooms and registering again"),
-        ]
-        for r in list(self._rooms.values()):
-            if not r.terminal and peer.key in r.target_keys:
-                effects += self._fail(r, reason, FailureCause.PEER_SILENT, now, by=peer.key)
-        peer.machine.fire(PeerTrigger.SILENCE)
-        effects += self._send_register(peer, now)
-        return effects
-
-    def _peer_lost(self, key: PeerKey, reason: str, now: float) -> list[Effect]:
-        """A prefill rank restarted: every live room that targets it fails.
-
-        Its pages still wait for an AbortAck from that rank, now from the new incarnation (the
-        Abort is resent when it acknowledges registration): the old process is gone, but a
-        TransferRequest sent to the address before the restart was known may have reached the new
-        one, and only its ack (which also tombstones the room there) proves nothing is written.
-        """
-        effects: list[Effect] = [Notice(level=NoticeLevel.WARNING, text=reason)]
-        for r in list(self._rooms.values()):
-            if not r.terminal and key in r.target_keys:
-                effects += self._fail(r, reason, FailureCause.PEER_RESTART, now, by=key)
-        return effects
-
-    def _late(self, msg: Message, room: RoomId) -> list[Effect]:
-        return self._late_room(room, f"{type(msg).__name__} from {msg.origin}")
-
-    def _late_room(self, room: RoomId, what: str) -> list[Effect]:
-        self._counters.late_messages += 1
-        return [Notice(level=NoticeLevel.DEBUG, text=f"late {what} for room {room}", room=room)]
-
-
-_AWAITING_ACKS = (DecodeAbortState.REQUESTED, DecodeAbortState.QUARANTINED)
+    def _late(self, msg: Message, room: RoomId) -> None:
+        self.count("late_messages")
+        self.emit(
+            Notice(level=NoticeLevel.DEBUG, text=f"late {type(msg).__name__} from {msg.origin} for room {room}", room=room)
+        )
 
 
 def _clip(text: str) -> str:
@@ -1017,9 +710,3 @@ def _clip(text: str) -> str:
 
 
 __all__ = ["DecodeEndpoint", "DecodeStatistics", "PeerState"]
-
-
-def _host_of(session: SessionId) -> str:
-    """The host of an engine session ``host:port`` (``[v6]:port`` too)."""
-    host = session.rsplit(":", 1)[0] if ":" in session else session
-    return host[1:-1] if host.startswith("[") and host.endswith("]") else host

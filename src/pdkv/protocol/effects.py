@@ -156,13 +156,36 @@ class RoomFinished:
     cause: FailureCause | None = None  # None for Success
 
 
+class ReleaseKind(enum.Enum):
+    """What lets a failed room's pages be reused (DESIGN section 8), counted by kind."""
+
+    NOTHING_SENT = "nothing_sent"  # no prefill rank was told the destinations: nothing can land
+    ACKED = "acked"  # every rank acknowledged once every write of the room had completed: proven
+    CUT = "cut"  # acks (a write had failed, fenced) and every connection from their hosts closed: proven
+    SETTLED = "settled"  # acks, then ``quarantine_settle`` without a cut: a time bound, not a proof
+    UNSAFE = "unsafe"  # the quarantine bound passed with an ack missing
+
+    @property
+    def proven(self) -> bool:
+        return self in (ReleaseKind.NOTHING_SENT, ReleaseKind.ACKED, ReleaseKind.CUT)
+
+    @property
+    def safe(self) -> bool:
+        """Every rank acknowledged (proven or settled): only UNSAFE is not."""
+        return self is not ReleaseKind.UNSAFE
+
+
 @attrs.frozen(kw_only=True)
 class ReleasePages:
-    """Decode: the room's destination pages may be reused. ``safe`` is False after an abort-ack timeout."""
+    """Decode: the room's destination pages may be reused, and by what (``kind``)."""
 
     room: RoomId
-    safe: bool
+    kind: ReleaseKind
     reason: str = ""
+
+    @property
+    def safe(self) -> bool:
+        return self.kind.safe
 
 
 class NoticeLevel(enum.Enum):
@@ -240,14 +263,11 @@ class CutConnections:
     hosts: tuple[str, ...]
 
 
-Effect: TypeAlias = (
-    Send
-    | SubmitChunk
-    | RoomFinished
-    | ReleasePages
-    | Notice
-    | ForgetPeer
-    | DropLayers
-    | SubmitFence
-    | CutConnections
-)
+PrefillEffect: TypeAlias = Send | SubmitChunk | RoomFinished | Notice | ForgetPeer | DropLayers | SubmitFence
+"""What a prefill endpoint asks its driver to do."""
+
+DecodeEffect: TypeAlias = Send | RoomFinished | ReleasePages | Notice | ForgetPeer | CutConnections
+"""What a decode endpoint asks its driver to do."""
+
+Effect: TypeAlias = PrefillEffect | DecodeEffect
+"""Either side's (for what reads both: logs, metrics)."""

@@ -28,6 +28,7 @@ MAX_REASON_CHARS: Final = 4096
 MAX_NAME_CHARS: Final = 256
 MAX_RANKS: Final = 4096
 MAX_INDEX: Final = 2**62  # page / row / slot indices are non-negative and below this
+MAX_ENGINE_METADATA_BYTES: Final = 256 << 10  # a NIXL agent's metadata with its regions (a few KiB)
 
 
 class Side(enum.StrEnum):
@@ -65,6 +66,16 @@ def _text(max_chars: int, *, allow_empty: bool = False) -> Any:
             value.encode("utf-8")
         except UnicodeEncodeError:
             raise ValueError(f"{attribute.name} is not valid UTF-8 text (lone surrogate)") from None
+
+    return check
+
+
+def _bytes_up_to(max_bytes: int) -> Any:
+    def check(_: object, attribute: attrs.Attribute[bytes], value: bytes) -> None:
+        if not isinstance(value, bytes):
+            raise TypeError(f"{attribute.name} must be bytes, got {type(value).__name__}")
+        if len(value) > max_bytes:
+            raise ValueError(f"{attribute.name} must have at most {max_bytes} bytes, got {len(value)}")
 
     return check
 
@@ -249,13 +260,17 @@ class RouteTable:
 
 @attrs.frozen(kw_only=True)
 class Register:
-    """Decode rank -> each prefill rank it receives from: my endpoint, my session, my buffers."""
+    """Decode rank -> each prefill rank it receives from: my endpoint, my session, my buffers.
+
+    ``engine_metadata`` is what the prefill's transfer engine needs beside ``session`` to write into
+    those buffers (``TransferBackend.engine_metadata``: NIXL's agent metadata; empty for Mooncake)."""
 
     origin: Origin = attrs.field(validator=_origin)
     tp_size: int = attrs.field(validator=_int_in(1, MAX_RANKS))
     endpoint: Endpoint = attrs.field(validator=_text(MAX_NAME_CHARS))
     session: SessionId = attrs.field(validator=_text(MAX_NAME_CHARS))
     layout: BufferLayout = attrs.field(validator=attrs.validators.instance_of(BufferLayout))
+    engine_metadata: bytes = attrs.field(default=b"", validator=_bytes_up_to(MAX_ENGINE_METADATA_BYTES))
 
     def __attrs_post_init__(self) -> None:
         if self.origin.rank.tp >= self.tp_size:
@@ -344,10 +359,16 @@ class Abort:
 
 @attrs.frozen(kw_only=True)
 class AbortAck:
-    """Prefill rank -> decode rank: every write of the room already submitted has completed."""
+    """Prefill rank -> decode rank: every write of the room already submitted has ended.
+
+    ``fenced``: one of them failed, and this ack follows a fence write that proved the engine's queue
+    to the decode rank drained; bytes of the failed write may still sit in a connection, so the decode
+    cuts its connections from this rank's host (or waits ``quarantine_settle``) before it reuses the
+    pages. Without it, every write completed (was applied at the destination): the ack is the proof."""
 
     origin: Origin = attrs.field(validator=_origin)
     room: RoomId = attrs.field(validator=_room)
+    fenced: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
 
 
 # ---------------------------------------------------------------- liveness

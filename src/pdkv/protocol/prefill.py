@@ -40,13 +40,14 @@ Safety rules this module enforces (DESIGN section 8):
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Mapping
 
 import attrs
 import numpy as np
 
-from pdkv.errors import LocalProtocolError, MappingError
-from pdkv.mapping import chunk_page_start
+from pdkv.errors import InvalidArgumentError, LocalProtocolError, MappingError
+from pdkv.mapping import OwnershipPolicy, chunk_page_start, cp_owned
 from pdkv.mapping._arrays import summarize
 from pdkv.mapping.layout import BufferKind, BufferLayout
 from pdkv.protocol import arguments
@@ -58,7 +59,7 @@ from pdkv.protocol.effects import (
     DecodePeer,
     Destination,
     DropLayers,
-    Effect,
+    PrefillEffect,
     Failure,
     FailureCause,
     FenceWrite,
@@ -172,12 +173,21 @@ class _Tombstone:
     cause: FailureCause
 
 
+class FenceState(enum.Enum):
+    """A fence owed to one decode rank for one room (a write of the room to it failed)."""
+
+    OWED = "owed"  # not written yet (or written and failed: retried at ``retry_at`` or the next Abort)
+    RUNNING = "running"  # the fence write is on its way
+    DONE = "done"  # completed: the engine queue to that rank drained; acks to it say ``fenced``
+
+
 @attrs.define(eq=False)
 class _Fence:
-    """A fence owed to a decode rank before the room's AbortAck to it (a write to it failed)."""
+    """A fence owed to a decode rank before the room's AbortAck (or Success) to it; kept, DONE, while
+    the room's id is a tombstone, so every later AbortAck for the room says it was fenced."""
 
     write: FenceWrite
-    running: bool = False
+    state: FenceState = FenceState.OWED
     retry_at: float | None = None  # a failed fence is written again then, without waiting for an Abort
 
 
@@ -241,9 +251,19 @@ class PrefillEndpoint(RoomKeeper[_SenderRoom]):
 
     side = "prefill"
 
-    def __init__(self, *, origin: Origin, layout: BufferLayout, timeouts: Timeouts | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        origin: Origin,
+        layout: BufferLayout,
+        timeouts: Timeouts | None = None,
+        policy: OwnershipPolicy | None = None,
+    ) -> None:
+        """``policy``: CP shared-KV ownership of this rank's instance (None: every page is this
+        rank's, physical == logical), to check a chunk's source pages against this rank's own pool."""
         self.origin = origin
         self.layout = layout
+        self.policy = policy
         self.timeouts = timeouts if timeouts is not None else Timeouts()
         self._peers: dict[PeerKey, DecodePeer] = {}
         self._last_heard: dict[PeerKey, float] = {}
@@ -263,10 +283,10 @@ class PrefillEndpoint(RoomKeeper[_SenderRoom]):
 
     # ------------------------------------------------------------------ network input
 
-    def receive(self, message: Message, now: float) -> list[Effect]:
+    def receive(self, message: Message, now: float) -> list[PrefillEffect]:
         """Handle one decoded message from a decode rank."""
         key = (message.origin.instance, message.origin.rank)
-        effects: list[Effect] = []
+        effects: list[PrefillEffect] = []
         known = self._peers.get(key)
         if known is not None and message.origin.epoch > known.epoch:
             # Whatever the message, the incarnation we knew is gone; a Register then registers the
@@ -279,7 +299,7 @@ class PrefillEndpoint(RoomKeeper[_SenderRoom]):
         self._free_unopened(now)
         return effects
 
-    def _dispatch(self, message: Message, now: float) -> list[Effect]:
+    def _dispatch(self, message: Message, now: float) -> list[PrefillEffect]:
         if isinstance(message, Register):
             return self._on_register(message, now)
         if isinstance(message, TransferRequest):
@@ -318,10 +338,10 @@ class PrefillEndpoint(RoomKeeper[_SenderRoom]):
             )
         ]
 
-    def _on_register(self, msg: Register, now: float) -> list[Effect]:
+    def _on_register(self, msg: Register, now: float) -> list[PrefillEffect]:
         key = (msg.origin.instance, msg.origin.rank)
         known = self._peers.get(key)
-        effects: list[Effect] = []
+        effects: list[PrefillEffect] = []
         if known is not None and msg.origin.epoch < known.epoch:
             return self._stale(msg)
         difference = self.layout.difference(msg.layout)
@@ -395,9 +415,9 @@ class PrefillEndpoint(RoomKeeper[_SenderRoom]):
         if rooms:
             self._draining.setdefault(key, set()).update(rooms)
 
-    def _writes_ended(self, room: RoomId) -> list[Effect]:
+    def _writes_ended(self, room: RoomId) -> list[PrefillEffect]:
         """``room`` may have had the last in-flight write to a forgotten rank: send deferred acks."""
-        effects: list[Effect] = []
+        effects: list[PrefillEffect] = []
         if not self._draining or self.in_flight(room):
             return effects
         for key, rooms in list(self._draining.items()):
@@ -414,14 +434,14 @@ class PrefillEndpoint(RoomKeeper[_SenderRoom]):
                 self._lifecycle.pop(key, None)  # forgotten and drained: nothing left to remember
         return effects
 
-    def _peer_restarted(self, key: PeerKey, new: Origin) -> list[Effect]:
+    def _peer_restarted(self, key: PeerKey, new: Origin) -> list[PrefillEffect]:
         """A decode rank came back with a new epoch: its old rooms can never complete."""
         old = self._peers[key]
         self._note_draining(key)
         self._drop_peer(key)
         self._counters.peer_restarts += 1
         reason = f"decode rank {old.instance}:{old.rank} restarted (epoch {old.epoch} -> {new.epoch})"
-        effects: list[Effect] = [
+        effects: list[PrefillEffect] = [
             ForgetPeer(endpoint=old.endpoint, reason=reason),
             _notice(NoticeLevel.WARNING, reason),
         ]
@@ -433,7 +453,7 @@ class PrefillEndpoint(RoomKeeper[_SenderRoom]):
                 r.requests.pop(key)
         return effects
 
-    def _on_request(self, msg: TransferRequest, now: float) -> list[Effect]:
+    def _on_request(self, msg: TransferRequest, now: float) -> list[PrefillEffect]:
         key = (msg.origin.instance, msg.origin.rank)
         peer = self._peers.get(key)
         if peer is None or peer.epoch != msg.origin.epoch:
@@ -559,7 +579,7 @@ class PrefillEndpoint(RoomKeeper[_SenderRoom]):
                 )
         return None
 
-    def _on_abort(self, msg: Abort, now: float) -> list[Effect]:
+    def _on_abort(self, msg: Abort, now: float) -> list[PrefillEffect]:
         self._counters.aborts_received += 1
         key = (msg.origin.instance, msg.origin.rank)
         peer = self._peers.get(key)
@@ -569,7 +589,7 @@ class PrefillEndpoint(RoomKeeper[_SenderRoom]):
         if r is None:
             # Unknown (never seen, or closed): nothing of it is in flight. Remember the id so a
             # reordered TransferRequest cannot start writes after this acknowledgement.
-            effects: list[Effect] = []
+            effects: list[PrefillEffect] = []
             if msg.room not in self._tombstones:
                 self._counters.aborts_unknown_room += 1
                 effects.append(
@@ -607,7 +627,7 @@ class PrefillEndpoint(RoomKeeper[_SenderRoom]):
             return effects + self._abort_ack(r.room, key)
         return effects + self._maybe_drained(r)
 
-    def _peer_silent(self, key: PeerKey, now: float) -> list[Effect]:
+    def _peer_silent(self, key: PeerKey, now: float) -> list[PrefillEffect]:
         """A decode rank sent nothing for ``heartbeat_timeout``: fail its live rooms and forget it.
 
         Its rooms are told Failed (best effort, on a rebuilt socket) while it is still known, so a
@@ -618,7 +638,7 @@ class PrefillEndpoint(RoomKeeper[_SenderRoom]):
         silent = now - self._last_heard.get(key, now)
         reason = f"decode rank {peer.instance}:{peer.rank} silent for {silent:.3g} s"
         self._counters.peers_lost += 1
-        effects: list[Effect] = [
+        effects: list[PrefillEffect] = [
             ForgetPeer(endpoint=peer.endpoint, reason=reason),
             _notice(
                 NoticeLevel.WARNING, f"{reason}: failing its rooms and forgetting it until it registers again"
@@ -629,8 +649,8 @@ class PrefillEndpoint(RoomKeeper[_SenderRoom]):
         self._drop_peer(key)
         return effects
 
-    def _fail_rooms_of(self, key: PeerKey, reason: str, cause: FailureCause, now: float) -> list[Effect]:
-        effects: list[Effect] = []
+    def _fail_rooms_of(self, key: PeerKey, reason: str, cause: FailureCause, now: float) -> list[PrefillEffect]:
+        effects: list[PrefillEffect] = []
         for r in list(self._rooms.values()):
             if key in r.requests and not r.terminal:
                 effects += self._fail(r, reason, cause, now=now, by=key)
@@ -649,13 +669,13 @@ class PrefillEndpoint(RoomKeeper[_SenderRoom]):
         if not self._peers:
             self._heartbeats.stop()
 
-    def _stale(self, msg: Message) -> list[Effect]:
+    def _stale(self, msg: Message) -> list[PrefillEffect]:
         self._counters.stale_messages += 1
         return [_notice(NoticeLevel.INFO, f"dropped {type(msg).__name__} from stale or unknown {msg.origin}")]
 
     # ------------------------------------------------------------------ scheduler input
 
-    def open_room(self, room: RoomId, *, num_pages: int, aux_row: int | None, now: float) -> list[Effect]:
+    def open_room(self, room: RoomId, *, num_pages: int, aux_row: int | None, now: float) -> list[PrefillEffect]:
         """``sender.init``: the request has ``num_pages`` pages; its aux row on this side is ``aux_row``.
 
         Arguments are checked first (``InvalidArgumentError``; nothing changes on a bad call). A
@@ -691,52 +711,16 @@ class PrefillEndpoint(RoomKeeper[_SenderRoom]):
         """The scheduler's chunk against the room's page contract; returns its first position.
 
         Raises ``MappingError`` (naming the room, the argument and both sides) when the chunk would
-        leave a gap, overlap an earlier chunk, run past ``num_pages``, end a room short (a last
-        chunk), or repeat a source page. Changes nothing: ``queue_chunk`` and per-layer
-        registration call it before any byte moves.
+        leave a gap, overlap an earlier chunk, start anywhere but the decode's prefix (a first
+        chunk), run past ``num_pages``, end a room short (a last chunk), or repeat a source page;
+        ``InvalidArgumentError`` for source pages or state slots outside this rank's buffers.
+        Changes nothing: ``queue_chunk`` and per-layer registration call it before any byte moves.
         """
         r = self._opened(room)
         if r.last_queued:
             raise LocalProtocolError(f"room {room}: chunk queued after the last chunk")
-        num_pages = r.num_pages or 0
-        try:
-            start = chunk_page_start(spec.start_token, self.layout.page_size)
-        except MappingError as exc:
-            raise MappingError(f"room {room}: start_token: {exc}", room=room) from None
-        end = start + int(spec.pages.size)
-        where = (
-            f"chunk start_token {spec.start_token} = page {start}, {spec.pages.size} pages -> "
-            f"positions {start}..{end - 1}; room has {num_pages} pages"
-        )
-        prefix = self.decode_prefix(room) or 0
-        if start < prefix:
-            raise MappingError(
-                f"room {room}: chunk_pages start at position {start}, but the decode already holds "
-                f"positions 0..{prefix - 1} (its prefix cache): start at position {prefix}; {where}",
-                room=room,
-            )
-        if r.next_position is not None and start != r.next_position:
-            gap = start - r.next_position
-            what = (
-                f"leaves positions {r.next_position}..{start - 1} unwritten"
-                if gap > 0
-                else (f"overlaps {-gap} position(s) already queued")
-            )
-            raise MappingError(
-                f"room {room}: chunk_pages {what} (the previous chunk ended at position "
-                f"{r.next_position}); {where}",
-                room=room,
-            )
-        if end > num_pages:
-            raise MappingError(
-                f"room {room}: chunk_pages run past the request's last page; {where}", room=room
-            )
-        if spec.last and end != num_pages:
-            raise MappingError(
-                f"room {room}: the last chunk ends at position {end}, short of num_pages {num_pages}: "
-                f"positions {end}..{num_pages - 1} would never be written; {where}",
-                room=room,
-            )
+        start = self._chunk_start(room, spec.start_token)
+        self._check_window(r, start, int(spec.pages.size), last=spec.last, first=r.next_position is None)
         if spec.pages.size > 1:
             repeated = arguments.repeated_ids(spec.pages)
             if repeated.size:
@@ -745,6 +729,7 @@ class PrefillEndpoint(RoomKeeper[_SenderRoom]):
                     f"would read one page; {summarize(spec.pages, 'chunk_pages')}",
                     room=room,
                 )
+        self._check_sources(room, spec, start)
         if r.src_pages and spec.pages.size:
             earlier = np.concatenate(r.src_pages)
             repeated = spec.pages[np.isin(spec.pages, earlier)]
@@ -756,13 +741,107 @@ class PrefillEndpoint(RoomKeeper[_SenderRoom]):
                 )
         return start
 
-    def queue_chunk(self, room: RoomId, spec: ChunkSpec, now: float) -> list[Effect]:
+    def _chunk_start(self, room: RoomId, start_token: int) -> int:
+        try:
+            return chunk_page_start(start_token, self.layout.page_size)
+        except MappingError as exc:
+            raise MappingError(f"room {room}: start_token: {exc}", room=room) from None
+
+    def _check_window(self, r: _SenderRoom, start: int, size: int, *, last: bool | None, first: bool) -> None:
+        """The one chunk-window rule of a room, for ``send()`` and per-layer registration: a room
+        covers exactly [decode prefix, ``num_pages``). ``last``: None for a per-layer registration
+        (whether it is the last chunk is known at ``send()``), which may also come before the chunk
+        ahead of it was sent (only an overlap with what was queued is refused then). ``first``: no
+        earlier chunk of the room is known, so this one must start at the decode's prefix."""
+        room, num_pages = r.room, r.num_pages or 0
+        end = start + size
+        where = f"chunk at positions {start}..{end - 1} of a {num_pages}-page room"
+        prefix = self.decode_prefix(room)
+        if prefix is not None and start < prefix:
+            raise MappingError(
+                f"room {room}: the {where} starts inside the decode's prefix (positions 0..{prefix - 1}, "
+                f"which it already holds): start at position {prefix}",
+                room=room,
+            )
+        if first and prefix is not None and start != prefix:
+            held = f"positions 0..{prefix - 1}" if prefix else "no prefix"
+            raise MappingError(
+                f"room {room}: the first {where} starts past the decode's prefix (it holds {held}): "
+                f"positions {prefix}..{start - 1} would never be written; start the first chunk at "
+                f"decode_prefix_pages() = {prefix}",
+                room=room,
+            )
+        following = r.next_position
+        if following is not None and last is not None and start != following:
+            gap = start - following
+            what = (
+                f"leaves positions {following}..{start - 1} unwritten"
+                if gap > 0
+                else f"overlaps {-gap} position(s) already queued"
+            )
+            raise MappingError(
+                f"room {room}: chunk_pages {what} (the previous chunk ended at position {following}); {where}",
+                room=room,
+            )
+        if following is not None and last is None and start < following:
+            raise MappingError(
+                f"room {room}: the {where} overlaps chunks already queued (up to {following - 1})", room=room
+            )
+        if end > num_pages:
+            raise MappingError(f"room {room}: the {where} runs past the request's last page", room=room)
+        if last and end != num_pages:
+            raise MappingError(
+                f"room {room}: the last chunk ends at position {end}, short of num_pages {num_pages}: "
+                f"positions {end}..{num_pages - 1} would never be written; {where}",
+                room=room,
+            )
+    def _check_sources(self, room: RoomId, spec: ChunkSpec, start: int) -> None:
+        """The chunk's pages this rank owns, and its state slots, inside this rank's own buffers:
+        a caller's bug is an ``InvalidArgumentError`` at the call, not a failed room later."""
+        if spec.pages.size:
+            cp = 0 if self.policy is None else self.origin.rank.cp
+            owned = cp_owned(spec.pages, start, cp, self.policy).physical
+            capacity = self.layout.min_kv_items
+            if owned.size and int(owned.max()) >= capacity:
+                bad = owned[owned >= capacity]
+                raise InvalidArgumentError(
+                    f"room {room}: chunk_pages hold page(s) {bad[:6].tolist()} (physical, on CP rank "
+                    f"{self.origin.rank.cp}) outside this rank's KV buffers of {capacity} pages; "
+                    f"{summarize(spec.pages, 'chunk_pages')}",
+                    room=room,
+                    argument="chunk_pages",
+                    value=int(bad[0]),
+                )
+        for state in spec.state:
+            if not self.layout.select(state.kind):
+                raise InvalidArgumentError(
+                    f"room {room}: state_indices name kind {state.kind.value}, which this rank did not register",
+                    room=room,
+                    argument="state_indices",
+                    value=state.kind,
+                )
+            slots = self.layout.min_items(state.kind)
+            if state.indices.size and int(state.indices.max()) >= slots:
+                raise InvalidArgumentError(
+                    f"room {room}: state_indices[{state.kind.value}] slot {int(state.indices.max())} is "
+                    f"outside this rank's {state.kind.value} buffers of {slots} slots",
+                    room=room,
+                    argument=f"state_indices[{state.kind.value}]",
+                    value=int(state.indices.max()),
+                )
+
+    def queue_chunk(self, room: RoomId, spec: ChunkSpec, now: float) -> list[PrefillEffect]:
         """``sender.send``: queue one chunk; returns SubmitChunk unless the room failed (then Skipped).
 
         The chunk must keep the room's page contract (``check_chunk``); a chunk that breaks it is
         refused with ``MappingError`` before anything changes.
         """
         r = self._opened(room)
+        if r.state is SenderRoomState.BOOTSTRAPPING:
+            raise LocalProtocolError(
+                f"room {room}: send() before the decode side asked for the room (poll() is "
+                "Bootstrapping): wait until poll() is WaitingForInput, then start at decode_prefix_pages()"
+            )
         start = self.check_chunk(room, spec)
         failed = r.state is SenderRoomState.FAILED
         if not failed:
@@ -807,7 +886,7 @@ class PrefillEndpoint(RoomKeeper[_SenderRoom]):
             )
         ]
 
-    def abort_room(self, room: RoomId, reason: str, now: float) -> list[Effect]:
+    def abort_room(self, room: RoomId, reason: str, now: float) -> list[PrefillEffect]:
         """``sender.abort``: fail the room and tell every decode rank at once."""
         r = self._rooms.get(room)
         if r is None:
@@ -875,13 +954,14 @@ class PrefillEndpoint(RoomKeeper[_SenderRoom]):
         return TransferMetricData(pages=r.pages, bytes=r.bytes, seconds=r.seconds)
 
     def layer_destinations(
-        self, room: RoomId, pages: np.ndarray, start_token: int
+        self, room: RoomId, pages: np.ndarray, start_token: int, *, first: bool = False
     ) -> tuple[Destination, ...] | str:
         """Per-layer registration of a chunk before its forward: the destinations its layers go to
         (several when decode TP > prefill TP: each layer goes to every one), or why the chunk goes
         the monolithic way (no destination yet, a dummy rank). A chunk that breaks the room's page
         contract as far as it is known before ``send()`` (inside the decode's prefix, past
-        ``num_pages``, over chunks already queued, a repeated page) is refused with
+        ``num_pages``, over chunks already queued; ``first``: no chunk of the room was queued or
+        registered before, so it must start at the decode's prefix) is refused with
         ``MappingError``: its layers would write wrong positions."""
         dests = self.destinations(room)
         if dests is None:
@@ -889,24 +969,8 @@ class PrefillEndpoint(RoomKeeper[_SenderRoom]):
         if not dests:
             return "this rank is a dummy for the room (nothing to send)"
         r = self._rooms[room]
-        try:
-            start = chunk_page_start(start_token, self.layout.page_size)
-        except MappingError as exc:
-            raise MappingError(f"room {room}: start_token: {exc}", room=room) from None
-        end = start + int(pages.size)
-        prefix = self.decode_prefix(room) or 0
-        where = f"per-layer chunk at positions {start}..{end - 1} of a {r.num_pages or 0}-page room"
-        if start < prefix:
-            raise MappingError(
-                f"room {room}: {where} starts inside the decode's prefix (0..{prefix - 1})", room=room
-            )
-        if end > (r.num_pages or 0):
-            raise MappingError(f"room {room}: {where} runs past the request's last page", room=room)
-        if r.next_position is not None and start < r.next_position:
-            raise MappingError(
-                f"room {room}: {where} overlaps chunks already queued (up to {r.next_position - 1})",
-                room=room,
-            )
+        start = self._chunk_start(room, start_token)
+        self._check_window(r, start, int(pages.size), last=None, first=first and r.next_position is None)
         return dests
 
     def decode_prefix(self, room: RoomId) -> int | None:
@@ -915,7 +979,8 @@ class PrefillEndpoint(RoomKeeper[_SenderRoom]):
         r = self._rooms.get(room)
         if r is None or r.state not in (SenderRoomState.WAITING_FOR_INPUT, SenderRoomState.TRANSFERRING):
             return None
-        return max((q.prefix_pages for q in r.real_requests), default=0)
+        asked = r.real_requests or list(r.requests.values())  # a dummy rank's request says it too
+        return max((q.prefix_pages for q in asked), default=0)
 
     def destinations(self, room: RoomId) -> tuple[Destination, ...] | None:
         """Where the room's bytes go (its non-dummy requests and their registered decode ranks), once
@@ -967,7 +1032,7 @@ class PrefillEndpoint(RoomKeeper[_SenderRoom]):
         now: float,
         *,
         per_peer: Mapping[PeerKey, TransferMetricData] | None = None,
-    ) -> list[Effect]:
+    ) -> list[PrefillEffect]:
         """Every write of ``chunk`` completed; ``metric`` counts what was actually written, and
         ``per_peer`` what went to each decode rank (each is told only its own share). Without
         ``per_peer`` the whole metric is the share of each real destination (exact for the usual
@@ -1003,7 +1068,7 @@ class PrefillEndpoint(RoomKeeper[_SenderRoom]):
         now: float,
         *,
         fences: Mapping[PeerKey, FenceWrite] | None = None,
-    ) -> list[Effect]:
+    ) -> list[PrefillEffect]:
         """Every write the per-layer context ``start_token`` of ``room`` submitted has ended
         (``fences`` as for ``chunk_failed``, when one of them failed)."""
         self._owe_fences(room, fences)
@@ -1019,9 +1084,11 @@ class PrefillEndpoint(RoomKeeper[_SenderRoom]):
 
     def _owe_fences(self, room: RoomId, fences: Mapping[PeerKey, FenceWrite] | None) -> None:
         for key, write in (fences or {}).items():
-            self._fences.setdefault((room, key), _Fence(write=write))
+            known = self._fences.get((room, key))
+            if known is None or known.state is FenceState.DONE:  # a later failed write: fenced again
+                self._fences[(room, key)] = _Fence(write=write)
 
-    def _maybe_succeed(self, r: _SenderRoom) -> list[Effect]:
+    def _maybe_succeed(self, r: _SenderRoom) -> list[PrefillEffect]:
         """Success once every chunk is Done and no per-layer write of the room can still land."""
         if not (
             r.state is SenderRoomState.TRANSFERRING
@@ -1043,11 +1110,16 @@ class PrefillEndpoint(RoomKeeper[_SenderRoom]):
                     r.room,
                 ),
             ]
+        owed = [k for (room, k), f in self._fences.items() if room == r.room and f.state is not FenceState.DONE]
+        if owed:
+            # A write of the room failed (an orphan per-layer context's) and its bytes may still be
+            # queued in the engine: Success waits until a fence to each such rank proved it drained.
+            return [e for key in sorted(owed, key=_peer_order) for e in self._fence(r.room, key)]
         r.machine.fire(SenderRoomTrigger.LAST_CHUNK_DONE)
         r.deadline = None
         r.success_held = False
         self._counters.rooms_succeeded += 1
-        effects: list[Effect] = []
+        effects: list[PrefillEffect] = []
         for key, q in r.requests.items():
             peer = self._peers.get(key)
             if not q.dummy and peer is not None:
@@ -1063,14 +1135,14 @@ class PrefillEndpoint(RoomKeeper[_SenderRoom]):
         now: float,
         *,
         fences: Mapping[PeerKey, FenceWrite] | None = None,
-    ) -> list[Effect]:
+    ) -> list[PrefillEffect]:
         """The engine failed a write of ``chunk``; every write already submitted has ended. ``fences``:
         for each decode rank a write to which failed, one block of it to repeat as a fence before the
         room's AbortAck to that rank (bytes of a failed batch may still be queued in the engine)."""
         self._owe_fences(room, fences)
         r, c = self._chunk(room, chunk)
         c.machine.fire(ChunkTrigger.FAIL)
-        effects: list[Effect] = []
+        effects: list[PrefillEffect] = []
         if not r.terminal:
             effects += self._fail(
                 r, _clip(f"transfer of chunk {chunk} failed: {reason}"), FailureCause.ENGINE, now=now
@@ -1096,10 +1168,10 @@ class PrefillEndpoint(RoomKeeper[_SenderRoom]):
         ]
         return min(candidates, default=None)
 
-    def tick(self, now: float) -> list[Effect]:
+    def tick(self, now: float) -> list[PrefillEffect]:
         """Heartbeat round when due (forget silent decode ranks, greet the others); fail every room
         whose deadline passed; forget expired tombstones."""
-        effects: list[Effect] = []
+        effects: list[PrefillEffect] = []
         if self._heartbeats.is_due(now):
             effects += self._heartbeat_round(now)
         for room in self._due_rooms(now):
@@ -1116,19 +1188,19 @@ class PrefillEndpoint(RoomKeeper[_SenderRoom]):
                 now=now,
             )
         for room in self._tombstones.expire(now):
-            if self._fences:  # a fence never asked for by then: the decode released without us
+            if self._fences:  # the room's fences go with its tombstone (one never asked for included)
                 for key in [k for k in self._fences if k[0] == room]:
                     del self._fences[key]
         for room in self._status_resends.pop_due(now, self._status_resend_deadline):
             effects += self._resend_status(self._rooms[room], now)
         for fenced, peer_key in self._fence_retries.pop_due(now, self._fence_retry_deadline):
             self._fences[(fenced, peer_key)].retry_at = None
-            effects += self._abort_ack(fenced, peer_key)  # the fence again (nothing if the rank is gone)
+            effects += self._fence(fenced, peer_key)  # again (nothing if the rank is gone)
         self._free_unopened(now)
         return effects
 
-    def _heartbeat_round(self, now: float) -> list[Effect]:
-        effects: list[Effect] = []
+    def _heartbeat_round(self, now: float) -> list[PrefillEffect]:
+        effects: list[PrefillEffect] = []
         for key in sorted(self._peers, key=_peer_order):
             if now - self._last_heard.get(key, now) >= self.timeouts.heartbeat_timeout:
                 effects += self._peer_silent(key, now)
@@ -1183,7 +1255,7 @@ class PrefillEndpoint(RoomKeeper[_SenderRoom]):
         notify: bool = True,
         now: float | None = None,
         by: PeerKey | None = None,
-    ) -> list[Effect]:
+    ) -> list[PrefillEffect]:
         """Fail the room (``by``: the decode rank the failure came from or concerns, for the
         scheduler's ``Failure``), skip its queued chunks and tell its decode ranks (``notify``)."""
         r.machine.fire(SenderRoomTrigger.FAIL)
@@ -1197,7 +1269,7 @@ class PrefillEndpoint(RoomKeeper[_SenderRoom]):
         for c in r.chunks:
             if c.machine.state is ChunkState.REGISTERED:
                 self._skip(c)
-        effects: list[Effect] = [
+        effects: list[PrefillEffect] = [
             RoomFinished(room=r.room, poll=KVPoll.Failed, reason=reason, cause=cause),
             _notice(NoticeLevel.WARNING, f"room {r.room} failed on prefill {self.origin}: {reason}", r.room),
         ]
@@ -1225,8 +1297,8 @@ class PrefillEndpoint(RoomKeeper[_SenderRoom]):
             return None  # nobody registered to tell (a forgotten rank hears of it when it registers)
         return r.status_resend_at
 
-    def _resend_status(self, r: _SenderRoom, now: float) -> list[Effect]:
-        effects: list[Effect] = []
+    def _resend_status(self, r: _SenderRoom, now: float) -> list[PrefillEffect]:
+        effects: list[PrefillEffect] = []
         for key in sorted(r.unanswered, key=_peer_order):
             peer = self._peers.get(key)
             if peer is not None:
@@ -1236,7 +1308,7 @@ class PrefillEndpoint(RoomKeeper[_SenderRoom]):
         self._schedule_status_resend(r, now)
         return effects
 
-    def _status_to(self, r: _SenderRoom, peer: DecodePeer) -> list[Effect]:
+    def _status_to(self, r: _SenderRoom, peer: DecodePeer) -> list[PrefillEffect]:
         """The room's final word to one decode rank (dummy requesters expect none on success)."""
         q = r.requests.get(peer.key)
         if r.state is SenderRoomState.SUCCESS:
@@ -1256,41 +1328,49 @@ class PrefillEndpoint(RoomKeeper[_SenderRoom]):
         c.machine.fire(ChunkTrigger.SKIP)
         self._counters.chunks_skipped += 1
 
-    def _maybe_drained(self, r: _SenderRoom) -> list[Effect]:
+    def _maybe_drained(self, r: _SenderRoom) -> list[PrefillEffect]:
         if r.abort is None or r.abort.state is not PrefillAbortState.DRAINING or r.in_flight:
             return []
         r.abort.fire(PrefillAbortTrigger.DRAINED)
-        effects: list[Effect] = []
+        effects: list[PrefillEffect] = []
         for key in sorted(r.ack_to, key=_peer_order):
             effects += self._abort_ack(r.room, key)
         return effects
 
-    def _abort_ack(self, room: RoomId, key: PeerKey) -> list[Effect]:
+    def _abort_ack(self, room: RoomId, key: PeerKey) -> list[PrefillEffect]:
         """The AbortAck for ``room`` to ``key`` (writes of the room all ended), or first the fence it
         waits for when a write of the room to that rank failed (``SubmitFence``, ``fence_done``)."""
         peer = self._peers.get(key)
         if peer is None:
             return []
         owed = self._fences.get((room, key))
-        if owed is None:
-            return [Send(to=peer.endpoint, message=AbortAck(origin=self.origin, room=room))]
-        if owed.running:
+        if owed is None or owed.state is FenceState.DONE:
+            # After a fence the decode must still cut its connections from us (or settle): it says so.
+            ack = AbortAck(origin=self.origin, room=room, fenced=owed is not None)
+            return [Send(to=peer.endpoint, message=ack)]
+        return self._fence(room, key)
+
+    def _fence(self, room: RoomId, key: PeerKey) -> list[PrefillEffect]:
+        """Submit the fence owed to ``key`` for ``room`` (nothing if it is on its way already, or the
+        rank is not registered: it is written when the rank registers again and asks)."""
+        owed = self._fences[(room, key)]
+        if owed.state is not FenceState.OWED or key not in self._peers:
             return []  # a resent Abort while the fence is on its way
-        owed.running = True
+        owed.state = FenceState.RUNNING
         self._counters.fences_submitted += 1
         return [SubmitFence(room=room, peer=key, fence=owed.write)]
 
-    def fence_done(self, room: RoomId, peer: PeerKey, ok: bool, reason: str, now: float) -> list[Effect]:
+    def fence_done(self, room: RoomId, peer: PeerKey, ok: bool, reason: str, now: float) -> list[PrefillEffect]:
         """The fence write of ``room`` to ``peer`` ended: COMPLETED (``ok``) lets its AbortAck go; a
         failure keeps it owed, and the fence is written again ``abort_resend`` later (or at the
         decode's next resent Abort, if that comes first). A write on an engine connection that died
         (a partition, the decode's cut) fails once before the engine reconnects, so the retry does
         not wait for the decode's doubling resend interval."""
         owed = self._fences.get((room, peer))
-        if owed is None or not owed.running:
+        if owed is None or owed.state is not FenceState.RUNNING:
             return []
         if not ok:
-            owed.running = False
+            owed.state = FenceState.OWED
             owed.retry_at = now + self.timeouts.abort_resend
             self._fence_retries.push((room, peer), owed.retry_at)
             self._counters.fences_failed += 1
@@ -1302,12 +1382,15 @@ class PrefillEndpoint(RoomKeeper[_SenderRoom]):
                     room,
                 )
             ]
-        del self._fences[(room, peer)]
+        owed.state = FenceState.DONE
+        r = self._rooms.get(room)
+        if r is not None and r.state is SenderRoomState.TRANSFERRING:
+            return self._maybe_succeed(r)  # the fence Success waited for
         return self._abort_ack(room, peer)
 
     def _fence_retry_deadline(self, key: tuple[RoomId, PeerKey]) -> float | None:
         owed = self._fences.get(key)
-        return None if owed is None or owed.running else owed.retry_at
+        return None if owed is None or owed.state is not FenceState.OWED else owed.retry_at
 
     def _forget_if_idle(self, r: _SenderRoom) -> None:
         if r.closed and not r.in_flight and (r.abort is None or r.abort.state is PrefillAbortState.ACKED):

@@ -9,14 +9,34 @@ scan), and a write that lands after its room finished is recorded at once, never
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import assert_never
 
 from pdkv.metrics import KVTransferMetric, TransportCounter, TransportMetrics
-from pdkv.protocol.effects import Effect, FailureCause, ReleasePages, RoomFinished, Send
+from pdkv.protocol.effects import (
+    CutConnections,
+    DropLayers,
+    Effect,
+    FailureCause,
+    ForgetPeer,
+    Notice,
+    ReleaseKind,
+    ReleasePages,
+    RoomFinished,
+    Send,
+    SubmitChunk,
+    SubmitFence,
+)
 from pdkv.protocol.ids import RoomId
-from pdkv.protocol.messages import Abort, AbortAck, Message, TransferMetricData
+from pdkv.protocol.messages import Abort, AbortAck, Message, TransferMetricData, TransferStatus
 from pdkv.protocol.poll import KVPoll
 
 _ABORTED = (FailureCause.ABORTED_HERE, FailureCause.ABORTED_BY_PEER)
+_RELEASE_COUNTER = {
+    ReleaseKind.ACKED: TransportCounter.RELEASES_ACKED,
+    ReleaseKind.CUT: TransportCounter.RELEASES_CUT,
+    ReleaseKind.SETTLED: TransportCounter.RELEASES_SETTLED,
+    ReleaseKind.UNSAFE: TransportCounter.UNSAFE_RELEASES,
+}
 
 
 class Accounting:
@@ -29,30 +49,44 @@ class Accounting:
 
     def effects(self, effects: Sequence[Effect]) -> None:
         count = self.metrics.increment
+        aborted_here: set[RoomId] = set()  # a room fails before its statuses go out (one batch)
         for e in effects:
-            if isinstance(e, Send):
-                if isinstance(e.message, Abort):
+            match e:
+                case Send(message=Abort()):
                     count(TransportCounter.ABORTS_SENT)
-                elif isinstance(e.message, AbortAck):
+                case Send(message=AbortAck()):
                     count(TransportCounter.ABORT_ACKS)
-            elif isinstance(e, RoomFinished):
-                if e.poll is KVPoll.Success:
-                    count(TransportCounter.ROOMS_SUCCEEDED)
-                else:
-                    count(TransportCounter.ROOMS_FAILED)
-                    if e.cause in _ABORTED:
-                        count(TransportCounter.ROOMS_ABORTED)
-                    elif e.cause is FailureCause.TIMEOUT:
-                        count(TransportCounter.TIMEOUTS)
-                self._settle(e.room, completed=e.poll is KVPoll.Success)
-            elif isinstance(e, ReleasePages) and not e.safe:
-                count(TransportCounter.UNSAFE_RELEASES)
+                case Send(message=TransferStatus(room=room)) if room in aborted_here:
+                    count(TransportCounter.ABORTS_SENT)  # how a prefill tells a decode rank of its abort
+                case RoomFinished():
+                    if e.cause is FailureCause.ABORTED_HERE:
+                        aborted_here.add(e.room)
+                    if e.poll is KVPoll.Success:
+                        count(TransportCounter.ROOMS_SUCCEEDED)
+                    else:
+                        count(TransportCounter.ROOMS_FAILED)
+                        if e.cause in _ABORTED:
+                            count(TransportCounter.ROOMS_ABORTED)
+                        elif e.cause is FailureCause.TIMEOUT:
+                            count(TransportCounter.TIMEOUTS)
+                    self._settle(e.room, completed=e.poll is KVPoll.Success)
+                case ReleasePages():
+                    counter = _RELEASE_COUNTER.get(e.kind)
+                    if counter is not None:
+                        count(counter)
+                case Send() | SubmitChunk() | Notice() | ForgetPeer() | DropLayers() | SubmitFence() | CutConnections():
+                    pass  # counted where they are carried out, or not at all
+                case _:
+                    assert_never(e)
 
     def received(self, message: Message) -> None:
-        if isinstance(message, Abort):
-            self.metrics.increment(TransportCounter.ABORTS_RECEIVED)
-        elif isinstance(message, AbortAck):
-            self.metrics.increment(TransportCounter.ABORT_ACKS)
+        match message:
+            case Abort():
+                self.metrics.increment(TransportCounter.ABORTS_RECEIVED)
+            case AbortAck():
+                self.metrics.increment(TransportCounter.ABORT_ACKS)
+            case _:
+                pass  # the other messages are counted by the channel
 
     def wrote(
         self, room: RoomId, peer: str, metric: KVTransferMetric, *, room_finished: bool = False
@@ -74,7 +108,7 @@ class Accounting:
     def reported(self, room: RoomId, peer: str, data: TransferMetricData) -> None:
         """Decode side: a prefill rank's Success status says what it wrote for the room."""
         metric = KVTransferMetric(room=room, pages=data.pages, bytes=data.bytes, seconds=data.seconds)
-        self.metrics.record_room(metric, peer)
+        self.metrics.record_room(metric, peer, received=True)
 
     def _settle(self, room: RoomId, *, completed: bool) -> None:
         for peer, metric in self._rooms.pop(room, {}).items():

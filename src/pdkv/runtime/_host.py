@@ -18,13 +18,14 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Generic, Protocol, Self, TypeVar
+from typing import Any, Generic, Protocol, Self, TypeVar
 
 from pdkv.engine.backend import Registration, TransferBackend
 from pdkv.errors import TransportClosedError
 from pdkv.mapping import BufferLayout
 from pdkv.metrics import TransportMetrics
-from pdkv.protocol.effects import Effect, Failure, ForgetPeer, Notice, NoticeLevel
+from pdkv.protocol import arguments
+from pdkv.protocol.effects import DecodeEffect, Failure, ForgetPeer, Notice, NoticeLevel, PrefillEffect
 from pdkv.protocol.ids import Epoch, RoomId
 from pdkv.protocol.messages import Message, Origin, RankCoord
 from pdkv.protocol.poll import KVPoll
@@ -56,15 +57,18 @@ def log_notice(logger: logging.Logger, notice: Notice) -> None:
     logger.log(_LEVELS[notice.level], "%s", notice.text)
 
 
-class Endpoint(Protocol):
+F_co = TypeVar("F_co", covariant=True)
+
+
+class Endpoint(Protocol[F_co]):
     """The part of ``PrefillEndpoint`` / ``DecodeEndpoint`` the host drives, and the room queries
-    both scheduler handles answer from."""
+    both scheduler handles answer from; ``F_co`` is the side's effect union."""
 
     origin: Origin
 
-    def receive(self, message: Message, now: float) -> list[Effect]: ...
+    def receive(self, message: Message, now: float) -> Sequence[F_co]: ...
 
-    def tick(self, now: float) -> list[Effect]: ...
+    def tick(self, now: float) -> Sequence[F_co]: ...
 
     def next_deadline(self) -> float | None: ...
 
@@ -72,15 +76,17 @@ class Endpoint(Protocol):
 
     def failure_record(self, room: RoomId) -> Failure | None: ...
 
-    def abort_room(self, room: RoomId, reason: str, now: float) -> list[Effect]: ...
+    def abort_room(self, room: RoomId, reason: str, now: float) -> Sequence[F_co]: ...
 
     def rooms(self) -> list[RoomId]: ...
 
 
-E = TypeVar("E", bound=Endpoint)
+E = TypeVar("E", bound=Endpoint[Any])
+F = TypeVar("F", PrefillEffect, DecodeEffect)
+"""The side's effect union: ``_apply_effect`` dispatches it with ``match`` (and ``assert_never``)."""
 
 
-class EndpointHost(Generic[E]):
+class EndpointHost(Generic[E, F]):
     """The lock, control loop and accounting around one endpoint (see the module docstring)."""
 
     def __init__(
@@ -103,7 +109,6 @@ class EndpointHost(Generic[E]):
         self.metrics = TransportMetrics()
         """Counters and per-peer latency (``pdkv.metrics.PrometheusExporter(transport.metrics)``)."""
         self._accounting = Accounting(self.metrics)
-        self._forget: list[str] = []  # endpoints whose sockets the control thread (their owner) drops
         self._closed = False
         self._started = False
         self._registrations: list[Registration] = []
@@ -161,6 +166,8 @@ class EndpointHost(Generic[E]):
             if self._closed:
                 return False
             self._closed = True
+        with self._progressed:  # a scheduler blocked in wait_progress() learns of it now
+            self._progressed.notify_all()
         failed = self._fail_open_rooms(reason)
         if failed:
             self._log.info("%s: failed %d open room(s)", reason, failed)
@@ -204,20 +211,24 @@ class EndpointHost(Generic[E]):
 
     def wait_progress(self, seen: int, timeout_s: float) -> int:
         """Block until ``progress()`` has passed ``seen`` or ``timeout_s`` elapsed; return ``progress()``.
+        ``TransportClosedError`` after ``close()`` (also when the close comes while it waits).
 
         For a scheduler loop that would otherwise sleep between polls: it wakes as soon as something
         changed, never later than ``timeout_s``. Nothing is missed between reading ``seen`` and this
         call: a change meanwhile makes it return at once."""
+        timeout_s = arguments.seconds(timeout_s, argument="timeout_s")
+        self._check_open("wait_progress()")
         with self._progressed:
             # Counted before the count is read: a notifier that did not see this waiter grew the
             # count before it was read here (the notifier grows it, then reads the waiters).
             self._progress_waiters += 1
             try:
                 if timeout_s > 0:
-                    self._progressed.wait_for(lambda: self._progress != seen, timeout_s)
+                    self._progressed.wait_for(lambda: self._progress != seen or self._closed, timeout_s)
             finally:
                 self._progress_waiters -= 1
-            return self._progress
+        self._check_open("wait_progress()")  # closed while it waited: woken by close(), told so
+        return self._progress
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
@@ -236,7 +247,7 @@ class EndpointHost(Generic[E]):
                 local.owed = False
                 self._notify_progress()
 
-    def _call(self, fn: Callable[[E, float], list[Effect]], *, what: str | None = None) -> None:
+    def _call(self, fn: Callable[[E, float], Sequence[F]], *, what: str | None = None) -> None:
         """Run a scheduler input under the lock; ``what`` names a call refused once the transport closed."""
         with self._locked():
             if what is not None and self._closed:
@@ -266,7 +277,12 @@ class EndpointHost(Generic[E]):
 
     # ------------------------------------------------------------------ control thread
 
+    def _before_receive(self, message: Message) -> None:
+        """Control thread, before the endpoint sees ``message``, outside the lock (a side's engine may
+        need what a message carries: the prefill hands a Register's engine metadata to its backend)."""
+
     def _on_message(self, message: Message, now: float) -> None:
+        self._before_receive(message)
         with self._lock:
             self._accounting.received(message)
             self._trace.received(message)
@@ -279,40 +295,35 @@ class EndpointHost(Generic[E]):
             self._accounting.channel(malformed=channel.malformed, unauthenticated=channel.unauthenticated)
             self._apply(self._endpoint.tick(now))
             self._after_tick()
-            self._forget_peers()
             return self._endpoint.next_deadline()
 
     def _after_messages(self) -> float | None:
-        """After a batch of messages (control thread): the sockets they asked to drop go, and the
-        next deadline; the counters and gauges of a tick wait for the next one."""
+        """After a batch of messages (control thread): the next deadline; the counters and gauges of
+        a tick wait for the next one."""
         with self._lock:
-            self._forget_peers()
             return self._endpoint.next_deadline()
-
-    def _forget_peers(self) -> None:
-        """Lock held, on the control thread, before the loop flushes what was posted: those messages
-        go out on fresh sockets. A ForgetPeer from another thread waits for the next tick."""
-        for endpoint in self._forget:
-            self._loop.channel.forget(endpoint)
-        self._forget.clear()
 
     # ------------------------------------------------------------------ effects (lock held)
 
-    def _apply(self, effects: Sequence[Effect], *, progressed: bool = True) -> None:
-        """Carry out ``effects`` (lock held); unless ``progressed`` is False (the scheduler's own
-        calls), any effect counts as progress for ``wait_progress``."""
+    def _apply(self, effects: Sequence[F], *, progressed: bool = True) -> None:
+        """Carry out ``effects`` in the order the endpoint emitted them (lock held); unless
+        ``progressed`` is False (the scheduler's own calls), any effect counts as progress for
+        ``wait_progress``."""
         if effects and progressed:
             self._progressed_locked()
         self._trace.effects(effects)
         self._accounting.effects(effects)
         for effect in effects:
-            if isinstance(effect, Notice):
-                log_notice(self._log, effect)
-            elif isinstance(effect, ForgetPeer):
-                self._log.warning("rebuilding the connection to %s: %s", effect.endpoint, effect.reason)
-                self._forget.append(effect.endpoint)
-            else:
-                self._apply_effect(effect)
+            self._apply_effect(effect)
+
+    def _log_notice(self, notice: Notice) -> None:
+        log_notice(self._log, notice)
+
+    def _forget_peer(self, effect: ForgetPeer) -> None:
+        """In the outbox, in the order emitted: a message emitted after it (a RegisterAck, an Abort)
+        leaves on the new socket, never on the old one that is dropped."""
+        self._log.warning("rebuilding the connection to %s: %s", effect.endpoint, effect.reason)
+        self._loop.post_forget(effect.endpoint)
 
     def _progressed_locked(self) -> None:
         self._progress += 1
@@ -326,23 +337,26 @@ class EndpointHost(Generic[E]):
             with self._progressed:
                 self._progressed.notify_all()
 
-    def _apply_effect(self, effect: Effect) -> None:
-        """One side-specific effect (Send, SubmitChunk, RoomFinished, ReleasePages), lock held."""
+    def _apply_effect(self, effect: F) -> None:
+        """One effect of the side's union, lock held (each side matches every member)."""
         raise NotImplementedError
 
     def _after_tick(self) -> None:
         """Lock held, on the control thread after each tick: refresh what is measured as a level."""
 
 
-class RoomHandle(Generic[E]):
+class RoomHandle(Generic[E, F]):
     """What ``KVSender`` and ``KVReceiver`` share: one room of one transport (no call waits on I/O)."""
 
-    def __init__(self, transport: EndpointHost[E], room: RoomId) -> None:
+    transport: EndpointHost[E, F]
+
+    def __init__(self, transport: EndpointHost[E, F], room: RoomId) -> None:
         self.transport = transport
         self.room = room
 
     def poll(self) -> KVPoll:
-        return self.transport._query(lambda e: e.poll(self.room))
+        poll: KVPoll = self.transport._query(lambda e: e.poll(self.room))
+        return poll
 
     def abort(self, reason: str) -> None:
         self.transport._call(lambda e, now: e.abort_room(self.room, reason, now))
@@ -350,4 +364,5 @@ class RoomHandle(Generic[E]):
     def failure(self) -> Failure | None:
         """Why the room failed (cause, reason, the peer when there is one); None unless it failed.
         ``str(failure)`` is the reason text."""
-        return self.transport._query(lambda e: e.failure_record(self.room))
+        failure: Failure | None = self.transport._query(lambda e: e.failure_record(self.room))
+        return failure

@@ -2,7 +2,8 @@
 
 Owns: ``ControlLoop`` (receive -> endpoint, outbox -> sockets, deadlines -> ``tick``) and the
 ``MessageChannel`` protocol it drives (implemented by ``pdkv.control``). Messages leave through the
-outbox, in the order posted. A thread that posts inside ``sending()`` (the transports wrap their
+outbox, in the order posted; so does a peer's socket being dropped (``post_forget``): a message
+posted after it goes out on a fresh socket, one posted before it on the old one (dropped with it). A thread that posts inside ``sending()`` (the transports wrap their
 locked sections in it) sends what it posted itself when the block ends, after its locks are
 released, if the loop is waiting then: one hand-off less on the latency of a status or a request.
 When the loop is busy (it will flush soon, and what piles up meanwhile leaves in fewer frame sets),
@@ -85,7 +86,7 @@ class ControlLoop:
         self._on_tick = on_tick
         self._next_deadline = next_deadline
         self._clock = clock
-        self._outbox: deque[tuple[str, Message]] = deque()
+        self._outbox: deque[tuple[str, Message | None]] = deque()  # None: drop the socket to it
         self._sends_many = channel if isinstance(channel, SendsMany) else None
         self._stop = threading.Event()
         self._name = name
@@ -110,6 +111,13 @@ class ControlLoop:
         """Queue ``message`` for ``to`` (any thread). Inside ``sending()`` this thread sends it when the
         block ends; otherwise the loop is woken to send it."""
         self._outbox.append((to, message))
+        if not getattr(self._local, "deferring", False):
+            self.channel.wake()
+
+    def post_forget(self, to: str) -> None:
+        """Drop the socket to ``to`` (and what is queued on it) at this point of the outbox: what was
+        posted for ``to`` before is dropped with it, what is posted after goes out on a new socket."""
+        self._outbox.append((to, None))
         if not getattr(self._local, "deferring", False):
             self.channel.wake()
 
@@ -228,20 +236,26 @@ class ControlLoop:
                 self._flush_locked()
 
     def _flush_locked(self) -> None:
-        """Send what was posted (``_flush_lock`` held). With a channel that can, the messages posted
-        for one peer since the last flush leave in one frame set (in posting order; one message goes
-        alone as before)."""
-        if self._sends_many is None or len(self._outbox) < 2:
-            while self._outbox:
-                to, message = self._outbox.popleft()
-                self.channel.send(to, message)
-            return
+        """Send what was posted (``_flush_lock`` held), and drop the sockets asked for, in order. With a
+        channel that can, the messages posted for one peer between two drops leave in one frame set
+        (in posting order; one message goes alone as before)."""
         by_peer: dict[str, list[Message]] = {}
         while self._outbox:
             to, message = self._outbox.popleft()
-            by_peer.setdefault(to, []).append(message)
+            if message is None:
+                self._send_grouped(by_peer)  # everything posted before the drop goes first
+                by_peer = {}
+                self.channel.forget(to)
+            elif self._sends_many is None:
+                self.channel.send(to, message)
+            else:
+                by_peer.setdefault(to, []).append(message)
+        self._send_grouped(by_peer)
+
+    def _send_grouped(self, by_peer: dict[str, list[Message]]) -> None:
         for to, messages in by_peer.items():
-            if len(messages) == 1:
-                self.channel.send(to, messages[0])
+            if len(messages) == 1 or self._sends_many is None:
+                for message in messages:
+                    self.channel.send(to, message)
             else:
                 self._sends_many.send_many(to, messages)

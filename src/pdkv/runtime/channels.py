@@ -100,7 +100,13 @@ def start_registry(
             log_notice(log, notice)
         return reply
 
-    service = RegistryService(CODEC, handle, host=host, port=port, auth=Authenticator.from_env())
+    def refuse(reason: str) -> Message:
+        # Fatal: a request it cannot read (another PDKV_AUTH_KEY, or none) is not read next time either.
+        return RegisterReject(origin=book.origin, reason=reason, retry=False)
+
+    service = RegistryService(
+        CODEC, handle, host=host, port=port, auth=Authenticator.from_env(), refuse=refuse
+    )
     service.start()
     return service
 

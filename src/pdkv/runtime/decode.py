@@ -14,15 +14,17 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any, TypeVar, assert_never
 
 import attrs
 
+from pdkv import config
+from pdkv.config import tcp_address_problem
 from pdkv.control.auth import Authenticator
 from pdkv.control.channel import ChannelStatistics
 from pdkv.control.errors import ControlError
 from pdkv.engine.backend import TransferBackend
-from pdkv.errors import ConfigError, LayoutMismatchError, RouteUnavailableError
+from pdkv.errors import ConfigError, InvalidArgumentError, LayoutMismatchError, RouteUnavailableError
 from pdkv.mapping import BufferLayout, Topology, decode_fanout, layout_kv_heads
 from pdkv.metrics import KVTransferMetric, TransportCounter, TransportGauge, TransportMetricsSnapshot
 from pdkv.protocol import arguments
@@ -30,12 +32,13 @@ from pdkv.protocol.config import Timeouts
 from pdkv.protocol.decode import DecodeEndpoint, DecodeStatistics
 from pdkv.protocol.effects import (
     CutConnections,
-    Effect,
+    DecodeEffect,
+    ForgetPeer,
+    Notice,
+    ReleaseKind,
     ReleasePages,
     RoomFinished,
     Send,
-    SubmitChunk,
-    SubmitFence,
     Target,
 )
 from pdkv.protocol.ids import Endpoint, Epoch, InstanceId, RoomId, SessionId
@@ -65,14 +68,14 @@ class DecodeConfig:
     The constructor reads no environment: ``DecodeConfig.from_env(...)`` takes the ``PDKV_*``
     timeout overrides (README, "Environment")."""
 
-    instance: InstanceId
-    rank: RankCoord
-    tp_size: int = attrs.field(validator=attrs.validators.ge(1))
-    layout: BufferLayout
-    host: str = "127.0.0.1"
-    timeouts: Timeouts = attrs.field(factory=Timeouts)
-    epoch: Epoch = attrs.field(factory=new_epoch)
-    register_memory: bool = True
+    instance: InstanceId = attrs.field(validator=config.non_empty_text)
+    rank: RankCoord = attrs.field(validator=config.instance_of(RankCoord))
+    tp_size: int = attrs.field(validator=config.positive_int)
+    layout: BufferLayout = attrs.field(validator=config.instance_of(BufferLayout))
+    host: str = attrs.field(default="127.0.0.1", validator=config.non_empty_text)
+    timeouts: Timeouts = attrs.field(factory=Timeouts, validator=config.instance_of(Timeouts))
+    epoch: Epoch = attrs.field(factory=new_epoch, validator=config.instance_of(int))
+    register_memory: bool = attrs.field(default=True, validator=config.instance_of(bool))
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **fields: Any) -> DecodeConfig:
@@ -97,14 +100,16 @@ class DecodeTransportStatistics:
     endpoint: DecodeStatistics
     metrics: TransportMetricsSnapshot
     channel: ChannelStatistics
-    rooms_released: int
+    failed_rooms_released: int
+    """Failed rooms whose pages came back (by kind: ``endpoint.releases_*``; a room that succeeded
+    needs no release)."""
     unsafe_releases: int
 
 
 Query = Callable[[str, RouteQuery, float], RouteTable | None]
 
 
-class DecodeTransport(EndpointHost[DecodeEndpoint]):
+class DecodeTransport(EndpointHost[DecodeEndpoint, DecodeEffect]):
     """One decode rank: registers its buffers and receives rooms from prefill instances."""
 
     def __init__(
@@ -131,6 +136,7 @@ class DecodeTransport(EndpointHost[DecodeEndpoint]):
         )
         super().__init__(endpoint, channel, thread_name=f"pdkv-decode-{config.rank}", logger=log, clock=clock)
         self._query_route = query if query is not None else _default_query()
+        self._zmq_registry = query is None  # registry addresses are tcp://host:port (checked at connect)
         self._routes: dict[InstanceId, RouteTable] = {}
         # fanout_targets per prefill instance, with the route table it was derived from: every room
         # from one instance targets the same ranks (recomputed when connect() replaces the table).
@@ -145,7 +151,18 @@ class DecodeTransport(EndpointHost[DecodeEndpoint]):
     def start(self) -> None:
         """Register buffers and start the control thread. Idempotent once it succeeded; a failed start
         (memory that cannot be registered) rolls back what it registered and may be retried."""
-        self._start(self.backend, self.config.layout if self.config.register_memory else None)
+        self._start(
+            self.backend,
+            self.config.layout if self.config.register_memory else None,
+            then=self._publish_engine_metadata,
+        )
+
+    def _publish_engine_metadata(self) -> None:
+        """Once the buffers are registered, Register carries what the prefill's engine needs to write
+        into them (NIXL: the agent's metadata and regions; nothing for Mooncake)."""
+        metadata = self.backend.engine_metadata
+        with self._lock:
+            self._endpoint.set_engine_metadata(metadata)
 
     def connect(self, registry: str, *, timeout_s: float = 60.0) -> InstanceId:
         """Fetch the route table of the prefill instance behind ``registry`` and register with its ranks.
@@ -159,6 +176,10 @@ class DecodeTransport(EndpointHost[DecodeEndpoint]):
         ours (they say how when they refuse the registration; that answer is waited for here).
         """
         self._check_open("connect()")
+        timeout_s = arguments.seconds(timeout_s, argument="timeout_s")
+        problem = tcp_address_problem(registry) if self._zmq_registry else None
+        if problem is not None:
+            raise InvalidArgumentError(f"connect(): registry {problem}", argument="registry", value=registry)
         deadline = self._clock() + timeout_s
         query = RouteQuery(origin=self.config.origin)
         cause = "no rank of the instance announced yet"
@@ -196,10 +217,13 @@ class DecodeTransport(EndpointHost[DecodeEndpoint]):
     def wait_registered(self, instance: InstanceId, *, timeout_s: float = 30.0) -> bool:
         """True once every prefill rank of ``instance`` acknowledged registration (False on timeout).
 
-        Raises ``LayoutMismatchError`` with the prefill rank's reason as soon as one refused.
+        Raises ``LayoutMismatchError`` with the prefill rank's reason as soon as one refused, and
+        ``TransportClosedError`` once the transport is closed (its registrations are gone).
         """
+        timeout_s = arguments.seconds(timeout_s, argument="timeout_s")
         deadline = self._clock() + timeout_s
         while True:
+            self._check_open("wait_registered()")
             with self._lock:
                 table = self._routes.get(instance)
                 if table is None:
@@ -229,6 +253,8 @@ class DecodeTransport(EndpointHost[DecodeEndpoint]):
         A room whose prefill ranks did not acknowledge in time may still receive writes: then the
         memory stays registered (``stuck_writes``, an ERROR log) instead of being released under them.
         """
+        if timeout_s is not None:
+            timeout_s = arguments.seconds(timeout_s, argument="timeout_s")
         if not self._begin_close("decode transport closed"):
             return
         wait = self.config.timeouts.abort_ack if timeout_s is None else timeout_s
@@ -261,7 +287,7 @@ class DecodeTransport(EndpointHost[DecodeEndpoint]):
             endpoint=endpoint,
             metrics=self.metrics.snapshot(),
             channel=self._loop.channel.statistics(),
-            rooms_released=self._released,
+            failed_rooms_released=self._released,
             unsafe_releases=self._unsafe,
         )
 
@@ -307,24 +333,29 @@ class DecodeTransport(EndpointHost[DecodeEndpoint]):
                 self.metrics.increment(counter, new)
                 self._seen[counter] = total
 
-    def _apply_effect(self, effect: Effect) -> None:
-        if isinstance(effect, Send):
-            self._loop.post(effect.to, effect.message)
-        elif isinstance(effect, ReleasePages):
-            self._released += 1
-            if not effect.safe:
-                self._unsafe += 1
-                log.warning("room %s: pages released UNSAFELY: %s", effect.room, effect.reason)
-        elif isinstance(effect, RoomFinished):
-            if effect.poll is KVPoll.Success:
-                log.debug("room %s succeeded on decode %s", effect.room, self.config.rank)
-                for (instance, rank), data in self._endpoint.metric(effect.room).items():
-                    self._accounting.reported(effect.room, peer_name(instance, rank), data)
-        elif isinstance(effect, CutConnections):
-            # Off the lock: a cut waits until the kernel dropped the sockets (their readers closed them).
-            self._cutter.request(effect)
-        elif isinstance(effect, (SubmitChunk, SubmitFence)):  # prefill-side effects
-            raise AssertionError(f"decode endpoint emitted {effect}")
+    def _apply_effect(self, effect: DecodeEffect) -> None:
+        match effect:
+            case Send():
+                self._loop.post(effect.to, effect.message)
+            case ReleasePages():
+                self._released += 1
+                if not effect.safe:
+                    self._unsafe += 1
+                    log.warning("room %s: pages released UNSAFELY: %s", effect.room, effect.reason)
+            case RoomFinished():
+                if effect.poll is KVPoll.Success:
+                    log.debug("room %s succeeded on decode %s", effect.room, self.config.rank)
+                    for (instance, rank), data in self._endpoint.metric(effect.room).items():
+                        self._accounting.reported(effect.room, peer_name(instance, rank), data)
+            case CutConnections():
+                # Off the lock: a cut waits until this process closed the destroyed sockets.
+                self._cutter.request(effect)
+            case Notice():
+                self._log_notice(effect)
+            case ForgetPeer():
+                self._forget_peer(effect)
+            case _:
+                assert_never(effect)
 
     def _cut_done(self, effect: CutConnections, ok: bool, reason: str) -> None:
         """The cutter ended the connections a quarantined room waited for (or could not)."""
@@ -332,7 +363,7 @@ class DecodeTransport(EndpointHost[DecodeEndpoint]):
             self._apply(self._endpoint.connections_cut(effect.room, ok, reason, self._clock()))
 
 
-class KVReceiver(RoomHandle[DecodeEndpoint]):
+class KVReceiver(RoomHandle[DecodeEndpoint, DecodeEffect]):
     """The scheduler's handle on one room of a decode rank. Every call returns without network waits."""
 
     transport: DecodeTransport
@@ -388,6 +419,12 @@ class KVReceiver(RoomHandle[DecodeEndpoint]):
         """False when the pages were released after the abort-ack timeout: a late write may still land."""
         return self.transport._query(lambda e: e.release_was_safe(self.room))
 
+    def release_kind(self) -> ReleaseKind | None:
+        """What let a failed room's pages come back (``ReleaseKind``: ACKED and CUT are proven,
+        SETTLED a time bound, UNSAFE the quarantine bound); None while held, and for a room that
+        succeeded (its pages were never at risk)."""
+        return self.transport._query(lambda e: e.release_kind(self.room))
+
     def metric(self) -> KVTransferMetric:
         """The room's totals as reported by its prefill ranks (pages, bytes, slowest rank's seconds)."""
         parts = self.transport._query(lambda e: e.metric(self.room))
@@ -403,7 +440,7 @@ class KVReceiver(RoomHandle[DecodeEndpoint]):
         self.transport._call(lambda e, now: _close(e, self.room, now))
 
 
-def _close(endpoint: DecodeEndpoint, room: RoomId, now: float) -> list[Effect]:
+def _close(endpoint: DecodeEndpoint, room: RoomId, now: float) -> list[DecodeEffect]:
     endpoint.close_room(room, now)
     return []
 

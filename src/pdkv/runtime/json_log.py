@@ -20,11 +20,12 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, assert_never
 
 from pdkv import config
 from pdkv.errors import ConfigError
 from pdkv.protocol.effects import (
+    CutConnections,
     DropLayers,
     Effect,
     ForgetPeer,
@@ -34,6 +35,7 @@ from pdkv.protocol.effects import (
     RoomFinished,
     Send,
     SubmitChunk,
+    SubmitFence,
 )
 from pdkv.protocol.ids import RoomId
 from pdkv.protocol.messages import (
@@ -255,32 +257,41 @@ class MessageTrace:
         _trace.debug("room %s %s", room, name, extra=self._fields(event="state", room=room, state=name))
 
     def _effect(self, effect: Effect) -> None:
-        if isinstance(effect, Send):
-            text = describe(effect.message)
-            room = room_of(effect.message)
-            extra = self._fields(
-                event="send", room=room, msg=text, peer_addr=str(effect.to), detail=_reason(effect.message)
-            )
-            _trace.debug("send %s to %s", text, effect.to, extra=extra)
-        elif isinstance(effect, SubmitChunk):
-            detail = f"chunk {effect.chunk}, {effect.spec.pages.size} pages"
-            extra = self._fields(event="write", room=effect.room, detail=detail)
-            _trace.debug("room %s: submit %s", effect.room, detail, extra=extra)
-        elif isinstance(effect, RoomFinished):
-            cause = "" if effect.cause is None else effect.cause.value
-            extra = self._fields(event="finished", room=effect.room, state=effect.poll.name, detail=cause)
-            _trace.debug("room %s finished %s %s", effect.room, effect.poll.name, cause, extra=extra)
-        elif isinstance(effect, ReleasePages):
-            detail = "safe" if effect.safe else "UNSAFE"
-            extra = self._fields(event="release", room=effect.room, detail=detail)
-            _trace.debug("room %s: pages released (%s)", effect.room, detail, extra=extra)
-        elif isinstance(effect, Notice) and effect.room is not None:
-            # At the notice's own level, with its text as the host logs it (a reader can pair them).
-            extra = self._fields(event="notice", room=effect.room)
-            _trace.log(_NOTICE_LEVELS[effect.level], "%s", effect.text, extra=extra)
-        elif isinstance(effect, ForgetPeer | DropLayers):
-            extra = self._fields(event="forget" if isinstance(effect, ForgetPeer) else "drop_layers")
-            _trace.debug("%s", effect, extra=extra)
+        match effect:
+            case Send():
+                text = describe(effect.message)
+                room = room_of(effect.message)
+                extra = self._fields(
+                    event="send", room=room, msg=text, peer_addr=str(effect.to), detail=_reason(effect.message)
+                )
+                _trace.debug("send %s to %s", text, effect.to, extra=extra)
+            case SubmitChunk():
+                detail = f"chunk {effect.chunk}, {effect.spec.pages.size} pages"
+                extra = self._fields(event="write", room=effect.room, detail=detail)
+                _trace.debug("room %s: submit %s", effect.room, detail, extra=extra)
+            case RoomFinished():
+                cause = "" if effect.cause is None else effect.cause.value
+                extra = self._fields(event="finished", room=effect.room, state=effect.poll.name, detail=cause)
+                _trace.debug("room %s finished %s %s", effect.room, effect.poll.name, cause, extra=extra)
+            case ReleasePages():
+                detail = effect.kind.value
+                extra = self._fields(event="release", room=effect.room, detail=detail)
+                _trace.debug("room %s: pages released (%s)", effect.room, detail, extra=extra)
+            case Notice():
+                if effect.room is not None:
+                    # At the notice's own level, with its text as the host logs it (a reader can pair them).
+                    extra = self._fields(event="notice", room=effect.room)
+                    _trace.log(_NOTICE_LEVELS[effect.level], "%s", effect.text, extra=extra)
+            case ForgetPeer():
+                _trace.debug("%s", effect, extra=self._fields(event="forget"))
+            case DropLayers():
+                _trace.debug("%s", effect, extra=self._fields(event="drop_layers", room=effect.room))
+            case SubmitFence():
+                _trace.debug("%s", effect, extra=self._fields(event="fence", room=effect.room))
+            case CutConnections():
+                _trace.debug("%s", effect, extra=self._fields(event="cut", room=effect.room))
+            case _:
+                assert_never(effect)
 
 
 def _reason(message: Message) -> str | None:

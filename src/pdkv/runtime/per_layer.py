@@ -85,7 +85,7 @@ from pdkv.mapping import (
     TransferBlocks,
 )
 from pdkv.protocol import arguments
-from pdkv.protocol.effects import ChunkSpec, Destination, FenceWrite
+from pdkv.protocol.effects import ChunkSpec, Destination, FenceWrite, PeerKey
 from pdkv.protocol.ids import RoomId
 from pdkv.protocol.layers import LayerBook, LayerBookStatistics, LayerContext, Verdict
 from pdkv.protocol.machines import PerLayerState, PerLayerTrigger
@@ -163,16 +163,22 @@ ReadyWait: TypeAlias = Callable[[], object] | SupportsSynchronize
 """What ``on_layer_end`` waits on before submitting a layer: a callable (``threading.Event.wait``) or a
 device event. CPU callers pass nothing: the write is complete when ``on_layer_end`` is called."""
 
-LayerDestinationsOf: TypeAlias = Callable[[RoomId, IntArray, int], tuple[Destination, ...] | str]
-"""The endpoint's ruling on a chunk registered for per-layer transfer (called with ``guard`` held):
-its destinations, or why it goes monolithic (``PrefillEndpoint.layer_destinations``)."""
+class LayerDestinationsOf(Protocol):
+    """The endpoint's ruling on a chunk registered for per-layer transfer (called with ``guard`` held):
+    its destinations, or why it goes monolithic (``PrefillEndpoint.layer_destinations``). ``first``:
+    the room has no other context, so the chunk must start where the room's coverage starts."""
+
+    def __call__(
+        self, room: RoomId, pages: np.ndarray, start_token: int, *, first: bool = False
+    ) -> tuple[Destination, ...] | str: ...
 
 WritesStarted: TypeAlias = Callable[[RoomId, int], bool]
 """Before a context's first write: may the room still be written? (takes ``guard``)"""
 
-WritesEnded: TypeAlias = Callable[[RoomId, int, Mapping[str, FenceWrite]], None]
-"""Every write a context submitted has ended (takes ``guard``); with the fence of each destination
-session whose write failed (empty when none did)."""
+WritesEnded: TypeAlias = Callable[[RoomId, int, Mapping[PeerKey, FenceWrite]], None]
+"""Every write a context submitted has ended (takes ``guard``); with the fence owed to each decode rank
+(by the key the endpoint owes fences under, fixed when the context registered) whose write failed
+(empty when none did)."""
 
 LANE_IDLE_S: Final = 30.0  # a peer's submission lane stops after this long without work
 
@@ -420,7 +426,7 @@ class PerLayerTransferManager:
 
     def register(
         self,
-        room: RoomId,
+        room: RoomId | int,
         chunk_pages: IntArray | Sequence[int],
         *,
         start_token: int,
@@ -432,6 +438,7 @@ class PerLayerTransferManager:
         its first ``resident_pages`` pages already hold their KV (the forward does not write them)
         and are submitted now. Never waits on the network.
         """
+        room = arguments.checked_room(room)  # what sender() takes: a RoomId or an int
         if self._closed:
             raise TransportClosedError(f"per_layer.register of room {room}: the transport is closed")
         # A copy (the caller may reuse its array), checked: no duplicate may reach the engine.
@@ -449,7 +456,9 @@ class PerLayerTransferManager:
         if self._unsupported is not None:
             return self._fallback(room, start_token, self._unsupported)
         with self._guard:
-            ruling = self._layer_destinations(room, pages, start_token)  # MappingError: refused
+            with self._lock:
+                first = not self._book.contexts(room)
+            ruling = self._layer_destinations(room, pages, start_token, first=first)  # MappingError: refused
         if isinstance(ruling, str):
             return self._fallback(room, start_token, ruling)
         destinations = ruling
@@ -470,7 +479,9 @@ class PerLayerTransferManager:
         with self._guard:
             # The room may have failed (and been cancelled) while we planned: only a room that still
             # has the same destinations gets a context, atomically with the transport's failure path.
-            if self._layer_destinations(room, pages, start_token) != destinations:
+            with self._lock:
+                first = not self._book.contexts(room)
+            if self._layer_destinations(room, pages, start_token, first=first) != destinations:
                 return self._fallback(room, start_token, "the room changed while the chunk was planned")
             with self._lock:
                 if self._book.is_registered(room, start_token):
@@ -521,6 +532,8 @@ class PerLayerTransferManager:
         Only records and queues the event (never blocks the forward): the peer's submission lane waits
         for ``ready`` and submits the layer for every context the book routed it to.
         """
+        if self._closed:
+            raise TransportClosedError(f"per_layer.on_layer_end of layer {layer_id}: the transport is closed")
         key = LayerKey(model=model, layer_id=layer_id)
         if self._unsupported is None and key not in self._known_keys:
             known = ", ".join(map(str, self._keys[:8])) + (" ..." if len(self._keys) > 8 else "")
@@ -892,11 +905,12 @@ __all__ = [
 ]
 
 
-def _fences(work: _Work) -> dict[str, FenceWrite]:
-    """The fences owed for a context whose writes ended: one per destination session where a write
-    did not complete (and something was submitted)."""
+def _fences(work: _Work) -> dict[PeerKey, FenceWrite]:
+    """The fences owed for a context whose writes ended: one per decode rank where a write did not
+    complete (and something was submitted), keyed by the rank the context was registered for: the
+    room may have failed and the rank may be gone since, and the fence is owed all the same."""
     return {
-        peer: t.fence
-        for peer, t in work.targets.items()
+        t.destination.peer.key: t.fence
+        for t in work.targets.values()
         if t.fence is not None and (t.result is None or t.result.status is not JobStatus.COMPLETED)
     }

@@ -29,12 +29,13 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any, TypeVar, assert_never
 
 import attrs
 import numpy as np
 
 from pdkv import config
+from pdkv.config import tcp_address_problem
 from pdkv.control.auth import Authenticator
 from pdkv.control.channel import ChannelStatistics
 from pdkv.control.errors import ControlError
@@ -59,13 +60,13 @@ from pdkv.protocol import arguments
 from pdkv.protocol.config import Timeouts
 from pdkv.protocol.effects import (
     ChunkSpec,
-    CutConnections,
     Destination,
     DropLayers,
-    Effect,
     FenceWrite,
+    ForgetPeer,
+    Notice,
     PeerKey,
-    ReleasePages,
+    PrefillEffect,
     RoomFinished,
     Send,
     SubmitChunk,
@@ -74,9 +75,11 @@ from pdkv.protocol.effects import (
 from pdkv.protocol.ids import Endpoint, Epoch, InstanceId, RoomId, SessionId
 from pdkv.protocol.messages import (
     IntArray,
+    Message,
     Origin,
     RankAnnounce,
     RankCoord,
+    Register,
     StateIndices,
     TransferMetricData,
 )
@@ -104,6 +107,15 @@ PARTITION_DUMP = config.declare(
 _T = TypeVar("_T")
 
 
+def _ownership_policy(_: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if not all(callable(getattr(value, name, None)) for name in ("owner", "physical")) or not isinstance(
+        getattr(value, "cp_size", None), int
+    ):
+        raise ConfigError(
+            f"{attribute.name} must be an OwnershipPolicy (PageInterleaved, BlockCyclic ...), got {value!r:.60}"
+        )
+
+
 @attrs.frozen(kw_only=True)
 class PrefillConfig:
     """One prefill rank. ``registry`` is the bootstrap registry's address (``tcp://host:port``).
@@ -111,25 +123,27 @@ class PrefillConfig:
     The constructor reads no environment: ``PrefillConfig.from_env(...)`` takes the ``PDKV_*``
     overrides of the timeouts, the executor and the per-layer path (README, "Environment")."""
 
-    instance: InstanceId
-    rank: RankCoord
-    tp_size: int = attrs.field(validator=attrs.validators.ge(1))
-    cp_size: int = attrs.field(default=1, validator=attrs.validators.ge(1))
-    layout: BufferLayout
-    registry: str
-    host: str = "127.0.0.1"
-    ownership: OwnershipPolicy | None = None
+    instance: InstanceId = attrs.field(validator=config.non_empty_text)
+    rank: RankCoord = attrs.field(validator=config.instance_of(RankCoord))
+    tp_size: int = attrs.field(validator=config.positive_int)
+    cp_size: int = attrs.field(default=1, validator=config.positive_int)
+    layout: BufferLayout = attrs.field(validator=config.instance_of(BufferLayout))
+    registry: str = attrs.field(validator=config.non_empty_text)
+    host: str = attrs.field(default="127.0.0.1", validator=config.non_empty_text)
+    ownership: OwnershipPolicy | None = attrs.field(
+        default=None, validator=attrs.validators.optional(_ownership_policy)
+    )
     """CP shared-KV ownership (default: page-interleaved over ``cp_size``)."""
-    timeouts: Timeouts = attrs.field(factory=Timeouts)
-    executor: ExecutorConfig = attrs.field(factory=ExecutorConfig)
-    per_layer: PerLayerConfig = attrs.field(factory=PerLayerConfig)
-    epoch: Epoch = attrs.field(factory=new_epoch)
-    workers: int = attrs.field(default=2, validator=attrs.validators.ge(1))
-    queue_size: int = attrs.field(default=4096, validator=attrs.validators.ge(1))
-    shared_chunks: int = attrs.field(default=32, validator=attrs.validators.ge(1))
+    timeouts: Timeouts = attrs.field(factory=Timeouts, validator=config.instance_of(Timeouts))
+    executor: ExecutorConfig = attrs.field(factory=ExecutorConfig, validator=config.instance_of(ExecutorConfig))
+    per_layer: PerLayerConfig = attrs.field(factory=PerLayerConfig, validator=config.instance_of(PerLayerConfig))
+    epoch: Epoch = attrs.field(factory=new_epoch, validator=config.instance_of(int))
+    workers: int = attrs.field(default=2, validator=config.positive_int)
+    queue_size: int = attrs.field(default=4096, validator=config.positive_int)
+    shared_chunks: int = attrs.field(default=32, validator=config.positive_int)
     """Most chunks a transfer worker takes off its queue at once: the ones already queued (never
     waited for) go to each decode rank as one shared job (1: every chunk on its own)."""
-    register_memory: bool = True
+    register_memory: bool = attrs.field(default=True, validator=config.instance_of(bool))
     """Register every buffer of ``layout`` with the backend (False: the caller registered them)."""
 
     def __attrs_post_init__(self) -> None:
@@ -181,7 +195,7 @@ class _Written:
     last_completion_at: float
 
 
-class PrefillTransport(EndpointHost[PrefillEndpoint]):
+class PrefillTransport(EndpointHost[PrefillEndpoint, PrefillEffect]):
     """One prefill rank: registers its buffers, announces itself, and serves its rooms."""
 
     def __init__(
@@ -200,7 +214,9 @@ class PrefillTransport(EndpointHost[PrefillEndpoint]):
         self.backend = backend
         factory = channel_factory if channel_factory is not None else zmq_channel_factory()
         super().__init__(
-            PrefillEndpoint(origin=config.origin, layout=config.layout, timeouts=config.timeouts),
+            PrefillEndpoint(
+                origin=config.origin, layout=config.layout, timeouts=config.timeouts, policy=config.policy
+            ),
             factory(config.host),
             thread_name=f"pdkv-prefill-{config.rank}",
             logger=log,
@@ -208,6 +224,10 @@ class PrefillTransport(EndpointHost[PrefillEndpoint]):
         )
         self._executor = TransferExecutor(backend, config.executor, staging=staging)
         self._work: queue.Queue[SubmitChunk | SubmitFence | None] = queue.Queue(maxsize=config.queue_size)
+        if announce is None:  # the zmq registry: an address it can dial, checked now, not 30 s from now
+            problem = tcp_address_problem(self.config.registry)
+            if problem is not None:
+                raise ConfigError(f"PrefillConfig.registry {problem}")
         self._announce = announce if announce is not None else _default_announce()
         self._workers: list[threading.Thread] = []  # started by start(), new ones on a retried start
         self.per_layer = PerLayerTransferManager(
@@ -237,6 +257,8 @@ class PrefillTransport(EndpointHost[PrefillEndpoint]):
         completely: threads stopped, memory unregistered; it raises and may be retried.
         """
 
+        announce_timeout_s = arguments.seconds(announce_timeout_s, argument="announce_timeout_s", positive=True)
+
         def workers_and_announcement() -> None:
             self._workers = [
                 threading.Thread(
@@ -251,6 +273,16 @@ class PrefillTransport(EndpointHost[PrefillEndpoint]):
 
         layout = self.config.layout if self.config.register_memory else None
         self._start(self.backend, layout, then=workers_and_announcement, undo=self._stop_workers)
+
+    def _before_receive(self, message: Message) -> None:
+        """A decode rank's Register carries what this engine needs to write to it (NIXL's metadata):
+        the backend learns it before the endpoint answers. Metadata the engine refuses is logged; each
+        write to that rank then fails with the reason, and the control loop goes on."""
+        if isinstance(message, Register):
+            try:
+                self.backend.add_peer(message.session, message.engine_metadata)
+            except PdkvError as exc:
+                log.warning("engine metadata of decode rank %s refused: %s", message.origin, exc)
 
     def _announce_now(self, timeout_s: float) -> None:
         layout = self.config.layout
@@ -295,6 +327,7 @@ class PrefillTransport(EndpointHost[PrefillEndpoint]):
         after ``timeout_s`` (a stuck engine), it is reported (ERROR log, ``stuck_writes``) and the
         memory stays registered rather than raced.
         """
+        timeout_s = arguments.seconds(timeout_s, argument="timeout_s")
         if not self._begin_close("prefill transport closed"):
             return
         # Contexts waiting for layers that will never come release their workers, and every
@@ -337,35 +370,40 @@ class PrefillTransport(EndpointHost[PrefillEndpoint]):
 
     # ------------------------------------------------------------------ effects (lock held)
 
-    def _apply_effect(self, effect: Effect) -> None:
-        if isinstance(effect, Send):
-            self._loop.post(effect.to, effect.message)
-        elif isinstance(effect, SubmitChunk):
-            try:
-                self._work.put_nowait(effect)
-            except queue.Full:
-                # Never block the caller: the chunk fails, and with it the room (decode is told).
-                now = self._clock()
-                self._endpoint.start_chunk(effect.room, effect.chunk, now)
-                reason = f"transfer queue full ({self.config.queue_size} chunks)"
-                self._apply(self._endpoint.chunk_failed(effect.room, effect.chunk, reason, now))
-        elif isinstance(effect, RoomFinished):
-            if effect.poll is KVPoll.Success:
-                log.debug("room %s succeeded on prefill %s", effect.room, self.config.rank)
-                # Contexts that never wrote (none that wrote can be left: Success waited for them).
-                self.per_layer.cancel(effect.room, "room succeeded without this chunk")
-            else:
-                self.per_layer.cancel(effect.room, effect.reason or "room failed")
-        elif isinstance(effect, DropLayers):
-            self.per_layer.cancel(effect.room, effect.reason)
-        elif isinstance(effect, SubmitFence):
-            try:
-                self._work.put_nowait(effect)
-            except queue.Full:  # the AbortAck stays owed: the decode's next resent Abort fences again
-                reason = f"transfer queue full ({self.config.queue_size} chunks)"
-                self._apply(self._endpoint.fence_done(effect.room, effect.peer, False, reason, self._clock()))
-        elif isinstance(effect, (ReleasePages, CutConnections)):  # decode-side effects
-            raise AssertionError(f"prefill endpoint emitted {effect}")
+    def _apply_effect(self, effect: PrefillEffect) -> None:
+        match effect:
+            case Send():
+                self._loop.post(effect.to, effect.message)
+            case SubmitChunk():
+                try:
+                    self._work.put_nowait(effect)
+                except queue.Full:
+                    # Never block the caller: the chunk fails, and with it the room (decode is told).
+                    now = self._clock()
+                    self._endpoint.start_chunk(effect.room, effect.chunk, now)
+                    reason = f"transfer queue full ({self.config.queue_size} chunks)"
+                    self._apply(self._endpoint.chunk_failed(effect.room, effect.chunk, reason, now))
+            case RoomFinished():
+                if effect.poll is KVPoll.Success:
+                    log.debug("room %s succeeded on prefill %s", effect.room, self.config.rank)
+                    # Contexts that never wrote (none that wrote can be left: Success waited for them).
+                    self.per_layer.cancel(effect.room, "room succeeded without this chunk")
+                else:
+                    self.per_layer.cancel(effect.room, effect.reason or "room failed")
+            case DropLayers():
+                self.per_layer.cancel(effect.room, effect.reason)
+            case SubmitFence():
+                try:
+                    self._work.put_nowait(effect)
+                except queue.Full:  # the AbortAck stays owed: the decode's next resent Abort fences again
+                    reason = f"transfer queue full ({self.config.queue_size} chunks)"
+                    self._apply(self._endpoint.fence_done(effect.room, effect.peer, False, reason, self._clock()))
+            case Notice():
+                self._log_notice(effect)
+            case ForgetPeer():
+                self._forget_peer(effect)
+            case _:
+                assert_never(effect)
 
     # ------------------------------------------------------------------ transfer workers
 
@@ -436,17 +474,14 @@ class PrefillTransport(EndpointHost[PrefillEndpoint]):
         with self._lock:
             return self._endpoint.layer_writes_started(room, start_token, self._clock())
 
-    def _layer_writes_ended(self, room: RoomId, start_token: int, fences: Mapping[str, FenceWrite]) -> None:
+    def _layer_writes_ended(
+        self, room: RoomId, start_token: int, fences: Mapping[PeerKey, FenceWrite]
+    ) -> None:
         """Per-layer manager: every write of a context ended (it may release an AbortAck, a
-        RegisterAck or the room's Success); ``fences`` by destination session where one failed."""
+        RegisterAck or the room's Success); ``fences`` by decode rank where one failed."""
         with self._locked():
-            owed = {
-                d.peer.key: fences[d.peer.session]
-                for d in self._endpoint.destinations(room) or ()
-                if d.peer.session in fences
-            }
             self._apply(
-                self._endpoint.layer_writes_ended(room, start_token, self._clock(), fences=owed or None)
+                self._endpoint.layer_writes_ended(room, start_token, self._clock(), fences=fences or None)
             )
 
     def _run_fence(self, fence: SubmitFence) -> None:
@@ -735,7 +770,7 @@ class PrefillTransport(EndpointHost[PrefillEndpoint]):
             )
 
 
-class KVSender(RoomHandle[PrefillEndpoint]):
+class KVSender(RoomHandle[PrefillEndpoint, PrefillEffect]):
     """The scheduler's handle on one room of a prefill rank. Every call returns without network waits."""
 
     transport: PrefillTransport
@@ -814,7 +849,7 @@ def chunk_spec(
     return ChunkSpec(pages=pages, start_token=token, last=is_last, state=states)
 
 
-def _close(endpoint: PrefillEndpoint, room: RoomId, now: float) -> list[Effect]:
+def _close(endpoint: PrefillEndpoint, room: RoomId, now: float) -> list[PrefillEffect]:
     endpoint.close_room(room, now)
     return []
 

@@ -31,11 +31,12 @@ import itertools
 import random
 from collections import deque
 from collections.abc import Callable, Sequence
+from typing import assert_never
 
 import attrs
 import numpy as np
 
-from pdkv.mapping import LayerKey
+from pdkv.mapping import LayerKey, PageInterleaved
 from pdkv.mapping.layout import AttentionKind, BufferKind, BufferLayout, BufferSpec, ModelRole
 from pdkv.protocol import codec
 from pdkv.protocol.config import Timeouts
@@ -125,7 +126,8 @@ class FaultyLink:
     def __init__(self, faults: LinkFaults, rng: random.Random) -> None:
         self.faults = faults
         self._rng = rng
-        self._queue: list[tuple[float, int, Endpoint, list[bytes]]] = []
+        # (due, order, to, frames, sender, posted at)
+        self._queue: list[tuple[float, int, Endpoint, list[bytes], Endpoint | None, float]] = []
         self._order = itertools.count()
         self._posted = self._delivered = self._dropped = self._duplicated = 0
         self.cut: set[Endpoint] = set()
@@ -147,7 +149,7 @@ class FaultyLink:
         self._duplicated += copies - 1
         for _ in range(copies):
             when = now + self.faults.latency + self._rng.uniform(0.0, self.faults.max_delay)
-            heapq.heappush(self._queue, (when, next(self._order), to, frames))
+            heapq.heappush(self._queue, (when, next(self._order), to, frames, sender, now))
 
     def next_delivery(self) -> float | None:
         return self._queue[0][0] if self._queue else None
@@ -155,10 +157,22 @@ class FaultyLink:
     def due(self, now: float) -> list[tuple[Endpoint, Message]]:
         out: list[tuple[Endpoint, Message]] = []
         while self._queue and self._queue[0][0] <= now:
-            _, _, to, frames = heapq.heappop(self._queue)
+            _, _, to, frames, _sender, _posted = heapq.heappop(self._queue)
             self._delivered += 1
             out.append((to, codec.decode(frames)))
         return out
+
+    def drop_queued(self, to: Endpoint, sender: Endpoint, now: float) -> int:
+        """A socket from ``sender`` to ``to`` was dropped with what was queued on it (linger 0): what it
+        posted there at ``now`` (still in the socket's queue, not yet on the wire) is lost. Returns
+        how many messages."""
+        kept = [q for q in self._queue if not (q[2] == to and q[4] == sender and q[5] == now)]
+        lost = len(self._queue) - len(kept)
+        if lost:
+            self._queue = kept
+            heapq.heapify(self._queue)
+            self._dropped += lost
+        return lost
 
     def statistics(self) -> LinkStatistics:
         return LinkStatistics(
@@ -199,12 +213,23 @@ class _Write:
 
 @attrs.define(eq=False)
 class _Residue:
-    """Bytes of a failed write still queued in the prefill's engine: they land at ``lands_at`` unless a
-    fence write from the same rank completes first (the engine's per-peer queue is FIFO)."""
+    """Bytes of a failed write that can still land: they land at ``lands_at`` unless they are first
+    removed. While ``in_engine`` they are queued in the prefill's engine, which a completed fence
+    write from that rank drains (its per-peer queue is FIFO); a fence does not stop them, though:
+    they are then in a connection (an orphan socket retransmitting, a decode-side socket still
+    read), and only the decode's proven cut of that rank's host's connections ends them."""
 
     room: RoomId
     prefill: int
     lands_at: float
+    in_engine: bool = True
+
+
+@attrs.define(eq=False)
+class _CutInFlight:
+    room: RoomId
+    hosts: tuple[str, ...]
+    done_at: float
 
 
 @attrs.define(eq=False)
@@ -309,10 +334,15 @@ class EndpointPair:
     ``fail_write(room, chunk, prefill_index) -> bool`` injects engine failures; ``transfer_time``
     is how long each chunk's writes take. ``violations`` lists every breach of abort safety seen.
 
-    A failed write leaves bytes queued in the engine (as Mooncake's TCP transport does,
-    ``specs/mooncake-tcp-late-writes.md``): they land ``late_write_s`` later unless a fence write
-    (``SubmitFence``) from that rank completes first; landing after the room's safe release is a
-    violation. A fence fails while its rank is partitioned.
+    A failed write leaves bytes behind (as Mooncake's TCP transport does,
+    ``specs/mooncake-tcp-late-writes.md``): they land ``late_write_s`` later unless they are removed
+    first; landing after the room's safe release is a violation. A fence write (``SubmitFence``) from
+    that rank drains its engine queue but leaves them in a connection; only a cut of the connections
+    from that rank's host (``cuts_connections``: the decode cuts, ``CutConnections`` takes
+    ``cut_time``) removes them, unless ``cut_leaves_queued_bytes`` models a cut that proves nothing. A
+    fence fails while its rank is partitioned. ``ForgetPeer`` drops what its sender had queued for
+    that endpoint and not yet delivered, as a socket closed with linger 0 does: an effect emitted in
+    the wrong order around it is lost.
     """
 
     def __init__(
@@ -328,6 +358,9 @@ class EndpointPair:
         clock: FakeClock | None = None,
         notice_limit: int | None = None,
         late_write_s: float = 60.0,
+        cuts_connections: bool = False,
+        cut_leaves_queued_bytes: bool = False,
+        cut_time: float = 0.01,
     ) -> None:
         self.clock = clock if clock is not None else FakeClock()
         self.rng = random.Random(seed)
@@ -343,6 +376,7 @@ class EndpointPair:
                 origin=Origin(instance=self.prefill_instance, epoch=Epoch(1), rank=RankCoord(tp=0, cp=cp)),
                 layout=self.layout,
                 timeouts=self.timeouts,
+                policy=PageInterleaved(cp_size=cp_size),
             )
             for cp in range(cp_size)
         ]
@@ -354,7 +388,14 @@ class EndpointPair:
             session=self._decode_session,
             layout=self.layout,
             timeouts=self.timeouts,
+            cuts_connections=cuts_connections,
         )
+        self.cut_leaves_queued_bytes = cut_leaves_queued_bytes
+        """Model a cut that reports success while bytes queued in the destroyed sockets are still read
+        (the defect of a cut that counted the sockets' leaving the kernel table as proof)."""
+        self._cuts: list[_CutInFlight] = []
+        self.cut_time = cut_time
+        self.cuts_made = 0
         self._prefill_address = {Endpoint(f"inproc://prefill-{cp}"): cp for cp in range(cp_size)}
         self.prefill_endpoints = list(self._prefill_address)
         """Control address of each CP rank (kept by a restarted rank)."""
@@ -469,6 +510,7 @@ class EndpointPair:
         times += [x.at for x in self._pending_sends]
         times += [f.context.finish_deadline for f in self._finishers.values() if f.verdict is Verdict.WAIT]
         times += [f.done_at for f in self._fences] + [x.lands_at for x in self._residues]
+        times += [c.done_at for c in self._cuts]
         times += [t for t in self._partition_until.values() if t is not None]
         while self._scheduled and self._scheduled[0][0] <= self.clock.now:
             heapq.heappop(self._scheduled)  # already acted on by the step at or after that time
@@ -527,12 +569,22 @@ class EndpointPair:
         for f in [f for f in self._fences if f.done_at <= now]:
             self._fences.remove(f)
             ok = f.prefill not in self._partition_until
-            if ok:  # FIFO: every earlier queued byte of that rank is out (landed now, before any ack)
+            if ok:  # FIFO: every earlier queued byte of that rank left its engine, into a connection
                 self.fences_completed += 1
-                self._residues = [x for x in self._residues if x.prefill != f.prefill]
+                for x in self._residues:
+                    if x.prefill == f.prefill:
+                        x.in_engine = False
             if self.prefills[f.prefill] is f.endpoint:
                 reason = "" if ok else "partitioned"
                 self._apply(f"prefill{f.prefill}", f.endpoint.fence_done(f.room, f.peer, ok, reason, now))
+        for cut in [c for c in self._cuts if c.done_at <= now]:
+            self._cuts.remove(cut)
+            self.cuts_made += 1
+            if not self.cut_leaves_queued_bytes:  # every connection from those hosts is closed
+                self._residues = [
+                    x for x in self._residues if x.in_engine or self._prefill_host(x.prefill) not in cut.hosts
+                ]
+            self._apply("decode", self.decode.connections_cut(cut.room, True, "", now))
         for x in [x for x in self._residues if x.lands_at <= now]:
             self._residues.remove(x)
             self.late_writes_landed += 1
@@ -655,18 +707,25 @@ class EndpointPair:
             origin=attrs.evolve(old.origin, epoch=Epoch(old.origin.epoch + 1)),
             layout=self.layout,
             timeouts=self.timeouts,
+            policy=old.policy,
         )
         self.retired.append(old)
         self.prefills[cp] = new
+        # Writes of the old process in flight die with it in its engine, but what it had handed to
+        # the kernel is in sockets the kernel keeps sending (a process exit does not take in-flight
+        # bytes with it): they can still land, until the decode cuts that host's connections.
+        for room in {w.room for w in self._writes if w.prefill == cp} | {
+            w.room for w in self._layer_writes if w.prefill == cp
+        }:
+            self._residues.append(_Residue(room=room, prefill=cp, lands_at=now + self.late_write_s, in_engine=False))
         self._writes = [w for w in self._writes if w.prefill != cp]
         self._layer_writes = [w for w in self._layer_writes if w.prefill != cp]
         self._layer_events = [e for e in self._layer_events if e.prefill != cp]
         self._finishers = {k: f for k, f in self._finishers.items() if f.prefill != cp}
         self._pending_sends = [x for x in self._pending_sends if x.prefill != cp]
         self.layer_books[cp] = LayerBook(finish_timeout_s=self.timeouts.transfer)
-        # Its engine's queue dies with the process (bytes already in kernel sockets are the decode's
-        # connection cut's to end, which the pair does not model).
-        self._residues = [x for x in self._residues if x.prefill != cp]
+        # Its engine's queue dies with the process; bytes already in kernel sockets stay.
+        self._residues = [x for x in self._residues if x.prefill != cp or not x.in_engine]
         self._fences = [f for f in self._fences if f.prefill != cp]
         self._stale.extend(self._sent[cp])
         self._sent[cp].clear()
@@ -686,13 +745,19 @@ class EndpointPair:
         """Hand ``message`` to the endpoint at ``to`` now, bypassing the link (a replay, a forgery);
         its effects are carried out as usual and returned."""
         now = self.clock.now
+        effects: list[Effect]
         if to == self.decode_endpoint:
-            who, effects = "decode", self.decode.receive(message, now)
+            who, effects = "decode", list(self.decode.receive(message, now))
         else:
             cp = self._prefill_address[to]
-            who, effects = f"prefill{cp}", self.prefills[cp].receive(message, now)
+            who, effects = f"prefill{cp}", list(self.prefills[cp].receive(message, now))
         self._apply(who, effects)
         return effects
+
+    @staticmethod
+    def _prefill_host(cp: int) -> str:
+        """The engine host of CP rank ``cp`` (its session is ``prefill-<cp>:0``)."""
+        return f"prefill-{cp}"
 
     @property
     def decode_endpoint(self) -> Endpoint:
@@ -701,50 +766,45 @@ class EndpointPair:
     # ------------------------------------------------------------------ effects
 
     def _apply(self, who: str, effects: Sequence[Effect]) -> None:
+        """Carry out ``effects`` in the order the endpoint ``who`` emitted them, as the runtime does."""
         now = self.clock.now
+        sender = self.decode_endpoint if who == "decode" else self.prefill_endpoints[int(who.removeprefix("prefill"))]
         for e in effects:
-            if isinstance(e, Send):
-                if who == "decode":
-                    sender = self.decode_endpoint
-                    if isinstance(e.message, TransferRequest):
-                        self._requests.append((e.to, e.message))
-                else:
+            match e:
+                case Send():
+                    if who == "decode":
+                        if isinstance(e.message, TransferRequest):
+                            self._requests.append((e.to, e.message))
+                    else:
+                        self._sent[int(who.removeprefix("prefill"))].append((e.to, e.message))
+                    self.link.post(e.to, e.message, now, sender=sender)
+                case SubmitChunk():
+                    self._start_write(int(who.removeprefix("prefill")), e, now)
+                case RoomFinished():
+                    self.finished[(who, e.room)] = e
+                    if who != "decode":  # contexts of the room stop (those that never wrote, on Success)
+                        self.layer_books[int(who.removeprefix("prefill"))].cancel(e.room, e.reason or "room ended")
+                case ReleasePages():
+                    self._on_release(e, now)
+                case ForgetPeer():
+                    self.forgotten.append((who, e))
+                    self.link.drop_queued(e.endpoint, sender, now)
+                case DropLayers():
+                    self.layer_books[int(who.removeprefix("prefill"))].cancel(e.room, e.reason)
+                case SubmitFence():
                     cp = int(who.removeprefix("prefill"))
-                    sender = self.prefill_endpoints[cp]
-                    self._sent[cp].append((e.to, e.message))
-                self.link.post(e.to, e.message, now, sender=sender)
-            elif isinstance(e, SubmitChunk):
-                prefill = int(who.removeprefix("prefill"))
-                self._start_write(prefill, e, now)
-            elif isinstance(e, RoomFinished):
-                self.finished[(who, e.room)] = e
-                if who != "decode":  # contexts of the room stop (those that never wrote, on Success)
-                    self.layer_books[int(who.removeprefix("prefill"))].cancel(
-                        e.room, e.reason or "room ended"
+                    fence = _FenceInFlight(
+                        room=e.room, peer=e.peer, prefill=cp, endpoint=self.prefills[cp], done_at=now + self.transfer_time
                     )
-            elif isinstance(e, ReleasePages):
-                self._on_release(e, now)
-            elif isinstance(e, ForgetPeer):
-                self.forgotten.append((who, e))
-            elif isinstance(e, DropLayers):
-                self.layer_books[int(who.removeprefix("prefill"))].cancel(e.room, e.reason)
-            elif isinstance(e, SubmitFence):
-                cp = int(who.removeprefix("prefill"))
-                self._fences.append(
-                    _FenceInFlight(
-                        room=e.room,
-                        peer=e.peer,
-                        prefill=cp,
-                        endpoint=self.prefills[cp],
-                        done_at=now + self.transfer_time,
-                    )
-                )
-            elif isinstance(e, CutConnections):
-                pass  # the pair's decode is built without connection cutting
-            else:
-                self.notices_seen += 1
-                if self._notice_limit is None or len(self.notices) < self._notice_limit:
-                    self.notices.append(e)
+                    self._fences.append(fence)
+                case CutConnections():
+                    self._cuts.append(_CutInFlight(room=e.room, hosts=e.hosts, done_at=now + self.cut_time))
+                case Notice():
+                    self.notices_seen += 1
+                    if self._notice_limit is None or len(self.notices) < self._notice_limit:
+                        self.notices.append(e)
+                case _:
+                    assert_never(e)
 
     def _start_write(self, prefill: int, e: SubmitChunk, now: float) -> None:
         if not self.prefills[prefill].start_chunk(e.room, e.chunk, now):
@@ -864,7 +924,8 @@ class EndpointPair:
         the rank reports its layers one by one over ``layer_time``."""
         p = self.prefills[prefill]
         pages = np.asarray(spec.pages, dtype=np.int64)
-        ruling = p.layer_destinations(room, pages, spec.start_token)
+        first = not self.layer_books[prefill].contexts(room)
+        ruling = p.layer_destinations(room, pages, spec.start_token, first=first)
         if isinstance(ruling, str):
             return
         self.layer_books[prefill].register(

@@ -53,7 +53,9 @@ from pdkv.runtime.prefill import PrefillConfig, PrefillTransport
 from pdkv.runtime.staging import StagingConfig, StagingPool
 from pdkv.testing.synthetic import Capacity, ModelSpec, RankMemory
 
-PAIR_TIMEOUTS = Timeouts(bootstrap=20, waiting=20, inflight=20, transfer=20, abort_ack=5, register_retry=0.2)
+PAIR_TIMEOUTS = Timeouts(
+    bootstrap=20, waiting=20, inflight=20, transfer=20, abort_ack=5, register_retry=0.2, quarantine_settle=0.5
+)
 """Deadlines short enough for tests that wait on failure paths (the protocol's defaults are minutes)."""
 
 

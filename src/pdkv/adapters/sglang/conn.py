@@ -29,8 +29,8 @@ decode first meets that prefill.
 
 Must not block the scheduler thread on the network beyond what SGLang's own backends do (only
 ``try_ensure_parallel_info`` waits, briefly, as Mooncake's HTTP query does), must not import pdkv
-internals beyond the registry pieces named in ``_start_registry`` (pdkv has no public registry class
-yet), and must not change behaviour for any other SGLang backend.
+internals beyond the route query of ``try_ensure_parallel_info`` (``_query_route``: pdkv's public
+surface has no non-blocking route query), and must not change behaviour for any other SGLang backend.
 """
 
 from __future__ import annotations
@@ -68,13 +68,21 @@ from pdkv.adapters.sglang.translate import (
     prefix_pages_of,
     state_indices_for,
 )
-from pdkv.engine import MooncakeBackend, MooncakeConfig
+from pdkv.engine import MooncakeConfig, NixlConfig, make_backend
 from pdkv.errors import ConfigError, LocalProtocolError, MappingError, PdkvError
 from pdkv.mapping import AttentionKind, BufferLayout
 from pdkv.protocol import RoomId, Timeouts, room_id
-from pdkv.protocol.ids import Epoch, InstanceId
-from pdkv.protocol.messages import Message, Origin, RankCoord, RouteQuery
-from pdkv.runtime import DecodeConfig, DecodeTransport, KVReceiver, KVSender, PrefillConfig, PrefillTransport
+from pdkv.protocol.ids import InstanceId
+from pdkv.protocol.messages import Origin, RankCoord, RouteQuery
+from pdkv.runtime import (
+    DecodeConfig,
+    DecodeTransport,
+    KVReceiver,
+    KVSender,
+    PrefillConfig,
+    PrefillTransport,
+    Registry,
+)
 
 log = logging.getLogger(__name__)
 
@@ -179,6 +187,17 @@ def _mooncake_config(kv_args: KVArgs, host: str) -> MooncakeConfig:
     return attrs.evolve(config, **changes)
 
 
+def _nixl_config(kv_args: KVArgs) -> NixlConfig:
+    """``PDKV_NIXL_*`` settings; UCX's devices are SGLang's IB devices when ``--disaggregation-ib-device``
+    names some and ``PDKV_NIXL_UCX_NET_DEVICES`` does not."""
+    config = NixlConfig.from_env()
+    device = getattr(kv_args, "ib_device", None)
+    if "PDKV_NIXL_UCX_NET_DEVICES" not in os.environ and isinstance(device, str) and device:
+        names = ",".join(f"{d.strip()}:1" for d in device.split(",") if d.strip())
+        config = attrs.evolve(config, ucx_net_devices=names)
+    return config
+
+
 @attrs.frozen(kw_only=True)
 class PrefillInfo:
     """What SGLang's decode scheduler reads from ``prefill_info_table[bootstrap_addr]``."""
@@ -234,7 +253,10 @@ class PdkvKVManager(BaseKVManager):
         self.ready_waiter = ReadyWaiter(self.timeouts.waiting)
         """Chunks whose GPU event has not completed yet wait here (its thread starts on first use)."""
         self.enable_all_cp_ranks_for_transfer = False  # read by SGLang's prefill before host-tensor sends
-        backend = MooncakeBackend(_mooncake_config(args, self.host))
+        # The engine: PDKV_BACKEND (SGLang 0.5.23's --disaggregation-transfer-backend names pdkv itself).
+        self._backend = backend = make_backend(
+            host=self.host, mooncake=_mooncake_config(args, self.host), nixl=_nixl_config(args)
+        )
         self._prefill: PrefillTransport | None = None
         self._decode: DecodeTransport | None = None
         if mode is DisaggregationMode.PREFILL:
@@ -275,11 +297,13 @@ class PdkvKVManager(BaseKVManager):
             self._prefill.start()
 
     def close(self) -> None:
-        """Stop the transport (unregisters memory, closes sockets); the manager is unusable afterwards."""
+        """Stop the transport (unregisters memory, closes sockets) and its engine; the manager is unusable
+        afterwards."""
         self.ready_waiter.close()
         for transport in (self._prefill, self._decode):
             if transport is not None:
                 transport.close()
+        self._backend.close()  # the manager made it: its engine goes with the transport
 
     @property
     def prefill_transport(self) -> PrefillTransport:
@@ -720,49 +744,25 @@ class PdkvKVReceiver(BaseKVReceiver):
 
 
 class PdkvKVBootstrapServer(BaseKVBootstrapServer):
-    """The prefill instance's pdkv bootstrap registry, on SGLang's ``--disaggregation-bootstrap-port``.
+    """The prefill instance's pdkv bootstrap registry (``pdkv.Registry``), on SGLang's
+    ``--disaggregation-bootstrap-port``.
 
-    The instance's shape (TP, CP, page size, layout) is taken from the first rank that announces.
+    SGLang does not give its bootstrap server the instance's shape: the registry learns TP, CP, page size
+    and layout from the first rank that announces, and refuses later ranks that disagree.
     """
 
     def __init__(self, host: str, port: int) -> None:
         self.host = host
         self.port = int(port)
         self.instance = prefill_instance_id(host, self.port)
-        self._service = _start_registry(self.instance, host, self.port)
+        bind = "0.0.0.0" if host in ("", "0.0.0.0", "::") else host
+        self._registry = Registry(self.instance, host=bind, port=self.port).start()
 
     @property
     def address(self) -> str:
-        return str(self._service.address)
+        return self._registry.address
 
     def close(self) -> None:
-        self._service.stop()
+        self._registry.stop()
 
     # SGLang's bootstrap servers expose no stop; tests and embedders call close().
-
-
-def _start_registry(instance: InstanceId, host: str, port: int) -> Any:
-    """A bootstrap registry whose shape is learned from the first announcement.
-
-    ``pdkv.runtime.channels.start_registry`` needs the TP and CP sizes up front, which SGLang's bootstrap
-    server is not given; until pdkv offers a public registry class, this builds the same service from
-    the protocol's ``RouteBook`` and the runtime's codec.
-    """
-    from pdkv.control.auth import Authenticator
-    from pdkv.control.bootstrap import RegistryService
-    from pdkv.protocol.registry import RouteBook
-    from pdkv.runtime._host import new_epoch
-    from pdkv.runtime.channels import CODEC
-
-    book = RouteBook(Origin(instance=instance, epoch=Epoch(new_epoch()), rank=RankCoord(tp=0)))
-
-    def handle(message: Message) -> Message | None:
-        reply = book.handle(message)
-        for notice in book.take_notices():
-            log.info("pdkv registry %s: %s", instance, notice)
-        return reply
-
-    bind = "0.0.0.0" if host in ("", "0.0.0.0", "::") else host
-    service = RegistryService(CODEC, handle, host=bind, port=port, auth=Authenticator.from_env())
-    service.start()
-    return service

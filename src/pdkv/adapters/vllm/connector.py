@@ -32,6 +32,7 @@ full attention and MLA, tensor / pipeline / data / decode-context parallelism ab
 
 from __future__ import annotations
 
+import enum
 import logging
 import math
 import threading
@@ -57,8 +58,6 @@ from pdkv import (
     KVPoll,
     KVReceiver,
     KVSender,
-    MooncakeBackend,
-    MooncakeConfig,
     PdkvError,
     PerLayerMode,
     PrefillConfig,
@@ -69,6 +68,7 @@ from pdkv import (
 )
 from pdkv.adapters.vllm.layout import layout_from_kv_caches
 from pdkv.adapters.vllm.params import AdapterSettings, ConsumerParams, producer_transfer_id, room_for
+from pdkv.engine import TransferBackend, make_backend
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -166,7 +166,9 @@ def refuse_unsupported(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig |
         (
             int(parallel.tensor_parallel_size) > 1,
             f"tensor parallelism (tensor_parallel_size {parallel.tensor_parallel_size}): the adapter "
-            "describes each layer's blocks as opaque items, which needs one rank per instance",
+            "describes each layer's blocks as opaque items, which pdkv treats as replicas across TP ranks "
+            "(a rank's KV heads inside vLLM's CPU block, (2, heads, block, dim), are strided slices of K "
+            "and V that a pdkv buffer cannot describe yet), so it needs one rank per instance",
         ),
         (int(parallel.pipeline_parallel_size) > 1, "pipeline parallelism (pipeline_parallel_size > 1)"),
         (int(parallel.data_parallel_size) > 1, "data parallelism (data_parallel_size > 1)"),
@@ -315,22 +317,49 @@ class PdkvConnector(KVConnectorBase_V1):
 # --------------------------------------------------------------------------- scheduler side
 
 
+class Phase(enum.Enum):
+    """Where one request is in its life on the scheduler side (one phase per request, nothing else)."""
+
+    PRODUCING = "producing"
+    """Prefill: it asks for a remote decode (``do_remote_decode``); its prompt is not computed whole yet."""
+    LAYERED = "layered"
+    """Prefill: one forward computes its whole prompt and sends it layer by layer (the worker may hold
+    a sender already)."""
+    PREEMPTED = "preempted"
+    """Prefill: preempted after its per-layer forward; the worker failed its room."""
+    LOADING = "loading"
+    """Decode: the worker loads its prompt's blocks."""
+    AWAITING = "awaiting"
+    """Finished (or aborted while loading): vLLM holds its blocks until the worker reports it."""
+
+
+@attrs.define
+class _Tracked:
+    phase: Phase
+    transfer_id: str | int | None = None  # prefill: the router's transfer id
+    load: LoadSpec | None = None  # decode: what the worker loads
+
+
 class SchedulerSide:
-    """Which requests load (decode) or send (prefill); lives in vLLM's scheduler process, moves no bytes."""
+    """Which requests load (decode) or send (prefill); lives in vLLM's scheduler process, moves no bytes.
+
+    Each request the connector knows has one ``Phase``; a request leaves the book when nothing of it
+    remains to tell the worker or to wait for."""
 
     def __init__(self, settings: AdapterSettings, *, block_size: int, producer: bool, consumer: bool) -> None:
         self.settings = settings
         self.block_size = block_size
         self.producer = producer
         self.consumer = consumer
-        self._producing: dict[str, str | int] = {}  # req_id -> transfer id (do_remote_decode requests)
-        self._layered: set[str] = set()  # prefill requests whose worker may hold a sender already
-        self._preempted: set[str] = set()  # layered requests preempted since: their rooms were failed
-        self._loading: dict[str, LoadSpec] = {}  # decode loads handed to the worker, not yet finished
-        self._awaiting: set[str] = set()  # held blocks the worker has yet to report (sends, aborted loads)
+        self._requests: dict[str, _Tracked] = {}
         self._loads: list[LoadSpec] = []
         self._sends: list[SendSpec] = []
         self._aborts: list[AbortSpec] = []
+
+    def phase(self, req_id: str) -> Phase | None:
+        """The request's phase, None once the connector holds nothing of it."""
+        tracked = self._requests.get(req_id)
+        return None if tracked is None else tracked.phase
 
     def pages_for(self, num_tokens: int) -> int:
         return math.ceil(num_tokens / self.block_size)
@@ -349,10 +378,10 @@ class SchedulerSide:
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        if self.producer:
+        if self.producer and request.request_id not in self._requests:
             transfer_id = producer_transfer_id(request.kv_transfer_params, request.request_id)
             if transfer_id is not None:
-                self._producing[request.request_id] = transfer_id
+                self._requests[request.request_id] = _Tracked(Phase.PRODUCING, transfer_id=transfer_id)
         if not self.consumer or num_external_tokens <= 0:
             return
         params = self._consumer_params(request)
@@ -378,7 +407,7 @@ class SchedulerSide:
             prefix_pages=local // self.block_size,
         )
         self._loads.append(spec)
-        self._loading[request.request_id] = spec
+        self._requests[request.request_id] = _Tracked(Phase.LOADING, load=spec)
         # Asked once: a recompute after a failed load must not ask the prefill again.
         assert request.kv_transfer_params is not None
         request.kv_transfer_params["do_remote_prefill"] = False
@@ -393,8 +422,8 @@ class SchedulerSide:
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> PdkvConnectorMetadata:
         layer_saves: list[LayerSaveSpec] = []
         for new in scheduler_output.scheduled_new_reqs:
-            transfer_id = self._producing.get(new.req_id)
-            if transfer_id is None or new.prompt_token_ids is None:
+            tracked = self._requests.get(new.req_id)
+            if tracked is None or tracked.phase is not Phase.PRODUCING or new.prompt_token_ids is None:
                 continue
             computed = int(new.num_computed_tokens)
             scheduled = int(scheduler_output.num_scheduled_tokens.get(new.req_id, 0))
@@ -405,19 +434,19 @@ class SchedulerSide:
             layer_saves.append(
                 LayerSaveSpec(
                     req_id=new.req_id,
-                    room=room_for(transfer_id),
+                    room=room_for(tracked.transfer_id),
                     pages=tuple(int(b) for b in new.block_ids[0][:pages]),
                     resident_pages=computed // self.block_size,
                 )
             )
-            self._layered.add(new.req_id)
+            tracked.phase = Phase.LAYERED
         preempted: list[AbortSpec] = []
         for req_id in sorted(scheduler_output.preempted_req_ids or ()):
-            if req_id in self._layered:
+            tracked = self._requests.get(req_id)
+            if tracked is not None and tracked.phase is Phase.LAYERED:
                 # its prompt's blocks go back to the pool while layer writes may still read them
-                self._layered.discard(req_id)
-                self._preempted.add(req_id)
-                room = room_for(self._producing[req_id])
+                tracked.phase = Phase.PREEMPTED
+                room = room_for(tracked.transfer_id)
                 preempted.append(AbortSpec(req_id=req_id, room=room, reason=PREEMPTED))
         meta = PdkvConnectorMetadata(
             loads=tuple(self._loads),
@@ -431,31 +460,30 @@ class SchedulerSide:
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id
-        load = self._loading.pop(req_id, None)
-        if load is not None:
+        tracked = self._requests.get(req_id)
+        if tracked is None or tracked.phase is Phase.AWAITING:
+            return False, None
+        if tracked.phase is Phase.LOADING:
             # Aborted while loading: vLLM holds the blocks until the worker reports the request, which it
             # does once no prefill rank can write them any more.
-            self._aborts.append(AbortSpec(req_id=req_id, room=load.room, reason=ABORT_BY_DECODE))
-            self._awaiting.add(req_id)
+            assert tracked.load is not None
+            self._aborts.append(AbortSpec(req_id=req_id, room=tracked.load.room, reason=ABORT_BY_DECODE))
+            tracked.phase = Phase.AWAITING
             return False, None
-        transfer_id = self._producing.pop(req_id, None)
-        if transfer_id is None:
-            return False, None
+        transfer_id = tracked.transfer_id
         room = room_for(transfer_id)
-        layered = req_id in self._layered
-        preempted = req_id in self._preempted
-        self._layered.discard(req_id)
-        self._preempted.discard(req_id)
+        opened = tracked.phase in (Phase.LAYERED, Phase.PREEMPTED)  # the worker may hold a sender
         pages = self.pages_for(request.num_prompt_tokens)
-        if preempted or request.status not in _NORMAL_FINISH or len(block_ids) < pages:
-            if not (layered or preempted):
+        if tracked.phase is Phase.PREEMPTED or request.status not in _NORMAL_FINISH or len(block_ids) < pages:
+            if not opened:
+                del self._requests[req_id]
                 return False, None  # the worker never opened the room: nothing can read these blocks
             # the worker reports the (failed) room once its sender is terminal: hold until then
             self._aborts.append(AbortSpec(req_id=req_id, room=room, reason=ABORT_BY_PREFILL))
-            self._awaiting.add(req_id)
+            tracked.phase = Phase.AWAITING
             return True, None
         self._sends.append(SendSpec(req_id=req_id, room=room, pages=tuple(int(b) for b in block_ids[:pages])))
-        self._awaiting.add(req_id)
+        tracked.phase = Phase.AWAITING
         return True, {
             "do_remote_prefill": True,
             "do_remote_decode": False,
@@ -465,14 +493,15 @@ class SchedulerSide:
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         for req_id in connector_output.finished_sending or ():
-            self._awaiting.discard(req_id)
+            if self.phase(req_id) is Phase.AWAITING:
+                del self._requests[req_id]
         for req_id in connector_output.finished_recving or ():
-            self._loading.pop(req_id, None)
-            self._awaiting.discard(req_id)
+            if self.phase(req_id) in (Phase.LOADING, Phase.AWAITING):
+                del self._requests[req_id]
 
     def has_pending_work(self) -> bool:
         """Blocks held for the worker (a send, an aborted load): vLLM must keep stepping to free them."""
-        return bool(self._awaiting)
+        return any(t.phase is Phase.AWAITING for t in self._requests.values())
 
 
 # --------------------------------------------------------------------------- worker side
@@ -519,7 +548,7 @@ class WorkerSide:
         self.registry: Registry | None = None
         self.prefill: PrefillTransport | None = None
         self.decode: DecodeTransport | None = None
-        self._backend: MooncakeBackend | None = None
+        self._backend: TransferBackend | None = None
         self._out: dict[RoomId, _Outgoing] = {}
         self._in: dict[str, _Incoming] = {}
         self._layered_now: list[RoomId] = []  # rooms whose layers this step's forward reports
@@ -543,7 +572,7 @@ class WorkerSide:
             kv_caches, num_blocks=num_blocks, block_size=self.block_size
         )
         host = self.settings.host
-        self._backend = MooncakeBackend(attrs.evolve(MooncakeConfig.from_env(), local_hostname=host))
+        self._backend = make_backend(self.settings.backend, host=host)
         if self.producer:
             instance = InstanceId(self.settings.instance or f"vllm-prefill@{host}:{self.engine_id}")
             self.registry = Registry(

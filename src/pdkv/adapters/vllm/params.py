@@ -85,7 +85,8 @@ class AdapterSettings:
     address goes back to the router in ``remote_registry``). ``instance``: the pdkv instance id
     (default ``vllm-<role>@host:engine_id``). ``prefill_registry``: a consumer's default prefill
     registry. ``connect_timeout_s``: how long a consumer waits for a prefill registry before the
-    requests that need it fail (and are recomputed).
+    requests that need it fail (and are recomputed). ``backend``: the transfer engine, ``mooncake`` or
+    ``nixl`` (default: ``PDKV_BACKEND``, else mooncake; ``pdkv.engine.make_backend``).
     """
 
     host: str = "127.0.0.1"
@@ -93,6 +94,9 @@ class AdapterSettings:
     instance: str | None = None
     prefill_registry: str | None = None
     connect_timeout_s: float = 30.0
+    backend: str | None = attrs.field(
+        default=None, validator=attrs.validators.optional(attrs.validators.in_(("mooncake", "nixl")))
+    )
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> AdapterSettings:

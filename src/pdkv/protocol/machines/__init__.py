@@ -6,20 +6,30 @@ from typing import Any
 
 from pdkv.protocol.machines._base import Edge, MachineSpec, StateMachine
 from pdkv.protocol.machines.abort import (
-    DECODE_ABORT,
     PREFILL_ABORT,
-    DecodeAbortMachine,
-    DecodeAbortState,
-    DecodeAbortTrigger,
     PrefillAbortMachine,
     PrefillAbortState,
     PrefillAbortTrigger,
 )
+from pdkv.protocol.machines.decode_abort import (
+    DECODE_ABORT,
+    DecodeAbortInput,
+    DecodeAbortMachine,
+    DecodeAbortState,
+    DecodeAbortTrigger,
+)
 from pdkv.protocol.machines.chunk import CHUNK, ChunkMachine, ChunkState, ChunkTrigger
 from pdkv.protocol.machines.peer import PEER, PeerMachine, PeerState, PeerTrigger
 from pdkv.protocol.machines.per_layer import PER_LAYER, PerLayerMachine, PerLayerState, PerLayerTrigger
+from pdkv.protocol.machines.prefill_rank import (
+    PREFILL_RANK,
+    PrefillRankInput,
+    PrefillRankMachine,
+    PrefillRankState,
+)
 from pdkv.protocol.machines.room_receiver import (
     RECEIVER_ROOM,
+    ReceiverRoomInput,
     ReceiverRoomMachine,
     ReceiverRoomState,
     ReceiverRoomTrigger,
@@ -41,6 +51,7 @@ ALL_MACHINES: tuple[MachineSpec[Any, Any], ...] = (
     PREFILL_ABORT,
     PER_LAYER,
     PEER,
+    PREFILL_RANK,
 )
 
 __all__ = [
@@ -50,11 +61,13 @@ __all__ = [
     "PEER",
     "PER_LAYER",
     "PREFILL_ABORT",
+    "PREFILL_RANK",
     "RECEIVER_ROOM",
     "SENDER_ROOM",
     "ChunkMachine",
     "ChunkState",
     "ChunkTrigger",
+    "DecodeAbortInput",
     "DecodeAbortMachine",
     "DecodeAbortState",
     "DecodeAbortTrigger",
@@ -70,6 +83,10 @@ __all__ = [
     "PrefillAbortMachine",
     "PrefillAbortState",
     "PrefillAbortTrigger",
+    "PrefillRankInput",
+    "PrefillRankMachine",
+    "PrefillRankState",
+    "ReceiverRoomInput",
     "ReceiverRoomMachine",
     "ReceiverRoomState",
     "ReceiverRoomTrigger",

@@ -1,74 +1,212 @@
 """Receiver room: one room on one decode rank (DESIGN section 5).
 
-Every rule that moves a receiver room lives in this table; the endpoint decides *when* to fire.
+Every rule that moves a receiver room is a row below; ``DecodeEndpoint`` builds the step and finds
+the row. A failed room's pages are then the business of its abort handshake (``decode_abort``).
 
     BOOTSTRAPPING      waiting for registration with every target prefill rank (deadline: bootstrap)
     WAITING_FOR_INPUT  TransferRequests sent, no status yet (deadline: waiting)
     TRANSFERRING       some required prefill ranks reported Success, not all (deadline: transfer)
     SUCCESS            every required prefill rank reported Success
     FAILED             status Failed, timeout, rejection, peer lost or restarted, abort
+
+Inputs: ``targets_ready`` (every target rank registered), ``success`` / ``failed`` (a TransferStatus),
+``peer_abort`` (an Abort from a prefill rank), ``abort`` (the scheduler's), ``fail`` (decided by the
+endpoint: a deadline, a lost, restarted or refusing rank, no destination). A status is only heard
+from a rank that was sent the request (the others' are late, counted); only required (non-dummy)
+ranks' successes count.
 """
 
 from __future__ import annotations
 
-import enum
-
-from pdkv.protocol.machines._base import MachineSpec, StateMachine, edges
-from pdkv.protocol.machines._notes import EdgeNote, EdgeNotes
-
-
-class ReceiverRoomState(enum.Enum):
-    BOOTSTRAPPING = "bootstrapping"
-    WAITING_FOR_INPUT = "waiting_for_input"
-    TRANSFERRING = "transferring"
-    SUCCESS = "success"
-    FAILED = "failed"
-
-
-class ReceiverRoomTrigger(enum.Enum):
-    REQUESTS_SENT = "requests_sent"
-    PROGRESS = "progress"
-    ALL_SUCCEEDED = "all_succeeded"
-    FAIL = "fail"
-
+from pdkv.protocol.effects import Notice, NoticeLevel, RoomFinished, Send
+from pdkv.protocol.machines._base import MachineSpec, StateMachine, row
+from pdkv.protocol.machines._decode_side import (
+    AbortRecord,
+    AbortStep,
+    DecodeAbortInput,
+    PrefillRankState,
+    ReceiverRoomInput,
+    ReceiverRoomState,
+    RoomStep,
+    peer_text,
+)
+from pdkv.protocol.machines.decode_abort import DecodeAbortMachine
+from pdkv.protocol.messages import Abort, TransferMetricData, TransferRequest
+from pdkv.protocol.poll import KVPoll
 
 _S = ReceiverRoomState
-_T = ReceiverRoomTrigger
+_I = ReceiverRoomInput
+_LIVE = (_S.BOOTSTRAPPING, _S.WAITING_FOR_INPUT, _S.TRANSFERRING)
+_ASKED = (_S.WAITING_FOR_INPUT, _S.TRANSFERRING)
+_ENDED = (_S.SUCCESS, _S.FAILED)
+
+# ------------------------------------------------------------------------------------------ guards
+
+
+def not_asked(s: RoomStep) -> bool:
+    """The status comes from a rank this room never sent its request to."""
+    return s.sender not in s.room.armed
+
+
+def from_dummy(s: RoomStep) -> bool:
+    """A dummy target has nothing to report; its success is harmless but unexpected."""
+    return s.sender not in s.room.required
+
+
+def already_succeeded(s: RoomStep) -> bool:
+    return s.sender in s.room.succeeded
+
+
+def last_required(s: RoomStep) -> bool:
+    """This success completes the room: every required rank has now reported Success. (Only required
+    ranks are recorded, so equal sizes mean all: O(1) where comparing sets cost O(ranks) per status.)"""
+    return len(s.room.succeeded) + 1 == len(s.room.required)
+
+
+# ------------------------------------------------------------------------------------------ effects
+
+
+def send_requests(s: RoomStep) -> None:
+    """Every required rank gets the same request, every dummy the same dummy (which says the prefix
+    too: a replica's scheduler starts where the others do), built once; then the waiting deadline."""
+    r = s.room
+    request = TransferRequest(
+        origin=s.side.origin,
+        room=r.room,
+        dst_pages=r.dst_pages,
+        dst_aux_row=r.dst_aux_row,
+        dst_state=r.dst_state,
+        required_dst_info_num=r.required_dst_info_num,
+        prefix_pages=r.prefix_pages,
+    )
+    dummy: TransferRequest | None = None
+    for t in r.targets:
+        rank = s.side.rank(t.key)
+        assert rank is not None  # ready, or the row would not have run
+        message = request
+        if t.dummy:
+            if dummy is None:
+                dummy = TransferRequest(
+                    origin=s.side.origin,
+                    room=r.room,
+                    dst_pages=(),
+                    required_dst_info_num=r.required_dst_info_num,
+                    dummy=True,
+                    prefix_pages=r.prefix_pages,
+                )
+            message = dummy
+        r.armed.add(t.key)
+        s.side.emit(Send(to=rank.endpoint, message=message))
+    s.side.set_deadline(r, s.now + s.side.timeouts.waiting)
+
+
+def record_success(s: RoomStep) -> None:
+    assert s.sender is not None
+    s.room.succeeded.add(s.sender)
+    s.room.metric[s.sender] = s.metric if s.metric is not None else TransferMetricData()
+
+
+def arm_transfer_deadline(s: RoomStep) -> None:
+    s.side.set_deadline(s.room, s.now + s.side.timeouts.transfer)
+
+
+def finish_success(s: RoomStep) -> None:
+    s.room.deadline = None
+    s.side.count("rooms_succeeded")
+    s.side.emit(RoomFinished(room=s.room.room, poll=KVPoll.Success))
+
+
+def note_dummy_success(s: RoomStep) -> None:
+    who = "?" if s.sender is None else peer_text(s.sender)
+    s.side.emit(Notice(level=NoticeLevel.DEBUG, text=f"success from dummy target {who}", room=s.room.room))
+
+
+def count_late(s: RoomStep) -> None:
+    s.side.count("late_messages")
+    who = "?" if s.sender is None else peer_text(s.sender)
+    s.side.emit(
+        Notice(level=NoticeLevel.DEBUG, text=f"late message from {who} for room {s.room.room}", room=s.room.room)
+    )
+
+
+def fail_room(s: RoomStep) -> None:
+    """Fail the room and start its abort handshake with every prefill rank of the room: only a rank
+    that was told the destinations can write (dummies never do), so those are the ones whose ack
+    the pages wait for. A rank still registering is told once it acknowledges (it would drop our
+    message now); a rank being registered with again after silence (``tell_now``) is told at once,
+    on its rebuilt socket."""
+    r = s.room
+    assert s.cause is not None
+    r.failure, r.cause, r.failure_peer = s.reason, s.cause, s.sender
+    s.side.count("rooms_failed")
+    abort = AbortRecord(
+        machine=DecodeAbortMachine(f"room {r.room}"),
+        must_ack={t.key for t in r.targets if not t.dummy and t.key in r.armed},
+    )
+    r.abort = abort
+    s.side.emit(RoomFinished(room=r.room, poll=KVPoll.Failed, reason=s.reason, cause=s.cause))
+    s.side.emit(
+        Notice(level=NoticeLevel.WARNING, text=f"room {r.room} failed on decode {s.side.origin}: {s.reason}", room=r.room)
+    )
+    for t in r.targets:
+        rank = s.side.rank(t.key)
+        if rank is None:
+            continue
+        if rank.machine.state is PrefillRankState.READY or t.key == s.tell_now:
+            s.side.count("aborts_sent")
+            s.side.emit(Send(to=rank.endpoint, message=Abort(origin=s.side.origin, room=r.room, reason=s.reason)))
+        elif not t.dummy and rank.machine.state is PrefillRankState.REGISTERING:
+            abort.tell_later.add(t.key)
+    step = AbortStep(side=s.side, room=r, abort=abort, now=s.now)
+    if not abort.must_ack:
+        r.deadline = None
+        abort.machine.step(DecodeAbortInput.NOTHING_SENT, step)
+        return
+    s.side.set_deadline(r, s.now + s.side.timeouts.abort_ack)
+    s.side.schedule_abort_resend(r, s.now)
+
+
+# ------------------------------------------------------------------------------------------ rows
 
 RECEIVER_ROOM = MachineSpec(
     name="ReceiverRoom",
     states=ReceiverRoomState,
-    triggers=ReceiverRoomTrigger,
+    triggers=ReceiverRoomInput,
     initial=_S.BOOTSTRAPPING,
     edges=(
-        edges(_T.REQUESTS_SENT, [_S.BOOTSTRAPPING], _S.WAITING_FOR_INPUT),
-        edges(_T.PROGRESS, [_S.WAITING_FOR_INPUT, _S.TRANSFERRING], _S.TRANSFERRING),
-        edges(_T.ALL_SUCCEEDED, [_S.WAITING_FOR_INPUT, _S.TRANSFERRING], _S.SUCCESS),
-        edges(_T.FAIL, [_S.BOOTSTRAPPING, _S.WAITING_FOR_INPUT, _S.TRANSFERRING], _S.FAILED),
+        row(_I.TARGETS_READY, _S.BOOTSTRAPPING, _S.WAITING_FOR_INPUT, then=[send_requests]),
+        row(_I.SUCCESS, _ENDED, None, then=[count_late]),
+        row(_I.SUCCESS, _S.BOOTSTRAPPING, None, then=[count_late]),  # nobody was asked yet
+        row(_I.SUCCESS, _ASKED, None, when=not_asked, then=[count_late]),
+        row(_I.SUCCESS, _ASKED, None, when=from_dummy, then=[note_dummy_success]),
+        row(_I.SUCCESS, _ASKED, None, when=already_succeeded),
+        row(_I.SUCCESS, _ASKED, _S.SUCCESS, when=last_required, then=[record_success, finish_success]),
+        row(_I.SUCCESS, _S.WAITING_FOR_INPUT, _S.TRANSFERRING, then=[record_success, arm_transfer_deadline]),
+        row(_I.SUCCESS, _S.TRANSFERRING, None, then=[record_success]),
+        row(_I.FAILED, _ENDED, None, then=[count_late]),
+        row(_I.FAILED, _LIVE, None, when=not_asked, then=[count_late]),
+        row(_I.FAILED, _LIVE, _S.FAILED, then=[fail_room]),
+        row(_I.PEER_ABORT, _ENDED, None, then=[count_late]),
+        row(_I.PEER_ABORT, _LIVE, _S.FAILED, then=[fail_room]),
+        row(_I.ABORT, _ENDED, None),  # aborting a finished room changes nothing
+        row(_I.ABORT, _LIVE, _S.FAILED, then=[fail_room]),
+        row(_I.FAIL, _ENDED, None),
+        row(_I.FAIL, _LIVE, _S.FAILED, then=[fail_room]),
     ),
 )
 
 
-# Guards and effects of the edges, for the diagrams only (the endpoint decides and acts).
-RECEIVER_ROOM_NOTES = EdgeNotes(
-    RECEIVER_ROOM,
-    {
-        (_T.REQUESTS_SENT, _S.WAITING_FOR_INPUT): EdgeNote(
-            guard="every target registered",
-            effects=("send TransferRequest to each target", "arm waiting deadline"),
-        ),
-        (_T.PROGRESS, _S.TRANSFERRING): EdgeNote(
-            guard="Success from a required rank, others missing", effects=("arm transfer deadline",)
-        ),
-        (_T.ALL_SUCCEEDED, _S.SUCCESS): EdgeNote(guard="Success from every required rank"),
-        (_T.FAIL, _S.FAILED): EdgeNote(
-            guard="status Failed, abort, deadline, peer lost or restarted",
-            effects=("send Abort to each ready target", "start DecodeAbort"),
-        ),
-    },
-)
-
-
-class ReceiverRoomMachine(StateMachine[ReceiverRoomState, ReceiverRoomTrigger]):
+class ReceiverRoomMachine(StateMachine[ReceiverRoomState, ReceiverRoomInput]):
     def __init__(self, label: str) -> None:
         super().__init__(RECEIVER_ROOM, label)
+
+
+ReceiverRoomTrigger = ReceiverRoomInput  # the name earlier code used
+
+__all__ = [
+    "RECEIVER_ROOM",
+    "ReceiverRoomInput",
+    "ReceiverRoomMachine",
+    "ReceiverRoomState",
+    "ReceiverRoomTrigger",
+]

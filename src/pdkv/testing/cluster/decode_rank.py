@@ -86,6 +86,7 @@ def _decode_rank(args: _RankArgs, conn: Connection) -> None:
                         dst,
                         int(aux[0]),
                         [StateIndices(kind=kind, indices=slots) for kind in spec.model.state_kinds],
+                        prefix_pages=room.prefix_pages,  # the positions this rank's cache already holds
                     )
                     active[room.room] = (room, receiver, dst, slots, aux, time.monotonic())
             seen = transport.progress()  # before the polls: a change during them ends the wait below

@@ -68,6 +68,10 @@ class ClusterSpec:
     peer kept at the engine's default queue (2,048): headroom for the engine. Under load (many ranks
     on few cores) a stream of small entries (MHA head slices, one per token) met "TCP lane
     queue-full" rejections with the budget equal to the queue. None: the engine's defaults."""
+    backend: str = "mooncake"
+    """The transfer engine of every rank (``pdkv.engine.BackendKind``: mooncake or nixl)."""
+    ucx_tls: str | None = None
+    """NIXL only: ``UCX_TLS`` of every rank (None: UCX's default, cma and tcp on one host)."""
     staging: StagingConfig | None = None
     """Each prefill rank's executor gathers scattered writes (MHA/GQA head slices towards a decode rank
     of a higher TP) into a staging pool of this shape (``pdkv.runtime.staging``); None: no pool."""
