@@ -109,6 +109,8 @@ if TYPE_CHECKING:
         PrefillConfig,
         PrefillTransport,
         Registry,
+        StagingConfig,
+        StagingPool,
     )
     from pdkv.runtime.consensus import (
         ConsensusError,
@@ -206,6 +208,8 @@ _EXPORTS: dict[str, str] = {
     "RemoteProtocolError": "pdkv.errors",
     "RoomId": "pdkv.protocol",
     "RouteUnavailableError": "pdkv.errors",
+    "StagingConfig": "pdkv.runtime",
+    "StagingPool": "pdkv.runtime",
     "StateIndices": "pdkv.protocol.messages",
     "Timeouts": "pdkv.protocol",
     "TopologyError": "pdkv.mapping.fanout",
@@ -317,6 +321,8 @@ __all__ = [
     "RemoteProtocolError",
     "RoomId",
     "RouteUnavailableError",
+    "StagingConfig",
+    "StagingPool",
     "StateIndices",
     "Timeouts",
     "TopologyError",

@@ -13,7 +13,8 @@ pages of aborted rooms get a canary after their safe release, checked at the end
 ``--mha``: K and V buffers split by KV heads over TP (``--kv-heads``, GQA: fewer heads than ranks
 replicate), heads described in the layout, so ``--tp`` and ``--decode-tp`` may differ in either
 direction; each decode rank checks its heads against the model's full layout, whichever prefill
-ranks wrote them.
+ranks wrote them. Prefill ranks gather head slices into a staging pool (``--no-staging``: off), so a
+decode rank of a higher TP receives whole pages as few large blocks.
 Shows progress, prints a summary table (``--json``: one JSON object per room plus a summary line),
 exits non-zero on any mismatch. The prefill ranks (CP x TP) run rank consensus over a gloo group
 (``--no-consensus`` turns it off): one rank's failure fails the room on every rank together.
@@ -43,6 +44,7 @@ from pdkv.mapping import AttentionKind, Topology, TopologyError
 from pdkv.protocol.ids import RoomId
 from pdkv.protocol.poll import KVPoll
 from pdkv.runtime import json_log
+from pdkv.runtime.staging import StagingConfig
 from pdkv.testing.cluster import AbortPlan, Cluster, ClusterSpec, RankReport, RequestPlan, RoomOutcome
 from pdkv.testing.synthetic import Capacity, ModelSpec
 
@@ -125,10 +127,15 @@ def summarize(
     for plan in plans:
         got = by_room.get(int(plan.room), [])
         decode = [o for o in got if o.side == "decode"]
-        all_ok = bool(decode) and all(o.poll == KVPoll.Success for o in decode)
+        # The room's outcome is the decode ranks' consensus, as a decode scheduler MIN-reduces KVPoll
+        # over its TP ranks: one Failed fails the room. With several decode ranks fed by different
+        # prefill TP ranks, a prefill-side abort can fail some decode ranks after others already
+        # succeeded (their prefill rank had finished); the room is then Failed, as planned.
+        consensus = min((KVPoll(o.poll) for o in decode), default=KVPoll.Failed)
+        all_ok = bool(decode) and consensus is KVPoll.Success
         planned_abort = plan.abort is not None
         # A planned abort may lose the race against a fast transfer: Success is fine then.
-        as_planned = all_ok or (planned_abort and all(o.poll == KVPoll.Failed for o in decode))
+        as_planned = all_ok or (planned_abort and consensus is KVPoll.Failed)
         succeeded += all_ok
         failed += not all_ok
         unexpected += not as_planned
@@ -280,6 +287,14 @@ def main(argv: Sequence[str] = ()) -> int:
         help="Mooncake MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER, pdkv's entry budget per peer staying 2,048 "
         "(default: the engine's; --mha: 16,384, headroom for a stream of per-token head slices)",
     )
+    parser.add_argument(
+        "--staging",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="--mha: prefill ranks gather head slices into a registered staging pool and send them as "
+        "few large blocks (default; PDKV_STAGING_* set its shape; --no-staging: one engine entry per "
+        "token and head slice)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--backend",
@@ -352,6 +367,7 @@ def main(argv: Sequence[str] = ()) -> int:
         engine_tcp_queue=args.engine_tcp_queue or (16384 if args.mha else None),
         backend=backend.value,
         ucx_tls=args.ucx_tls,
+        staging=StagingConfig.from_env() if args.mha and args.staging else None,
     )
     engine = f"NIXL (UCX_TLS={args.ucx_tls or 'all'})" if backend is BackendKind.NIXL else "Mooncake TCP"
     print(
@@ -359,7 +375,8 @@ def main(argv: Sequence[str] = ()) -> int:
         f"{engine} on 127.0.0.1; "
         f"{args.rooms} rooms, {model.layers} layers + {model.draft_layers} draft, page {model.page_size}, "
         f"{_kv_description(model, args.tp, args.decode_tp)}; "
-        f"{'per-layer' if args.per_layer else 'monolithic'} transfer, {args.layer_ms:g} ms compute per layer",
+        f"{'per-layer' if args.per_layer else 'monolithic'} transfer, {args.layer_ms:g} ms compute per layer"
+        f"{', staged head slices' if spec.staging is not None else ''}",
         file=sys.stderr,
     )
     started = time.monotonic()

@@ -11,7 +11,11 @@ Pure, vectorised numpy functions from "pages the scheduler knows" to "bytes the 
 - ``state``: state index clipping and state-layer compaction for index-skip models;
 - ``fanout``: TP fan-out (targets, dummy ranks, required_dst_info_num, statuses to wait for);
 - ``heads``: MHA/GQA across unequal TP: head ranges per rank, the head plan of a topology, and the
-  strided byte blocks (``head_blocks``; ``kv_blocks`` picks it or ``layer_blocks``).
+  strided byte blocks (``head_blocks``; ``kv_blocks`` picks it or ``layer_blocks``);
+- ``staging``: the staged gather (decode TP above prefill TP): scattered blocks whose destinations
+  are contiguous, cut into staging pieces, each a gather plan and a few large blocks;
+- ``landing``: the landing zone (decode TP below prefill TP): a decode's landing lease per source
+  rank and the scatter plan from it into the decode's pages (not wired into the transports yet).
 
 Inputs may be numpy arrays, integer sequences or CPU torch tensors; a tensor on an accelerator is a
 ``MappingError`` (never a hidden device-to-host copy). Every contract violation is a typed error
@@ -51,6 +55,7 @@ from pdkv.mapping.heads import (
     pair_head_buffers,
     rank_heads,
 )
+from pdkv.mapping.landing import LandingPlan, ScatterPlan, landing_slots, plan_landing, plan_scatter
 from pdkv.mapping.layout import (
     AttentionKind,
     BufferKind,
@@ -71,6 +76,13 @@ from pdkv.mapping.pages import (
     map_chunk,
 )
 from pdkv.mapping.runs import PagePairs, PageRuns, coalesce, expand
+from pdkv.mapping.staging import (
+    GatherPlan,
+    StagedPiece,
+    StagingSources,
+    plan_staged_pieces,
+    staged_entries,
+)
 from pdkv.mapping.state import (
     ClippedState,
     LayerKey,
@@ -90,11 +102,13 @@ __all__ = [
     "BufferSpec",
     "ClippedState",
     "DecodeFanout",
+    "GatherPlan",
     "HeadGeometry",
     "HeadPairs",
     "HeadPlan",
     "HeadRange",
     "ItemLayout",
+    "LandingPlan",
     "LayerKey",
     "MappedChunk",
     "ModelRole",
@@ -105,6 +119,9 @@ __all__ = [
     "PageRuns",
     "PrefillFanout",
     "PrefillTarget",
+    "ScatterPlan",
+    "StagedPiece",
+    "StagingSources",
     "StateLayerDifference",
     "StateLayerMap",
     "Topology",
@@ -125,17 +142,22 @@ __all__ = [
     "head_plan",
     "head_range",
     "kv_blocks",
+    "landing_slots",
     "layer_blocks",
     "layout_kv_heads",
     "map_chunk",
     "pair_buffers",
     "pair_head_buffers",
+    "plan_landing",
+    "plan_scatter",
+    "plan_staged_pieces",
     "prefill_fanout",
     "rank_heads",
     "required_dst_info_num",
     "runs_to_blocks",
     "shape_batches",
     "slice_blocks",
+    "staged_entries",
     "state_blocks",
     "state_layer_keys",
 ]

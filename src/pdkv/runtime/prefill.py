@@ -96,6 +96,7 @@ from pdkv.runtime.per_layer import (
     PerLayerStatistics,
     PerLayerTransferManager,
 )
+from pdkv.runtime.staging import StagingPool
 
 log = logging.getLogger(__name__)
 
@@ -205,7 +206,10 @@ class PrefillTransport(EndpointHost[PrefillEndpoint, PrefillEffect]):
         channel_factory: ChannelFactory | None = None,
         announce: Callable[[str, RankAnnounce, float], object] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        staging: StagingPool | None = None,
     ) -> None:
+        """``staging``: a pool over this rank's buffers, registered with ``backend``, that the executor
+        gathers scattered writes into (``pdkv.runtime.staging``); the caller closes it after ``close()``."""
         self.config = config
         self.backend = backend
         factory = channel_factory if channel_factory is not None else zmq_channel_factory()
@@ -218,7 +222,7 @@ class PrefillTransport(EndpointHost[PrefillEndpoint, PrefillEffect]):
             logger=log,
             clock=clock,
         )
-        self._executor = TransferExecutor(backend, config.executor)
+        self._executor = TransferExecutor(backend, config.executor, staging=staging)
         self._work: queue.Queue[SubmitChunk | SubmitFence | None] = queue.Queue(maxsize=config.queue_size)
         if announce is None:  # the zmq registry: an address it can dial, checked now, not 30 s from now
             problem = tcp_address_problem(self.config.registry)

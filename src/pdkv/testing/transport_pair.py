@@ -50,6 +50,7 @@ from pdkv.runtime.decode import DecodeConfig, DecodeTransport
 from pdkv.runtime.executor import ExecutorConfig
 from pdkv.runtime.per_layer import PerLayerConfig
 from pdkv.runtime.prefill import PrefillConfig, PrefillTransport
+from pdkv.runtime.staging import StagingConfig, StagingPool
 from pdkv.testing.synthetic import Capacity, ModelSpec, RankMemory
 
 PAIR_TIMEOUTS = Timeouts(
@@ -201,13 +202,17 @@ class MemoryRegistry:
 class TransportPair:
     """Prefill CP ranks and decode TP ranks of one model, wired in memory; ``start()`` registers them.
 
-    ``sockets=True`` wires them instead through real control sockets (zmq on 127.0.0.1, free ports) and
-    a real bootstrap registry thread, for tests of the socket layer itself (the bytes still go through
-    the loopback engine). ``decode_model`` gives the decode ranks another model (a layout mismatch).
+        ``sockets=True`` wires them instead through real control sockets (zmq on 127.0.0.1, free ports) and
+        a real bootstrap registry thread, for tests of the socket layer itself (the bytes still go through
+        the loopback engine). ``decode_model`` gives the decode ranks another model (a layout mismatch).
+
+        ``staging``: every prefill rank's executor gathers head slices through a ``StagingPool`` of that shape
+    (``staging`` lists the pools). With a model that describes KV heads, each decode rank holds its TP share
+    of the heads (the one prefill TP rank holds them all), so ``decode_tp`` > 1 slices every page.
 
     ``prefill_memory`` / ``decode_memory`` hold each rank's tensors (``RankMemory``: the prefill side is
-    filled with a recognisable pattern, ``pdkv.testing.synthetic.verify_room`` checks a room's bytes).
-    Closing (or leaving the ``with`` block) closes decode ranks first, then prefill ranks, then engines.
+        filled with a recognisable pattern, ``pdkv.testing.synthetic.verify_room`` checks a room's bytes).
+        Closing (or leaving the ``with`` block) closes decode ranks first, then prefill ranks, then engines.
     """
 
     def __init__(
@@ -227,6 +232,7 @@ class TransportPair:
         decode_instance: str = "decode-0",
         sockets: bool = False,
         fabric: str = "pair",
+        staging: StagingConfig | None = None,
     ) -> None:
         self.model = model if model is not None else ModelSpec(layers=3, page_size=16)
         self.prefill_instance = InstanceId(prefill_instance)
@@ -247,6 +253,7 @@ class TransportPair:
             self.registry_address = registry.address
             factory, announce, query = self.hub.channel, registry.announce, registry.query
         self.prefill_memory: list[RankMemory] = []
+        self.staging: list[StagingPool] = []  # one per prefill rank when ``staging`` is given
         self.prefill_backends: list[LoopbackBackend] = []
         self.prefills: list[PrefillTransport] = []
         for rank in range(cp):
@@ -268,16 +275,25 @@ class TransportPair:
             )
             self.prefill_memory.append(memory)
             self.prefill_backends.append(backend)
+            pool = None
+            if staging is not None:
+                sources = [memory.tensors[(b.model, b.kind, b.layer_id)] for b in memory.layout.buffers]
+                pool = StagingPool(backend, memory.layout, sources, staging)
+                self.staging.append(pool)
             self.prefills.append(
-                PrefillTransport(config, backend, channel_factory=factory, announce=announce)
+                PrefillTransport(config, backend, channel_factory=factory, announce=announce, staging=pool)
             )
         self.decode_memory: list[RankMemory] = []
         self.decode_backends: list[LoopbackBackend] = []
         self.decodes: list[DecodeTransport] = []
         for tp in range(decode_tp):
+            decode_spec = decode_model or self.model
             memory = RankMemory(
-                decode_model or self.model,
+                decode_spec,
                 decode_capacity or Capacity(kv_pages=256, state_slots=8, aux_rows=8),
+                # heads described: each decode rank holds its TP share of them (the prefill rank all)
+                tp_size=decode_tp if decode_spec.kv_heads is not None else 1,
+                tp_rank=tp if decode_spec.kv_heads is not None else 0,
             )
             backend = LoopbackBackend(fabric=self.fabric)
             config_d = DecodeConfig(
@@ -319,6 +335,8 @@ class TransportPair:
             d.close()
         for p in self.prefills:
             p.close()
+        for pool in self.staging:
+            pool.close()
         for b in [*self.prefill_backends, *self.decode_backends]:
             b.close()
         if self._registry_service is not None:

@@ -17,6 +17,7 @@ from pdkv.mapping import BufferKind, OwnershipPolicy, PageInterleaved, chunk_pag
 from pdkv.protocol.config import Timeouts
 from pdkv.protocol.ids import RoomId
 from pdkv.protocol.messages import Side
+from pdkv.runtime.staging import StagingConfig
 from pdkv.testing.faults import (
     FaultCounts,
     NetnsLayout,
@@ -71,6 +72,9 @@ class ClusterSpec:
     """The transfer engine of every rank (``pdkv.engine.BackendKind``: mooncake or nixl)."""
     ucx_tls: str | None = None
     """NIXL only: ``UCX_TLS`` of every rank (None: UCX's default, cma and tcp on one host)."""
+    staging: StagingConfig | None = None
+    """Each prefill rank's executor gathers scattered writes (MHA/GQA head slices towards a decode rank
+    of a higher TP) into a staging pool of this shape (``pdkv.runtime.staging``); None: no pool."""
     netns: NetnsLayout | None = None
     """Run prefill ranks (and the registry) in one network namespace and decode ranks in another,
     joined by a veth pair, so a test can partition them (``NetnsLayout.partition``)."""
@@ -205,6 +209,10 @@ class RankReport:
     """Prefill: chunk writes to decode ranks (one per chunk and destination with bytes)."""
     write_jobs: int = 0
     """Prefill: transfer jobs those writes went in (``writes / write_jobs`` rooms shared a job on average)."""
+    staged_writes: int = 0
+    """Prefill: writes its staging pool gathered (``ClusterSpec.staging``); 0 without a pool."""
+    staging_leased_at_end: int = 0
+    """Prefill: staging bytes still leased or quarantined at its final report (must be 0)."""
     cpu_s: dict[str, float] = attrs.Factory(dict)
     """CPU seconds from the end of the rank's start-up to its final report, by thread group
     (``_rank.thread_cpu``)."""
