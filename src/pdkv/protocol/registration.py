@@ -1,0 +1,75 @@
+"""A prefill rank's answer to a decode rank's Register, under its layout policy.
+
+Owns: ``answer_register`` (pure: the two layouts and the policy in, the reply and its log line out)
+and ``RegisterAnswer``. The prefill endpoint's registration row calls it and carries out the answer:
+it sends ``reply``, keeps ``compatibility`` in its record of the decode rank (what the pair's transfers
+leave out), and emits ``warning`` once for that pair (when the record is new, or its layout changed;
+not for a repeated Register of a registered rank). Must not hold registration state (draining,
+epochs, the peer machine): those rules are the endpoint's rows. No I/O, no clock.
+
+The decision is ``pdkv.mapping.layout_policy.compatibility(prefill layout, decode layout, policy)``:
+refused -> ``RegisterReject`` naming the difference (both lists); accepted -> ``RegisterAck`` naming
+the buffers each side leaves out (both empty when the layouts match). The decode rank applies its own
+policy to the ack (a strict decode refuses a pair that leaves buffers out), so either side being
+strict keeps a deployment strict.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from pdkv.mapping.layout import BufferLayout
+from pdkv.mapping.layout_policy import LayoutCompatibility, LayoutPolicy, compatibility
+from pdkv.protocol.effects import Notice, NoticeLevel
+from pdkv.protocol.messages import MAX_REASON_CHARS, Origin, Register, RegisterAck, RegisterReject
+
+
+@attrs.frozen(kw_only=True)
+class RegisterAnswer:
+    """What a prefill rank answers one Register: the decision (from its own side), the reply to send,
+    and the WARNING for a pair whose transfers leave buffers out (None otherwise)."""
+
+    compatibility: LayoutCompatibility
+    reply: RegisterAck | RegisterReject
+    warning: Notice | None = None
+
+    @property
+    def accepted(self) -> bool:
+        return isinstance(self.reply, RegisterAck)
+
+
+def answer_register(
+    origin: Origin, layout: BufferLayout, register: Register, policy: LayoutPolicy
+) -> RegisterAnswer:
+    """The reply of the prefill rank ``origin`` (buffers ``layout``) to ``register`` under ``policy``.
+
+    ``RegisterReject`` (fatal, ``retry`` False) reads ``layout mismatch with prefill <origin>: <the
+    difference>``, as it always did; ``RegisterAck`` carries ``prefill_left_out`` (buffers of
+    ``layout`` the transfers to that decode rank leave out) and ``decode_left_out`` (the decode's
+    buffers nothing writes).
+    """
+    decision = compatibility(layout, register.layout, policy)
+    if decision.refusal is not None:
+        reason = _clip(f"layout mismatch with prefill {origin}: {decision.refusal}")
+        return RegisterAnswer(compatibility=decision, reply=RegisterReject(origin=origin, reason=reason))
+    ack = RegisterAck(
+        origin=origin, prefill_left_out=decision.left_out_mine, decode_left_out=decision.left_out_theirs
+    )
+    warning = None
+    if decision.degraded:
+        warning = Notice(
+            level=NoticeLevel.WARNING,
+            text=_clip(
+                f"decode rank {register.origin} registered with a layout that differs in draft-model "
+                f"buffers: {decision.describe(here='this prefill', there='that decode')}; its rooms "
+                "are served without them"
+            ),
+        )
+    return RegisterAnswer(compatibility=decision, reply=ack, warning=warning)
+
+
+def _clip(text: str) -> str:
+    return text if len(text) <= MAX_REASON_CHARS else text[: MAX_REASON_CHARS - 3] + "..."
+
+
+__all__ = ["RegisterAnswer", "answer_register"]
