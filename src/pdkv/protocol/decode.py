@@ -283,6 +283,12 @@ class DecodeEndpoint(RoomKeeper[ReceiverRoom]):
         rank = self._ranks.get(target.key)
         return rank.reason if rank is not None and rank.machine.state is PrefillRankState.REJECTED else None
 
+    def peer_ack(self, target: Target) -> RegisterAck | None:
+        """The RegisterAck ``target``'s prefill rank registered this rank with (None before one): what
+        their transfers leave out."""
+        rank = self._ranks.get(target.key)
+        return None if rank is None else rank.ack
+
     def peer_session(self, target: Target) -> SessionId | None:
         rank = self._ranks.get(target.key)
         return None if rank is None else rank.session
