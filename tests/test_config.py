@@ -120,3 +120,12 @@ def test_layout_policy_comes_from_pdkv_layout_policy_on_both_sides() -> None:
             cls.from_env({"PDKV_LAYOUT_POLICY": "lenient"}, **fields)
         with pytest.raises(ConfigError, match="layout_policy"):
             cls(**fields, layout_policy="strict")  # type: ignore[arg-type]  # the wrong type on purpose
+
+
+def test_layout_policy_from_env_for_configs_built_field_by_field() -> None:
+    from pdkv.runtime import layout_policy_from_env
+
+    assert layout_policy_from_env({}) is LayoutPolicy.DEGRADE_DRAFT
+    assert layout_policy_from_env({"PDKV_LAYOUT_POLICY": "STRICT"}) is LayoutPolicy.STRICT
+    with pytest.raises(ConfigError, match=r"PDKV_LAYOUT_POLICY='x' is not valid: 'x' is not a layout policy"):
+        layout_policy_from_env({"PDKV_LAYOUT_POLICY": "x"})

@@ -69,7 +69,15 @@ from pdkv.errors import (
     TransferError,
     TransportClosedError,
 )
-from pdkv.mapping import AttentionKind, BufferKind, BufferLayout, BufferSpec, ModelRole
+from pdkv.mapping import (
+    AttentionKind,
+    BufferKey,
+    BufferKind,
+    BufferLayout,
+    BufferSpec,
+    LayoutPolicy,
+    ModelRole,
+)
 from pdkv.mapping.fanout import (
     TopologyError,
 )
@@ -84,6 +92,7 @@ from pdkv.protocol import KVPoll, RoomId, Timeouts, room_id
 from pdkv.protocol.decode import DecodeStatistics
 from pdkv.protocol.effects import Failure, FailureCause, ReleaseKind
 from pdkv.protocol.prefill import PrefillStatistics
+from pdkv.protocol.registration import DraftSkipped
 from pdkv.protocol.ids import InstanceId
 from pdkv.protocol.messages import RankCoord, StateIndices
 from pdkv.runtime import (
@@ -122,6 +131,7 @@ __all__ = [
     "BackendStatistics",
     "BatchFailedError",
     "BatchTimedOutError",
+    "BufferKey",
     "BufferKind",
     "BufferLayout",
     "BufferSpec",
@@ -140,6 +150,7 @@ __all__ = [
     "DecodeTransportStatistics",
     "DiagramScenarioError",
     "DoubleFreeError",
+    "DraftSkipped",
     "EngineInitError",
     "EngineUnavailableError",
     "ExecutorConfig",
@@ -160,6 +171,7 @@ __all__ = [
     "KVTransferMetric",
     "LayoutError",
     "LayoutMismatchError",
+    "LayoutPolicy",
     "LocalProtocolError",
     "LoopbackBackend",
     "LoopbackFabric",
