@@ -82,7 +82,15 @@ if TYPE_CHECKING:
         TransferError,
         TransportClosedError,
     )
-    from pdkv.mapping import AttentionKind, BufferKind, BufferLayout, BufferSpec, ModelRole
+    from pdkv.mapping import (
+        AttentionKind,
+        BufferKey,
+        BufferKind,
+        BufferLayout,
+        BufferSpec,
+        LayoutPolicy,
+        ModelRole,
+    )
     from pdkv.mapping.fanout import (
         TopologyError,
     )
@@ -97,6 +105,7 @@ if TYPE_CHECKING:
     from pdkv.protocol.ids import InstanceId
     from pdkv.protocol.messages import RankCoord, StateIndices
     from pdkv.protocol.prefill import PrefillStatistics
+    from pdkv.protocol.registration import DraftSkipped
     from pdkv.runtime import (
         DecodeConfig,
         DecodeTransport,
@@ -136,6 +145,7 @@ _EXPORTS: dict[str, str] = {
     "BackendStatistics": "pdkv.engine.backend",
     "BatchFailedError": "pdkv.engine.backend",
     "BatchTimedOutError": "pdkv.engine.backend",
+    "BufferKey": "pdkv.mapping",
     "BufferKind": "pdkv.mapping",
     "BufferLayout": "pdkv.mapping",
     "BufferSpec": "pdkv.mapping",
@@ -153,6 +163,7 @@ _EXPORTS: dict[str, str] = {
     "DecodeTransport": "pdkv.runtime",
     "DecodeTransportStatistics": "pdkv.runtime.decode",
     "DiagramScenarioError": "pdkv.errors",
+    "DraftSkipped": "pdkv.protocol.registration",
     "DoubleFreeError": "pdkv.alloc.errors",
     "EngineInitError": "pdkv.engine.mooncake",
     "EngineUnavailableError": "pdkv.errors",
@@ -174,6 +185,7 @@ _EXPORTS: dict[str, str] = {
     "KVTransferMetric": "pdkv.metrics",
     "LayoutError": "pdkv.errors",
     "LayoutMismatchError": "pdkv.errors",
+    "LayoutPolicy": "pdkv.mapping",
     "LocalProtocolError": "pdkv.errors",
     "LoopbackBackend": "pdkv.engine",
     "LoopbackFabric": "pdkv.engine",
@@ -249,6 +261,7 @@ __all__ = [
     "BackendStatistics",
     "BatchFailedError",
     "BatchTimedOutError",
+    "BufferKey",
     "BufferKind",
     "BufferLayout",
     "BufferSpec",
@@ -267,6 +280,7 @@ __all__ = [
     "DecodeTransportStatistics",
     "DiagramScenarioError",
     "DoubleFreeError",
+    "DraftSkipped",
     "EngineInitError",
     "EngineUnavailableError",
     "ExecutorConfig",
@@ -287,6 +301,7 @@ __all__ = [
     "KVTransferMetric",
     "LayoutError",
     "LayoutMismatchError",
+    "LayoutPolicy",
     "LocalProtocolError",
     "LoopbackBackend",
     "LoopbackFabric",

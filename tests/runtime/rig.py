@@ -12,6 +12,7 @@ import pytest
 
 from pdkv.control.bootstrap import RegistryService
 from pdkv.engine.loopback import LoopbackConfig, LoopbackFaults
+from pdkv.mapping import DEFAULT_LAYOUT_POLICY, LayoutPolicy
 from pdkv.protocol.config import Timeouts
 from pdkv.protocol.ids import InstanceId
 from pdkv.protocol.messages import Message
@@ -54,6 +55,8 @@ class Rig(TransportPair):
         loopback_workers: int = 4,
         fan_out_min_layer_bytes: int | None = None,
         staging: StagingConfig | None = None,
+        prefill_policy: LayoutPolicy = DEFAULT_LAYOUT_POLICY,
+        decode_policy: LayoutPolicy = DEFAULT_LAYOUT_POLICY,
     ) -> None:
         per_layer = PerLayerConfig(finish_timeout_s=finish_timeout_s)
         if fan_out_min_layer_bytes is not None:
@@ -74,6 +77,8 @@ class Rig(TransportPair):
             sockets=True,
             fabric="rig",
             staging=staging,
+            prefill_policy=prefill_policy,
+            decode_policy=decode_policy,
         )
         self.spec = spec
 

@@ -3,6 +3,8 @@
 Pure, vectorised numpy functions from "pages the scheduler knows" to "bytes the engine moves":
 
 - ``layout``: buffer layouts (kind, model, layer id, base, length, bytes per item) of one rank;
+- ``layout_policy``: what a registration accepts (``compatibility`` under a ``LayoutPolicy``) and the
+  layouts a pair of ranks plans on when draft-model buffers are left out (``transfer_view``);
 - ``ownership`` and ``pages``: CP shared-KV ownership, chunk offsets (``chunk_page_start``), the
   pages a CP rank owns (``cp_owned``), and the exact position -> destination contract;
 - ``runs``: (src, dst) page pairs coalesced into runs contiguous on both sides;
@@ -65,6 +67,15 @@ from pdkv.mapping.layout import (
     ItemLayout,
     ModelRole,
 )
+from pdkv.mapping.layout_policy import (
+    DEFAULT_LAYOUT_POLICY,
+    BufferKey,
+    LayoutCompatibility,
+    LayoutPolicy,
+    TransferView,
+    compatibility,
+    transfer_view,
+)
 from pdkv.mapping.ownership import BlockCyclic, OwnershipPolicy, PageInterleaved
 from pdkv.mapping.pages import (
     MappedChunk,
@@ -94,8 +105,10 @@ from pdkv.mapping.state import (
 )
 
 __all__ = [
+    "DEFAULT_LAYOUT_POLICY",
     "AttentionKind",
     "BlockCyclic",
+    "BufferKey",
     "BufferKind",
     "BufferLayout",
     "BufferPairs",
@@ -110,6 +123,8 @@ __all__ = [
     "ItemLayout",
     "LandingPlan",
     "LayerKey",
+    "LayoutCompatibility",
+    "LayoutPolicy",
     "MappedChunk",
     "ModelRole",
     "OwnedPages",
@@ -127,6 +142,7 @@ __all__ = [
     "Topology",
     "TopologyError",
     "TransferBlocks",
+    "TransferView",
     "aux_blocks",
     "batch_bounds",
     "check_page_counts",
@@ -134,6 +150,7 @@ __all__ = [
     "clip_state",
     "coalesce",
     "compare_state_layers",
+    "compatibility",
     "cp_owned",
     "decode_fanout",
     "dst_for_positions",
@@ -160,4 +177,5 @@ __all__ = [
     "staged_entries",
     "state_blocks",
     "state_layer_keys",
+    "transfer_view",
 ]

@@ -14,6 +14,7 @@ The only layer that starts threads and owns clocks; it imports protocol, mapping
 alloc and metrics, and nothing imports it but the CLI, the demo and ``pdkv.testing``.
 """
 
+from pdkv.runtime._layout_policy import layout_policy_from_env
 from pdkv.runtime.channels import Registry
 from pdkv.runtime.decode import DecodeConfig, DecodeTransport, KVReceiver, RouteUnavailableError
 from pdkv.runtime.executor import (
@@ -59,4 +60,5 @@ __all__ = [
     "TransferJob",
     "TransferResult",
     "UnknownLayerError",
+    "layout_policy_from_env",
 ]

@@ -29,7 +29,7 @@ from pdkv.control.bootstrap import RegistryService
 from pdkv.control.channel import ChannelStatistics
 from pdkv.engine.loopback import LoopbackBackend, LoopbackConfig, LoopbackFabric
 from pdkv.errors import RegistryError, RemoteProtocolError
-from pdkv.mapping import PageInterleaved
+from pdkv.mapping import DEFAULT_LAYOUT_POLICY, LayoutPolicy, PageInterleaved
 from pdkv.protocol import codec
 from pdkv.protocol.config import Timeouts
 from pdkv.protocol.ids import Epoch, InstanceId
@@ -202,17 +202,19 @@ class MemoryRegistry:
 class TransportPair:
     """Prefill CP ranks and decode TP ranks of one model, wired in memory; ``start()`` registers them.
 
-        ``sockets=True`` wires them instead through real control sockets (zmq on 127.0.0.1, free ports) and
-        a real bootstrap registry thread, for tests of the socket layer itself (the bytes still go through
-        the loopback engine). ``decode_model`` gives the decode ranks another model (a layout mismatch).
+    ``sockets=True`` wires them instead through real control sockets (zmq on 127.0.0.1, free ports) and
+    a real bootstrap registry thread, for tests of the socket layer itself (the bytes still go through
+    the loopback engine). ``decode_model`` gives the decode ranks another model (a layout mismatch, or,
+    when only the draft model's buffers differ, a rolling deployment that ``prefill_policy`` and
+    ``decode_policy``, the two sides' layout policies, decide on).
 
-        ``staging``: every prefill rank's executor gathers head slices through a ``StagingPool`` of that shape
+    ``staging``: every prefill rank's executor gathers head slices through a ``StagingPool`` of that shape
     (``staging`` lists the pools). With a model that describes KV heads, each decode rank holds its TP share
     of the heads (the one prefill TP rank holds them all), so ``decode_tp`` > 1 slices every page.
 
     ``prefill_memory`` / ``decode_memory`` hold each rank's tensors (``RankMemory``: the prefill side is
-        filled with a recognisable pattern, ``pdkv.testing.synthetic.verify_room`` checks a room's bytes).
-        Closing (or leaving the ``with`` block) closes decode ranks first, then prefill ranks, then engines.
+    filled with a recognisable pattern, ``pdkv.testing.synthetic.verify_room`` checks a room's bytes).
+    Closing (or leaving the ``with`` block) closes decode ranks first, then prefill ranks, then engines.
     """
 
     def __init__(
@@ -233,6 +235,8 @@ class TransportPair:
         sockets: bool = False,
         fabric: str = "pair",
         staging: StagingConfig | None = None,
+        prefill_policy: LayoutPolicy = DEFAULT_LAYOUT_POLICY,
+        decode_policy: LayoutPolicy = DEFAULT_LAYOUT_POLICY,
     ) -> None:
         self.model = model if model is not None else ModelSpec(layers=3, page_size=16)
         self.prefill_instance = InstanceId(prefill_instance)
@@ -272,6 +276,7 @@ class TransportPair:
                 timeouts=timeouts,
                 executor=executor or ExecutorConfig(),
                 per_layer=per_layer or PerLayerConfig(),
+                layout_policy=prefill_policy,
             )
             self.prefill_memory.append(memory)
             self.prefill_backends.append(backend)
@@ -302,6 +307,7 @@ class TransportPair:
                 tp_size=decode_tp,
                 layout=memory.layout,
                 timeouts=timeouts,
+                layout_policy=decode_policy,
             )
             self.decode_memory.append(memory)
             self.decode_backends.append(backend)

@@ -88,6 +88,7 @@ def _prefill_rank(args: _RankArgs, conn: Connection) -> None:
         registry=args.registry,
         host=spec.host(Side.PREFILL),
         timeouts=spec.timeouts,
+        layout_policy=spec.prefill_layout_policy,
     )
     staging = None
     if spec.staging is not None:

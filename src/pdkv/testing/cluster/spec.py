@@ -13,7 +13,14 @@ import numpy as np
 import numpy.typing as npt
 
 from pdkv.alloc import PagePool
-from pdkv.mapping import BufferKind, OwnershipPolicy, PageInterleaved, chunk_page_start
+from pdkv.mapping import (
+    DEFAULT_LAYOUT_POLICY,
+    BufferKind,
+    LayoutPolicy,
+    OwnershipPolicy,
+    PageInterleaved,
+    chunk_page_start,
+)
 from pdkv.protocol.config import Timeouts
 from pdkv.protocol.ids import RoomId
 from pdkv.protocol.messages import Side
@@ -35,6 +42,12 @@ log = logging.getLogger(__name__)
 @attrs.frozen(kw_only=True)
 class ClusterSpec:
     model: ModelSpec = attrs.Factory(ModelSpec)
+    decode_model: ModelSpec | None = None
+    """The decode ranks' model when it differs from the prefill's (None: the same). Draft-model
+    differences only make a rolling deployment: the layout policies below decide on it; the decode
+    then checks that nothing wrote its draft buffers the prefill lacks."""
+    prefill_layout_policy: LayoutPolicy = DEFAULT_LAYOUT_POLICY
+    decode_layout_policy: LayoutPolicy = DEFAULT_LAYOUT_POLICY
     prefill_tp: int = 1
     prefill_cp: int = 1
     decode_tp: int = 1
@@ -93,6 +106,10 @@ class ClusterSpec:
     @property
     def policy(self) -> OwnershipPolicy:
         return PageInterleaved(cp_size=self.prefill_cp)
+
+    @property
+    def decode_spec(self) -> ModelSpec:
+        return self.model if self.decode_model is None else self.decode_model
 
 
 @attrs.frozen(kw_only=True)
@@ -174,6 +191,8 @@ class RoomOutcome:
     """``time.monotonic()`` when this rank saw the room terminal."""
     mode: str = ""
     """Prefill: how its chunks went: ``per_layer``, ``monolithic`` or ``mixed``."""
+    draft_skipped: str = ""
+    """Decode: ``receiver.draft_skipped()`` of a successful room, as text ("" when nothing was left out)."""
 
 
 @attrs.frozen(kw_only=True)
