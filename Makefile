@@ -68,7 +68,9 @@ $(VLLM_STAMPS): %/.pdkv-installed: pyproject.toml constraints.txt scripts/ensure
 demo: venv
 	$(PY) -m pdkv demo
 
-typecheck: venv
+# mypy reads the tests too, and the server tests import SGLang's serving closure (safetensors, tokenizers,
+# transformers): type-check with it installed, as pytest runs with it.
+typecheck: venv $(SGLANG)
 	$(PY) -m mypy
 
 lint-imports: venv

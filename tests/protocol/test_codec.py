@@ -8,7 +8,8 @@ Generated decode inputs in the default run (the issue asks for at least 10,000 a
   test_any_other_magic_is_rejected                        100
   test_mutated_head_layouts_decode_or_raise_remote_error  60 x 40 = 2,400 (version 2 heads)
   test_mutated_engine_metadata_decode_or_raise_remote_error 60 x 40 = 2,400 (version 5 metadata)
-  total                                                18,300
+  test_mutated_register_acks_decode_or_raise_remote_error   60 x 40 = 2,400 (version 6 left-out lists)
+  total                                                20,700
 plus 780 round-trip examples (60 per class, 60 for the buffer types) and every prefix and extension of
 every frame of one message. Every fuzz input must decode to a message that survives re-encoding, or
 raise RemoteProtocolError whose reason is not the decoder's catch-all (UNEXPECTED_FAILURE).
@@ -38,6 +39,7 @@ from pdkv.mapping.layout import (
     ItemLayout,
     ModelRole,
 )
+from pdkv.mapping.layout_policy import BufferKey
 from pdkv.protocol.codec import (
     HEADER,
     MAGIC,
@@ -73,7 +75,7 @@ from pdkv.protocol.messages import (
     TransferRequest,
     TransferStatus,
 )
-from tests.protocol.strategies import STRATEGY_BY_CLASS, messages
+from tests.protocol.strategies import STRATEGY_BY_CLASS, messages, register_acks
 
 Frames = list[bytes]
 
@@ -159,7 +161,7 @@ def test_type_codes_are_the_documented_stable_numbers() -> None:
 
 def test_golden_transfer_request_bytes() -> None:
     """Written by hand from the codec docstring; a change here is a change of the wire format."""
-    header = b"PDKV" + b"\x05\x00" + b"\x07\x00" + b"\x02\x00"  # version 5, type 7, two array frames
+    header = b"PDKV" + b"\x06\x00" + b"\x07\x00" + b"\x02\x00"  # version 6, type 7, two array frames
     body = (
         b"\x88"  # map of 8, keys in the documented order
         + b"\xa6origin"
@@ -188,8 +190,8 @@ def test_golden_transfer_request_bytes() -> None:
 def test_header_layout() -> None:
     frames = encode(Heartbeat(origin=ORIGIN, seq=1))
     assert len(frames) == 2
-    assert frames[0] == b"PDKV\x05\x00\x0b\x00\x00\x00"
-    assert HEADER.size == 10 and MAGIC == b"PDKV" and PROTOCOL_VERSION == 5
+    assert frames[0] == b"PDKV\x06\x00\x0b\x00\x00\x00"
+    assert HEADER.size == 10 and MAGIC == b"PDKV" and PROTOCOL_VERSION == 6
 
 
 @pytest.mark.parametrize(
@@ -260,9 +262,9 @@ def test_header_errors() -> None:
 
 def test_other_version_is_reported_before_the_header_size() -> None:
     """A later version may lengthen the header: the peer still learns it is a version mismatch."""
-    v6_header = MAGIC + struct.pack("<H", 6) + bytes(30)
-    reason = rejection([v6_header, b"whatever v6 sends"])
-    assert reason == "peer speaks protocol version 6, this side speaks version 5"
+    v7_header = MAGIC + struct.pack("<H", 7) + bytes(30)
+    reason = rejection([v7_header, b"whatever v7 sends"])
+    assert reason == "peer speaks protocol version 7, this side speaks version 6"
 
 
 def test_body_msgpack_errors() -> None:
@@ -747,7 +749,7 @@ def test_random_msgpack_bodies_raise_only_remote_error(
 def test_any_other_version_is_named_with_ours(message: Message, version: int) -> None:
     frames = encode(message)
     frames[0] = MAGIC + struct.pack("<H", version) + frames[0][6:]
-    assert rejection(frames) == f"peer speaks protocol version {version}, this side speaks version 5"
+    assert rejection(frames) == f"peer speaks protocol version {version}, this side speaks version 6"
 
 
 @settings(max_examples=100)
@@ -981,6 +983,74 @@ def test_mutated_engine_metadata_decode_or_raise_remote_error(metadata: bytes, s
     """60 x 40 more mutation chains, on Registers that carry engine metadata (the version 5 schema)."""
     rng = random.Random(seed)
     original: list[object] = list(encode(_register_with(metadata)))
+# ================================================================ version 6: what a RegisterAck leaves out
+
+_DRAFT_INDEX_K = BufferKey(model=ModelRole.DRAFT, kind=BufferKind.INDEX_K, layer_id=0)
+
+
+def test_golden_register_ack_bytes() -> None:
+    """A RegisterAck naming one prefill buffer left out, as written by hand from the codec docstring."""
+    ack = RegisterAck(origin=ORIGIN, prefill_left_out=[_DRAFT_INDEX_K])
+    frames = encode(ack)
+    assert frames[0] == HEADER.pack(b"PDKV", 6, 5, 0)
+    golden = (
+        b"\xb0prefill_left_out"
+        + b"\x91\x83"
+        + (b"\xa4kind" + b"\xa7index_k")
+        + (b"\xa5model" + b"\xa5draft")
+        + (b"\xa8layer_id" + b"\x00")
+        + (b"\xafdecode_left_out" + b"\x90")
+    )
+    assert frames[1].startswith(b"\x83\xa6origin") and frames[1].endswith(golden)
+    assert decode(frames) == ack
+
+
+@settings(max_examples=100)
+@given(ack=register_acks())
+def test_register_ack_round_trips_what_is_left_out(ack: RegisterAck) -> None:
+    back = decode(encode(ack))
+    assert isinstance(back, RegisterAck)
+    assert back.prefill_left_out == ack.prefill_left_out and back.decode_left_out == ack.decode_left_out
+
+
+def test_register_ack_left_out_is_validated_on_decode() -> None:
+    frames = encode(RegisterAck(origin=ORIGIN, decode_left_out=[_DRAFT_INDEX_K]))
+
+    def reason(key: str, value: object) -> str:
+        body = body_of(frames)
+        body[key] = value
+        return rejection(with_body(frames, body))
+
+    ref = {"kind": "index_k", "model": "draft", "layer_id": 0}
+    assert "decode_left_out lists a buffer twice: [draft index_k layer 0, draft index_k layer 0]" in reason(
+        "decode_left_out", [ref, ref]
+    )
+    assert "body.prefill_left_out[0].model must be one of ['target', 'draft'], got 'drafts'" in reason(
+        "prefill_left_out", [{**ref, "model": "drafts"}]
+    )
+    assert "invalid BufferRef: layer_id must be an int in [0, 2**63), got -1" in reason(
+        "prefill_left_out", [{**ref, "layer_id": -1}]
+    )
+    assert "prefill_left_out[0] has missing keys ['layer_id']" in reason(
+        "prefill_left_out", [{"kind": "kv", "model": "draft"}]
+    )
+    assert "body.prefill_left_out must be an array, got map" in reason("prefill_left_out", ref)
+    body = body_of(frames)
+    del body["prefill_left_out"], body["decode_left_out"]  # a version 4 RegisterAck
+    assert "has missing keys ['decode_left_out', 'prefill_left_out']" in rejection(with_body(frames, body))
+
+
+@settings(max_examples=60)
+@given(seed=st.integers(0, 2**32 - 1))
+def test_mutated_register_acks_decode_or_raise_remote_error(seed: int) -> None:
+    """60 x 40 more mutation chains on RegisterAcks that leave buffers out (the version 6 schema)."""
+    rng = random.Random(seed)
+    ack = RegisterAck(
+        origin=ORIGIN,
+        prefill_left_out=[_DRAFT_INDEX_K, attrs.evolve(_DRAFT_INDEX_K, layer_id=2**40)],
+        decode_left_out=[BufferKey(model=ModelRole.DRAFT, kind=BufferKind.KV, layer_id=1)],
+    )
+    original: list[object] = list(encode(ack))
     for _ in range(MUTATIONS_PER_MESSAGE):
         frames = original
         for _ in range(rng.choice([1, 1, 2, 3])):

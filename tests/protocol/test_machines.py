@@ -168,7 +168,8 @@ MOVES: dict[str, dict[tuple[Any, Any], set[Any]]] = {
         **{(s, DAI.RANK_READY): {None} for s in DecodeAbortState},
     },
     "PrefillRank": {
-        (PR.REGISTERING, PRI.REGISTER_ACK): {PR.READY},
+        # REJECTED: a strict decode refuses an ack that leaves draft buffers out
+        (PR.REGISTERING, PRI.REGISTER_ACK): {PR.READY, PR.REJECTED},
         (PR.READY, PRI.REGISTER_ACK): {None},
         (PR.REJECTED, PRI.REGISTER_ACK): {None},
         **{(s, PRI.REFUSED): {PR.REJECTED} for s in PrefillRankState},

@@ -54,6 +54,7 @@ class TransportCounter(enum.Enum):
     FENCES = "fences"
     WRITES = "writes"
     WRITE_JOBS = "write_jobs"
+    ROOMS_DRAFT_SKIPPED = "rooms_draft_skipped"
 
     @property
     def description(self) -> str:
@@ -66,6 +67,7 @@ class TransportGauge(enum.Enum):
 
     ROOMS_QUARANTINED = "rooms_quarantined"
     PAGES_QUARANTINED = "pages_quarantined"
+    DRAFT_BUFFERS_SKIPPED = "draft_buffers_skipped"
 
     @property
     def description(self) -> str:
@@ -77,6 +79,11 @@ GAUGE_DESCRIPTIONS: Final[Mapping[TransportGauge, str]] = {
         "Aborted rooms whose pages are held now because a prefill rank has not acknowledged the abort."
     ),
     TransportGauge.PAGES_QUARANTINED: "Destination pages of the quarantined rooms (not reusable yet).",
+    TransportGauge.DRAFT_BUFFERS_SKIPPED: (
+        "Draft-model buffers left out of the transfers (only one side of the pair registers them, "
+        "a rolling deployment under PDKV_LAYOUT_POLICY=degrade_draft), both sides' counted, summed "
+        "over the peer ranks registered now."
+    ),
 }
 
 
@@ -130,6 +137,10 @@ COUNTER_DESCRIPTIONS: Final[Mapping[TransportCounter, str]] = {
     TransportCounter.WRITE_JOBS: (
         "Transfer jobs those writes went in; writes / write_jobs is how many rooms' chunks shared a job."
     ),
+    TransportCounter.ROOMS_DRAFT_SKIPPED: (
+        "Decode: rooms that succeeded without some draft-model state (receiver.draft_skipped()): the "
+        "scheduler should not speculate from it."
+    ),
 }
 
 
@@ -164,6 +175,7 @@ class CounterValues:
     fences: int = 0
     writes: int = 0
     write_jobs: int = 0
+    rooms_draft_skipped: int = 0
 
     def __getitem__(self, counter: TransportCounter) -> int:
         value: int = getattr(self, counter.value)

@@ -6,10 +6,14 @@ beyond its fields: ``encode`` takes a validated message, ``decode`` returns one 
 ``messages`` validate themselves). ``decode`` is the trust boundary: for ANY input it returns a
 message or raises ``RemoteProtocolError``, never anything else.
 
-Wire format, version 5 (normative; another implementation can be written from this text)
+Wire format, version 6 (normative; another implementation can be written from this text)
 =========================================================================================
 
-Changes from version 4: ``Register`` gains the key ``engine_metadata`` (``bin``, at most 256 KiB),
+Changes from version 5: ``RegisterAck`` gains the keys ``prefill_left_out`` and ``decode_left_out``
+(lists of ``BufferRef``): the buffers of each side that the transfers of this pair of ranks leave out,
+as the prefill's layout policy allowed (draft-model buffers only one side registers, during a rolling
+deployment); both empty when the layouts match.
+Changes from version 4 to 5: ``Register`` gains the key ``engine_metadata`` (``bin``, at most 256 KiB),
 what the prefill's transfer engine needs beside the session to write into the decode's buffers (NIXL's
 agent metadata and registered regions; empty for Mooncake). It is the only ``bin`` value of the format.
 Changes from version 3 to 4: ``AbortAck`` gains the key ``fenced`` (bool): a write of the room to the
@@ -62,6 +66,8 @@ any value outside them. Nested records::
                                         page_size x head_count x head_bytes
     Layout      {"attention": str, "page_size": int, "buffers": [BufferSpec, ...]}
                                                     attention: mla mha; buffers in canonical order
+    BufferRef   {"kind": str, "model": str, "layer_id": int}
+                                        a buffer as both sides name it; values as in BufferSpec
     StateSlot   {"kind": str, "indices": ARRAY}     kind: index_k index_scale swa
     Metric      {"pages": int, "bytes": int, "seconds": float}
 
@@ -83,7 +89,8 @@ Bodies by type (key order as written)::
                        "layout_digest": str, "ranks": [RankRoute, ...], "complete": bool}
     4 Register        {"origin": Origin, "tp_size": int, "endpoint": str, "session": str, "layout": Layout,
                        "engine_metadata": bin}
-    5 RegisterAck     {"origin": Origin}
+    5 RegisterAck     {"origin": Origin, "prefill_left_out": [BufferRef, ...],
+                       "decode_left_out": [BufferRef, ...]}     no buffer twice in one list
     6 RegisterReject  {"origin": Origin, "reason": str, "retry": bool}
     7 TransferRequest {"origin": Origin, "room": int, "dst_pages": ARRAY, "dst_aux_row": int | nil,
                        "dst_state": [StateSlot, ...], "required_dst_info_num": int, "dummy": bool,
@@ -126,6 +133,7 @@ from pdkv.mapping.layout import (
     ItemLayout,
     ModelRole,
 )
+from pdkv.mapping.layout_policy import BufferKey
 from pdkv.protocol.ids import Endpoint, Epoch, InstanceId, RoomId, SessionId
 from pdkv.protocol.messages import (
     MAX_ENGINE_METADATA_BYTES,
@@ -151,7 +159,7 @@ from pdkv.protocol.messages import (
     TransferStatus,
 )
 
-PROTOCOL_VERSION: Final = 5
+PROTOCOL_VERSION: Final = 6
 MAGIC: Final = b"PDKV"
 HEADER: Final = struct.Struct("<4sHHH")  # magic, version, type code, number of array frames
 _MAGIC_AND_VERSION_BYTES: Final = 6  # the only header bytes whose position no future version may move
@@ -251,6 +259,10 @@ def _layout_body(layout: BufferLayout) -> dict[str, object]:
     }
 
 
+def _buffer_ref_body(key: BufferKey) -> dict[str, object]:
+    return {"kind": key.kind.value, "model": key.model.value, "layer_id": key.layer_id}
+
+
 def _message_body(msg: Message, arrays: list[bytes]) -> dict[str, object]:
     match msg:
         case RankAnnounce():
@@ -263,8 +275,14 @@ def _message_body(msg: Message, arrays: list[bytes]) -> dict[str, object]:
                 "page_size": msg.page_size,
                 "layout_digest": msg.layout_digest,
             }
-        case RouteQuery() | RegisterAck():
+        case RouteQuery():
             return {"origin": _origin_body(msg.origin)}
+        case RegisterAck():
+            return {
+                "origin": _origin_body(msg.origin),
+                "prefill_left_out": [_buffer_ref_body(k) for k in msg.prefill_left_out],
+                "decode_left_out": [_buffer_ref_body(k) for k in msg.decode_left_out],
+            }
         case RouteTable():
             return {
                 "origin": _origin_body(msg.origin),
@@ -508,6 +526,7 @@ _SPEC_KEYS: Final = frozenset({"kind", "model", "layer_id", "base_ptr", "length"
 _HEADS_KEYS: Final = frozenset({"kv_heads", "head_start", "head_count", "head_bytes", "item_layout"})
 _LAYOUT_KEYS: Final = frozenset({"attention", "page_size", "buffers"})
 _STATE_KEYS: Final = frozenset({"kind", "indices"})
+_BUFFER_REF_KEYS: Final = frozenset({"kind", "model", "layer_id"})
 _METRIC_KEYS: Final = frozenset({"pages", "bytes", "seconds"})
 
 
@@ -585,6 +604,18 @@ def _layout(fields: _Fields) -> BufferLayout:
     )
 
 
+def _buffer_ref(fields: _Fields) -> BufferKey:
+    # BufferKey raises LayoutError (a ValueError) for a layer id out of range: the peer's fault.
+    return _validated(
+        "BufferRef",
+        lambda: BufferKey(
+            model=fields.read_enum("model", ModelRole),
+            kind=fields.read_enum("kind", BufferKind),
+            layer_id=fields.read_int("layer_id"),
+        ),
+    )
+
+
 def _state_slot(fields: _Fields, arrays: _ArrayFrames) -> StateIndices:
     return _validated(
         "StateIndices",
@@ -656,7 +687,12 @@ def _decode_register(body: _Fields, _: _ArrayFrames) -> Register:
 
 
 def _decode_register_ack(body: _Fields, _: _ArrayFrames) -> RegisterAck:
-    return _validated("RegisterAck", lambda: RegisterAck(origin=_origin(body)))
+    prefill = tuple(_buffer_ref(item) for item in _items(body, "prefill_left_out", _BUFFER_REF_KEYS))
+    decode = tuple(_buffer_ref(item) for item in _items(body, "decode_left_out", _BUFFER_REF_KEYS))
+    return _validated(
+        "RegisterAck",
+        lambda: RegisterAck(origin=_origin(body), prefill_left_out=prefill, decode_left_out=decode),
+    )
 
 
 def _decode_register_reject(body: _Fields, _: _ArrayFrames) -> RegisterReject:
@@ -764,7 +800,7 @@ _WIRE_TYPES: Final = (
     _WireType(
         4, Register, _keys("tp_size", "endpoint", "session", "layout", "engine_metadata"), _decode_register
     ),
-    _WireType(5, RegisterAck, _keys(), _decode_register_ack),
+    _WireType(5, RegisterAck, _keys("prefill_left_out", "decode_left_out"), _decode_register_ack),
     _WireType(6, RegisterReject, _keys("reason", "retry"), _decode_register_reject),
     _WireType(
         7,

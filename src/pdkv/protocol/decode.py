@@ -36,6 +36,7 @@ import attrs
 
 from pdkv.errors import InvalidArgumentError, LocalProtocolError
 from pdkv.mapping.layout import BufferKind, BufferLayout
+from pdkv.mapping.layout_policy import DEFAULT_LAYOUT_POLICY, LayoutPolicy
 from pdkv.protocol import arguments
 from pdkv.protocol._deadlines import DeadlineQueue, Tombstones
 from pdkv.protocol._rooms import Counts, Heartbeats, RoomKeeper
@@ -88,6 +89,7 @@ from pdkv.protocol.messages import (
     index_array,
 )
 from pdkv.protocol.poll import KVPoll
+from pdkv.protocol.registration import DraftSkipped
 
 _POLL = {
     ReceiverRoomState.BOOTSTRAPPING: KVPoll.Bootstrapping,
@@ -142,9 +144,15 @@ class DecodeStatistics:
     """Prefill ranks that went silent for ``heartbeat_timeout`` (registered with again)."""
     peer_restarts: int = 0
     """Prefill ranks seen with a newer epoch."""
+    registrations_degraded: int = 0
+    """RegisterAcks accepted that leave draft-model buffers out (once per pair of ranks)."""
+    rooms_draft_skipped: int = 0
+    """Rooms that succeeded without some draft-model buffers (``receiver.draft_skipped()``)."""
+    draft_buffers_skipped: int = 0
+    """Draft buffers (both sides') left out, summed over the registered prefill ranks (a level)."""
 
 
-_LEVELS = ("rooms_open", "rooms_quarantined", "pages_quarantined")
+_LEVELS = ("rooms_open", "rooms_quarantined", "pages_quarantined", "draft_buffers_skipped")
 
 
 class DecodeEndpoint(RoomKeeper[ReceiverRoom]):
@@ -162,11 +170,20 @@ class DecodeEndpoint(RoomKeeper[ReceiverRoom]):
         layout: BufferLayout,
         timeouts: Timeouts | None = None,
         cuts_connections: bool = False,
+        layout_policy: LayoutPolicy = DEFAULT_LAYOUT_POLICY,
     ) -> None:
         """``cuts_connections``: the driver can end every engine connection from a host and will
         answer ``CutConnections`` with ``connections_cut`` (a quarantined room is then released as
-        soon as it is proven safe, instead of after ``quarantine_settle``)."""
+        soon as it is proven safe, instead of after ``quarantine_settle``). ``layout_policy``:
+        whether a RegisterAck that leaves draft buffers out is accepted (``STRICT``: refused)."""
+        if not isinstance(layout_policy, LayoutPolicy):
+            raise InvalidArgumentError(
+                f"layout_policy must be a LayoutPolicy, got {layout_policy!r}",
+                argument="layout_policy",
+                value=layout_policy,
+            )
         self.origin = origin
+        self.layout_policy = layout_policy
         self.cuts_connections = cuts_connections
         self.timeouts = timeouts if timeouts is not None else Timeouts()
         self.register_message = Register(
@@ -275,6 +292,12 @@ class DecodeEndpoint(RoomKeeper[ReceiverRoom]):
         rank = self._ranks.get(target.key)
         return rank.reason if rank is not None and rank.machine.state is PrefillRankState.REJECTED else None
 
+    def peer_ack(self, target: Target) -> RegisterAck | None:
+        """The RegisterAck ``target``'s prefill rank registered this rank with (None before one): what
+        their transfers leave out."""
+        rank = self._ranks.get(target.key)
+        return None if rank is None else rank.ack
+
     def peer_session(self, target: Target) -> SessionId | None:
         rank = self._ranks.get(target.key)
         return None if rank is None else rank.session
@@ -333,7 +356,8 @@ class DecodeEndpoint(RoomKeeper[ReceiverRoom]):
         return self._effects()
 
     def _on_register_ack(self, rank: PrefillRank, message: Message, now: float) -> None:
-        self._step_rank(rank, PrefillRankInput.REGISTER_ACK, now)
+        assert isinstance(message, RegisterAck)
+        self._step_rank(rank, PrefillRankInput.REGISTER_ACK, now, ack=message)
 
     def _on_register_reject(self, rank: PrefillRank, message: Message, now: float) -> None:
         assert isinstance(message, RegisterReject)
@@ -547,6 +571,18 @@ class DecodeEndpoint(RoomKeeper[ReceiverRoom]):
         r = self._rooms.get(room)
         return None if r is None or r.abort is None else r.abort.release
 
+    def draft_skipped(self, room: RoomId) -> DraftSkipped | None:
+        """What of the draft model the room's transfer leaves out (None: nothing, or not opened yet);
+        known once its requests went (WaitingForInput), final at Success."""
+        r = self._rooms.get(room)
+        return None if r is None else r.draft_skipped
+
+    def draft_buffers_skipped(self) -> int:
+        """Draft buffers of both sides left out, summed over the registered (READY) prefill ranks."""
+        return sum(
+            r.left_out_count for r in self._ranks.values() if r.machine.state is PrefillRankState.READY
+        )
+
     def metric(self, room: RoomId) -> dict[PeerKey, TransferMetricData]:
         """What each prefill rank reported writing (empty for a room not opened: nothing moved)."""
         r = self._rooms.get(room)
@@ -648,6 +684,7 @@ class DecodeEndpoint(RoomKeeper[ReceiverRoom]):
             rooms_open=sum(1 for r in self._rooms.values() if not r.terminal),
             rooms_quarantined=len(self._quarantined),
             pages_quarantined=sum(self._quarantined.values()),
+            draft_buffers_skipped=self.draft_buffers_skipped(),
             **self._counts.values(),
         )
 
@@ -659,8 +696,16 @@ class DecodeEndpoint(RoomKeeper[ReceiverRoom]):
             key=key, epoch=epoch, endpoint=endpoint, session=session, machine=PrefillRankMachine(label)
         )
 
-    def _step_rank(self, rank: PrefillRank, what: PrefillRankInput, now: float, *, reason: str = "") -> None:
-        rank.machine.step(what, RankStep(side=self, rank=rank, now=now, reason=reason))
+    def _step_rank(
+        self,
+        rank: PrefillRank,
+        what: PrefillRankInput,
+        now: float,
+        *,
+        reason: str = "",
+        ack: RegisterAck | None = None,
+    ) -> None:
+        rank.machine.step(what, RankStep(side=self, rank=rank, now=now, reason=reason, ack=ack))
 
     def _replace(self, old: PrefillRank, new: PrefillRank, now: float, *, register: bool = True) -> None:
         """A prefill rank restarted behind the same address: its record is replaced (before its rooms

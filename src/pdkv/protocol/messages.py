@@ -20,6 +20,7 @@ import numpy as np
 import numpy.typing as npt
 
 from pdkv.mapping.layout import BufferKind, BufferLayout
+from pdkv.mapping.layout_policy import BufferKey, describe_keys
 from pdkv.protocol.ids import MAX_EPOCH, MAX_ROOM_ID, Endpoint, Epoch, InstanceId, RoomId, SessionId
 
 IntArray: TypeAlias = npt.NDArray[np.int64]
@@ -190,6 +191,18 @@ def _tuple_of(cls: type) -> Any:
     return attrs.validators.deep_iterable(attrs.validators.instance_of(cls))
 
 
+def _key_tuple(value: Iterable[BufferKey]) -> tuple[BufferKey, ...]:
+    return tuple(value)
+
+
+def _unique_keys(_: object, attribute: attrs.Attribute[Any], value: tuple[BufferKey, ...]) -> None:
+    for item in value:
+        if not isinstance(item, BufferKey):
+            raise TypeError(f"{attribute.name} holds BufferKey, got {type(item).__name__}")
+    if len(set(value)) != len(value):
+        raise ValueError(f"{attribute.name} lists a buffer twice: {describe_keys(value)}")
+
+
 def _route_tuple(value: Iterable[RankRoute]) -> tuple[RankRoute, ...]:
     return tuple(value)
 
@@ -279,9 +292,24 @@ class Register:
 
 @attrs.frozen(kw_only=True)
 class RegisterAck:
-    """Prefill rank -> decode rank: layouts agree; rooms may name this rank from now on."""
+    """Prefill rank -> decode rank: layouts agree (or differ only as the prefill's layout policy
+    allows); rooms may name this rank from now on.
+
+    ``prefill_left_out``: the prefill's buffers its transfers to this decode rank leave out (the decode
+    registers no counterpart: draft-model buffers of a rolling deployment); ``decode_left_out``: the
+    decode's buffers nothing of this prefill rank writes. Both empty when the layouts match."""
 
     origin: Origin = attrs.field(validator=_origin)
+    prefill_left_out: tuple[BufferKey, ...] = attrs.field(
+        default=(), converter=_key_tuple, validator=_unique_keys
+    )
+    decode_left_out: tuple[BufferKey, ...] = attrs.field(
+        default=(), converter=_key_tuple, validator=_unique_keys
+    )
+
+    @property
+    def leaves_out(self) -> bool:
+        return bool(self.prefill_left_out or self.decode_left_out)
 
 
 @attrs.frozen(kw_only=True)

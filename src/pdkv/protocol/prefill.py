@@ -53,7 +53,7 @@ import attrs
 import numpy as np
 
 from pdkv.errors import LocalProtocolError
-from pdkv.mapping import OwnershipPolicy
+from pdkv.mapping import DEFAULT_LAYOUT_POLICY, LayoutPolicy, OwnershipPolicy
 from pdkv.mapping.layout import BufferKind, BufferLayout
 from pdkv.protocol import _contract, arguments
 from pdkv.protocol._deadlines import DeadlineQueue, Tombstones
@@ -185,12 +185,16 @@ class PrefillEndpoint(RoomKeeper[SenderRoom]):
         layout: BufferLayout,
         timeouts: Timeouts | None = None,
         policy: OwnershipPolicy | None = None,
+        layout_policy: LayoutPolicy = DEFAULT_LAYOUT_POLICY,
     ) -> None:
         """``policy``: CP shared-KV ownership of this rank's instance (None: every page is this
-        rank's, physical == logical), to check a chunk's source pages against this rank's own pool."""
+        rank's, physical == logical), to check a chunk's source pages against this rank's own pool.
+        ``layout_policy``: what a decode rank's layout may differ in (``degrade_draft``: draft buffers
+        only one side registers are left out for that pair; ``strict``: nothing)."""
         self.origin = origin
         self.layout = layout
         self.policy = policy
+        self.layout_policy = layout_policy
         self.timeouts = timeouts if timeouts is not None else Timeouts()
         self._ranks: dict[PeerKey, DecodeRank] = {}  # every decode rank heard of, across incarnations
         self._draining: set[PeerKey] = set()  # ranks whose ``draining`` rooms may still hold writes
@@ -825,6 +829,15 @@ class PrefillEndpoint(RoomKeeper[SenderRoom]):
             rooms_open=sum(1 for r in self._rooms.values() if not r.terminal),
             peers_registered=sum(1 for r in self._ranks.values() if r.peer is not None),
             **self._counts.values(),
+        )
+
+    def draft_buffers_skipped(self) -> int:
+        """Buffers the registered pairs' transfers leave out (both sides' lists, summed over the decode
+        ranks registered now): 0 unless a rolling deployment left draft buffers out."""
+        return sum(
+            len(rank.ack.prefill_left_out) + len(rank.ack.decode_left_out)
+            for rank in self._ranks.values()
+            if rank.peer is not None and rank.ack is not None
         )
 
     def peers(self) -> list[DecodePeer]:

@@ -46,6 +46,7 @@ from pdkv.protocol.messages import (
     Message,
     Origin,
     Outcome,
+    RegisterAck,
     RegisterReject,
     TransferRequest,
     TransferStatus,
@@ -91,6 +92,9 @@ def describe(message: Message) -> str:
         return f"{name}({'Success' if message.outcome is Outcome.SUCCESS else 'Failed'})"
     if isinstance(message, RegisterReject):
         return f"{name}({'retry' if message.retry else 'fatal'})"
+    if isinstance(message, RegisterAck) and message.leaves_out:
+        left = len(message.prefill_left_out), len(message.decode_left_out)
+        return f"{name}(leaves out {left[0]} prefill + {left[1]} decode buffers)"
     if isinstance(message, Heartbeat | HeartbeatAck):
         return f"{name}({message.seq})"
     return name

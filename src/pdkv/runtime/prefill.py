@@ -48,14 +48,16 @@ from pdkv.errors import (
     RouteUnavailableError,
 )
 from pdkv.mapping import (
+    DEFAULT_LAYOUT_POLICY,
     BufferLayout,
+    LayoutPolicy,
     OwnershipPolicy,
     PageInterleaved,
     TransferBlocks,
     chunk_page_start,
     cp_owned,
 )
-from pdkv.metrics import KVTransferMetric, TransportCounter, TransportMetricsSnapshot
+from pdkv.metrics import KVTransferMetric, TransportCounter, TransportGauge, TransportMetricsSnapshot
 from pdkv.protocol import arguments
 from pdkv.protocol.config import Timeouts
 from pdkv.protocol.effects import (
@@ -86,6 +88,7 @@ from pdkv.protocol.messages import (
 from pdkv.protocol.poll import KVPoll
 from pdkv.protocol.prefill import PrefillEndpoint, PrefillStatistics
 from pdkv.runtime._host import EndpointHost, RoomHandle, new_epoch, peer_name
+from pdkv.runtime._layout_policy import LAYOUT_POLICY_ENV
 from pdkv.runtime._loop import ChannelFactory
 from pdkv.runtime.channels import announce_to_registry, zmq_channel_factory
 from pdkv.runtime.chunk_plan import ChunkPlan, fence_of, plan_chunk
@@ -96,6 +99,7 @@ from pdkv.runtime.per_layer import (
     PerLayerStatistics,
     PerLayerTransferManager,
 )
+from pdkv.runtime.staging import StagingPool
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +124,8 @@ class PrefillConfig:
     """One prefill rank. ``registry`` is the bootstrap registry's address (``tcp://host:port``).
 
     The constructor reads no environment: ``PrefillConfig.from_env(...)`` takes the ``PDKV_*``
-    overrides of the timeouts, the executor and the per-layer path (README, "Environment")."""
+    overrides of the timeouts, the executor, the per-layer path and the layout policy (README,
+    "Environment")."""
 
     instance: InstanceId = attrs.field(validator=config.non_empty_text)
     rank: RankCoord = attrs.field(validator=config.instance_of(RankCoord))
@@ -144,6 +149,12 @@ class PrefillConfig:
     waited for) go to each decode rank as one shared job (1: every chunk on its own)."""
     register_memory: bool = attrs.field(default=True, validator=config.instance_of(bool))
     """Register every buffer of ``layout`` with the backend (False: the caller registered them)."""
+    layout_policy: LayoutPolicy = attrs.field(
+        default=DEFAULT_LAYOUT_POLICY, validator=config.instance_of(LayoutPolicy), metadata=LAYOUT_POLICY_ENV
+    )
+    """What a decode rank's registration may differ in (``DEGRADE_DRAFT``, the default: draft-model
+    buffers only one side registers are left out of that pair's transfers; ``STRICT``: any difference
+    refuses it). Target buffers must match under either."""
 
     def __attrs_post_init__(self) -> None:
         if self.rank.tp >= self.tp_size or self.rank.cp >= self.cp_size:
@@ -155,12 +166,12 @@ class PrefillConfig:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **fields: Any) -> PrefillConfig:
-        """``fields`` as for the constructor; the timeouts, executor and per-layer settings not given
-        there come from the ``PDKV_*`` variables set in ``env`` (``os.environ`` by default)."""
+        """``fields`` as for the constructor; the timeouts, executor, per-layer and layout-policy settings
+        not given there come from the ``PDKV_*`` variables set in ``env`` (``os.environ`` by default)."""
         fields.setdefault("timeouts", Timeouts.from_env(env))
         fields.setdefault("executor", ExecutorConfig.from_env(env))
         fields.setdefault("per_layer", PerLayerConfig.from_env(env))
-        return cls(**fields)
+        return config.from_env(cls, env, **fields)
 
     @property
     def policy(self) -> OwnershipPolicy:
@@ -205,20 +216,27 @@ class PrefillTransport(EndpointHost[PrefillEndpoint, PrefillEffect]):
         channel_factory: ChannelFactory | None = None,
         announce: Callable[[str, RankAnnounce, float], object] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        staging: StagingPool | None = None,
     ) -> None:
+        """``staging``: a pool over this rank's buffers, registered with ``backend``, that the executor
+        gathers scattered writes into (``pdkv.runtime.staging``); the caller closes it after ``close()``."""
         self.config = config
         self.backend = backend
         factory = channel_factory if channel_factory is not None else zmq_channel_factory()
         super().__init__(
             PrefillEndpoint(
-                origin=config.origin, layout=config.layout, timeouts=config.timeouts, policy=config.policy
+                origin=config.origin,
+                layout=config.layout,
+                timeouts=config.timeouts,
+                policy=config.policy,
+                layout_policy=config.layout_policy,
             ),
             factory(config.host),
             thread_name=f"pdkv-prefill-{config.rank}",
             logger=log,
             clock=clock,
         )
-        self._executor = TransferExecutor(backend, config.executor)
+        self._executor = TransferExecutor(backend, config.executor, staging=staging)
         self._work: queue.Queue[SubmitChunk | SubmitFence | None] = queue.Queue(maxsize=config.queue_size)
         if announce is None:  # the zmq registry: an address it can dial, checked now, not 30 s from now
             problem = tcp_address_problem(self.config.registry)
@@ -365,6 +383,10 @@ class PrefillTransport(EndpointHost[PrefillEndpoint, PrefillEffect]):
         )
 
     # ------------------------------------------------------------------ effects (lock held)
+
+    def _after_tick(self) -> None:
+        skipped = self._endpoint.draft_buffers_skipped()
+        self.metrics.set_gauge(TransportGauge.DRAFT_BUFFERS_SKIPPED, skipped)
 
     def _apply_effect(self, effect: PrefillEffect) -> None:
         match effect:

@@ -16,6 +16,11 @@ bootstrap registry on SGLang's bootstrap port), and the translation of SGLang's 
 - deferred decode KV release: pages are safe once pdkv says every prefill rank acked the abort
   (``is_abort_release_safe``); SGLang's own 30 s bound is pdkv's abort-ack timeout;
 - timeouts come from SGLang's ``SGLANG_DISAGGREGATION_*`` variables (then ``PDKV_*`` ones, see README);
+- the draft model's state (MTP's NSA index buffers, named by KVArgs' ``draft_state_buffer_start/count``)
+  is the draft model's in the layout, so a rolling deployment where one side registers it is served as
+  ``PDKV_LAYOUT_POLICY`` says (default ``degrade_draft``); a decode room served without it says so
+  (``PdkvKVReceiver.draft_skipped()``, logged once per room at INFO) so speculation can be turned off
+  for that request;
 - SGLang's CUDA events for a chunk (the early-send wait event, ``indices_event``) are waited for on the
   manager's ready thread (``ready.py``), never on the scheduler thread; without one nothing waits.
 
@@ -74,6 +79,7 @@ from pdkv.mapping import AttentionKind, BufferLayout
 from pdkv.protocol import RoomId, Timeouts, room_id
 from pdkv.protocol.ids import InstanceId
 from pdkv.protocol.messages import Origin, RankCoord, RouteQuery
+from pdkv.protocol.registration import DraftSkipped
 from pdkv.runtime import (
     DecodeConfig,
     DecodeTransport,
@@ -82,6 +88,7 @@ from pdkv.runtime import (
     PrefillConfig,
     PrefillTransport,
     Registry,
+    layout_policy_from_env,
 )
 
 log = logging.getLogger(__name__)
@@ -270,6 +277,7 @@ class PdkvKVManager(BaseKVManager):
                     registry=f"tcp://{_reachable(str(server_args.host))}:{self.bootstrap_port}",
                     host=self.host,
                     timeouts=self.timeouts,
+                    layout_policy=layout_policy_from_env(),
                 ),
                 backend,
             )
@@ -284,6 +292,7 @@ class PdkvKVManager(BaseKVManager):
                     layout=self.layout,
                     host=self.host,
                     timeouts=self.timeouts,
+                    layout_policy=layout_policy_from_env(),
                 ),
                 backend,
             )
@@ -728,10 +737,19 @@ class PdkvKVReceiver(BaseKVReceiver):
     def is_abort_release_safe(self) -> bool:
         return self._receiver is None or _release_ready(self._receiver)
 
+    def draft_skipped(self) -> DraftSkipped | None:
+        """What of the draft model's state this request did not receive (a rolling deployment: the prefill
+        and this decode register different draft state buffers), None when nothing was left out. The
+        target model's KV and state all arrived; speculative decoding should be off for this request."""
+        return None if self._receiver is None else self._receiver.draft_skipped()
+
     def clear(self) -> None:
         if self.conclude_state is not None:
             return
         self.conclude_state = self.poll()
+        skipped = self.draft_skipped() if self.conclude_state == KVPoll.Success else None
+        if skipped is not None:
+            log.info("room %d: %s", self.bootstrap_room, skipped)
         if self._receiver is not None and (self._metadata_sent or self.abort_notified):
             self.kv_mgr.retire(self._receiver)
 

@@ -19,7 +19,7 @@ from typing import Protocol
 import attrs
 import numpy as np
 
-from pdkv.mapping import OwnershipPolicy
+from pdkv.mapping import LayoutPolicy, OwnershipPolicy
 from pdkv.mapping.layout import BufferLayout
 from pdkv.protocol.config import Timeouts
 from pdkv.protocol.effects import (
@@ -32,7 +32,8 @@ from pdkv.protocol.effects import (
 )
 from pdkv.protocol.ids import Epoch, RoomId
 from pdkv.protocol.machines._base import StateMachine
-from pdkv.protocol.messages import Origin, Register, TransferMetricData, TransferRequest
+from pdkv.protocol.messages import Origin, Register, RegisterAck, TransferMetricData, TransferRequest
+from pdkv.protocol.registration import RegisterAnswer
 
 
 class DecodeRankState(enum.Enum):
@@ -127,6 +128,7 @@ class PrefillSide(Protocol):
     origin: Origin
     layout: BufferLayout
     policy: OwnershipPolicy | None
+    layout_policy: LayoutPolicy
     timeouts: Timeouts
 
     def count(self, name: str, by: int = 1) -> None: ...
@@ -187,6 +189,7 @@ class DecodeRank:
     last_heard: float = 0.0
     newest_epoch: Epoch | None = None
     draining: set[RoomId] = attrs.Factory(set)
+    ack: RegisterAck | None = None  # what its registration was answered: the buffers the pair leaves out
 
     @property
     def name(self) -> str:
@@ -268,7 +271,7 @@ class RankStep:
     heartbeat_seq: int = 0
     heartbeat_endpoint: str | None = None
     reason: str = ""
-    problem: str | None = None  # what a guard found (a layout difference), for the effects
+    answer: RegisterAnswer | None = None  # a REGISTER's answer under the layout policy (set by its guard)
 
 
 @attrs.define(eq=False, slots=True)

@@ -27,6 +27,7 @@ from pdkv.protocol.machines._prefill_side import (
     SenderRoomInput,
 )
 from pdkv.protocol.messages import MAX_REASON_CHARS, HeartbeatAck, RegisterAck, RegisterReject
+from pdkv.protocol.registration import answer_register
 
 _S = DecodeRankState
 _I = DecodeRankInput
@@ -42,12 +43,13 @@ def older_epoch(s: RankStep) -> bool:
     return s.rank.peer is not None and s.register.origin.epoch < s.rank.peer.epoch
 
 
-def layout_differs(s: RankStep) -> bool:
-    """The layouts differ (kind, model, layer ids, bytes per item, heads): its writes could not land
-    where they belong. The difference is kept for the refusal."""
+def registration_refused(s: RankStep) -> bool:
+    """Its layout differs from ours beyond what the layout policy lets a pair leave out (kind, model,
+    layer ids, bytes per item, heads; under ``degrade_draft`` the draft buffers only one side has are
+    left out): its writes could not land where they belong. The answer is kept for the effects."""
     assert s.register is not None
-    s.problem = s.side.layout.difference(s.register.layout)
-    return s.problem is not None
+    s.answer = answer_register(s.side.origin, s.side.layout, s.register, s.side.layout_policy)
+    return not s.answer.accepted
 
 
 def writes_draining(s: RankStep) -> bool:
@@ -81,24 +83,30 @@ def count_stale(s: RankStep) -> None:
 def refuse_registration(s: RankStep) -> None:
     """Tell it the difference; if it was registered before with another layout, its live rooms were
     validated against buffers that no longer match, so none of them may write: they fail."""
-    assert s.register is not None and s.problem is not None
+    assert s.register is not None and s.answer is not None and isinstance(s.answer.reply, RegisterReject)
     s.side.count("registrations_rejected")
-    reason = _clip(f"layout mismatch with prefill {s.side.origin}: {s.problem}")
+    reason = s.answer.reply.reason
     if s.rank.peer is not None:
         _fail_rooms(
             s, f"decode rank {s.register.origin} re-registered with a rejected layout", FailureCause.INVALID
         )
         s.rank.peer = None
         s.side.heartbeats_done_if_alone()
-    s.side.emit(Send(to=s.register.endpoint, message=RegisterReject(origin=s.side.origin, reason=reason)))
+    s.side.emit(Send(to=s.register.endpoint, message=s.answer.reply))
     s.side.emit(
         Notice(level=NoticeLevel.WARNING, text=f"rejected registration of {s.register.origin}: {reason}")
     )
 
 
 def register_peer(s: RankStep) -> None:
-    msg = s.register
-    assert msg is not None
+    """The rank is registered with what its registration is answered (``ack``: the buffers the pair's
+    transfers leave out); a pair that leaves draft buffers out is logged once, when it registers anew
+    or its answer changed, not on a repeated Register."""
+    msg, answer = s.register, s.answer
+    assert msg is not None and answer is not None and isinstance(answer.reply, RegisterAck)
+    if answer.warning is not None and (s.rank.peer is None or s.rank.ack != answer.reply):
+        s.side.emit(answer.warning)
+    s.rank.ack = answer.reply
     s.side.arm_heartbeats(s.now)
     s.rank.peer = DecodePeer(
         instance=msg.origin.instance,
@@ -114,8 +122,9 @@ def register_peer(s: RankStep) -> None:
 
 
 def acknowledge(s: RankStep) -> None:
-    assert s.rank.peer is not None
-    s.side.emit(Send(to=s.rank.peer.endpoint, message=RegisterAck(origin=s.side.origin)))
+    """The RegisterAck it was answered (a held one too: it names what the pair leaves out)."""
+    assert s.rank.peer is not None and s.rank.ack is not None
+    s.side.emit(Send(to=s.rank.peer.endpoint, message=s.rank.ack))
 
 
 def hold_acknowledgement(s: RankStep) -> None:
@@ -212,7 +221,7 @@ DECODE_RANK = MachineSpec(
     edges=(
         row(_I.REGISTER, tuple(DecodeRankState), None, when=older_epoch, then=[count_stale]),
         row(
-            _I.REGISTER, tuple(DecodeRankState), _S.REJECTED, when=layout_differs, then=[refuse_registration]
+            _I.REGISTER, tuple(DecodeRankState), _S.REJECTED, when=registration_refused, then=[refuse_registration]
         ),
         row(_I.REGISTER, _S.DRAINING, None, then=[register_peer]),  # the ack stays held
         row(

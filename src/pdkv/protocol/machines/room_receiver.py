@@ -13,11 +13,14 @@ Inputs: ``targets_ready`` (every target rank registered), ``success`` / ``failed
 ``peer_abort`` (an Abort from a prefill rank), ``abort`` (the scheduler's), ``fail`` (decided by the
 endpoint: a deadline, a lost, restarted or refusing rank, no destination). A status is only heard
 from a rank that was sent the request (the others' are late, counted); only required (non-dummy)
-ranks' successes count.
+ranks' successes count. When its requests go, the room keeps what its ranks' registrations leave
+out of the draft model (``draft_skipped``: the scheduler reads it after Success); a room that
+succeeds so is counted (``rooms_draft_skipped``).
 """
 
 from __future__ import annotations
 
+from pdkv.mapping.layout_policy import BufferKey
 from pdkv.protocol.effects import Notice, NoticeLevel, RoomFinished, Send
 from pdkv.protocol.machines._base import MachineSpec, StateMachine, row
 from pdkv.protocol.machines._decode_side import (
@@ -33,6 +36,7 @@ from pdkv.protocol.machines._decode_side import (
 from pdkv.protocol.machines.decode_abort import DecodeAbortMachine
 from pdkv.protocol.messages import Abort, TransferMetricData, TransferRequest
 from pdkv.protocol.poll import KVPoll
+from pdkv.protocol.registration import DraftSkipped
 
 _S = ReceiverRoomState
 _I = ReceiverRoomInput
@@ -64,6 +68,28 @@ def last_required(s: RoomStep) -> bool:
 
 
 # ------------------------------------------------------------------------------------------ effects
+
+
+def note_draft_skipped(s: RoomStep) -> None:
+    """What the room will not receive of the draft model: the buffers each required rank's RegisterAck
+    left out (dummies write nothing, so theirs do not matter)."""
+    not_written: list[BufferKey] = []
+    not_sent: list[BufferKey] = []
+    peers: list[str] = []
+    for t in s.room.targets:
+        rank = s.side.rank(t.key)
+        if t.dummy or rank is None or rank.ack is None or not rank.ack.leaves_out:
+            continue
+        not_written += rank.ack.decode_left_out
+        not_sent += rank.ack.prefill_left_out
+        peers.append(rank.name)
+    if peers:
+        s.room.draft_skipped = DraftSkipped(not_written=not_written, not_sent=not_sent, peers=peers)
+
+
+def count_without_draft(s: RoomStep) -> None:
+    if s.room.draft_skipped is not None:
+        s.side.count("rooms_draft_skipped")
 
 
 def send_requests(s: RoomStep) -> None:
@@ -182,13 +208,21 @@ RECEIVER_ROOM = MachineSpec(
     triggers=ReceiverRoomInput,
     initial=_S.BOOTSTRAPPING,
     edges=(
-        row(_I.TARGETS_READY, _S.BOOTSTRAPPING, _S.WAITING_FOR_INPUT, then=[send_requests]),
+        row(
+            _I.TARGETS_READY, _S.BOOTSTRAPPING, _S.WAITING_FOR_INPUT, then=[note_draft_skipped, send_requests]
+        ),
         row(_I.SUCCESS, _ENDED, None, then=[count_late]),
         row(_I.SUCCESS, _S.BOOTSTRAPPING, None, then=[count_late]),  # nobody was asked yet
         row(_I.SUCCESS, _ASKED, None, when=not_asked, then=[count_late]),
         row(_I.SUCCESS, _ASKED, None, when=from_dummy, then=[note_dummy_success]),
         row(_I.SUCCESS, _ASKED, None, when=already_succeeded),
-        row(_I.SUCCESS, _ASKED, _S.SUCCESS, when=last_required, then=[record_success, finish_success]),
+        row(
+            _I.SUCCESS,
+            _ASKED,
+            _S.SUCCESS,
+            when=last_required,
+            then=[record_success, finish_success, count_without_draft],
+        ),
         row(_I.SUCCESS, _S.WAITING_FOR_INPUT, _S.TRANSFERRING, then=[record_success, arm_transfer_deadline]),
         row(_I.SUCCESS, _S.TRANSFERRING, None, then=[record_success]),
         row(_I.FAILED, _ENDED, None, then=[count_late]),

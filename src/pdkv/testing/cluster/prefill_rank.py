@@ -88,8 +88,15 @@ def _prefill_rank(args: _RankArgs, conn: Connection) -> None:
         registry=args.registry,
         host=spec.host(Side.PREFILL),
         timeouts=spec.timeouts,
+        layout_policy=spec.prefill_layout_policy,
     )
-    transport = PrefillTransport(config, backend, channel_factory=wiring.channel_factory)
+    staging = None
+    if spec.staging is not None:
+        from pdkv.runtime.staging import StagingPool
+
+        sources = [memory.tensors[(b.model, b.kind, b.layer_id)] for b in memory.layout.buffers]
+        staging = StagingPool(backend, memory.layout, sources, spec.staging)
+    transport = PrefillTransport(config, backend, channel_factory=wiring.channel_factory, staging=staging)
     name = f"prefill tp{args.tp}/cp{args.cp}"
     consensus: _RankConsensus | None = None
     try:
@@ -183,6 +190,12 @@ def _prefill_rank(args: _RankArgs, conn: Connection) -> None:
                     fences=stats.endpoint.fences_submitted,
                     writes=stats.metrics.counters.writes,
                     write_jobs=stats.metrics.counters.write_jobs,
+                    staged_writes=staging.statistics().staged_writes if staging is not None else 0,
+                    staging_leased_at_end=(
+                        staging.statistics().in_use_bytes + staging.statistics().quarantined_bytes
+                        if staging is not None
+                        else 0
+                    ),
                     cpu_s=cpu,
                     consensus_lost=consensus.lost if consensus is not None else "",
                     faults=wiring.fault_counts(),
@@ -193,6 +206,8 @@ def _prefill_rank(args: _RankArgs, conn: Connection) -> None:
         if consensus is not None:
             consensus.close()
         transport.close()
+        if staging is not None:
+            staging.close()
         backend.close()
 
 
