@@ -983,6 +983,13 @@ def test_mutated_engine_metadata_decode_or_raise_remote_error(metadata: bytes, s
     """60 x 40 more mutation chains, on Registers that carry engine metadata (the version 5 schema)."""
     rng = random.Random(seed)
     original: list[object] = list(encode(_register_with(metadata)))
+    for _ in range(MUTATIONS_PER_MESSAGE):
+        frames = original
+        for _ in range(rng.choice([1, 1, 2, 3])):
+            frames = _mutate(frames, rng)
+        decode_or_reject(frames)
+
+
 # ================================================================ version 6: what a RegisterAck leaves out
 
 _DRAFT_INDEX_K = BufferKey(model=ModelRole.DRAFT, kind=BufferKind.INDEX_K, layer_id=0)
