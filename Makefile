@@ -82,7 +82,7 @@ pytest: venv $(SGLANG) $(VLLM_STAMPS)
 test: typecheck lint-imports $(SGLANG) $(VLLM_STAMPS)
 	$(PY) -m pytest
 
-bench: venv
+bench: venv $(SGLANG)
 	$(PY) -m pdkv bench all
 
 diagram: venv

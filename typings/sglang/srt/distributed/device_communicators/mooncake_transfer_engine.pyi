@@ -1,0 +1,3 @@
+# SGLang's process-wide Mooncake engine, which its scheduler starts before the disaggregation queues.
+
+def maybe_init_shared_mooncake_transfer_engine(*, gpu_id: int) -> None: ...
