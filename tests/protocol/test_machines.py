@@ -108,14 +108,18 @@ EXPECTED: dict[str, dict[tuple[Any, Any], Any]] = {
 RS, RI = ReceiverRoomState, ReceiverRoomInput
 DAI = DecodeAbortInput
 PR, PRI = PrefillRankState, PrefillRankInput
-_R_LIVE = (RS.BOOTSTRAPPING, RS.WAITING_FOR_INPUT, RS.TRANSFERRING)
+_R_LIVE = (RS.BOOTSTRAPPING, RS.WAITING_FOR_INPUT, RS.TRANSFERRING, RS.VERIFYING)
 _R_END = (RS.SUCCESS, RS.FAILED)
 MOVES: dict[str, dict[tuple[Any, Any], set[Any]]] = {
     "ReceiverRoom": {
         (RS.BOOTSTRAPPING, RI.TARGETS_READY): {RS.WAITING_FOR_INPUT},
-        **{(s, RI.SUCCESS): {None} for s in (*_R_END, RS.BOOTSTRAPPING)},
-        (RS.WAITING_FOR_INPUT, RI.SUCCESS): {None, RS.SUCCESS, RS.TRANSFERRING},
-        (RS.TRANSFERRING, RI.SUCCESS): {None, RS.SUCCESS},
+        **{(s, RI.SUCCESS): {None} for s in (*_R_END, RS.BOOTSTRAPPING, RS.VERIFYING)},
+        # The last required Success: Success, or (checksums on) the check of the pages first.
+        (RS.WAITING_FOR_INPUT, RI.SUCCESS): {None, RS.SUCCESS, RS.VERIFYING, RS.TRANSFERRING},
+        (RS.TRANSFERRING, RI.SUCCESS): {None, RS.SUCCESS, RS.VERIFYING},
+        (RS.VERIFYING, RI.VERIFIED): {RS.SUCCESS},
+        (RS.VERIFYING, RI.CORRUPT): {RS.FAILED},
+        **{(RS.FAILED, i): {None} for i in (RI.VERIFIED, RI.CORRUPT)},  # a verdict after an abort
         **{(s, i): {None} for s in _R_END for i in (RI.FAILED, RI.PEER_ABORT, RI.ABORT, RI.FAIL)},
         **{(s, RI.FAILED): {None, RS.FAILED} for s in _R_LIVE},
         **{(s, i): {RS.FAILED} for s in _R_LIVE for i in (RI.PEER_ABORT, RI.ABORT, RI.FAIL)},

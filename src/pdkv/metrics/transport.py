@@ -54,6 +54,8 @@ class TransportCounter(enum.Enum):
     FENCES = "fences"
     WRITES = "writes"
     WRITE_JOBS = "write_jobs"
+    ROOMS_VERIFIED = "rooms_verified"
+    CHECKSUM_FAILURES = "checksum_failures"
 
     @property
     def description(self) -> str:
@@ -130,6 +132,12 @@ COUNTER_DESCRIPTIONS: Final[Mapping[TransportCounter, str]] = {
     TransportCounter.WRITE_JOBS: (
         "Transfer jobs those writes went in; writes / write_jobs is how many rooms' chunks shared a job."
     ),
+    TransportCounter.ROOMS_VERIFIED: (
+        "Decode: rooms whose pages matched every prefill rank's checksums before Success (PDKV_KV_CHECKSUM)."
+    ),
+    TransportCounter.CHECKSUM_FAILURES: (
+        "Decode: rooms failed because a received page differed from what the prefill sent (checksums)."
+    ),
 }
 
 
@@ -164,6 +172,8 @@ class CounterValues:
     fences: int = 0
     writes: int = 0
     write_jobs: int = 0
+    rooms_verified: int = 0
+    checksum_failures: int = 0
 
     def __getitem__(self, counter: TransportCounter) -> int:
         value: int = getattr(self, counter.value)

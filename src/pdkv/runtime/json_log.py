@@ -36,6 +36,7 @@ from pdkv.protocol.effects import (
     Send,
     SubmitChunk,
     SubmitFence,
+    VerifyChecksums,
 )
 from pdkv.protocol.ids import RoomId
 from pdkv.protocol.messages import (
@@ -290,6 +291,10 @@ class MessageTrace:
                 _trace.debug("%s", effect, extra=self._fields(event="fence", room=effect.room))
             case CutConnections():
                 _trace.debug("%s", effect, extra=self._fields(event="cut", room=effect.room))
+            case VerifyChecksums():
+                detail = f"{effect.dst_pages.size} pages, {len(effect.reports)} prefill rank(s)"
+                extra = self._fields(event="verify", room=effect.room, detail=detail)
+                _trace.debug("room %s: verify checksums of %s", effect.room, detail, extra=extra)
             case _:
                 assert_never(effect)
 

@@ -57,6 +57,7 @@ from pdkv.protocol.effects import (
     SubmitChunk,
     SubmitFence,
     Target,
+    VerifyChecksums,
 )
 from pdkv.protocol.ids import Endpoint, Epoch, InstanceId, RoomId, SessionId
 from pdkv.protocol.layers import LayerBook, LayerContext, Verdict
@@ -394,6 +395,9 @@ class EndpointPair:
         """Model a cut that reports success while bytes queued in the destroyed sockets are still read
         (the defect of a cut that counted the sockets' leaving the kernel table as proof)."""
         self._cuts: list[_CutInFlight] = []
+        self.verifications: list[VerifyChecksums] = []
+        """The decode's ``VerifyChecksums`` requests (rooms opened with ``verify_checksums``), for the
+        test to answer with ``decode_endpoint.checksums_verified``."""
         self.cut_time = cut_time
         self.cuts_made = 0
         self._prefill_address = {Endpoint(f"inproc://prefill-{cp}"): cp for cp in range(cp_size)}
@@ -799,6 +803,8 @@ class EndpointPair:
                     self._fences.append(fence)
                 case CutConnections():
                     self._cuts.append(_CutInFlight(room=e.room, hosts=e.hosts, done_at=now + self.cut_time))
+                case VerifyChecksums():
+                    self.verifications.append(e)  # answered by the test (decode.checksums_verified)
                 case Notice():
                     self.notices_seen += 1
                     if self._notice_limit is None or len(self.notices) < self._notice_limit:
