@@ -101,10 +101,24 @@ class Summary:
     seconds: float
     room_p50_ms: float
     room_p99_ms: float
+    checksums: bool = False
+    """``--checksum``: every decode rank verified its rooms' pages before Success."""
+    rooms_verified: int = 0
+    decode_successes: int = 0
+    checksum_failures: int = 0
 
     @property
     def ok(self) -> bool:
-        return not (self.unexpected or self.mismatches or self.canary_violations or self.worker_errors)
+        # With --checksum every decode Success must have been verified first (else the option did nothing).
+        unverified = self.checksums and self.rooms_verified != self.decode_successes
+        return not (
+            self.unexpected
+            or self.mismatches
+            or self.canary_violations
+            or self.worker_errors
+            or self.checksum_failures
+            or unverified
+        )
 
 
 def summarize(
@@ -112,6 +126,8 @@ def summarize(
     outcomes: Sequence[RoomOutcome],
     reports: Sequence[RankReport],
     seconds: float,
+    *,
+    checksums: bool = False,
 ) -> tuple[Summary, list[dict[str, object]]]:
     by_room: dict[int, list[RoomOutcome]] = {}
     for outcome in outcomes:
@@ -161,6 +177,10 @@ def summarize(
         room_p50_ms=1000 * (statistics.median(latencies) if latencies else 0.0),
         room_p99_ms=1000
         * (latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))] if latencies else 0.0),
+        checksums=checksums,
+        rooms_verified=sum(r.rooms_verified for r in reports),
+        decode_successes=sum(1 for o in outcomes if o.side == "decode" and o.poll == KVPoll.Success),
+        checksum_failures=sum(r.checksum_failures for r in reports),
     )
     return summary, rows
 
@@ -270,6 +290,12 @@ def main(argv: Sequence[str] = ()) -> int:
         help="Mooncake MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER, pdkv's entry budget per peer staying 2,048 "
         "(default: the engine's; --mha: 16,384, headroom for a stream of per-token head slices)",
     )
+    parser.add_argument(
+        "--checksum",
+        action="store_true",
+        help="PDKV_KV_CHECKSUM on every rank: decode ranks check each room's pages against the prefill "
+        "ranks' checksums before Success (the byte check after it still runs)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="JSON lines on stdout instead of the table")
     parser.add_argument(
@@ -325,13 +351,15 @@ def main(argv: Sequence[str] = ()) -> int:
         consensus=args.consensus,
         engine_transfer_timeout_s=args.engine_timeout_s or (120 if args.mha else None),
         engine_tcp_queue=args.engine_tcp_queue or (16384 if args.mha else None),
+        kv_checksum=args.checksum,
     )
     print(
         f"pdkv demo: prefill tp{args.tp} x cp{args.cp}, decode tp{args.decode_tp}, "
         "Mooncake TCP on 127.0.0.1; "
         f"{args.rooms} rooms, {model.layers} layers + {model.draft_layers} draft, page {model.page_size}, "
         f"{_kv_description(model, args.tp, args.decode_tp)}; "
-        f"{'per-layer' if args.per_layer else 'monolithic'} transfer, {args.layer_ms:g} ms compute per layer",
+        f"{'per-layer' if args.per_layer else 'monolithic'} transfer, {args.layer_ms:g} ms compute per layer"
+        f"{', checksums verified before Success' if args.checksum else ''}",
         file=sys.stderr,
     )
     started = time.monotonic()
@@ -346,7 +374,7 @@ def main(argv: Sequence[str] = ()) -> int:
         progress.close()
         elapsed = time.monotonic() - ready
         reports = cluster.close()
-    summary, rows = summarize(plans, outcomes, reports, elapsed)
+    summary, rows = summarize(plans, outcomes, reports, elapsed, checksums=args.checksum)
     if args.json:
         for row in rows:
             print(json.dumps(row))
@@ -388,5 +416,10 @@ def _print_table(summary: Summary, rows: list[dict[str, object]], *, startup_s: 
         "(init to terminal, decode side)"
     )
     print(f"abort safety        {s.canary_violations} canary violations, {s.unsafe_releases} unsafe releases")
+    if s.checksums:
+        print(
+            f"checksums           {s.rooms_verified} of {s.decode_successes} decode Successes verified first, "
+            f"{s.checksum_failures} checksum failures"
+        )
     print(f"start-up            {startup_s:.1f} s (processes, engines, registration)")
     print(f"result              {'OK' if summary.ok else 'FAILED'}")

@@ -23,7 +23,14 @@ from pdkv.engine.backend import (
     UnregisteredMemoryError,
     WaitResult,
 )
-from pdkv.engine.loopback import LoopbackBackend, LoopbackConfig, LoopbackFabric, LoopbackFaults
+from pdkv.engine.loopback import (
+    Corruption,
+    CorruptionKind,
+    LoopbackBackend,
+    LoopbackConfig,
+    LoopbackFabric,
+    LoopbackFaults,
+)
 from pdkv.engine.mooncake import (
     EngineInitError,
     MooncakeBackend,
@@ -41,6 +48,8 @@ __all__ = [
     "BatchOutcome",
     "BatchStatus",
     "BatchTimedOutError",
+    "Corruption",
+    "CorruptionKind",
     "EngineInitError",
     "ForeignHandleError",
     "InvalidBatchError",

@@ -253,23 +253,6 @@ class PageChecksums:
         """``kv`` as (buffers, positions)."""
         return self.kv.reshape(self.kv_buffers, self.positions.size)
 
-    @classmethod
-    def combined(cls, parts: Iterable[PageChecksums]) -> PageChecksums:
-        """The checksums of several chunks of one room to one decode rank (in chunk order: positions
-        stay increasing), their state and aux from whichever part carries them (the last chunk)."""
-        items = [p for p in parts]
-        if len(items) == 1:
-            return items[0]
-        with_kv = [p for p in items if p.positions.size]
-        buffers = {p.kv_buffers for p in with_kv}
-        if len(buffers) > 1:
-            raise ValueError(f"chunks checksum different numbers of KV buffers: {sorted(buffers)}")
-        kv = np.concatenate([p.kv_matrix() for p in with_kv], axis=1).ravel() if with_kv else ()
-        positions = np.concatenate([p.positions for p in with_kv]) if with_kv else ()
-        state = tuple(s for p in items for s in p.state)
-        aux = next((p.aux for p in reversed(items) if p.aux.size), ())
-        return cls(positions=positions, kv=kv, state=state, aux=aux)
-
 
 def _unique_state_kinds(_: object, attribute: attrs.Attribute[Any], value: tuple[StateIndices, ...]) -> None:
     for item in value:

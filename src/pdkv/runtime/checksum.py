@@ -502,6 +502,116 @@ def chunk_checksums(
     return PageChecksums(positions=sources.kv_positions, kv=kv.ravel(), state=state, aux=aux)
 
 
+class ChecksumBook:
+    """A prefill rank's checksums per (room, decode endpoint), chunk by chunk, until the room's
+    Success status takes them (``status_checksums``; kept for a status sent again) and the room is
+    forgotten (``forget``). Thread-safe (its own lock: transfer workers add, the control path reads).
+
+    The per-layer seam: ``add_layer(room, endpoint, start_token, positions, rows, sums)`` records the
+    KV rows of one layer of a per-layer chunk as its ready event passed (``kv_checksums(...,
+    rows=kv_rows(dst_layout, model, layer), ready=event)``); ``layered_missing`` says which rows a
+    finished chunk still lacks, and ``finish_layers`` turns the chunk's rows into its KV part."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._parts: dict[tuple[int, str], list[PageChecksums]] = {}
+        self._layered: dict[
+            tuple[int, str, int], tuple[IntArray, npt.NDArray[np.uint32], npt.NDArray[np.bool_]]
+        ] = {}
+
+    def add(self, room: int, endpoint: str, part: PageChecksums) -> None:
+        with self._lock:
+            self._parts.setdefault((room, endpoint), []).append(part)
+
+    def add_layer(
+        self,
+        room: int,
+        endpoint: str,
+        start_token: int,
+        positions: IntArray,
+        rows: Sequence[int],
+        sums: npt.NDArray[np.uint32],
+        *,
+        kv_buffers: int,
+    ) -> None:
+        key = (room, endpoint, start_token)
+        with self._lock:
+            entry = self._layered.get(key)
+            if entry is None:
+                matrix = np.zeros((kv_buffers, positions.size), dtype=np.uint32)
+                entry = (np.asarray(positions, dtype=np.int64), matrix, np.zeros(kv_buffers, dtype=np.bool_))
+                self._layered[key] = entry
+            entry[1][list(rows)] = sums
+            entry[2][list(rows)] = True
+
+    def layered_missing(self, room: int, endpoint: str, start_token: int, kv_buffers: int) -> tuple[int, ...]:
+        """KV rows (of the destination's KV buffers) not recorded for the chunk (all when none was)."""
+        with self._lock:
+            entry = self._layered.get((room, endpoint, start_token))
+        if entry is None:
+            return tuple(range(kv_buffers))
+        return tuple(int(i) for i in np.flatnonzero(~entry[2]))
+
+    def finish_layers(
+        self,
+        room: int,
+        endpoint: str,
+        start_token: int,
+        positions: IntArray,
+        rows: Sequence[int],
+        sums: npt.NDArray[np.uint32],
+        *,
+        kv_buffers: int,
+    ) -> None:
+        """The chunk's last rows (computed now), and the whole chunk becomes one KV part."""
+        if rows:
+            self.add_layer(room, endpoint, start_token, positions, rows, sums, kv_buffers=kv_buffers)
+        with self._lock:
+            entry = self._layered.pop((room, endpoint, start_token), None)
+        if entry is not None and entry[0].size:
+            self.add(room, endpoint, PageChecksums(positions=entry[0], kv=entry[1].ravel()))
+
+    def status_checksums(self, room: int, endpoint: str) -> PageChecksums | None:
+        """Everything recorded for the room towards ``endpoint``, as one ``PageChecksums`` (positions
+        in order whichever worker finished which chunk first); None when nothing was."""
+        with self._lock:
+            parts = list(self._parts.get((room, endpoint), ()))
+        if not parts:
+            return None
+        return combine_parts(parts)
+
+    def forget(self, room: int) -> None:
+        with self._lock:
+            for key in [k for k in self._parts if k[0] == room]:
+                del self._parts[key]
+            for lkey in [k for k in self._layered if k[0] == room]:
+                del self._layered[lkey]
+
+    def rooms(self) -> int:
+        with self._lock:
+            return len({k[0] for k in self._parts})
+
+
+def combine_parts(parts: Sequence[PageChecksums]) -> PageChecksums:
+    """Chunks' checksums of one room to one destination as one, KV positions sorted (chunks may end
+    in any order on several workers); ``ValueError`` when a position repeats."""
+    with_kv = [p for p in parts if p.positions.size]
+    if len({p.kv_buffers for p in with_kv}) > 1:
+        raise ValueError(
+            f"chunks checksum different numbers of KV buffers: {sorted({p.kv_buffers for p in with_kv})}"
+        )
+    if with_kv:
+        positions = np.concatenate([p.positions for p in with_kv])
+        matrix = np.concatenate([p.kv_matrix() for p in with_kv], axis=1)
+        order = np.argsort(positions, kind="stable")
+        positions, matrix = positions[order], matrix[:, order]
+    else:
+        positions, matrix = np.zeros(0, dtype=np.int64), np.zeros((0, 0), dtype=np.uint32)
+    state = tuple(s for p in parts for s in p.state)
+    aux = next((p.aux for p in reversed(parts) if p.aux.size), np.zeros(0, dtype=np.uint32))
+    return PageChecksums(positions=positions, kv=matrix.ravel(), state=state, aux=aux)
+
+
 # ---------------------------------------------------------------- what a decode rank checks
 
 
@@ -674,6 +784,7 @@ __all__ = [
     "RoomPages",
     "checksums_from_env",
     "chunk_checksums",
+    "combine_parts",
     "kv_checksums",
     "kv_rows",
     "receiver_kv_pairs",

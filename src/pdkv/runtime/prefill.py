@@ -54,6 +54,7 @@ from pdkv.mapping import (
     TransferBlocks,
     chunk_page_start,
     cp_owned,
+    map_chunk,
 )
 from pdkv.metrics import KVTransferMetric, TransportCounter, TransportMetricsSnapshot
 from pdkv.protocol import arguments
@@ -75,17 +76,28 @@ from pdkv.protocol.effects import (
 from pdkv.protocol.ids import Endpoint, Epoch, InstanceId, RoomId, SessionId
 from pdkv.protocol.messages import (
     IntArray,
+    Message,
     Origin,
+    Outcome,
     RankAnnounce,
     RankCoord,
     StateIndices,
     TransferMetricData,
+    TransferStatus,
 )
 from pdkv.protocol.poll import KVPoll
 from pdkv.protocol.prefill import PrefillEndpoint, PrefillStatistics
 from pdkv.runtime._host import EndpointHost, RoomHandle, new_epoch, peer_name
 from pdkv.runtime._loop import ChannelFactory
 from pdkv.runtime.channels import announce_to_registry, zmq_channel_factory
+from pdkv.runtime.checksum import (
+    ChecksumBook,
+    Checksummer,
+    ChunkSources,
+    checksums_from_env,
+    chunk_checksums,
+    kv_checksums,
+)
 from pdkv.runtime.chunk_plan import ChunkPlan, fence_of, plan_chunk
 from pdkv.runtime.executor import ExecutorConfig, TransferExecutor, TransferResult
 from pdkv.runtime.per_layer import (
@@ -142,6 +154,11 @@ class PrefillConfig:
     waited for) go to each decode rank as one shared job (1: every chunk on its own)."""
     register_memory: bool = attrs.field(default=True, validator=config.instance_of(bool))
     """Register every buffer of ``layout`` with the backend (False: the caller registered them)."""
+    kv_checksum: bool = attrs.field(default=False, validator=config.instance_of(bool))
+    """``PDKV_KV_CHECKSUM``: every Success status carries checksums per (buffer, page) of what this
+    rank wrote (``pdkv.runtime.checksum``), for the decode to verify before its Success."""
+    checksum_device: str = attrs.field(default="cpu", validator=config.non_empty_text)
+    """Where the registered buffers live (``cpu``, ``cuda:N``): the checksums run there."""
 
     def __attrs_post_init__(self) -> None:
         if self.rank.tp >= self.tp_size or self.rank.cp >= self.cp_size:
@@ -158,6 +175,7 @@ class PrefillConfig:
         fields.setdefault("timeouts", Timeouts.from_env(env))
         fields.setdefault("executor", ExecutorConfig.from_env(env))
         fields.setdefault("per_layer", PerLayerConfig.from_env(env))
+        fields.setdefault("kv_checksum", checksums_from_env(env))
         return cls(**fields)
 
     @property
@@ -240,6 +258,10 @@ class PrefillTransport(EndpointHost[PrefillEndpoint, PrefillEffect]):
         """Per-layer transfer (DESIGN section 7): ``register``, ``on_layer_end`` per layer, ``send()``."""
         self._worker_errors = 0
         self._partition_dump = os.environ.get(PARTITION_DUMP.name) == "1"
+        self._checksummer = Checksummer.of(config.layout, config.checksum_device) if config.kv_checksum else None
+        self.checksums = ChecksumBook()
+        """With ``kv_checksum``: what each room's chunks wrote to each decode rank, as checksums,
+        until its Success status carries them (``add_layer``: the per-layer path's seam)."""
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -357,7 +379,7 @@ class PrefillTransport(EndpointHost[PrefillEndpoint, PrefillEffect]):
     def _apply_effect(self, effect: PrefillEffect) -> None:
         match effect:
             case Send():
-                self._loop.post(effect.to, effect.message)
+                self._loop.post(effect.to, self._with_checksums(effect))
             case SubmitChunk():
                 try:
                     self._work.put_nowait(effect)
@@ -374,6 +396,7 @@ class PrefillTransport(EndpointHost[PrefillEndpoint, PrefillEffect]):
                     self.per_layer.cancel(effect.room, "room succeeded without this chunk")
                 else:
                     self.per_layer.cancel(effect.room, effect.reason or "room failed")
+                    self.checksums.forget(effect.room)
             case DropLayers():
                 self.per_layer.cancel(effect.room, effect.reason)
             case SubmitFence():
@@ -388,6 +411,54 @@ class PrefillTransport(EndpointHost[PrefillEndpoint, PrefillEffect]):
                 self._forget_peer(effect)
             case _:
                 assert_never(effect)
+
+    def _with_checksums(self, effect: Send) -> Message:
+        """A Success status leaves with what the room wrote to that decode rank, as checksums."""
+        message = effect.message
+        if self._checksummer is None or not isinstance(message, TransferStatus):
+            return message
+        if message.outcome is not Outcome.SUCCESS:
+            return message
+        try:
+            sums = self.checksums.status_checksums(message.room, effect.to)
+        except ValueError as exc:  # a position twice: never guessed; the decode names the missing checksums
+            log.error("room %s: checksums to %s dropped: %s", message.room, effect.to, exc)
+            return message
+        return message if sums is None else attrs.evolve(message, checksums=sums)
+
+    def _note_checksums(self, submit: SubmitChunk, destination: Destination, plan: ChunkPlan) -> None:
+        """With ``kv_checksum``: the checksums of what ``plan`` writes (before it is submitted: the
+        source pages are what the scheduler's forward left and do not change until the room ends)."""
+        if self._checksummer is None:
+            return
+        sources = ChunkSources(
+            kv_src=plan.kv_src, kv_positions=plan.kv_positions, state=plan.state_src, aux_src=plan.aux_src
+        )
+        part = chunk_checksums(self._checksummer, sources, self.config.layout, destination.peer.layout)
+        self.checksums.add(submit.room, destination.peer.endpoint, part)
+
+    def _note_layered_checksums(self, submit: SubmitChunk, destination: Destination) -> None:
+        """A per-layer chunk's KV checksums: the rows the per-layer path recorded after each layer's
+        ready event (``checksums.add_layer``), the others computed now (the forward has ended)."""
+        summer = self._checksummer
+        if summer is None:
+            return
+        dst_layout = destination.peer.layout
+        mapped = map_chunk(
+            submit.spec.pages,
+            start_token=submit.spec.start_token,
+            page_size=self.config.layout.page_size,
+            dst_pages=destination.request.dst_pages,
+            cp_rank=self.config.rank.cp,
+            policy=self.config.policy,
+        )
+        n = len(dst_layout.kv_buffers)
+        endpoint = destination.peer.endpoint
+        rows = self.checksums.layered_missing(submit.room, endpoint, submit.spec.start_token, n)
+        sums = kv_checksums(summer, self.config.layout, dst_layout, mapped.src, mapped.positions, rows=rows)
+        self.checksums.finish_layers(
+            submit.room, endpoint, submit.spec.start_token, mapped.positions, rows, sums, kv_buffers=n
+        )
 
     # ------------------------------------------------------------------ transfer workers
 
@@ -535,6 +606,7 @@ class PrefillTransport(EndpointHost[PrefillEndpoint, PrefillEffect]):
         for share in layered.shares:
             destination = share.destination
             wrote_bytes = share.bytes_written
+            self._note_layered_checksums(submit, destination)
             if submit.spec.last and self.config.rank.cp == 0:
                 # State and aux rows ride on the last chunk, after its KV (as on the monolithic path);
                 # planned for no pages, plan_chunk yields exactly those blocks.
@@ -577,6 +649,7 @@ class PrefillTransport(EndpointHost[PrefillEndpoint, PrefillEffect]):
         plan = self._plan(submit, destination, spec, writes_extras=writes_extras)
         if plan is None:
             return None
+        self._note_checksums(submit, destination, plan)
         submitted = self._clock()
         if not len(plan.blocks):
             return _Written(plan.kv_pages, 0, 0.0, submitted, submitted)
@@ -653,6 +726,7 @@ class PrefillTransport(EndpointHost[PrefillEndpoint, PrefillEffect]):
                 if plan is None:
                     ended.add(id(submit))  # reported failed
                     break
+                self._note_checksums(submit, destination, plan)
                 plans.append((destination, plan))
             else:
                 planned.append((submit, began, plans))
@@ -807,6 +881,7 @@ class KVSender(RoomHandle[PrefillEndpoint, PrefillEffect]):
         """Forget a terminal room (its id is remembered as a tombstone for late messages)."""
         self.transport._call(lambda e, now: _close(e, self.room, now))
         self.transport.per_layer.forget(self.room)
+        self.transport.checksums.forget(self.room)
 
 
 def chunk_spec(

@@ -205,6 +205,8 @@ class TransportPair:
     a real bootstrap registry thread, for tests of the socket layer itself (the bytes still go through
     the loopback engine). ``decode_model`` gives the decode ranks another model (a layout mismatch).
 
+    ``kv_checksum``: both sides compute and verify checksums per (buffer, page) (``PDKV_KV_CHECKSUM``).
+
     ``prefill_memory`` / ``decode_memory`` hold each rank's tensors (``RankMemory``: the prefill side is
     filled with a recognisable pattern, ``pdkv.testing.synthetic.verify_room`` checks a room's bytes).
     Closing (or leaving the ``with`` block) closes decode ranks first, then prefill ranks, then engines.
@@ -227,6 +229,7 @@ class TransportPair:
         decode_instance: str = "decode-0",
         sockets: bool = False,
         fabric: str = "pair",
+        kv_checksum: bool = False,
     ) -> None:
         self.model = model if model is not None else ModelSpec(layers=3, page_size=16)
         self.prefill_instance = InstanceId(prefill_instance)
@@ -265,6 +268,7 @@ class TransportPair:
                 timeouts=timeouts,
                 executor=executor or ExecutorConfig(),
                 per_layer=per_layer or PerLayerConfig(),
+                kv_checksum=kv_checksum,
             )
             self.prefill_memory.append(memory)
             self.prefill_backends.append(backend)
@@ -286,6 +290,7 @@ class TransportPair:
                 tp_size=decode_tp,
                 layout=memory.layout,
                 timeouts=timeouts,
+                kv_checksum=kv_checksum,
             )
             self.decode_memory.append(memory)
             self.decode_backends.append(backend)
