@@ -305,12 +305,12 @@ def test_verify_room_names_the_buffer_position_and_rank() -> None:
         dst_state=tuple(StateIndices(kind=k, indices=slots_dst) for k in model.state_kinds),
         dst_aux_row=1,
     )
-    key = (InstanceId("prefill-0"), RankCoord(tp=0))
+    rank = (InstanceId("prefill-0"), RankCoord(tp=0))
     summer = summer_of(decode)
-    assert verify_room(summer, room, {key: report}, prefill_heads=lambda _: None) is None
+    assert verify_room(summer, room, {rank: report}, prefill_heads=lambda _: None) is None
     # Target kv layer 2's page at position 2 (decode page 4): one byte flipped.
     decode.view((ModelRole.TARGET, BufferKind.KV, 2))[4, 5] ^= 0x10
-    found = verify_room(summer, room, {key: report}, prefill_heads=lambda _: None)
+    found = verify_room(summer, room, {rank: report}, prefill_heads=lambda _: None)
     assert found is not None
     assert (found.buffer, found.layer, found.position, found.dst_index, found.prefill, found.entries) == (
         "target kv layer 2",
@@ -323,7 +323,7 @@ def test_verify_room_names_the_buffer_position_and_rank() -> None:
     decode.view((ModelRole.TARGET, BufferKind.KV, 2))[4, 5] ^= 0x10
     # A state slot (index_scale of layer 2, slot 1 of the room = decode slot 2) zeroed.
     decode.view((ModelRole.TARGET, BufferKind.INDEX_SCALE, 2))[2] = 0
-    found = verify_room(summer, room, {key: report}, prefill_heads=lambda _: None)
+    found = verify_room(summer, room, {rank: report}, prefill_heads=lambda _: None)
     assert found is not None and (found.buffer, found.position, found.dst_index) == (
         "target index_scale layer 2",
         1,
@@ -332,12 +332,12 @@ def test_verify_room_names_the_buffer_position_and_rank() -> None:
     decode.view((ModelRole.TARGET, BufferKind.INDEX_SCALE, 2))[2] = prefill.view(
         (ModelRole.TARGET, BufferKind.INDEX_SCALE, 2)
     )[3]
-    assert verify_room(summer, room, {key: report}, prefill_heads=lambda _: None) is None
+    assert verify_room(summer, room, {rank: report}, prefill_heads=lambda _: None) is None
     # A rank that sent no checksums, and a room position nobody covered.
-    none = verify_room(summer, room, {key: None}, prefill_heads=lambda _: None)
+    none = verify_room(summer, room, {rank: None}, prefill_heads=lambda _: None)
     assert none is not None and "sent no checksums" in none.detail
     wider = attrs.evolve(room, prefix_pages=0)
-    uncovered = verify_room(summer, wider, {key: report}, prefill_heads=lambda _: None)
+    uncovered = verify_room(summer, wider, {rank: report}, prefill_heads=lambda _: None)
     assert uncovered is not None and (uncovered.position, uncovered.prefill) == (0, None)
 
 

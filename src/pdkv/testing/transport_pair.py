@@ -205,7 +205,8 @@ class TransportPair:
     a real bootstrap registry thread, for tests of the socket layer itself (the bytes still go through
     the loopback engine). ``decode_model`` gives the decode ranks another model (a layout mismatch).
 
-    ``kv_checksum``: both sides compute and verify checksums per (buffer, page) (``PDKV_KV_CHECKSUM``).
+    ``kv_checksum``: both sides compute and verify checksums per (buffer, page) (``PDKV_KV_CHECKSUM``);
+    ``decode_checksum`` sets the decode ranks' switch apart (None: the same).
 
     ``prefill_memory`` / ``decode_memory`` hold each rank's tensors (``RankMemory``: the prefill side is
     filled with a recognisable pattern, ``pdkv.testing.synthetic.verify_room`` checks a room's bytes).
@@ -230,6 +231,7 @@ class TransportPair:
         sockets: bool = False,
         fabric: str = "pair",
         kv_checksum: bool = False,
+        decode_checksum: bool | None = None,
     ) -> None:
         self.model = model if model is not None else ModelSpec(layers=3, page_size=16)
         self.prefill_instance = InstanceId(prefill_instance)
@@ -279,9 +281,13 @@ class TransportPair:
         self.decode_backends: list[LoopbackBackend] = []
         self.decodes: list[DecodeTransport] = []
         for tp in range(decode_tp):
+            decode_spec = decode_model or self.model
+            heads = decode_spec.kv_heads is not None  # each decode rank holds its own heads
             memory = RankMemory(
-                decode_model or self.model,
+                decode_spec,
                 decode_capacity or Capacity(kv_pages=256, state_slots=8, aux_rows=8),
+                tp_size=decode_tp if heads else 1,
+                tp_rank=tp if heads else 0,
             )
             backend = LoopbackBackend(fabric=self.fabric)
             config_d = DecodeConfig(
@@ -290,7 +296,7 @@ class TransportPair:
                 tp_size=decode_tp,
                 layout=memory.layout,
                 timeouts=timeouts,
-                kv_checksum=kv_checksum,
+                kv_checksum=kv_checksum if decode_checksum is None else decode_checksum,
             )
             self.decode_memory.append(memory)
             self.decode_backends.append(backend)
