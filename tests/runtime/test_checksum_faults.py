@@ -17,10 +17,11 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
+from prometheus_client import CollectorRegistry, generate_latest
 
 from pdkv.engine import Corruption, CorruptionKind, LoopbackFaults
 from pdkv.mapping import AttentionKind, BufferKind, ModelRole
-from pdkv.metrics import TransportCounter
+from pdkv.metrics import PrometheusExporter, TransportCounter
 from pdkv.protocol.effects import FailureCause
 from pdkv.protocol.ids import RoomId
 from pdkv.protocol.messages import StateIndices
@@ -152,6 +153,9 @@ def expect_outcome(
     transport = request.pair.decodes[decode]
     assert transport.statistics().endpoint.checksum_failures == 1
     assert transport.metrics.value(TransportCounter.CHECKSUM_FAILURES) == 1
+    registry = CollectorRegistry()
+    PrometheusExporter(transport.metrics, registry=registry)
+    assert "pdkv_checksum_failures_total 1.0" in generate_latest(registry).decode()
 
 
 # ---------------------------------------------------------------- the four faults, on and off

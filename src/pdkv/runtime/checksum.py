@@ -345,40 +345,54 @@ class Checksummer:
             return np.zeros((len(pairs), n), dtype=np.uint32)
         if self.device.type == "cuda" and ready is not None:  # pragma: no cover - needs a GPU
             torch.cuda.current_stream(self.device).wait_event(ready)
-        out = torch.empty((len(pairs), n), dtype=torch.int64, device=self.device)
-        index_all = torch.tensor(
-            items, dtype=torch.int64, device=self.device
-        )  # copies: inputs may be read-only
+        index_all = torch.tensor(items, dtype=torch.int64, device=self.device)  # copies: may be read-only
         pos_all = torch.tensor(positions, dtype=torch.int64, device=self.device)
         lo, hi = int(items.min()), int(items.max())
+        out = torch.empty((len(pairs), n), dtype=torch.int64, device=self.device)
+        # Buffers whose items have the same size and region are reduced together: their items are
+        # gathered into one tile (row g * n + i: buffer g's item i), one reduction per tile, so a room
+        # of few pages costs one gather per buffer and a few reductions, not a reduction per buffer.
+        groups: dict[tuple[int, Region], list[int]] = {}
         for row, (buffer, region) in enumerate(pairs):
             view = self.views[buffer]
             if lo < 0 or hi >= view.shape[0]:
                 spec = self.views.layout.buffers[buffer]
                 raise MappingError(f"{spec.describe()}: items {lo}..{hi} outside its {view.shape[0]} items")
-            step = n if self.device.type == "cuda" else max(1, CPU_TILE_BYTES // max(1, view.shape[1]))
-            for start in range(0, n, step):
-                stop = min(n, start + step)
-                tile = self._gather(view, index_all[start:stop])
-                out[row, start:stop] = self._checksum(_rows(tile, region), pos_all[start:stop])
+            groups.setdefault((int(view.shape[1]), region), []).append(row)
+        for (width, region), rows in groups.items():
+            total = len(rows) * n
+            step = total if self.device.type == "cuda" else max(1, CPU_TILE_BYTES // max(1, width))
+            flat = torch.empty(total, dtype=torch.int64, device=self.device)
+            for start in range(0, total, step):
+                stop = min(total, start + step)
+                tile = self._scratch(stop - start, width)
+                for g in range(start // n, (stop - 1) // n + 1):  # each buffer's share of the tile
+                    i, j = max(start, g * n) - g * n, min(stop, (g + 1) * n) - g * n
+                    at = g * n + i - start
+                    self._gather_into(self.views[pairs[rows[g]][0]], index_all[i:j], tile[at : at + j - i])
+                where = torch.arange(start, stop, device=self.device) % n
+                flat[start:stop] = self._checksum(_rows(tile, region), pos_all[where])
+            out[torch.tensor(rows, device=self.device)] = flat.view(len(rows), n)
         sums: npt.NDArray[np.uint32] = out.cpu().numpy().astype(np.uint32)
         return sums
 
-    def _gather(self, view: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        """Items ``index`` of ``view`` copied into this thread's scratch tile (reused: no allocation
-        per call, which on a CPU would fault fresh pages in at a fraction of memory bandwidth)."""
-        n, width = int(index.numel()), view.shape[1]
+    def _scratch(self, n: int, width: int) -> torch.Tensor:
+        """This thread's scratch tile as ``(n, width)`` (reused: no allocation per call, which on a
+        CPU would fault fresh pages in at a fraction of memory bandwidth)."""
         need = n * width
         scratch = getattr(self._local, "scratch", None)
-        if scratch is None or scratch.numel() < need or scratch.device != view.device:
-            scratch = torch.empty(max(need, 1 << 16), dtype=torch.uint8, device=view.device)
+        if scratch is None or scratch.numel() < need or scratch.device != self.device:
+            scratch = torch.empty(max(need, 1 << 16), dtype=torch.uint8, device=self.device)
             self._local.scratch = scratch
-        tile = scratch[:need].view(n, width)
-        if width % 8 == 0:  # gather whole words: a memcpy per row
+        return scratch[:need].view(n, width)
+
+    @staticmethod
+    def _gather_into(view: torch.Tensor, index: torch.Tensor, tile: torch.Tensor) -> None:
+        """Items ``index`` of ``view`` into ``tile`` (whole 8-byte words when they fit: a memcpy per row)."""
+        if view.shape[1] % 8 == 0:
             torch.index_select(view.view(torch.int64), 0, index, out=tile.view(torch.int64))
         else:
             torch.index_select(view, 0, index, out=tile)
-        return tile
 
     def _checksum(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The definition over ``rows`` (n, rows per item, bytes per row), uint8, any strides."""
@@ -514,10 +528,20 @@ class ChecksumBook:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self._enabled: set[int] = set()  # rooms opened while checksums were on
         self._parts: dict[tuple[int, str], list[PageChecksums]] = {}
         self._layered: dict[
             tuple[int, str, int], tuple[IntArray, npt.NDArray[np.uint32], npt.NDArray[np.bool_]]
         ] = {}
+
+    def enable(self, room: int) -> None:
+        """Checksums for ``room`` (``sender.init`` while they are on): every chunk of it, whatever
+        the switch says later, so a status never carries the checksums of only some chunks."""
+        with self._lock:
+            self._enabled.add(room)
+
+    def enabled(self, room: int) -> bool:
+        return room in self._enabled
 
     def add(self, room: int, endpoint: str, part: PageChecksums) -> None:
         with self._lock:
@@ -582,6 +606,7 @@ class ChecksumBook:
 
     def forget(self, room: int) -> None:
         with self._lock:
+            self._enabled.discard(room)
             for key in [k for k in self._parts if k[0] == room]:
                 del self._parts[key]
             for lkey in [k for k in self._layered if k[0] == room]:

@@ -162,7 +162,8 @@ class DecodeTransport(EndpointHost[DecodeEndpoint, DecodeEffect]):
         self._cutter = HostCutter(
             backend.cut_connections_from, self._cut_done, name=f"pdkv-cut-{config.rank}"
         )
-        self._checksummer = Checksummer.of(config.layout, config.checksum_device) if config.kv_checksum else None
+        self._checksum_on = config.kv_checksum
+        self._checksummer: Checksummer | None = None  # built by the first room to verify
         self._verifications: queue.Queue[VerifyChecksums | None] = queue.Queue(maxsize=4096)
         self._verifier: threading.Thread | None = None  # started by the first room to verify
 
@@ -369,6 +370,10 @@ class DecodeTransport(EndpointHost[DecodeEndpoint, DecodeEffect]):
 
     # ------------------------------------------------------------------ checksums
 
+    def set_kv_checksum(self, on: bool) -> None:
+        """Turn the check on or off for rooms ``receiver.init`` opens from now on (``kv_checksum``)."""
+        self._checksum_on = arguments.flag(on, room=None, argument="on")
+
     def _request_verification(self, effect: VerifyChecksums) -> None:
         """Lock held: the room's pages go to the verifier thread (off the control thread: a large room
         is tens of milliseconds of reading); with its queue full, checked here."""
@@ -394,10 +399,10 @@ class DecodeTransport(EndpointHost[DecodeEndpoint, DecodeEffect]):
 
     def _verify(self, effect: VerifyChecksums) -> ChecksumMismatch | None:
         """The verdict on one room; a verifier that fails says so as a mismatch (the room fails)."""
-        summer = self._checksummer
         try:
-            if summer is None:
-                raise RuntimeError("checksums are off on this decode rank")
+            if self._checksummer is None:
+                self._checksummer = Checksummer.of(self.config.layout, self.config.checksum_device)
+            summer = self._checksummer
             started = time.perf_counter()
             pages = RoomPages(
                 dst_pages=effect.dst_pages,
@@ -483,7 +488,7 @@ class KVReceiver(RoomHandle[DecodeEndpoint, DecodeEffect]):
                 dst_state=state_indices,
                 required_dst_info_num=required,
                 prefix_pages=prefix_pages,
-                verify_checksums=self.transport.config.kv_checksum,
+                verify_checksums=self.transport._checksum_on,
                 now=now,
             ),
             what=f"receiver.init of room {self.room}",

@@ -28,6 +28,7 @@ import os
 import queue
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar, assert_never
 
@@ -258,7 +259,10 @@ class PrefillTransport(EndpointHost[PrefillEndpoint, PrefillEffect]):
         """Per-layer transfer (DESIGN section 7): ``register``, ``on_layer_end`` per layer, ``send()``."""
         self._worker_errors = 0
         self._partition_dump = os.environ.get(PARTITION_DUMP.name) == "1"
-        self._checksummer = Checksummer.of(config.layout, config.checksum_device) if config.kv_checksum else None
+        self._checksum_on = config.kv_checksum
+        self._checksummer: Checksummer | None = None  # built with the first room that needs it
+        # A chunk's checksums are computed here while the engine moves its bytes (started by the first).
+        self._checksum_pool: ThreadPoolExecutor | None = None
         self.checksums = ChecksumBook()
         """With ``kv_checksum``: what each room's chunks wrote to each decode rank, as checksums,
         until its Success status carries them (``add_layer``: the per-layer path's seam)."""
@@ -344,6 +348,8 @@ class PrefillTransport(EndpointHost[PrefillEndpoint, PrefillEffect]):
         deadline = time.monotonic() + timeout_s
         for worker in self._workers:
             worker.join(max(0.0, deadline - time.monotonic()))
+        if self._checksum_pool is not None:  # it reads registered memory: done before that goes
+            self._checksum_pool.shutdown(wait=True)
         running = [w.name for w in self._workers if w.is_alive()]
         stuck = None
         if running or not per_layer_stopped:
@@ -412,12 +418,24 @@ class PrefillTransport(EndpointHost[PrefillEndpoint, PrefillEffect]):
             case _:
                 assert_never(effect)
 
+    def set_kv_checksum(self, on: bool) -> None:
+        """Turn checksums on or off for rooms ``sender.init`` opens from now on (``kv_checksum``)."""
+        self._checksum_on = arguments.flag(on, room=None, argument="on")
+
+    def _summer(self, room: RoomId) -> Checksummer | None:
+        """The kernel, when ``room`` has checksums (its ``sender.init`` came while they were on)."""
+        if not self.checksums.enabled(room):
+            return None
+        if self._checksummer is None:
+            self._checksummer = Checksummer.of(self.config.layout, self.config.checksum_device)
+        return self._checksummer
+
     def _with_checksums(self, effect: Send) -> Message:
         """A Success status leaves with what the room wrote to that decode rank, as checksums."""
         message = effect.message
-        if self._checksummer is None or not isinstance(message, TransferStatus):
+        if not isinstance(message, TransferStatus) or message.outcome is not Outcome.SUCCESS:
             return message
-        if message.outcome is not Outcome.SUCCESS:
+        if not self.checksums.enabled(message.room):
             return message
         try:
             sums = self.checksums.status_checksums(message.room, effect.to)
@@ -426,21 +444,36 @@ class PrefillTransport(EndpointHost[PrefillEndpoint, PrefillEffect]):
             return message
         return message if sums is None else attrs.evolve(message, checksums=sums)
 
+    def _checksums_async(
+        self, submit: SubmitChunk, destination: Destination, plan: ChunkPlan
+    ) -> Future[None] | None:
+        """``_note_checksums`` on the checksum thread, while the caller submits the plan's writes
+        (the source pages do not change until the room ends); None when the room has no checksums.
+        The caller waits for it before it reports the chunk."""
+        if self._summer(submit.room) is None:
+            return None
+        with self._lock:
+            if self._checksum_pool is None:
+                self._checksum_pool = ThreadPoolExecutor(1, thread_name_prefix=f"pdkv-checksum-{self.config.rank}")
+            pool = self._checksum_pool
+        return pool.submit(self._note_checksums, submit, destination, plan)
+
     def _note_checksums(self, submit: SubmitChunk, destination: Destination, plan: ChunkPlan) -> None:
-        """With ``kv_checksum``: the checksums of what ``plan`` writes (before it is submitted: the
-        source pages are what the scheduler's forward left and do not change until the room ends)."""
-        if self._checksummer is None:
+        """With ``kv_checksum``: the checksums of what ``plan`` writes (the source pages are what the
+        scheduler's forward left, and do not change until the room ends)."""
+        summer = self._summer(submit.room)
+        if summer is None:
             return
         sources = ChunkSources(
             kv_src=plan.kv_src, kv_positions=plan.kv_positions, state=plan.state_src, aux_src=plan.aux_src
         )
-        part = chunk_checksums(self._checksummer, sources, self.config.layout, destination.peer.layout)
+        part = chunk_checksums(summer, sources, self.config.layout, destination.peer.layout)
         self.checksums.add(submit.room, destination.peer.endpoint, part)
 
     def _note_layered_checksums(self, submit: SubmitChunk, destination: Destination) -> None:
         """A per-layer chunk's KV checksums: the rows the per-layer path recorded after each layer's
         ready event (``checksums.add_layer``), the others computed now (the forward has ended)."""
-        summer = self._checksummer
+        summer = self._summer(submit.room)
         if summer is None:
             return
         dst_layout = destination.peer.layout
@@ -649,11 +682,15 @@ class PrefillTransport(EndpointHost[PrefillEndpoint, PrefillEffect]):
         plan = self._plan(submit, destination, spec, writes_extras=writes_extras)
         if plan is None:
             return None
-        self._note_checksums(submit, destination, plan)
+        pending = self._checksums_async(submit, destination, plan)
         submitted = self._clock()
-        if not len(plan.blocks):
-            return _Written(plan.kv_pages, 0, 0.0, submitted, submitted)
-        result = self._executor.transfer(destination.peer.session, plan.blocks)
+        try:
+            if not len(plan.blocks):
+                return _Written(plan.kv_pages, 0, 0.0, submitted, submitted)
+            result = self._executor.transfer(destination.peer.session, plan.blocks)
+        finally:
+            if pending is not None:
+                pending.result()  # a checksum that failed fails the chunk (the worker's guard)
         self.metrics.increment(TransportCounter.WRITES)
         self.metrics.increment(TransportCounter.WRITE_JOBS)
         if not result.ok:
@@ -703,6 +740,7 @@ class PrefillTransport(EndpointHost[PrefillEndpoint, PrefillEffect]):
         a batch that failed fails every chunk with bytes in it. ``ended``: ids of the chunks reported.
         """
         planned: list[tuple[SubmitChunk, float, list[tuple[Destination, ChunkPlan]]]] = []
+        checksums: list[Future[None]] = []  # computed while the engine moves the chunks' bytes
         extras = self.config.rank.cp == 0
         with self._lock:  # one lock hold for all of them (and again to report them below)
             now = self._clock()
@@ -726,13 +764,18 @@ class PrefillTransport(EndpointHost[PrefillEndpoint, PrefillEffect]):
                 if plan is None:
                     ended.add(id(submit))  # reported failed
                     break
-                self._note_checksums(submit, destination, plan)
+                if (pending := self._checksums_async(submit, destination, plan)) is not None:
+                    checksums.append(pending)
                 plans.append((destination, plan))
             else:
                 planned.append((submit, began, plans))
         writes = [(d.peer.session, p.blocks) for _, _, plans in planned for d, p in plans if len(p.blocks)]
         submitted = self._clock()
-        results = iter(self._executor.transfer_shared(writes) if writes else [])
+        try:
+            results = iter(self._executor.transfer_shared(writes) if writes else [])
+        finally:
+            for pending in checksums:
+                pending.result()
         done = self._clock()
         self.metrics.increment(TransportCounter.WRITES, len(writes))
         self.metrics.increment(TransportCounter.WRITE_JOBS, len({peer for peer, _ in writes}))
@@ -845,6 +888,8 @@ class KVSender(RoomHandle[PrefillEndpoint, PrefillEffect]):
             lambda e, now: e.open_room(self.room, num_pages=num_pages, aux_row=aux_row, now=now),
             what=f"sender.init of room {self.room}",
         )
+        if self.transport._checksum_on:
+            self.transport.checksums.enable(self.room)
 
     def send(
         self,
