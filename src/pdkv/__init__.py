@@ -82,7 +82,7 @@ from pdkv.metrics.errors import (
 )
 from pdkv.protocol import KVPoll, RoomId, Timeouts, room_id
 from pdkv.protocol.decode import DecodeStatistics
-from pdkv.protocol.effects import Failure, FailureCause, ReleaseKind
+from pdkv.protocol.effects import ChecksumMismatch, Failure, FailureCause, ReleaseKind
 from pdkv.protocol.prefill import PrefillStatistics
 from pdkv.protocol.ids import InstanceId
 from pdkv.protocol.messages import RankCoord, StateIndices
@@ -143,6 +143,7 @@ __all__ = [
     "EngineInitError",
     "EngineUnavailableError",
     "ExecutorConfig",
+    "ChecksumMismatch",
     "Failure",
     "FailureCause",
     "ForeignHandleError",

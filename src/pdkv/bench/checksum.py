@@ -37,13 +37,21 @@ from pdkv.runtime.checksum import WHOLE, BufferViews, Checksummer, Region
 
 
 def place(pages: int, pool: int, run_fraction: float, rng: np.random.Generator) -> np.ndarray:
-    """Pool pages for ``pages`` positions: ``run_fraction`` of them in runs of 2..16, the rest single."""
+    """Pool pages for ``pages`` positions: ``run_fraction`` of them in runs of 2..16, the rest single,
+    the segments in a random order with random gaps in a pool of ``pool`` pages."""
     in_runs = round(pages * run_fraction)
     lengths: list[int] = []
     while sum(lengths) < in_runs:
         lengths.append(min(int(rng.integers(2, 17)), in_runs - sum(lengths)))
     lengths += [1] * (pages - sum(lengths))
-    starts = rng.choice(pool // 17, size=len(lengths), replace=False) * 17  # disjoint slots of 17 pages
+    order = rng.permutation(len(lengths))
+    gaps = rng.multinomial(pool - pages, np.full(len(lengths), 1.0 / len(lengths)))
+    starts = np.empty(len(lengths), dtype=np.int64)
+    at = 0
+    for k, segment in enumerate(order):  # a loop over segments (setup, not timed)
+        at += int(gaps[k])
+        starts[segment] = at
+        at += lengths[segment]
     return np.concatenate([np.arange(s, s + n) for s, n in zip(starts, lengths, strict=True)]).astype(
         np.int64
     )
@@ -91,8 +99,7 @@ def main(argv: Sequence[str]) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error(f"--device {args.device}: torch has no CUDA here")
     links = [float(x) for x in args.link_gbps.split(",") if x.strip()]
-    pool = args.pool_pages or 4 * args.pages
-    pool = max(pool, 17 * (args.pages + 1))
+    pool = max(args.pool_pages or 2 * args.pages, args.pages)
     rng = np.random.default_rng(args.seed)
     pages = place(args.pages, pool, args.run_fraction, rng)
     kinds = [BufferKind.K, BufferKind.V] if args.mha else [BufferKind.KV]

@@ -97,3 +97,10 @@ def test_settings_refuse_unknown_keys() -> None:
     assert AdapterSettings.from_extra_config({"registry_port": 8998}).registry_port == 8998
     with pytest.raises(ConfigError, match="registy_port"):
         AdapterSettings.from_extra_config({"registy_port": 8998})
+
+
+def test_settings_take_the_checksum_switch() -> None:
+    assert AdapterSettings.from_extra_config({}).kv_checksum is None  # PDKV_KV_CHECKSUM decides
+    assert AdapterSettings.from_extra_config({"kv_checksum": True}).kv_checksum is True
+    with pytest.raises(ConfigError, match="kv_checksum"):
+        AdapterSettings.from_extra_config({"kv_checksum": "yes"})

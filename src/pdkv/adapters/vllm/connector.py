@@ -70,6 +70,7 @@ from pdkv import (
 )
 from pdkv.adapters.vllm.layout import layout_from_kv_caches
 from pdkv.adapters.vllm.params import AdapterSettings, ConsumerParams, producer_transfer_id, room_for
+from pdkv.runtime import checksums_from_env
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -574,6 +575,9 @@ class WorkerSide:
         )
         host = self.settings.host
         self._backend = MooncakeBackend(attrs.evolve(MooncakeConfig.from_env(), local_hostname=host))
+        # kv_connector_extra_config.kv_checksum, else PDKV_KV_CHECKSUM; the checksums run where the cache is
+        checksum = self.settings.kv_checksum if self.settings.kv_checksum is not None else checksums_from_env()
+        device = "cpu" if first is None or first.device.type != "cuda" else str(first.device)
         if self.producer:
             instance = InstanceId(self.settings.instance or f"vllm-prefill@{host}:{self.engine_id}")
             self.registry = Registry(
@@ -588,6 +592,8 @@ class WorkerSide:
                     layout=layout,
                     registry=self.registry.address,
                     host=host,
+                    kv_checksum=checksum,
+                    checksum_device=device,
                 ),
                 self._backend,
             )
@@ -607,6 +613,8 @@ class WorkerSide:
                     layout=layout,
                     host=host,
                     register_memory=self.prefill is None,  # kv_both: the prefill transport registered it
+                    kv_checksum=checksum,
+                    checksum_device=device,
                 ),
                 self._backend,
             )
