@@ -12,6 +12,7 @@ the per-layer path, and a decode TP of 2 (each decode rank checks the heads it h
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
 
@@ -19,6 +20,8 @@ import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
+import pdkv.runtime.decode
+import pdkv.runtime.prefill
 from pdkv.engine import Corruption, CorruptionKind, LoopbackFaults
 from pdkv.mapping import AttentionKind, BufferKind, ModelRole
 from pdkv.metrics import PrometheusExporter, TransportCounter
@@ -161,7 +164,15 @@ def expect_outcome(
 # ---------------------------------------------------------------- the four faults, on and off
 
 
-def test_one_flipped_byte_in_one_page_of_one_layer(checksums: bool) -> None:
+@pytest.mark.parametrize("threads", [False, True], ids=["inline", "checksum-threads"])
+def test_one_flipped_byte_in_one_page_of_one_layer(
+    checksums: bool, threads: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``threads``: the rooms count as large, so the prefill computes its checksums on its checksum
+    thread while the engine writes, and the decode checks on its verifier thread."""
+    if threads:
+        monkeypatch.setattr(pdkv.runtime.prefill, "INLINE_CHECKSUM_BYTES", 0)
+        monkeypatch.setattr(pdkv.runtime.decode, "INLINE_VERIFY_BYTES", 0)
     for pair in pair_of(checksums):
         dst = np.arange(20, 20 + PAGES)
         request = Request(pair, 1, dst)
@@ -172,6 +183,10 @@ def test_one_flipped_byte_in_one_page_of_one_layer(checksums: bool) -> None:
         )
         request.send()
         expect_outcome(request, checksums, buffer="target kv layer 1", position=3)
+        if threads and checksums:
+            names = {t.name for t in threading.enumerate()}
+            assert any(n.startswith("pdkv-verify-") for n in names), names
+            assert any(n.startswith("pdkv-checksum-") for n in names), names
 
 
 def test_a_zeroed_page(checksums: bool) -> None:
