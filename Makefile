@@ -5,6 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.pdkv-installed
 SYSLIB := $(VENV)/.pdkv-syslibs
 SGLANG := $(VENV)/.pdkv-sglang
+NIXL   := $(VENV)/.pdkv-nixl
 # vLLM needs its own closures (they pin other transformers/pydantic than the dev venv): one venv each.
 VLLM_VENV     := .venv-vllm
 VLLM_CPU_VENV := .venv-vllm-cpu
@@ -12,7 +13,7 @@ VLLM_STAMPS   := $(VLLM_VENV)/.pdkv-installed $(VLLM_CPU_VENV)/.pdkv-installed
 
 .PHONY: demo test typecheck lint lint-imports pytest bench diagram venv sglang vllm clean
 
-venv: $(STAMP) $(SYSLIB)
+venv: $(STAMP) $(SYSLIB) $(NIXL)
 
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,6 +23,13 @@ $(STAMP): pyproject.toml constraints.txt
 
 $(SYSLIB): $(STAMP) scripts/ensure-syslibs.sh
 	./scripts/ensure-syslibs.sh $(PY)
+	@touch $@
+
+# NIXL (pdkv.NixlBackend) with --no-deps: its metadata pulls a CUDA torch; the check proves torch is still
+# the CPU 2.13.0 of constraints.txt and that the bundled UCX loads.
+$(NIXL): $(STAMP) requirements/nixl.txt constraints.txt
+	$(PY) -m pip install -q --no-deps -c constraints.txt -r requirements/nixl.txt
+	$(PY) -c "import torch, pdkv.engine.nixl as n; n.load_nixl(); assert torch.__version__.startswith('2.13.0') and torch.version.cuda is None, torch.__version__"
 	@touch $@
 
 # SGLang 0.5.23 on CPU, for the adapter tests (tests/adapters) and the server tests (tests/servers):
@@ -60,7 +68,9 @@ $(VLLM_STAMPS): %/.pdkv-installed: pyproject.toml constraints.txt scripts/ensure
 demo: venv
 	$(PY) -m pdkv demo
 
-typecheck: venv
+# mypy reads the tests too, and the server tests import SGLang's serving closure (safetensors, tokenizers,
+# transformers): type-check with it installed, as pytest runs with it.
+typecheck: venv $(SGLANG)
 	$(PY) -m mypy
 
 lint-imports: venv

@@ -15,6 +15,7 @@ import pytest
 import pdkv
 from pdkv.config import ENVIRONMENT, from_env, int_var, positive_int, positive_seconds, seconds_var
 from pdkv.errors import ConfigError
+from pdkv.mapping import LayoutPolicy
 from pdkv.protocol.config import Timeouts
 from pdkv.runtime.decode import DecodeConfig
 from pdkv.runtime.executor import ExecutorConfig
@@ -99,3 +100,32 @@ def test_from_env_parses_names_the_variable_and_lets_the_class_validate() -> Non
     finally:  # test-only variables stay out of the registry the README test reads
         ENVIRONMENT.pop("PDKV_TEST_ONLY_WAIT", None)
         ENVIRONMENT.pop("PDKV_TEST_ONLY_COUNT", None)
+
+
+def test_layout_policy_comes_from_pdkv_layout_policy_on_both_sides() -> None:
+    layout = RankMemory(ModelSpec(layers=1), Capacity(kv_pages=4, state_slots=1, aux_rows=1)).layout
+    decode: dict[str, Any] = dict(
+        instance=pdkv.InstanceId("d"), rank=pdkv.RankCoord(tp=0), tp_size=1, layout=layout
+    )
+    prefill: dict[str, Any] = dict(decode, instance=pdkv.InstanceId("p"), registry="tcp://x:1")
+    for cls, fields in ((DecodeConfig, decode), (PrefillConfig, prefill)):
+        assert cls(**fields).layout_policy is LayoutPolicy.DEGRADE_DRAFT  # the default
+        assert cls.from_env({}, **fields).layout_policy is LayoutPolicy.DEGRADE_DRAFT
+        strict = cls.from_env({"PDKV_LAYOUT_POLICY": "strict"}, **fields)
+        assert strict.layout_policy is LayoutPolicy.STRICT
+        env = {"PDKV_LAYOUT_POLICY": "strict"}
+        given = cls.from_env(env, **fields, layout_policy=LayoutPolicy.DEGRADE_DRAFT)
+        assert given.layout_policy is LayoutPolicy.DEGRADE_DRAFT  # a given field wins
+        with pytest.raises(ConfigError, match=r"PDKV_LAYOUT_POLICY='lenient' is not valid: .*choose from"):
+            cls.from_env({"PDKV_LAYOUT_POLICY": "lenient"}, **fields)
+        with pytest.raises(ConfigError, match="layout_policy"):
+            cls(**fields, layout_policy="strict")  # type: ignore[arg-type]  # the wrong type on purpose
+
+
+def test_layout_policy_from_env_for_configs_built_field_by_field() -> None:
+    from pdkv.runtime import layout_policy_from_env
+
+    assert layout_policy_from_env({}) is LayoutPolicy.DEGRADE_DRAFT
+    assert layout_policy_from_env({"PDKV_LAYOUT_POLICY": "STRICT"}) is LayoutPolicy.STRICT
+    with pytest.raises(ConfigError, match=r"PDKV_LAYOUT_POLICY='x' is not valid: 'x' is not a layout policy"):
+        layout_policy_from_env({"PDKV_LAYOUT_POLICY": "x"})

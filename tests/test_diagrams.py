@@ -93,16 +93,14 @@ def test_every_edge_appears_in_both_renderings_with_its_trigger() -> None:
 
 
 def test_edges_carry_guard_and_effects() -> None:
+    """A row's edge reads ``input [guard] / effects`` with the names of the functions that run."""
     by_name = {spec.name: spec for spec in ALL_MACHINES}
     sender = render(by_name["SenderRoom"], "mermaid")
-    assert (
-        "TRANSFERRING --> SUCCESS: last_chunk_done<br/>[last chunk queued, every chunk Done, no layer "
-        "write left]<br/>/ send TransferStatus(Success) to each real destination\n" in sender
-    )
+    assert "  TRANSFERRING --> SUCCESS: chunk_done<br/>[complete]<br/>/ account, succeed, after_write\n" in sender
+    assert "  TRANSFERRING --> COMPLETING: chunk_done<br/>[layers_still_writing]<br/>/ account, drop_layers" in sender
     prefill_abort = render(by_name["PrefillAbort"], "graphviz")
     assert (
-        'DRAINING -> ACKED [label="drained\\l[no write of the room in flight]\\l'
-        '/ send AbortAck to every asking rank\\l"];' in prefill_abort
+        '  DRAINING -> ACKED [label="writes_ended\\l/ answer_every_asker, forget_if_idle\\l"];' in prefill_abort
     )
 
 

@@ -37,6 +37,9 @@ decode_layout: pdkv.BufferLayout
 backend: pdkv.TransferBackend
 dst_pages: npt.NDArray[np.int64]
 state_indices: list[pdkv.StateIndices]
+layout: pdkv.BufferLayout
+buffer_tensors: list[torch.Tensor]
+prefill_config: pdkv.PrefillConfig
 """
 
 

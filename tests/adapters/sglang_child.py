@@ -247,7 +247,9 @@ def scenario_plugin(plan: dict[str, Any]) -> dict[str, Any]:
             refusals[label] = f"{type(exc).__name__}: {exc}"
     timeouts = conn.timeouts_from_sglang_env()
     # pdkv's checksums follow SGLang's own switch (0.5.23's --disaggregation-enable-kv-checksum)
-    with_flag, _ = parse_cli([*base, "--disaggregation-mode", "decode", "--disaggregation-enable-kv-checksum"])
+    with_flag, _ = parse_cli(
+        [*base, "--disaggregation-mode", "decode", "--disaggregation-enable-kv-checksum"]
+    )
     without, _ = parse_cli([*base, "--disaggregation-mode", "decode"])
     assert with_flag is not None and without is not None
     kv_checksum = {

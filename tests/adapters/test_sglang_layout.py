@@ -11,7 +11,7 @@ import pytest
 
 from pdkv.adapters.sglang import layout_from_kv_args, state_kind_for
 from pdkv.errors import ConfigError
-from pdkv.mapping import AttentionKind, BufferKind, ModelRole
+from pdkv.mapping import AttentionKind, BufferKey, BufferKind, LayoutPolicy, ModelRole, compatibility
 
 PAGE = 64
 MLA_ITEM = PAGE * 576 * 2  # DeepSeek latent (512 + 64) in bf16, one page
@@ -228,3 +228,81 @@ def test_importing_pdkv_or_the_layout_never_imports_sglang() -> None:
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
     code = "import sys, pdkv; assert not any(m.startswith('pdkv.adapters') for m in sys.modules)"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+# ---------------------------------------------------------------- the draft model's NSA state
+
+
+def dsa_kv_args(target: int = 4, draft: int = 1, **draft_fields: Any) -> dict[str, Any]:
+    """A DSA/NSA model with MTP: the draft pool's index buffers appended to the DSA component, as
+    SGLang appends ``draft_token_to_kv_pool.get_state_buf_infos()``."""
+    args = mla_kv_args(layers=target, draft=draft)
+    item = PAGE * (128 + 4)
+    n = target + draft
+    args.update(
+        state_types=["dsa"],
+        state_data_ptrs=[[0x5_0000_0000 + i * 0x100_0000 for i in range(n)]],
+        state_data_lens=[[item * 50] * n],
+        state_item_lens=[[item] * n],
+        state_layer_ids=[[]],
+        **draft_fields,
+    )
+    return args
+
+
+def test_draft_state_entries_are_the_draft_models_numbered_from_zero() -> None:
+    with_draft = dsa_kv_args(draft_state_buffer_start=4, draft_state_buffer_count=1)
+    layout = layout_from_kv_args(with_draft, is_mla=True)
+    index = [(b.model, b.layer_id) for b in layout.select(BufferKind.INDEX_K)]
+    assert index == [(ModelRole.TARGET, i) for i in range(4)] + [(ModelRole.DRAFT, 0)]
+    per_type = dsa_kv_args(draft_state_buffer_start=[4], draft_state_buffer_count=[1])
+    assert layout_from_kv_args(per_type, is_mla=True) == layout
+
+
+def test_without_the_fields_appended_draft_state_reads_as_target_layers() -> None:
+    """SGLang 0.5.23 sets neither field: nothing is guessed, the fifth entry is a target layer."""
+    layout = layout_from_kv_args(dsa_kv_args(), is_mla=True)
+    assert [(b.model, b.layer_id) for b in layout.select(BufferKind.INDEX_K)] == [
+        (ModelRole.TARGET, i) for i in range(5)
+    ]
+
+
+def test_a_decode_without_draft_state_is_a_rolling_deployment_not_another_model() -> None:
+    with_draft = dsa_kv_args(draft_state_buffer_start=4, draft_state_buffer_count=1)
+    prefill = layout_from_kv_args(with_draft, is_mla=True)
+    decode = layout_from_kv_args(dsa_kv_args(draft=1) | _without_draft_state(), is_mla=True)
+    decision = compatibility(prefill, decode, LayoutPolicy.DEGRADE_DRAFT)
+    draft_index = BufferKey(model=ModelRole.DRAFT, kind=BufferKind.INDEX_K, layer_id=0)
+    assert decision.left_out_mine == (draft_index,)
+    strict = compatibility(prefill, decode, LayoutPolicy.STRICT)
+    assert strict.refusal == "draft index_k layer ids differ: [0] vs []"
+
+
+def _without_draft_state() -> dict[str, Any]:
+    item = PAGE * (128 + 4)
+    return {
+        "state_data_ptrs": [[0x5_0000_0000 + i * 0x100_0000 for i in range(4)]],
+        "state_data_lens": [[item * 50] * 4],
+        "state_item_lens": [[item] * 4],
+    }
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"draft_state_buffer_start": 4}, "come together"),
+        ({"draft_state_buffer_start": 4, "draft_state_buffer_count": 2}, r"\(4, 2\) do not name entries"),
+        ({"draft_state_buffer_start": -1, "draft_state_buffer_count": 1}, "do not name entries"),
+        ({"draft_state_buffer_start": [4, 0], "draft_state_buffer_count": [1, 0]}, "2/2 values for 1 state"),
+    ],
+)
+def test_bad_draft_state_fields_are_refused_naming_them(fields: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        layout_from_kv_args(dsa_kv_args(**fields), is_mla=True)
+
+
+def test_single_int_fields_need_exactly_one_dsa_component() -> None:
+    args = dsa_kv_args(draft_state_buffer_start=0, draft_state_buffer_count=1)
+    args.update(state_types=["swa"])
+    with pytest.raises(ConfigError, match="name the DSA/NSA state component, but state_types has 0"):
+        layout_from_kv_args(args, is_mla=True)

@@ -145,7 +145,15 @@ ABORTS: list[dict[str, Any]] = [
 ]
 
 
-def test_two_processes_move_bytes_exactly(tmp_path: Path) -> None:
+# The engine comes from PDKV_BACKEND (SGLang's --disaggregation-transfer-backend names pdkv itself).
+ENGINES = {
+    "mooncake": {"PDKV_BACKEND": "mooncake"},
+    "nixl": {"PDKV_BACKEND": "nixl", "PDKV_NIXL_UCX_NET_DEVICES": "lo"},
+}
+
+
+@pytest.mark.parametrize("engine", sorted(ENGINES))
+def test_two_processes_move_bytes_exactly(tmp_path: Path, engine: str) -> None:
     stop_file = tmp_path / "stop"
     base: dict[str, Any] = {
         "bootstrap_port": free_port(),
@@ -159,9 +167,10 @@ def test_two_processes_move_bytes_exactly(tmp_path: Path) -> None:
         "stop_file": str(stop_file),
     }
     with children() as started:
-        prefill = Child("prefill", {**base, "result": str(tmp_path / "prefill.json")}, tmp_path)
+        env = ENGINES[engine]
+        prefill = Child("prefill", {**base, "result": str(tmp_path / "prefill.json")}, tmp_path, env)
         started.append(prefill)
-        decode = Child("decode", {**base, "result": str(tmp_path / "decode.json")}, tmp_path)
+        decode = Child("decode", {**base, "result": str(tmp_path / "decode.json")}, tmp_path, env)
         started.append(decode)
         assert decode.wait(180) == 0, decode.log_tail()
         stop_file.touch()

@@ -73,7 +73,7 @@ def test_the_protocol_machines_have_notes_and_none_is_stale() -> None:
     # Notes are prose for rows without named guards or effects (a machine whose rows name them draws
     # those names and needs no notes); these machines are still annotated edge by edge, and a note
     # must never outlive its edge.
-    annotated = {"SenderRoom", "Chunk", "PrefillAbort", "PerLayer", "Peer"}
+    annotated = {"PerLayer"}
     for spec in ALL_MACHINES:
         notes = notes_for(spec)
         if spec.name in annotated:

@@ -1,4 +1,5 @@
-"""Real processes over real Mooncake TCP on 127.0.0.1: decode memory compared byte for byte.
+"""Real processes over real Mooncake TCP on 127.0.0.1 (and over NIXL, UCX's default transports and
+tcp, for the CP case that has every feature): decode memory compared byte for byte.
 
 One cluster run per topology; each run mixes the features (chunked rooms, cached prefixes, state
 on some layers only, a draft model, aborts by either side) so the suite stays short."""
@@ -68,10 +69,24 @@ def check(outcomes: list[RoomOutcome], cluster: Cluster, *, decode_ranks: int = 
     assert sum(r.worker_errors for r in reports) == 0
 
 
-@pytest.mark.parametrize("cp", [1, 2, 4])
-def test_cp_shared_kv_mla(cp: int) -> None:
+@pytest.mark.parametrize(
+    ("backend", "ucx_tls", "cp"),
+    [
+        ("mooncake", None, 1),
+        ("mooncake", None, 2),
+        ("mooncake", None, 4),
+        ("nixl", None, 2),
+        ("nixl", "tcp", 2),
+    ],
+    ids=["mooncake-cp1", "mooncake-cp2", "mooncake-cp4", "nixl-cp2", "nixl-tcp-cp2"],
+)
+def test_cp_shared_kv_mla(backend: str, ucx_tls: str | None, cp: int) -> None:
     spec = ClusterSpec(
-        model=MLA, prefill_cp=cp, prefill_capacity=Capacity(kv_pages=256, state_slots=32, aux_rows=16)
+        model=MLA,
+        prefill_cp=cp,
+        prefill_capacity=Capacity(kv_pages=256, state_slots=32, aux_rows=16),
+        backend=backend,
+        ucx_tls=ucx_tls,
     )
     with Cluster(spec) as cluster:
         outcomes = cluster.run(plans(aborts=cp == 2), max_active=4)

@@ -1,4 +1,5 @@
 """Faults injected into real rank processes over real Mooncake TCP on 127.0.0.1 (DESIGN section 8).
+The process cases (the decode killed, the prefill restarted, a partition) run over NIXL too.
 
 Every case checks the three promises: every room on every live rank is terminal within its bound
 (``Cluster.run`` returns only then, and each outcome's time is checked), every decode page is back
@@ -62,14 +63,22 @@ PARTITION_S = 7.0  # past the engine's transfer timeout (5 s) and every protocol
 BOUND_S = 14.0  # the longest any room may take here: a deadline (5 s), the ack wait and quarantine, slack
 
 
+# The process cases run over both engines; "nixl" is UCX's default transports (cma writes, tcp for the rest).
+ENGINES = {"mooncake": ("mooncake", None), "nixl": ("nixl", None), "nixl-tcp": ("nixl", "tcp")}
+
+
 def spec(
     *,
     prefill_cp: int = 1,
     faults: tuple[RankFaults, ...] = (),
     timeouts: Timeouts = FAST,
     stable_addresses: bool = False,
+    engine: str = "mooncake",
 ) -> ClusterSpec:
+    backend, ucx_tls = ENGINES[engine]
     return ClusterSpec(
+        backend=backend,
+        ucx_tls=ucx_tls,
         model=MODEL,
         prefill_cp=prefill_cp,
         timeouts=timeouts,
@@ -123,10 +132,11 @@ def by_side(outcomes: list[RoomOutcome], side: str) -> dict[int, list[RoomOutcom
     return out
 
 
-def test_decode_killed_in_the_middle_of_a_transfer() -> None:
+@pytest.mark.parametrize("engine", ["mooncake", "nixl"])
+def test_decode_killed_in_the_middle_of_a_transfer(engine: str) -> None:
     """Case 1: the prefill rank's rooms all end (heartbeat loss or engine failure), none stays stuck."""
     plans = [room(n, chunks=3, forward_s=0.4) for n in range(1, 5)]
-    with Cluster(spec()) as cluster:
+    with Cluster(spec(engine=engine)) as cluster:
         outcomes = cluster.run(
             plans, max_active=4, actions=[TimedAction(after_s=0.6, action=_kill("decode"))]
         )
@@ -138,11 +148,12 @@ def test_decode_killed_in_the_middle_of_a_transfer() -> None:
     assert [r.rank for r in reports] == ["prefill tp0/cp0"]
 
 
-def test_prefill_cp_rank_killed_in_the_middle_of_a_transfer() -> None:
+@pytest.mark.parametrize("engine", ["mooncake"])  # NIXL passed it too (14 s); the test budget keeps one kill
+def test_prefill_cp_rank_killed_in_the_middle_of_a_transfer(engine: str) -> None:
     """Case 2: decode fails the rooms (heartbeat, statuses), the surviving CP rank fails them when its
     consensus group breaks; pages come back (unsafe releases allowed: the dead rank never acks)."""
     plans = [room(n, chunks=3, forward_s=0.4) for n in range(1, 5)]
-    with Cluster(spec(prefill_cp=2)) as cluster:
+    with Cluster(spec(prefill_cp=2, engine=engine)) as cluster:
         outcomes = cluster.run(
             plans, max_active=4, actions=[TimedAction(after_s=0.6, action=_kill("prefill", cp=1))]
         )
@@ -254,10 +265,11 @@ def test_garbage_duplicates_and_old_epochs_are_counted_and_rooms_keep_working() 
     check_promises(outcomes, reports)
 
 
-def test_prefill_restarted_behind_the_same_address() -> None:
+@pytest.mark.parametrize("engine", ["mooncake", "nixl"])
+def test_prefill_restarted_behind_the_same_address(engine: str) -> None:
     """Case 9: the old incarnation's rooms fail on decode; decode registers with the new one (same
     address, new epoch) and new rooms succeed."""
-    with Cluster(spec(stable_addresses=True)) as cluster:
+    with Cluster(spec(stable_addresses=True, engine=engine)) as cluster:
         address = cluster.address("prefill")
         first = cluster.run(
             [room(n, chunks=3, forward_s=0.4) for n in range(1, 4)],
@@ -276,7 +288,9 @@ def test_prefill_restarted_behind_the_same_address() -> None:
     check_promises(first + second, reports)
 
 
-def test_network_partition_between_namespaces() -> None:
+# Over NIXL with UCX_TLS=tcp it passed too (ENGINES["nixl-tcp"], 34 s): left out of the default run.
+@pytest.mark.parametrize("engine", ["mooncake", "nixl"])
+def test_network_partition_between_namespaces(engine: str) -> None:
     """Case 10: prefill and decode in two network namespaces joined by veth; the link goes down in
     the middle of a transfer. Both sides fail the rooms that span the partition (heartbeat silence,
     deadlines); the decode quarantines their pages (no AbortAck can cross the cut), and once the link
@@ -293,7 +307,9 @@ def test_network_partition_between_namespaces() -> None:
     # proven release and only the rooms failed by the cut's after-effects settle.
     timeouts = attrs.evolve(FAST, quarantine=90, quarantine_settle=15)
     with veth_namespaces("t10") as layout:
-        partitioned = attrs.evolve(spec(timeouts=timeouts), netns=layout, engine_transfer_timeout_s=5)
+        partitioned = attrs.evolve(
+            spec(timeouts=timeouts, engine=engine), netns=layout, engine_transfer_timeout_s=5
+        )
         with Cluster(partitioned) as cluster:
             before = cluster.run([room(n, chunks=2) for n in (1, 2)], max_active=2)
             # Cut 0.6 s in, healed PARTITION_S later (long enough for the engine to give up on

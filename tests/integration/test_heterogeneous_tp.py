@@ -12,6 +12,7 @@ import pytest
 
 from pdkv.mapping import AttentionKind
 from pdkv.protocol.poll import KVPoll
+from pdkv.runtime.staging import StagingConfig
 from pdkv.testing.cluster import Cluster, ClusterSpec, RoomOutcome
 from pdkv.testing.synthetic import Capacity, ModelSpec
 from tests.integration.test_cluster import check, plans
@@ -43,21 +44,29 @@ def prefill_bytes(outcomes: list[RoomOutcome], rank: str) -> dict[int, int]:
     return {o.room: o.bytes_reported for o in outcomes if o.side == "prefill" and o.rank == rank}
 
 
-def test_prefill_tp1_cp2_splits_two_heads_over_decode_tp2() -> None:
-    """P < D: each CP rank of the one prefill TP rank writes head 0 to decode rank 0 and head 1 to 1."""
+@pytest.mark.parametrize("staged", [False, True], ids=["direct", "staged"])
+def test_prefill_tp1_cp2_splits_two_heads_over_decode_tp2(staged: bool) -> None:
+    """P < D: each CP rank of the one prefill TP rank writes head 0 to decode rank 0 and head 1 to 1:
+    one slice per token of its pages, sent as they are or gathered through its staging pool."""
     spec = ClusterSpec(
         model=gqa(2),
         prefill_cp=2,
         decode_tp=2,
         prefill_capacity=CAPACITY,
         state_slots_per_room=STATE_SLOTS_PER_ROOM,
+        staging=StagingConfig(capacity_bytes=64 << 10, piece_bytes=8 << 10) if staged else None,
     )
     with Cluster(spec) as cluster:
         outcomes = cluster.run(plans(aborts=False))
         check(outcomes, cluster, decode_ranks=2)
+        reports = cluster.close()
+    prefills = [r for r in reports if r.side == "prefill"]
+    assert all((r.staged_writes > 0) is staged for r in prefills)
+    assert all(r.staging_leased_at_end == 0 for r in prefills)
 
 
-def test_prefill_tp2_merges_eight_heads_into_decode_tp1_and_one_rank_writes_extras() -> None:
+@pytest.mark.parametrize("backend", ["mooncake", "nixl"])
+def test_prefill_tp2_merges_eight_heads_into_decode_tp1_and_one_rank_writes_extras(backend: str) -> None:
     """P > D, per layer: both prefill TP ranks are real (4 heads each); only tp0 writes state and aux.
 
     Both write the same KV bytes (half the heads each), so tp0 reports exactly the extras more: the
@@ -71,6 +80,7 @@ def test_prefill_tp2_merges_eight_heads_into_decode_tp1_and_one_rank_writes_extr
         state_slots_per_room=STATE_SLOTS_PER_ROOM,
         per_layer=True,
         forward_writes_kv=True,
+        backend=backend,
     )
     with Cluster(spec) as cluster:
         outcomes = cluster.run(plans(aborts=False))

@@ -71,10 +71,11 @@ def plans() -> list[RequestPlan]:
     ]
 
 
-@pytest.mark.parametrize("cp", [1, 4])
-def test_per_layer_rooms_land_byte_for_byte(cp: int) -> None:
+@pytest.mark.parametrize(("backend", "cp"), [("mooncake", 1), ("mooncake", 4), ("nixl", 4)])
+def test_per_layer_rooms_land_byte_for_byte(backend: str, cp: int) -> None:
     spec = ClusterSpec(
         model=MLA,
+        backend=backend,
         prefill_cp=cp,
         per_layer=True,
         forward_writes_kv=True,

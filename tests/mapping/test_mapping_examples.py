@@ -47,6 +47,8 @@ from pdkv.mapping import (
     shape_batches,
     state_blocks,
 )
+from pdkv.mapping.landing import ScatterPlan, landing_slots, plan_landing, plan_scatter
+from pdkv.mapping.staging import GatherPlan, StagingSources, plan_staged_pieces, staged_entries
 
 SPECS = Path(__file__).resolve().parents[2] / "specs"
 EXAMPLES: list[dict[str, Any]] = json.loads((SPECS / "mapping_examples.json").read_text())["examples"]
@@ -159,6 +161,65 @@ def _run_fanout(inp: dict[str, Any], expected: dict[str, Any]) -> None:
         assert len(expected["plan"]) == len(attrs.fields(type(plan)))
 
 
+def _sources(data: dict[str, Any], layout: BufferLayout) -> StagingSources:
+    return StagingSources(
+        buffer_region=data["buffer_region"],
+        buffer_start=[b.base_ptr for b in layout.buffers],
+        buffer_end=[b.base_ptr + b.length for b in layout.buffers],
+        region_start=data["region_start"],
+        region_bytes=data["region_bytes"],
+    )
+
+
+def _run_staged(inp: dict[str, Any], expected: dict[str, Any]) -> None:
+    local, peer = _layout(inp["local"]), _layout(inp["peer"])
+    blocks = kv_blocks(PageRuns(**inp["runs"]), local, peer)
+    assert staged_entries(blocks) == expected["staged_entries"]
+    pieces = plan_staged_pieces(blocks, _sources(inp["sources"], local), piece_bytes=inp["piece_bytes"])
+    got = [
+        {
+            "nbytes": p.nbytes,
+            "gather": {f.name: getattr(p.gather, f.name).tolist() for f in attrs.fields(GatherPlan)},
+            "blocks": {name: getattr(p.blocks, name).tolist() for name in ("src", "dst", "length", "buffer")},
+        }
+        for p in pieces
+    ]
+    assert got == expected["pieces"]
+
+
+def _run_landing(inp: dict[str, Any], expected: dict[str, Any]) -> None:
+    local, peer = _layout(inp["local"]), _layout(inp["peer"])
+    topology = Topology(attention=AttentionKind.MHA, **inp["topology"])
+    lease = plan_landing(
+        peer,
+        topology,
+        inp["decode_tp_rank"],
+        first_position=inp["first_position"],
+        slots=inp["slots"],
+        base=inp["base"],
+    )
+    want = expected["lease"]
+    assert [lease.source_tp_rank.tolist(), lease.offset.tolist(), lease.nbytes.tolist()] == [
+        want["source_tp_rank"],
+        want["offset"],
+        want["nbytes"],
+    ]
+    assert lease.total_bytes == want["total_bytes"]
+    region = lease.region_of(inp["source_tp_rank"])
+    assert [b.base_ptr for b in region.buffers] == expected["region_bases"]
+    slots = landing_slots(inp["positions"], lease)
+    assert kv_blocks(coalesce(inp["physical"], slots), local, region) == _blocks(expected["writes"])
+    plan = plan_scatter(
+        lease,
+        inp["source_tp_rank"],
+        peer,
+        positions=inp["positions"],
+        dst_pages=inp["dst_pages"],
+        regions=_sources(inp["regions"], peer),
+    )
+    assert {f.name: getattr(plan, f.name).tolist() for f in attrs.fields(ScatterPlan)} == expected["scatter"]
+
+
 def _run_clip_state(inp: dict[str, Any], expected: dict[str, Any]) -> None:
     clipped = clip_state(inp["src"], inp["dst"])
     assert clipped.src.tolist() == expected["src"]
@@ -183,6 +244,8 @@ RUNNERS = {
     "fanout": _run_fanout,
     "clip_state": _run_clip_state,
     "shape_batches": _run_shape_batches,
+    "staged": _run_staged,
+    "landing": _run_landing,
 }
 
 

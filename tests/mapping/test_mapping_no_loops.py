@@ -27,11 +27,13 @@ from pdkv.mapping import (
     batches,
     buffers,
     heads,
+    landing,
     layer_blocks,
     layout,
     ownership,
     pages,
     runs,
+    staging,
     state,
 )
 
@@ -78,6 +80,19 @@ HOT: dict[ModuleType, dict[str, int]] = {
         "layout_kv_heads": 0,
         "kv_blocks": 0,
     },
+    # the staged gather (per write): one loop iteration per piece in plan_staged_pieces
+    staging: {
+        "dst_merge_starts": 0,
+        "staged_entries": 0,
+        "stageable": 0,
+        "non_empty": 0,
+        "_element_bytes": 0,
+        "plan_piece": 0,
+        "piece_bounds": 0,
+        "plan_staged_pieces": 1,
+    },
+    # the landing zone's per-room work (plan_landing is layout work: a loop over sources and buffers)
+    landing: {"landing_slots": 0, "scatter_groups": 0, "plan_scatter": 0},
     # read per request and per chunk: derived once when the layout is built
     layout: {
         "BufferLayout.kv_buffers": 0,

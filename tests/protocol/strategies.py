@@ -19,6 +19,7 @@ import numpy.typing as npt
 from hypothesis import strategies as st
 
 from pdkv.mapping.layout import AttentionKind, BufferKind, BufferLayout, BufferSpec, ModelRole
+from pdkv.mapping.layout_policy import BufferKey
 from pdkv.protocol.ids import MAX_EPOCH, MAX_ROOM_ID, Endpoint, Epoch, InstanceId, RoomId, SessionId
 from pdkv.protocol.messages import (
     MAX_INDEX,
@@ -215,11 +216,31 @@ def registers(draw: st.DrawFn) -> Register:
         endpoint=draw(_endpoints()),
         session=draw(_sessions()),
         layout=draw(buffer_layouts()),
+        engine_metadata=draw(st.binary(max_size=600) | st.just(b"")),
     )
 
 
-def register_acks() -> st.SearchStrategy[RegisterAck]:
-    return st.builds(RegisterAck, origin=origins())
+def buffer_keys() -> st.SearchStrategy[BufferKey]:
+    return st.builds(
+        BufferKey,
+        model=st.sampled_from(ModelRole),
+        kind=st.sampled_from(BufferKind),
+        layer_id=st.one_of(st.integers(0, 127), st.integers(0, MAX_I64)),
+    )
+
+
+def _key_lists() -> st.SearchStrategy[list[BufferKey]]:
+    return st.lists(buffer_keys(), unique=True, max_size=4)
+
+
+@st.composite
+def register_acks(draw: st.DrawFn) -> RegisterAck:
+    """Acks of matching layouts, and of pairs that leave buffers out on either side (version 5)."""
+    if draw(st.booleans()):
+        return RegisterAck(origin=draw(origins()))
+    return RegisterAck(
+        origin=draw(origins()), prefill_left_out=draw(_key_lists()), decode_left_out=draw(_key_lists())
+    )
 
 
 def register_rejects() -> st.SearchStrategy[RegisterReject]:

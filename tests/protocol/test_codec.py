@@ -7,7 +7,9 @@ Generated decode inputs in the default run (the issue asks for at least 10,000 a
   test_any_other_version_is_named_with_ours               200
   test_any_other_magic_is_rejected                        100
   test_mutated_head_layouts_decode_or_raise_remote_error  60 x 40 = 2,400 (version 2 heads)
-  total                                                15,900
+  test_mutated_engine_metadata_decode_or_raise_remote_error 60 x 40 = 2,400 (version 5 metadata)
+  test_mutated_register_acks_decode_or_raise_remote_error   60 x 40 = 2,400 (version 6 left-out lists)
+  total                                                20,700
 plus 780 round-trip examples (60 per class, 60 for the buffer types) and every prefix and extension of
 every frame of one message. Every fuzz input must decode to a message that survives re-encoding, or
 raise RemoteProtocolError whose reason is not the decoder's catch-all (UNEXPECTED_FAILURE).
@@ -37,6 +39,7 @@ from pdkv.mapping.layout import (
     ItemLayout,
     ModelRole,
 )
+from pdkv.mapping.layout_policy import BufferKey
 from pdkv.protocol.codec import (
     HEADER,
     MAGIC,
@@ -51,6 +54,7 @@ from pdkv.protocol.codec import (
 )
 from pdkv.protocol.ids import Endpoint, Epoch, InstanceId, RoomId, SessionId
 from pdkv.protocol.messages import (
+    MAX_ENGINE_METADATA_BYTES,
     MAX_INDEX,
     MESSAGE_TYPES,
     Abort,
@@ -74,7 +78,7 @@ from pdkv.protocol.messages import (
     TransferRequest,
     TransferStatus,
 )
-from tests.protocol.strategies import STRATEGY_BY_CLASS, messages
+from tests.protocol.strategies import STRATEGY_BY_CLASS, messages, register_acks
 
 Frames = list[bytes]
 
@@ -160,7 +164,7 @@ def test_type_codes_are_the_documented_stable_numbers() -> None:
 
 def test_golden_transfer_request_bytes() -> None:
     """Written by hand from the codec docstring; a change here is a change of the wire format."""
-    header = b"PDKV" + b"\x05\x00" + b"\x07\x00" + b"\x02\x00"  # version 5, type 7, two array frames
+    header = b"PDKV" + b"\x07\x00" + b"\x07\x00" + b"\x02\x00"  # version 7, type 7, two array frames
     body = (
         b"\x88"  # map of 8, keys in the documented order
         + b"\xa6origin"
@@ -189,8 +193,8 @@ def test_golden_transfer_request_bytes() -> None:
 def test_header_layout() -> None:
     frames = encode(Heartbeat(origin=ORIGIN, seq=1))
     assert len(frames) == 2
-    assert frames[0] == b"PDKV\x05\x00\x0b\x00\x00\x00"
-    assert HEADER.size == 10 and MAGIC == b"PDKV" and PROTOCOL_VERSION == 5
+    assert frames[0] == b"PDKV\x07\x00\x0b\x00\x00\x00"
+    assert HEADER.size == 10 and MAGIC == b"PDKV" and PROTOCOL_VERSION == 7
 
 
 @pytest.mark.parametrize(
@@ -261,9 +265,9 @@ def test_header_errors() -> None:
 
 def test_other_version_is_reported_before_the_header_size() -> None:
     """A later version may lengthen the header: the peer still learns it is a version mismatch."""
-    later = MAGIC + struct.pack("<H", PROTOCOL_VERSION + 1) + bytes(30)
-    reason = rejection([later, b"whatever a later version sends"])
-    assert reason == f"peer speaks protocol version {PROTOCOL_VERSION + 1}, this side speaks version {PROTOCOL_VERSION}"
+    v8_header = MAGIC + struct.pack("<H", 8) + bytes(30)
+    reason = rejection([v8_header, b"whatever v8 sends"])
+    assert reason == "peer speaks protocol version 8, this side speaks version 7"
 
 
 def test_body_msgpack_errors() -> None:
@@ -274,7 +278,13 @@ def test_body_msgpack_errors() -> None:
     # A declared length far beyond the frame must fail on the limit, not allocate.
     assert "exceeds max_array_len" in rejection([good[0], b"\xdd\xff\xff\xff\xff", *good[2:]])
     assert "body is not valid msgpack" in rejection([good[0], b"\x91" * 5000 + b"\x00", *good[2:]])
-    assert "body is not valid msgpack" in rejection([good[0], msgpack.packb({"origin": b"raw"}), *good[2:]])
+    # bin is parsed (Register.engine_metadata is one), bounded, and refused where the schema has none.
+    over = MAX_ENGINE_METADATA_BYTES + 1
+    too_long_bin = b"\xc6" + over.to_bytes(4, "big") + bytes(over)
+    assert "exceeds max_bin_len" in rejection([good[0], too_long_bin, *good[2:]])
+    assert "body.origin must be a map, got bin" in rejection(
+        with_body(good, {**body_of(good), "origin": b"raw"})
+    )
     ext = msgpack.packb({"origin": msgpack.ExtType(5, b"x")})
     assert "body is not valid msgpack" in rejection([good[0], ext, *good[2:]])
     duplicated = b"\x82" + b"\xa4room" + b"\x01" + b"\xa4room" + b"\x02"
@@ -404,9 +414,9 @@ def golden_status() -> TransferStatus:
 
 
 def test_golden_status_with_checksums_bytes() -> None:
-    """Version 5's field, written by hand from the codec docstring: raw uint32 frames, in the order
+    """Version 7's field, written by hand from the codec docstring: raw uint32 frames, in the order
     positions, kv, state sums, aux."""
-    header = b"PDKV" + b"\x05\x00" + b"\x08\x00" + b"\x04\x00"  # version 5, type 8, four array frames
+    header = b"PDKV" + b"\x07\x00" + b"\x08\x00" + b"\x04\x00"  # version 7, type 8, four array frames
     body = (
         b"\x86"
         + b"\xa6origin"
@@ -653,7 +663,7 @@ def _mutate_body(body_frame: bytes, rng: random.Random) -> bytes:
 
 
 def _mutate_header(header: bytes, rng: random.Random) -> bytes:
-    magic, version, code, arrays = header[:4], 3, 7, 0
+    magic, version, code, arrays = header[:4], PROTOCOL_VERSION, 7, 0
     if len(header) == HEADER.size:
         magic, version, code, arrays = HEADER.unpack(header)
     field = rng.randrange(3)
@@ -662,7 +672,7 @@ def _mutate_header(header: bytes, rng: random.Random) -> bytes:
     elif field == 1:
         arrays = rng.randint(0, 5)
     else:
-        version = rng.choice([0, 1, 2, 4, 65535])
+        version = rng.choice([0, 1, 2, 3, 4, 6, 65535])
     return HEADER.pack(magic, version, code, arrays)
 
 
@@ -823,7 +833,7 @@ def test_random_msgpack_bodies_raise_only_remote_error(
 def test_any_other_version_is_named_with_ours(message: Message, version: int) -> None:
     frames = encode(message)
     frames[0] = MAGIC + struct.pack("<H", version) + frames[0][6:]
-    assert rejection(frames) == f"peer speaks protocol version {version}, this side speaks version {PROTOCOL_VERSION}"
+    assert rejection(frames) == f"peer speaks protocol version {version}, this side speaks version 7"
 
 
 @settings(max_examples=100)
@@ -927,7 +937,8 @@ def test_golden_heads_map_bytes() -> None:
         + (b"\xaahead_bytes" + b"\xcd\x01\x00")
         + (b"\xabitem_layout" + b"\xaahead_token")
     )
-    assert frames[1].endswith(golden)  # the last buffer's last key, at the end of the body
+    # The last buffer's last key, then (version 5) the Register's empty engine metadata.
+    assert frames[1].endswith(golden + b"\xafengine_metadata\xc4\x00")
     assert frames[1].count(b"\xa5heads") == 1
 
 
@@ -973,6 +984,164 @@ def test_mutated_head_layouts_decode_or_raise_remote_error(layout: BufferLayout,
     """60 x 40 more mutation chains, on Registers whose layouts carry heads (the version 2 schema)."""
     rng = random.Random(seed)
     original: list[object] = list(encode(_register(layout)))
+    for _ in range(MUTATIONS_PER_MESSAGE):
+        frames = original
+        for _ in range(rng.choice([1, 1, 2, 3])):
+            frames = _mutate(frames, rng)
+        decode_or_reject(frames)
+
+
+# ================================================================ version 5: engine metadata in Register
+
+
+def _register_with(metadata: bytes) -> Register:
+    layout = BufferLayout.build(
+        attention=AttentionKind.MLA,
+        page_size=4,
+        buffers=[
+            BufferSpec(
+                kind=BufferKind.KV,
+                model=ModelRole.TARGET,
+                layer_id=0,
+                base_ptr=4096,
+                length=64,
+                item_bytes=16,
+            )
+        ],
+    )
+    return Register(
+        origin=ORIGIN,
+        tp_size=2,
+        endpoint=Endpoint("tcp://h:1"),
+        session=SessionId("h:2"),
+        layout=layout,
+        engine_metadata=metadata,
+    )
+
+
+def test_golden_engine_metadata_bytes() -> None:
+    """The last key of a version 5 Register, written by hand: msgpack bin 8 (0xc4, one length byte)."""
+    frames = encode(_register_with(b"\x00\xffnixl"))
+    assert frames[1].endswith(b"\xafengine_metadata" + b"\xc4\x06" + b"\x00\xffnixl")
+    assert list(body_of(frames))[-1] == "engine_metadata"
+    assert encode(_register_with(b""))[1].endswith(b"\xafengine_metadata\xc4\x00")
+    assert decode(frames) == _register_with(b"\x00\xffnixl")
+
+
+def test_engine_metadata_is_validated_on_decode() -> None:
+    frames = encode(_register_with(b"md"))
+
+    def reason(value: object) -> str:
+        body = body_of(frames)
+        body["engine_metadata"] = value
+        return rejection(with_body(frames, body))
+
+    assert "body.engine_metadata must be bin, got str" in reason("md")
+    assert "body.engine_metadata must be bin, got nil" in reason(None)
+    body = body_of(frames)
+    del body["engine_metadata"]  # a version 4 Register
+    assert "has missing keys ['engine_metadata']" in rejection(with_body(frames, body))
+    too_long = msgpack.packb({**body_of(frames), "engine_metadata": bytes(MAX_ENGINE_METADATA_BYTES + 1)})
+    assert "body is not valid msgpack" in rejection([frames[0], too_long])
+    biggest = _register_with(bytes(MAX_ENGINE_METADATA_BYTES))
+    assert decode(encode(biggest)) == biggest
+    with pytest.raises(ValueError, match="at most 262144 bytes"):
+        _register_with(bytes(MAX_ENGINE_METADATA_BYTES + 1))
+
+
+def test_bin_values_are_refused_everywhere_else() -> None:
+    """engine_metadata is the format's only bin value: a bin in any text field is a type error."""
+    frames = encode(golden_request())
+    body = body_of(frames)
+    body["origin"]["instance"] = b"d0"  # type: ignore[index]  # plain msgpack data
+    assert "body.origin.instance must be a str, got bin" in rejection(with_body(frames, body))
+    register = encode(_register_with(b"md"))
+    body = body_of(register)
+    body["session"] = b"h:2"
+    assert "body.session must be a str, got bin" in rejection(with_body(register, body))
+
+
+@settings(max_examples=60)
+@given(metadata=st.binary(max_size=512), seed=st.integers(0, 2**32 - 1))
+def test_mutated_engine_metadata_decode_or_raise_remote_error(metadata: bytes, seed: int) -> None:
+    """60 x 40 more mutation chains, on Registers that carry engine metadata (the version 5 schema)."""
+    rng = random.Random(seed)
+    original: list[object] = list(encode(_register_with(metadata)))
+    for _ in range(MUTATIONS_PER_MESSAGE):
+        frames = original
+        for _ in range(rng.choice([1, 1, 2, 3])):
+            frames = _mutate(frames, rng)
+        decode_or_reject(frames)
+
+
+# ================================================================ version 6: what a RegisterAck leaves out
+
+_DRAFT_INDEX_K = BufferKey(model=ModelRole.DRAFT, kind=BufferKind.INDEX_K, layer_id=0)
+
+
+def test_golden_register_ack_bytes() -> None:
+    """A RegisterAck naming one prefill buffer left out, as written by hand from the codec docstring."""
+    ack = RegisterAck(origin=ORIGIN, prefill_left_out=[_DRAFT_INDEX_K])
+    frames = encode(ack)
+    assert frames[0] == HEADER.pack(b"PDKV", 7, 5, 0)
+    golden = (
+        b"\xb0prefill_left_out"
+        + b"\x91\x83"
+        + (b"\xa4kind" + b"\xa7index_k")
+        + (b"\xa5model" + b"\xa5draft")
+        + (b"\xa8layer_id" + b"\x00")
+        + (b"\xafdecode_left_out" + b"\x90")
+    )
+    assert frames[1].startswith(b"\x83\xa6origin") and frames[1].endswith(golden)
+    assert decode(frames) == ack
+
+
+@settings(max_examples=100)
+@given(ack=register_acks())
+def test_register_ack_round_trips_what_is_left_out(ack: RegisterAck) -> None:
+    back = decode(encode(ack))
+    assert isinstance(back, RegisterAck)
+    assert back.prefill_left_out == ack.prefill_left_out and back.decode_left_out == ack.decode_left_out
+
+
+def test_register_ack_left_out_is_validated_on_decode() -> None:
+    frames = encode(RegisterAck(origin=ORIGIN, decode_left_out=[_DRAFT_INDEX_K]))
+
+    def reason(key: str, value: object) -> str:
+        body = body_of(frames)
+        body[key] = value
+        return rejection(with_body(frames, body))
+
+    ref = {"kind": "index_k", "model": "draft", "layer_id": 0}
+    assert "decode_left_out lists a buffer twice: [draft index_k layer 0, draft index_k layer 0]" in reason(
+        "decode_left_out", [ref, ref]
+    )
+    assert "body.prefill_left_out[0].model must be one of ['target', 'draft'], got 'drafts'" in reason(
+        "prefill_left_out", [{**ref, "model": "drafts"}]
+    )
+    assert "invalid BufferRef: layer_id must be an int in [0, 2**63), got -1" in reason(
+        "prefill_left_out", [{**ref, "layer_id": -1}]
+    )
+    assert "prefill_left_out[0] has missing keys ['layer_id']" in reason(
+        "prefill_left_out", [{"kind": "kv", "model": "draft"}]
+    )
+    assert "body.prefill_left_out must be an array, got map" in reason("prefill_left_out", ref)
+    body = body_of(frames)
+    del body["prefill_left_out"], body["decode_left_out"]  # a version 4 RegisterAck
+    assert "has missing keys ['decode_left_out', 'prefill_left_out']" in rejection(with_body(frames, body))
+
+
+@settings(max_examples=60)
+@given(seed=st.integers(0, 2**32 - 1))
+def test_mutated_register_acks_decode_or_raise_remote_error(seed: int) -> None:
+    """60 x 40 more mutation chains on RegisterAcks that leave buffers out (the version 6 schema)."""
+    rng = random.Random(seed)
+    ack = RegisterAck(
+        origin=ORIGIN,
+        prefill_left_out=[_DRAFT_INDEX_K, attrs.evolve(_DRAFT_INDEX_K, layer_id=2**40)],
+        decode_left_out=[BufferKey(model=ModelRole.DRAFT, kind=BufferKind.KV, layer_id=1)],
+    )
+    original: list[object] = list(encode(ack))
     for _ in range(MUTATIONS_PER_MESSAGE):
         frames = original
         for _ in range(rng.choice([1, 1, 2, 3])):

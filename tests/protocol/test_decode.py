@@ -149,7 +149,9 @@ def test_failed_status_aborts_and_pages_wait_for_ack() -> None:
     assert d.poll(ROOM) is KVPoll.Failed
     assert not d.release_ready(ROOM)
     released = d.receive(AbortAck(origin=PREFILL, room=ROOM), 2.0)
-    assert released == [ReleasePages(room=ROOM, kind=ReleaseKind.ACKED, reason="all prefill ranks acknowledged the abort")]
+    assert released == [
+        ReleasePages(room=ROOM, kind=ReleaseKind.ACKED, reason="all prefill ranks acknowledged the abort")
+    ]
     assert d.abort_state(ROOM) is DecodeAbortState.RELEASED
     d.close_room(ROOM, 1.0)
     assert ROOM not in d.rooms()
@@ -177,7 +179,9 @@ def test_abort_is_resent_with_backoff_then_quarantined_then_released_unsafely_at
     effects = d.tick(106.0)
     assert [e for e in effects if isinstance(e, ReleasePages)] == [
         ReleasePages(
-            room=ROOM, kind=ReleaseKind.UNSAFE, reason=f"quarantine timeout ({PREFILL.instance}:{PREFILL.rank})"
+            room=ROOM,
+            kind=ReleaseKind.UNSAFE,
+            reason=f"quarantine timeout ({PREFILL.instance}:{PREFILL.rank})",
         )
     ]
     assert d.release_ready(ROOM) and not d.release_was_safe(ROOM)
@@ -241,7 +245,10 @@ def test_a_quarantined_room_is_released_once_its_prefill_hosts_connections_are_c
     assert not d.release_ready(ROOM)
     assert d.receive(AbortAck(origin=PREFILL, room=ROOM), 50.1) == []  # a duplicate while cutting
     released = d.connections_cut(ROOM, True, "", 50.5)
-    assert ReleasePages(room=ROOM, kind=ReleaseKind.CUT, reason="acknowledged after fences; connections cut") in released
+    assert (
+        ReleasePages(room=ROOM, kind=ReleaseKind.CUT, reason="acknowledged after fences; connections cut")
+        in released
+    )
     assert d.release_ready(ROOM) and d.release_was_safe(ROOM)
     stats = d.statistics()
     assert (stats.quarantines_released, stats.quarantines_proven, stats.unsafe_releases) == (1, 1, 0)
@@ -269,7 +276,10 @@ def test_abort_before_registration_releases_at_once() -> None:
     d2.connect(route(), 0.0)
     d2.open_room(ROOM, targets=[TARGET], dst_pages=[1], dst_aux_row=None, now=0.0)
     effects = d2.abort_room(ROOM, "early", 0.5)
-    assert ReleasePages(room=ROOM, kind=ReleaseKind.NOTHING_SENT, reason="no prefill rank had the destinations") in effects
+    assert (
+        ReleasePages(room=ROOM, kind=ReleaseKind.NOTHING_SENT, reason="no prefill rank had the destinations")
+        in effects
+    )
     assert sent(effects, Abort) == []  # the peer never acked registration: it cannot know the room
 
 
@@ -436,8 +446,12 @@ def test_a_cut_names_the_host_of_every_rank_of_a_quarantined_room() -> None:
         page_size=16,
         layout_digest=layout().digest(),
         ranks=[
-            RankRoute(rank=rank, epoch=PREFILL.epoch, endpoint=Endpoint(f"inproc://p{rank.cp}"),
-                      session=SessionId(f"host-{rank.cp}:7"))
+            RankRoute(
+                rank=rank,
+                epoch=PREFILL.epoch,
+                endpoint=Endpoint(f"inproc://p{rank.cp}"),
+                session=SessionId(f"host-{rank.cp}:7"),
+            )
             for rank in ranks
         ],
         complete=True,

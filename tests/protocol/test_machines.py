@@ -13,61 +13,45 @@ from pdkv.protocol.machines import (
     ALL_MACHINES,
     CHUNK,
     DECODE_ABORT,
-    PEER,
+    DECODE_RANK,
+    FENCE,
     PER_LAYER,
     PREFILL_ABORT,
     PREFILL_RANK,
     RECEIVER_ROOM,
     SENDER_ROOM,
+    ChunkInput,
     ChunkState,
     ChunkTrigger,
     DecodeAbortInput,
     DecodeAbortState,
     DecodeAbortTrigger,
+    DecodeRankInput,
+    DecodeRankState,
+    FenceInput,
+    FenceState,
     MachineSpec,
-    PeerState,
-    PeerTrigger,
     PerLayerState,
     PerLayerTrigger,
+    PrefillAbortInput,
     PrefillAbortState,
-    PrefillAbortTrigger,
     PrefillRankInput,
     PrefillRankState,
     ReceiverRoomInput,
     ReceiverRoomState,
     ReceiverRoomTrigger,
+    SenderRoomInput,
     SenderRoomState,
-    SenderRoomTrigger,
     StateMachine,
 )
 
 # The protocol as written in DESIGN section 5, restated independently of the machine modules:
 # (machine, source, trigger) -> destination. Anything absent must be rejected.
 S, R, C = SenderRoomState, ReceiverRoomState, ChunkState
-ST, RT, CT = SenderRoomTrigger, ReceiverRoomTrigger, ChunkTrigger
-DA, DAT, PA, PAT = DecodeAbortState, DecodeAbortTrigger, PrefillAbortState, PrefillAbortTrigger
+RT = ReceiverRoomTrigger
+DA, DAT = DecodeAbortState, DecodeAbortTrigger
 PL, PLT = PerLayerState, PerLayerTrigger
-P, PT = PeerState, PeerTrigger
 EXPECTED: dict[str, dict[tuple[Any, Any], Any]] = {
-    "SenderRoom": {
-        (S.BOOTSTRAPPING, ST.ALL_REQUESTS_IN): S.WAITING_FOR_INPUT,
-        (S.WAITING_FOR_INPUT, ST.QUEUE_CHUNK): S.TRANSFERRING,
-        (S.TRANSFERRING, ST.QUEUE_CHUNK): S.TRANSFERRING,
-        (S.TRANSFERRING, ST.LAST_CHUNK_DONE): S.SUCCESS,
-        (S.BOOTSTRAPPING, ST.FAIL): S.FAILED,
-        (S.WAITING_FOR_INPUT, ST.FAIL): S.FAILED,
-        (S.TRANSFERRING, ST.FAIL): S.FAILED,
-    },
-    "Chunk": {
-        (C.REGISTERED, CT.START): C.TRANSFERRING,
-        (C.TRANSFERRING, CT.COMPLETE): C.DONE,
-        (C.TRANSFERRING, CT.FAIL): C.FAILED,
-        (C.REGISTERED, CT.SKIP): C.SKIPPED,
-    },
-    "PrefillAbort": {
-        (PA.RECEIVED, PAT.DRAIN): PA.DRAINING,
-        (PA.DRAINING, PAT.DRAINED): PA.ACKED,
-    },
     # DESIGN section 7, per-layer path: layers submitted while the forward runs, send() finishes,
     # a drop (room failed) is possible until the finisher waits only for the engine.
     "PerLayer": {
@@ -87,30 +71,78 @@ EXPECTED: dict[str, dict[tuple[Any, Any], Any]] = {
         (PL.CANCELLING, PLT.DROP): PL.DROPPED,
         (PL.FAILING, PLT.DROP): PL.DROPPED,
     },
-    "Peer": {
-        (P.REGISTERING, PT.ACKNOWLEDGED): P.READY,
-        (P.FORGOTTEN, PT.ACKNOWLEDGED): P.READY,
-        (P.REGISTERING, PT.REFUSED): P.REJECTED,
-        (P.READY, PT.REFUSED): P.REJECTED,
-        (P.REJECTED, PT.REFUSED): P.REJECTED,
-        (P.FORGOTTEN, PT.REFUSED): P.REJECTED,
-        (P.DRAINING, PT.REFUSED): P.REJECTED,
-        (P.READY, PT.SILENCE): P.REGISTERING,
-        (P.READY, PT.FORGET): P.FORGOTTEN,
-        (P.DRAINING, PT.FORGET): P.FORGOTTEN,
-        (P.REGISTERING, PT.REGISTERED_WHILE_DRAINING): P.DRAINING,
-        (P.FORGOTTEN, PT.REGISTERED_WHILE_DRAINING): P.DRAINING,
-        (P.DRAINING, PT.DRAINED): P.READY,
-    },
 }
 # Machines whose rows have guards: which (state, input) pairs have rows, and where they may lead
 # (None: the state stays). Restated from DESIGN sections 5, 7 and 8, not read from the modules.
 RS, RI = ReceiverRoomState, ReceiverRoomInput
 DAI = DecodeAbortInput
 PR, PRI = PrefillRankState, PrefillRankInput
+SI, CI, PA, PAI = SenderRoomInput, ChunkInput, PrefillAbortState, PrefillAbortInput
+DR, DRI, F, FI = DecodeRankState, DecodeRankInput, FenceState, FenceInput
+_S_LIVE = (S.BOOTSTRAPPING, S.WAITING_FOR_INPUT, S.TRANSFERRING, S.COMPLETING)
+_S_END = (S.SUCCESS, S.FAILED)
+_DR_OFF = (DR.NEW, DR.FORGOTTEN, DR.REJECTED)
 _R_LIVE = (RS.BOOTSTRAPPING, RS.WAITING_FOR_INPUT, RS.TRANSFERRING, RS.VERIFYING)
 _R_END = (RS.SUCCESS, RS.FAILED)
 MOVES: dict[str, dict[tuple[Any, Any], set[Any]]] = {
+    # Completing: every chunk Done, Success waits for per-layer writes of a chunk never sent, or fences.
+    "SenderRoom": {
+        (S.BOOTSTRAPPING, SI.REQUEST): {None, S.FAILED, S.WAITING_FOR_INPUT},
+        **{(s, SI.REQUEST): {None, S.FAILED} for s in _S_LIVE[1:]},
+        **{(s, SI.REQUEST): {None} for s in _S_END},
+        (S.BOOTSTRAPPING, SI.OPEN): {None, S.FAILED},
+        (S.WAITING_FOR_INPUT, SI.OPEN): {None, S.FAILED},
+        (S.FAILED, SI.OPEN): {None},
+        (S.WAITING_FOR_INPUT, SI.QUEUE_CHUNK): {S.FAILED, S.TRANSFERRING},
+        (S.TRANSFERRING, SI.QUEUE_CHUNK): {S.FAILED, S.TRANSFERRING},
+        (S.FAILED, SI.QUEUE_CHUNK): {None},
+        (S.TRANSFERRING, SI.CHUNK_DONE): {None, S.COMPLETING, S.SUCCESS},
+        (S.COMPLETING, SI.CHUNK_DONE): {None, S.SUCCESS},
+        (S.FAILED, SI.CHUNK_DONE): {None},
+        **{(s, SI.CHUNK_FAILED): {S.FAILED} for s in _S_LIVE},
+        (S.FAILED, SI.CHUNK_FAILED): {None},
+        **{(s, SI.LAYER_WRITES_STARTED): {None} for s in SenderRoomState},
+        (S.TRANSFERRING, SI.LAYER_WRITES_ENDED): {None, S.COMPLETING, S.SUCCESS},
+        (S.COMPLETING, SI.LAYER_WRITES_ENDED): {None, S.SUCCESS},
+        **{(s, SI.LAYER_WRITES_ENDED): {None} for s in (S.BOOTSTRAPPING, S.WAITING_FOR_INPUT, *_S_END)},
+        (S.COMPLETING, SI.FENCE_DONE): {None, S.SUCCESS},
+        **{(s, i): {S.FAILED} for s in _S_LIVE for i in (SI.PEER_ABORT, SI.ABORT, SI.FAIL)},
+        **{(s, i): {None} for s in _S_END for i in (SI.PEER_ABORT, SI.ABORT)},
+        (S.FAILED, SI.STATUS_RESEND_DUE): {None},
+    },
+    "Chunk": {
+        (C.REGISTERED, CI.START): {C.SKIPPED, C.TRANSFERRING},
+        (C.SKIPPED, CI.START): {None},
+        (C.TRANSFERRING, CI.COMPLETE): {C.DONE},
+        (C.TRANSFERRING, CI.FAIL): {C.FAILED},
+        (C.REGISTERED, CI.SKIP): {C.SKIPPED},
+    },
+    "PrefillAbort": {
+        (PA.DRAINING, PAI.ASKED): {None, PA.ACKED},
+        (PA.ACKED, PAI.ASKED): {None},
+        (PA.DRAINING, PAI.WRITES_ENDED): {None, PA.ACKED},
+        (PA.ACKED, PAI.WRITES_ENDED): {None},
+        (PA.DRAINING, PAI.FENCED): {None},
+        (PA.ACKED, PAI.FENCED): {None},
+    },
+    "DecodeRank": {
+        (DR.DRAINING, DRI.REGISTER): {None, DR.REJECTED},
+        **{(s, DRI.REGISTER): {None, DR.REJECTED, DR.DRAINING, DR.READY} for s in (*_DR_OFF, DR.READY)},
+        **{(s, i): {DR.FORGOTTEN} for s in (DR.READY, DR.DRAINING) for i in (DRI.SILENCE, DRI.RESTART)},
+        (DR.DRAINING, DRI.DRAINED): {DR.READY},
+        **{(s, DRI.DRAINED): {None} for s in (*_DR_OFF, DR.READY)},
+        **{(s, DRI.HEARTBEAT): {None} for s in DecodeRankState},
+    },
+    "Fence": {
+        (F.OWED, FI.SUBMIT): {F.RUNNING},
+        (F.RUNNING, FI.SUBMIT): {None},
+        (F.DONE, FI.SUBMIT): {None},
+        (F.OWED, FI.ACK_WANTED): {F.RUNNING},
+        (F.RUNNING, FI.ACK_WANTED): {None},
+        (F.DONE, FI.ACK_WANTED): {None},
+        (F.RUNNING, FI.COMPLETED): {F.DONE},
+        (F.RUNNING, FI.FAILED): {F.OWED},
+    },
     "ReceiverRoom": {
         (RS.BOOTSTRAPPING, RI.TARGETS_READY): {RS.WAITING_FOR_INPUT},
         **{(s, RI.SUCCESS): {None} for s in (*_R_END, RS.BOOTSTRAPPING, RS.VERIFYING)},
@@ -140,7 +172,8 @@ MOVES: dict[str, dict[tuple[Any, Any], set[Any]]] = {
         **{(s, DAI.RANK_READY): {None} for s in DecodeAbortState},
     },
     "PrefillRank": {
-        (PR.REGISTERING, PRI.REGISTER_ACK): {PR.READY},
+        # REJECTED: a strict decode refuses an ack that leaves draft buffers out
+        (PR.REGISTERING, PRI.REGISTER_ACK): {PR.READY, PR.REJECTED},
         (PR.READY, PRI.REGISTER_ACK): {None},
         (PR.REJECTED, PRI.REGISTER_ACK): {None},
         **{(s, PRI.REFUSED): {PR.REJECTED} for s in PrefillRankState},
@@ -159,7 +192,8 @@ TERMINAL: dict[str, set[Any]] = {
     "PrefillRank": set(),  # a rank can always be registered with again
     "PrefillAbort": {PA.ACKED},
     "PerLayer": {PL.DONE, PL.FAILED, PL.DROPPED},
-    "Peer": set(),  # a peer always has a way on (a new registration, a re-acknowledgement)
+    "DecodeRank": set(),  # a decode rank can always register again
+    "Fence": {F.DONE},  # a later failed write owes a new fence
 }
 
 
@@ -251,7 +285,9 @@ def test_the_rows_allow_exactly_the_moves_of_the_design(spec: MachineSpec[Any, A
 
 
 @pytest.mark.parametrize("spec", ALL_MACHINES, ids=lambda s: s.name)
-def test_every_row_names_its_guard_and_effects_and_the_diagrams_draw_them(spec: MachineSpec[Any, Any]) -> None:
+def test_every_row_names_its_guard_and_effects_and_the_diagrams_draw_them(
+    spec: MachineSpec[Any, Any],
+) -> None:
     """Every rule is a row whose guard and effects are named functions of its machine's module (or
     ``always``), and the diagram of the machine draws every row as ``input [guard] / effects``."""
     import sys
@@ -276,7 +312,18 @@ def test_every_row_names_its_guard_and_effects_and_the_diagrams_draw_them(spec: 
 
 def test_all_machines_are_listed() -> None:
     assert {s.name for s in ALL_MACHINES} == set(EXPECTED) | set(MOVES)
-    assert (SENDER_ROOM, RECEIVER_ROOM, CHUNK, DECODE_ABORT, PREFILL_ABORT, PER_LAYER, PEER, PREFILL_RANK) == ALL_MACHINES
+    listed = (
+        SENDER_ROOM,
+        RECEIVER_ROOM,
+        CHUNK,
+        DECODE_ABORT,
+        PREFILL_ABORT,
+        PER_LAYER,
+        DECODE_RANK,
+        PREFILL_RANK,
+        FENCE,
+    )
+    assert listed == ALL_MACHINES
 
 
 def test_spec_rejects_ambiguous_and_unused() -> None:

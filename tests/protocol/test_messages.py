@@ -15,7 +15,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdkv.mapping.layout import BufferKind
+from pdkv.mapping.layout import BufferKind, ModelRole
+from pdkv.mapping.layout_policy import BufferKey
 from pdkv.protocol.ids import MAX_ROOM_ID, Endpoint, Epoch, InstanceId, RoomId, SessionId
 from pdkv.protocol.messages import (
     MAX_INDEX,
@@ -30,6 +31,7 @@ from pdkv.protocol.messages import (
     RankAnnounce,
     RankCoord,
     RankRoute,
+    RegisterAck,
     RouteTable,
     StateIndices,
     TransferMetricData,
@@ -332,3 +334,14 @@ def test_evolve_revalidates() -> None:
 @settings(max_examples=60)
 def test_index_array_preserves_values_and_order(values: list[int]) -> None:
     assert index_array(values).tolist() == values
+
+
+def test_register_ack_names_each_left_out_buffer_once() -> None:
+    key = BufferKey(model=ModelRole.DRAFT, kind=BufferKind.SWA, layer_id=3)
+    ack = RegisterAck(origin=ORIGIN, decode_left_out=[key])
+    assert ack.decode_left_out == (key,) and ack.prefill_left_out == () and ack.leaves_out
+    assert not RegisterAck(origin=ORIGIN).leaves_out
+    with pytest.raises(ValueError, match=r"prefill_left_out lists a buffer twice: \[draft swa layer 3, draft swa"):
+        RegisterAck(origin=ORIGIN, prefill_left_out=[key, key])
+    with pytest.raises(TypeError, match="decode_left_out holds BufferKey, got tuple"):
+        RegisterAck(origin=ORIGIN, decode_left_out=[("draft", "swa", 3)])  # type: ignore[list-item]  # on purpose

@@ -159,7 +159,9 @@ def test_planted_a_new_incarnations_ack_taken_as_proof(monkeypatch: pytest.Monke
     assert [v.what for v in pair.violations] == ["a failed write of prefill 0 landed after release"]
 
 
-def test_planted_a_socket_dropped_after_the_messages_for_its_new_peer(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_planted_a_socket_dropped_after_the_messages_for_its_new_peer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Item 8: ``ForgetPeer`` applied after the same input's messages: the Register to the restarted
     prefill rank went onto the socket that was then dropped with what it held."""
     restarted = DecodeEndpoint._replace

@@ -228,3 +228,37 @@ def test_success_waits_for_the_fence_of_an_orphan_context_whose_write_failed() -
     [status] = sent(effects, TransferStatus)
     assert isinstance(status, TransferStatus) and status.outcome is Outcome.SUCCESS
     assert sent(effects, AbortAck) == []  # the decode never aborted: no AbortAck for it
+
+
+def test_a_fence_success_waited_for_sends_no_abort_ack_once_the_room_failed_here() -> None:
+    """Rules as rows: a fence written for Success (every chunk done, an orphan context's write had
+    failed) that completes after the prefill's scheduler aborted the room used to send the decode an
+    AbortAck it never asked for, before the decode had even heard of the failure. The fence now
+    answers only a rank that asked (the abort handshake's ``fenced`` row), and the room stays
+    Failed with the scheduler's reason."""
+    p = prefill()
+    p.receive(register(), 0.0)
+    p.open_room(ROOM, num_pages=2, aux_row=None, now=0.0)
+    p.receive(request([5, 6]), 0.0)
+    assert p.layer_writes_started(ROOM, PAGE, 0.1)
+    [submit] = [
+        e
+        for e in p.queue_chunk(ROOM, ChunkSpec(pages=[3, 4], start_token=0, last=True), 0.2)
+        if isinstance(e, SubmitChunk)
+    ]
+    assert p.start_chunk(ROOM, submit.chunk, 0.3)
+    p.chunk_done(ROOM, submit.chunk, TransferMetricData(pages=2), 0.4)
+    key = (DECODE.instance, DECODE.rank)
+    fence = FenceWrite(session=SessionId("d:1"), src=0x1000, dst=0x2000, length=64)
+    effects = p.layer_writes_ended(ROOM, PAGE, 0.5, fences={key: fence})
+    assert [e for e in effects if isinstance(e, SubmitFence)] == [
+        SubmitFence(room=ROOM, peer=key, fence=fence)
+    ]
+    assert p.room_history(ROOM)[-1].name == "COMPLETING"
+    assert not p.layer_writes_started(ROOM, 2 * PAGE, 0.55)  # no new context once every chunk is done
+    p.abort_room(ROOM, "operator", 0.6)
+    effects = p.fence_done(ROOM, key, True, "", 0.7)
+    assert sent(effects, AbortAck) == [] and p.poll(ROOM) is KVPoll.Failed
+    # The decode's Abort (it was told Failed) is answered, and says the fence drained the queue.
+    effects = p.receive(Abort(origin=DECODE, room=ROOM, reason="told failed"), 0.8)
+    assert sent(effects, AbortAck) == [AbortAck(origin=p.origin, room=ROOM, fenced=True)]

@@ -77,7 +77,9 @@ def test_send_before_requests_is_a_local_error_and_double_init_too() -> None:
     p = prefill()
     p.receive(register(), 0.0)
     p.open_room(ROOM, num_pages=3, aux_row=None, now=0.0)
-    with pytest.raises(LocalProtocolError, match=r"before the decode side asked .* until poll\(\) is WaitingForInput"):
+    with pytest.raises(
+        LocalProtocolError, match=r"before the decode side asked .* until poll\(\) is WaitingForInput"
+    ):
         p.queue_chunk(ROOM, CHUNK, 0.0)
     with pytest.raises(LocalProtocolError, match="already opened"):
         p.open_room(ROOM, num_pages=3, aux_row=None, now=0.0)

@@ -35,13 +35,13 @@ from tests.protocol.helpers import (
     PREFILL,
     ROOM,
     decode,
+    layout,
     prefill,
     register,
     request,
     route,
     sent,
     swa_layout,
-    layout,
 )
 
 PAGE = 16  # the helpers' page size
@@ -135,7 +135,9 @@ def test_a_first_chunk_past_the_decode_prefix_is_refused_and_changes_nothing() -
     # Seams issue, item 2: the decode holds no prefix, so positions 0..2 would never be written, yet
     # this used to end in Success on both sides.
     p = _transferring(8)
-    with pytest.raises(MappingError, match=r"first chunk .* starts past the decode's prefix .* 0\.\.2 would never"):
+    with pytest.raises(
+        MappingError, match=r"first chunk .* starts past the decode's prefix .* 0\.\.2 would never"
+    ):
         p.queue_chunk(ROOM, _chunk(3, 5, last=True), 0.1)
     assert p.poll(ROOM) is KVPoll.WaitingForInput and p.chunk_states(ROOM) == []
     submits = _submits(p.queue_chunk(ROOM, _chunk(0, 8, last=True), 0.2))  # the corrected call
@@ -151,7 +153,9 @@ def test_source_pages_and_state_slots_outside_this_ranks_pool_are_refused_at_the
     p.receive(register(lay), 0.0)
     p.open_room(ROOM, num_pages=2, aux_row=None, now=0.0)
     p.receive(request([7, 8], state=[StateIndices(kind=BufferKind.SWA, indices=[1])]), 0.0)
-    with pytest.raises(InvalidArgumentError, match=r"page\(s\) \[5000\] .* outside this rank's KV buffers of 4096") as bad:
+    with pytest.raises(
+        InvalidArgumentError, match=r"page\(s\) \[5000\] .* outside this rank's KV buffers of 4096"
+    ) as bad:
         p.queue_chunk(ROOM, ChunkSpec(pages=[3, 5000], start_token=0, last=True), 0.1)
     assert bad.value.argument == "chunk_pages" and bad.value.room == ROOM
     beyond = (StateIndices(kind=BufferKind.SWA, indices=[8]),)
@@ -187,7 +191,7 @@ def test_a_cached_prefix_starts_the_first_chunk_past_zero_and_succeeds() -> None
     )
     p.receive(held, 0.0)
     assert p.decode_prefix(ROOM) == 3
-    with pytest.raises(MappingError, match="first chunk .* past the decode's prefix"):
+    with pytest.raises(MappingError, match=r"first chunk .* past the decode's prefix"):
         p.queue_chunk(ROOM, _chunk(4, 4, last=True), 0.1)
     submits = _submits(p.queue_chunk(ROOM, _chunk(3, 2, last=False), 0.1))
     submits += _submits(p.queue_chunk(ROOM, _chunk(5, 3, last=True), 0.2))

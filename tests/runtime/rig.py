@@ -12,10 +12,12 @@ import pytest
 
 from pdkv.control.bootstrap import RegistryService
 from pdkv.engine.loopback import LoopbackConfig, LoopbackFaults
+from pdkv.mapping import DEFAULT_LAYOUT_POLICY, LayoutPolicy
 from pdkv.protocol.config import Timeouts
 from pdkv.protocol.ids import InstanceId
 from pdkv.protocol.messages import Message
 from pdkv.runtime import ExecutorConfig, PerLayerConfig
+from pdkv.runtime.staging import StagingConfig
 from pdkv.testing.synthetic import Capacity, ModelSpec
 from pdkv.testing.transport_pair import TransportPair
 
@@ -52,6 +54,10 @@ class Rig(TransportPair):
         executor: ExecutorConfig | None = None,
         loopback_workers: int = 4,
         fan_out_min_layer_bytes: int | None = None,
+        staging: StagingConfig | None = None,
+        prefill_policy: LayoutPolicy = DEFAULT_LAYOUT_POLICY,
+        decode_policy: LayoutPolicy = DEFAULT_LAYOUT_POLICY,
+        kv_checksum: bool = False,
     ) -> None:
         per_layer = PerLayerConfig(finish_timeout_s=finish_timeout_s)
         if fan_out_min_layer_bytes is not None:
@@ -71,6 +77,10 @@ class Rig(TransportPair):
             decode_instance="d",
             sockets=True,
             fabric="rig",
+            staging=staging,
+            prefill_policy=prefill_policy,
+            decode_policy=decode_policy,
+            kv_checksum=kv_checksum,
         )
         self.spec = spec
 

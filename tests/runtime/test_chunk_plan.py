@@ -7,12 +7,13 @@ from __future__ import annotations
 import ctypes
 import itertools
 
+import attrs
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdkv.errors import MappingError
+from pdkv.errors import LayoutMismatchError, MappingError
 from pdkv.mapping import (
     AttentionKind,
     BufferKind,
@@ -46,13 +47,18 @@ def run_request(
     chunk_tokens: list[int],
     seed: int,
     ignore_offset: bool = False,
+    decode_spec: ModelSpec | None = None,
+    planned_bytes: list[int] | None = None,
 ) -> tuple[int, list[str]]:
+    """Plan and apply every chunk of one request on every CP rank; ``decode_spec``: the decode's
+    model when it differs (draft buffers only one side has are checked untouched where the decode
+    has them); ``planned_bytes`` collects the bytes of each plan."""
     policy = PageInterleaved(cp_size=cp)
     page = spec.page_size
     prefill = [RankMemory(spec, Capacity(kv_pages=64, state_slots=8, aux_rows=4)) for _ in range(cp)]
     for rank, memory in enumerate(prefill):
         memory.fill_prefill(cp_rank=rank, policy=policy)
-    decode = RankMemory(spec, Capacity(kv_pages=256, state_slots=8, aux_rows=4))
+    decode = RankMemory(decode_spec or spec, Capacity(kv_pages=256, state_slots=8, aux_rows=4))
     rng = np.random.default_rng(seed)
     num_pages = -(-tokens // page)
     logical = rng.choice(64 * cp, size=num_pages, replace=False).astype(np.int64)
@@ -105,7 +111,11 @@ def run_request(
                 writes_extras=rank == 0,
             )
             apply(plan.blocks)
+            if planned_bytes is not None:
+                planned_bytes.append(plan.blocks.total_bytes)
         token += size
+    prefill_keys = set(spec.kv_keys() + spec.state_keys())
+    unsent = [k for k in decode.tensors if k[0] is ModelRole.DRAFT and k not in prefill_keys]
     checked, mismatches = verify_room(
         decode,
         logical_ids=logical,
@@ -115,6 +125,7 @@ def run_request(
         state_dst={k: dst_slots for k in spec.state_kinds},
         aux_src=2,
         aux_dst=3,
+        left_out=unsent,
     )
     return checked, [f"{m.what} {m.index}" for m in mismatches]
 
@@ -156,6 +167,62 @@ def test_a_chunk_mapped_without_its_offset_is_caught() -> None:
         spec, cp=2, tokens=64, prefix_tokens=0, chunk_tokens=[32, 32], seed=1, ignore_offset=True
     )
     assert bad and all("position" in m for m in bad)
+
+
+# ---------------------------------------------------------------- a rolling deployment's draft buffers
+
+WITH_DRAFT_STATE = ModelSpec(
+    layers=3, page_size=16, state_layers=(0, 2), draft_layers=1, draft_state_layers=(0,)
+)
+WITHOUT_DRAFT_STATE = attrs.evolve(WITH_DRAFT_STATE, draft_state_layers=())
+
+
+def expected_bytes(spec: ModelSpec, pages: int, slots: int) -> int:
+    """What one room moves when only ``spec``'s buffers pair (restated from the model's shape)."""
+    kv = pages * spec.kv_item_bytes * (spec.layers + spec.draft_layers)
+    state = slots * spec.state_item_bytes * len(spec.state_kinds) * len(spec.state_layers)
+    return kv + state + spec.aux_item_bytes
+
+
+@pytest.mark.parametrize(("prefill", "decode"), [(WITH_DRAFT_STATE, WITHOUT_DRAFT_STATE),
+                                                 (WITHOUT_DRAFT_STATE, WITH_DRAFT_STATE)])
+@pytest.mark.parametrize("cp", [1, 2])
+def test_draft_state_only_one_side_registers_is_left_out(
+    prefill: ModelSpec, decode: ModelSpec, cp: int
+) -> None:
+    """Target KV and state, draft KV and aux land byte for byte; the draft state buffers the decode has
+    and the prefill lacks stay zero; the bytes planned are those of the buffers both sides have."""
+    planned: list[int] = []
+    checked, mismatches = run_request(
+        prefill, cp=cp, tokens=100, prefix_tokens=16, chunk_tokens=[32, 52], seed=3,
+        decode_spec=decode, planned_bytes=planned,
+    )
+    assert mismatches == [] and checked > 0
+    assert sum(planned) == expected_bytes(WITHOUT_DRAFT_STATE, pages=7 - 1, slots=2)
+
+
+def test_the_left_out_check_catches_a_write_into_a_draft_buffer() -> None:
+    """The control: planned on the decode's own layout (as if the prefill had the draft state), the
+    decode's draft state buffer is written, and ``verify_room`` says so."""
+    decode = RankMemory(WITH_DRAFT_STATE, Capacity(kv_pages=8, state_slots=8, aux_rows=4))
+    key = (ModelRole.DRAFT, BufferKind.INDEX_K, 0)
+    decode.view(key)[7] = 1
+    _, mismatches = verify_room(
+        decode, logical_ids=np.zeros(0, dtype=np.int64), dst_pages=np.zeros(0, dtype=np.int64),
+        prefix_pages=0, state_src={}, state_dst={BufferKind.INDEX_K: np.array([7])}, aux_src=None,
+        aux_dst=None, left_out=[key],
+    )
+    assert [m.what for m in mismatches] == ["draft/index_k/L0 left out, written at"]
+
+
+def test_other_draft_state_layers_are_still_refused_by_the_planner() -> None:
+    """Draft lists of which neither starts the other are another draft model: no plan, even if a
+    registration had let them through."""
+    other = attrs.evolve(WITH_DRAFT_STATE, draft_state_layers=(1,))
+    with pytest.raises(LayoutMismatchError):
+        run_request(
+            WITH_DRAFT_STATE, cp=1, tokens=32, prefix_tokens=0, chunk_tokens=[32], seed=1, decode_spec=other
+        )
 
 
 def test_state_kind_without_destination_is_a_mapping_error() -> None:

@@ -125,6 +125,13 @@ class RecordingBackend:
     def max_entries_in_flight(self) -> int:
         return self.inner.max_entries_in_flight
 
+    @property
+    def engine_metadata(self) -> bytes:
+        return self.inner.engine_metadata
+
+    def add_peer(self, session: str, metadata: bytes) -> None:
+        self.inner.add_peer(session, metadata)
+
     def register(self, memory: TensorLike) -> Registration:
         return self.inner.register(memory)
 

@@ -84,3 +84,15 @@ def test_a_room_aborted_by_decode_traced_across_real_transports(
     assert "Failed" in lines[at(f"Note over {d}: ", at(f"Note over {d}: ") + 1)]
     assert "pages released (acked)" in lines[-1] and lines[-1].startswith(f"  Note over {d}: ")
     assert not any("-x" in line for line in lines)  # every message sent was received and logged
+
+
+def test_a_register_ack_that_leaves_buffers_out_says_how_many() -> None:
+    from pdkv.mapping import BufferKey, BufferKind, ModelRole
+    from pdkv.protocol.ids import Epoch, InstanceId
+    from pdkv.protocol.messages import Origin, RankCoord, RegisterAck
+
+    origin = Origin(instance=InstanceId("p"), epoch=Epoch(1), rank=RankCoord(tp=0))
+    key = BufferKey(model=ModelRole.DRAFT, kind=BufferKind.INDEX_K, layer_id=0)
+    assert json_log.describe(RegisterAck(origin=origin)) == "RegisterAck"  # diagrams of matching pairs stay
+    degraded = RegisterAck(origin=origin, prefill_left_out=[key])
+    assert json_log.describe(degraded) == "RegisterAck(leaves out 1 prefill + 0 decode buffers)"

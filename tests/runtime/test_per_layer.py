@@ -430,7 +430,7 @@ def test_fallbacks_are_explicit(rig_factory: Callable[..., Rig], caplog: pytest.
     layer_bytes = len(logical) * rig.spec.kv_item_bytes  # one layer of the 4-page chunk
     assert any(
         f"room 9 chunk@0: monolithic path: 2 destinations and a layer of {layer_bytes} bytes to one of "
-        "them: under 524288 bytes per layer and destination" in m
+        "them: under 262144 bytes per layer and destination" in m
         for m in messages
     )
     room.forward(logical)  # layer events with no context: nothing happens

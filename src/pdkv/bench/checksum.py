@@ -32,7 +32,7 @@ import torch
 
 from pdkv.bench._report import emit, table
 from pdkv.config import cli_fraction, cli_int
-from pdkv.mapping import AttentionKind, BufferKind, BufferLayout, HeadGeometry, ItemLayout, ModelRole
+from pdkv.mapping import AttentionKind, BufferKind, BufferLayout, HeadGeometry, ModelRole
 from pdkv.runtime.checksum import WHOLE, BufferViews, Checksummer, Region
 
 

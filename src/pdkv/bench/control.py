@@ -1,7 +1,8 @@
 """Control plane across processes: rooms/s and init-to-Success latency (p50/p99) of 1-page rooms.
 
 A prefill rank and a decode rank in their own processes (``pdkv.testing.cluster``, Mooncake TCP on
-127.0.0.1) run ``--rooms`` one-page rooms with up to ``--concurrency`` in flight. The latency is the
+127.0.0.1, or NIXL with ``--backend nixl``) run ``--rooms`` one-page rooms with up to
+``--concurrency`` in flight. The latency is the
 decode side's, from ``receiver.init`` to Success seen by its poll loop: registration is done once
 at start-up, so this is the per-room protocol (TransferRequest, forward, one tiny write, status)
 plus the two simple schedulers' polling. The same run is repeated with one room at a time, whose
@@ -23,6 +24,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from pdkv.bench._report import emit, table
+from pdkv.engine import backend_kind
+from pdkv.engine.choice import CHOICES
 from pdkv.protocol.ids import RoomId
 from pdkv.protocol.poll import KVPoll
 from pdkv.testing.cluster import Cluster, ClusterSpec, RankReport, RequestPlan
@@ -36,6 +39,15 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--cp", type=int, default=1, help="prefill CP ranks")
     parser.add_argument("--verify", action="store_true", help="check every room's bytes on the decode")
     parser.add_argument("--quick", action="store_true", help="tiny run for tests")
+    parser.add_argument(
+        "--backend",
+        choices=CHOICES[:2],
+        default=None,
+        help="transfer engine (default: PDKV_BACKEND, else mooncake)",
+    )
+    parser.add_argument(
+        "--ucx-tls", default=None, help="--backend nixl: UCX_TLS (default: UCX's own, cma + tcp here)"
+    )
     args = parser.parse_args(list(argv))
     rooms = 20 if args.quick else args.rooms
     model = ModelSpec(
@@ -52,6 +64,8 @@ def main(argv: Sequence[str]) -> int:
         ),
         state_slots_per_room=0,
         verify_bytes=args.verify,
+        backend=backend_kind(args.backend).value,
+        ucx_tls=args.ucx_tls,
     )
     rows: list[list[object]] = []
     cpu_rows: list[list[object]] = []

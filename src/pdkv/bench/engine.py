@@ -1,7 +1,8 @@
-"""Mooncake engine sweep across two processes: GB/s by slice size, entries per batch and batches in flight.
+"""Engine sweep across two processes: GB/s by slice size, entries per batch and batches in flight.
 
 What it measures: one contiguous region (``--total-mib``) written from this process into a spawned
-process over the configured Mooncake protocol, moved by the transfer executor with each shape of
+process over the configured engine (``--backend``: Mooncake and its protocol, or NIXL and its
+UCX transports), moved by the transfer executor with each shape of
 the sweep (slice bytes x entries per batch x batches in flight); the best of ``--repeats`` runs per
 shape. The last line compares the executor's current defaults (``pdkv.runtime.executor``) with the
 best shape of the same run. The destination bytes are checked (SHA-1) after the sweep.
@@ -23,10 +24,21 @@ import attrs
 import numpy as np
 
 from pdkv.bench._report import emit, table
-from pdkv.engine import MooncakeBackend, MooncakeConfig, MooncakeLogLevel, MooncakeProtocol
+from pdkv.engine import (
+    BackendKind,
+    MooncakeBackend,
+    MooncakeConfig,
+    MooncakeLogLevel,
+    MooncakeProtocol,
+    NixlBackend,
+    NixlConfig,
+    TransferBackend,
+    backend_kind,
+)
+from pdkv.engine.choice import CHOICES
 from pdkv.mapping import TransferBlocks
 from pdkv.runtime.executor import ExecutorConfig, TransferExecutor
-from pdkv.testing.backend_conformance import HostBuffer, SpawnedPeer
+from pdkv.testing.backend_conformance import HostBuffer, MetadataSyncedPeer, SpawnedPeer
 
 _SUFFIXES = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
@@ -55,6 +67,15 @@ def human_size(nbytes: int) -> str:
 
 
 def add_engine_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--backend",
+        choices=CHOICES[:2],
+        default=None,
+        help="transfer engine (default: PDKV_BACKEND, else mooncake)",
+    )
+    parser.add_argument(
+        "--ucx-tls", default="all", help="nixl: UCX_TLS of both agents (default all: cma + tcp here; or tcp)"
+    )
     parser.add_argument("--protocol", choices=[p.value for p in MooncakeProtocol], default="tcp")
     parser.add_argument("--device", default="", help="RDMA device names (protocol rdma)")
     parser.add_argument("--hostname", default="127.0.0.1", help="address both engines listen on")
@@ -75,6 +96,31 @@ def mooncake_endpoints(config: MooncakeConfig) -> Iterator[tuple[MooncakeBackend
     """A Mooncake sender in this process and a Mooncake peer in a spawned child; both stopped after."""
     with SpawnedPeer(functools.partial(MooncakeBackend, config)) as peer, MooncakeBackend(config) as sender:
         yield sender, peer
+
+
+def nixl_config(args: argparse.Namespace) -> NixlConfig:
+    return NixlConfig(hostname=args.hostname, ucx_tls=args.ucx_tls, ucx_net_devices="lo", log_level="ERROR")
+
+
+def backend_of(args: argparse.Namespace) -> BackendKind:
+    return backend_kind(args.backend)
+
+
+@contextlib.contextmanager
+def endpoints(
+    args: argparse.Namespace, **settings: int
+) -> Iterator[tuple[TransferBackend, MetadataSyncedPeer | SpawnedPeer]]:
+    """A sender in this process and a peer in a spawned child, of the engine ``--backend`` names (a
+    NIXL peer's registrations reach the sender as a decode's Register carries them)."""
+    if backend_of(args) is BackendKind.NIXL:
+        config = nixl_config(args)
+        with SpawnedPeer(functools.partial(NixlBackend, config)) as spawned, NixlBackend(config) as sender:
+            peer = MetadataSyncedPeer(spawned)
+            peer.attach(sender)
+            yield sender, peer
+        return
+    with mooncake_endpoints(engine_config(args, **settings)) as (mooncake, spawned_peer):
+        yield mooncake, spawned_peer
 
 
 @attrs.frozen
@@ -119,7 +165,7 @@ class Timing:
 
 
 def time_executor(
-    sender: MooncakeBackend, peer: str, blocks: TransferBlocks, shape: Shape, repeats: int
+    sender: TransferBackend, peer: str, blocks: TransferBlocks, shape: Shape, repeats: int
 ) -> Timing:
     executor = TransferExecutor(sender, shape.executor_config())
     seconds = []
@@ -165,7 +211,7 @@ def main(argv: Sequence[str]) -> int:
     source.array.view(np.uint64)[:] = np.arange(total // 8, dtype=np.uint64)
     expected = hashlib.sha1(source.array.data).hexdigest()
     timings: list[Timing] = []
-    with mooncake_endpoints(engine_config(args)) as (sender, peer), sender.register(source):
+    with endpoints(args) as (sender, peer), sender.register(source):
         region = peer.allocate(total)
         blocks = TransferBlocks(src=[source.data_ptr()], dst=[region.address], length=[total], buffer=[0])
         time_executor(sender, peer.session_id, blocks, default_shape, 1)  # warm-up: handshake, first touch

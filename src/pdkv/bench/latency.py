@@ -1,5 +1,9 @@
 """One room at a time through the full transports across processes, against the raw engine on the same blocks.
 
+``--backend nixl``: pdkv over NIXL beside pdkv over Mooncake in the same run, and the raw NIXL agent on
+the same blocks (``_measure_engines``, at the end of this module), with each process's CPU idle and busy.
+The rest of this docstring describes the Mooncake run.
+
 The workload of issue 15: a 61-layer MLA model (72 KiB pages: 64 tokens x 1,152 B), requests of
 ``--sizes`` pages whose positions lie 70% in runs of 2-16 pages contiguous on both sides and the
 rest in single pages scattered on both sides (decode pages drawn the same way, independently). A
@@ -51,6 +55,7 @@ import contextlib
 import functools
 import gc
 import multiprocessing as mp
+import os
 import statistics
 import sys
 import threading
@@ -67,6 +72,7 @@ import numpy.typing as npt
 
 from pdkv.bench._report import emit, table
 from pdkv.control.channel import ChannelStatistics
+from pdkv.engine import BackendKind, TransferBackend, backend_kind, make_backend
 from pdkv.engine.backend import BatchHandle, WaitResult
 from pdkv.engine.mooncake import (
     MooncakeBackend,
@@ -75,6 +81,7 @@ from pdkv.engine.mooncake import (
     MooncakeLogLevel,
     load_transfer_engine,
 )
+from pdkv.engine.nixl import NixlConfig, RawNixlWriter
 from pdkv.mapping import TransferBlocks
 from pdkv.protocol.ids import InstanceId, RoomId
 from pdkv.protocol.messages import Message, RankCoord, TransferStatus
@@ -475,6 +482,8 @@ class _DecodeArgs:
     wake: bool
     load_threads: int
     switch_interval_us: float | None
+    backend: str = "mooncake"
+    ucx_tls: str | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -503,7 +512,7 @@ def _decode_rank(args: _DecodeArgs, conn: Connection) -> None:
     from pdkv.runtime.decode import DecodeConfig, DecodeTransport
 
     memory = RankMemory(args.model, args.capacity)
-    backend = MooncakeBackend(_engine_config())
+    backend = make_backend(args.backend, mooncake=_engine_config(), nixl=_nixl_config(args.ucx_tls))
     timeline = Timeline()
     channels: list[TimedChannel] = []
     transport = DecodeTransport(
@@ -520,7 +529,7 @@ def _decode_rank(args: _DecodeArgs, conn: Connection) -> None:
             raise RuntimeError("the prefill rank did not acknowledge registration")
         bases = [memory.tensors[key].data_ptr() for key in args.model.kv_keys()]
         load.start()
-        conn.send(("ready", backend.session_id, bases))
+        conn.send(("ready", backend.session_id, bases, backend.engine_metadata))
         while True:
             command = conn.recv()
             if command[0] == "stop":
@@ -574,6 +583,10 @@ def _decode_rank(args: _DecodeArgs, conn: Connection) -> None:
         load.stop()
         transport.close()
         backend.close()
+
+
+def _nixl_config(ucx_tls: str | None) -> NixlConfig:
+    return NixlConfig(ucx_tls=ucx_tls or "all", ucx_net_devices="lo", log_level="ERROR")
 
 
 def _engine_config() -> MooncakeConfig:
@@ -808,6 +821,17 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument(
         "--quick", action="store_true", help="tiny run for tests: 4 layers, sizes 1 and 4, 2 rounds"
     )
+    parser.add_argument(
+        "--backend",
+        choices=("mooncake", "nixl"),
+        default=None,
+        help="nixl: pdkv over NIXL beside pdkv over Mooncake and the raw NIXL agent, in one run "
+        "(default: PDKV_BACKEND, else mooncake)",
+    )
+    parser.add_argument("--ucx-tls", default="all", help="--backend nixl: UCX_TLS (all: cma + tcp here; tcp)")
+    parser.add_argument(
+        "--cpu-seconds", type=float, default=3.0, help="--backend nixl: length of each CPU measurement"
+    )
     args = parser.parse_args(list(argv))
     if args.quick:
         args.layers, args.sizes, args.repeats, args.sweep_tries = 4, "1,4", 2, 1
@@ -817,6 +841,8 @@ def main(argv: Sequence[str]) -> int:
     if args.load_threads < 0 or (args.switch_interval_us is not None and args.switch_interval_us <= 0):
         parser.error("--load-threads must be >= 0 and --switch-interval-us > 0")
     with switch_interval(args.switch_interval_us):
+        if backend_kind(args.backend) is BackendKind.NIXL:
+            return _measure_engines(args, sizes)
         return _measure(args, sizes)
 
 
@@ -892,7 +918,7 @@ def _measure(args: argparse.Namespace, sizes: list[int]) -> int:
             child.start()
             child_conn.close()
             ready = _receive(parent_conn, child, 180)
-            _, peer, dst_bases = ready
+            _, peer, dst_bases, _ = ready
             load.start()
             src_bases = [memory.tensors[key].data_ptr() for key in model.kv_keys()]
             raw_engine = backend.raw_engine
@@ -1187,6 +1213,340 @@ def _report(
         "interpreter lock)",
         ["pages", "method", "", *PHASES],
         phase_rows,
+    )
+    emit({"bench": "latency", "kind": "summary", "verified": verified, "failures": failures})
+    return 0 if verified and not failures else 1
+
+
+# ------------------------------------------------------------------ --backend nixl: engines side by side
+
+
+@attrs.define
+class _Engine:
+    """One engine's pair of ranks: a prefill transport here, a decode rank process, and its blocks."""
+
+    kind: str
+    label: str
+    backend: TransferBackend
+    transport: Any
+    registry: Any
+    child: Any
+    conn: Connection
+    peer: str = ""
+    metadata: bytes = b""
+    dst_bases: list[int] = attrs.Factory(list)
+    blocks: dict[int, TransferBlocks] = attrs.Factory(dict)
+    rooms: dict[int, list[RoomTiming]] = attrs.Factory(dict)
+
+
+def _process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process (``/proc/<pid>/stat``)."""
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_share(pids: Sequence[int], seconds: float, during: Callable[[], None] | None = None) -> list[float]:
+    """Each process's CPU over the window, in % of one core (``during`` runs meanwhile, else a sleep)."""
+    before = [_process_cpu_s(pid) for pid in pids]
+    started = time.monotonic()
+    if during is None:
+        time.sleep(seconds)
+    else:
+        during()
+    wall = time.monotonic() - started
+    return [100.0 * (_process_cpu_s(pid) - b) / wall for pid, b in zip(pids, before, strict=True)]
+
+
+def _start_engine(
+    kind: str, label: str, args: argparse.Namespace, model: ModelSpec, capacity: Capacity, memory: RankMemory
+) -> _Engine:
+    from pdkv.runtime.channels import start_registry
+    from pdkv.runtime.prefill import PrefillConfig, PrefillTransport
+
+    ucx_tls = args.ucx_tls if kind == "nixl" else None
+    instance = InstanceId(f"prefill-{label}")
+    registry = start_registry(instance=instance, tp_size=1, cp_size=1)
+    backend = make_backend(kind, mooncake=_engine_config(), nixl=_nixl_config(ucx_tls))
+    transport = PrefillTransport(
+        PrefillConfig(
+            instance=instance,
+            rank=RankCoord(tp=0),
+            tp_size=1,
+            layout=memory.layout,
+            registry=registry.address,
+        ),
+        backend,
+    )
+    transport.start()
+    ctx = mp.get_context("spawn")
+    parent_conn, child_conn = ctx.Pipe()
+    child = ctx.Process(
+        target=_decode_main,
+        args=(
+            _DecodeArgs(
+                model=model,
+                capacity=capacity,
+                registry=registry.address,
+                poll_s=5e-3,
+                wake=True,
+                load_threads=args.load_threads,
+                switch_interval_us=args.switch_interval_us,
+                backend=kind,
+                ucx_tls=ucx_tls,
+            ),
+            child_conn,
+        ),
+        name=f"pdkv-bench-decode-{label}",
+        daemon=True,
+    )
+    child.start()
+    child_conn.close()
+    engine = _Engine(kind, label, backend, transport, registry, child, parent_conn)
+    _, engine.peer, engine.dst_bases, engine.metadata = _receive(parent_conn, child, 180)
+    return engine
+
+
+def _stop_engine(engine: _Engine) -> None:
+    with contextlib.suppress(Exception):
+        engine.conn.send(("stop",))
+    engine.child.join(30)
+    if engine.child.is_alive():
+        engine.child.kill()
+        engine.child.join(5)
+    engine.conn.close()
+    engine.transport.close()
+    engine.backend.close()
+    engine.registry.stop()
+
+
+def _measure_engines(args: argparse.Namespace, sizes: list[int]) -> int:
+    """``--backend nixl``: pdkv rooms over NIXL and over Mooncake in the same run (a prefill transport
+    per engine in this process on the same prefill memory, a decode rank process per engine), beside
+    the raw NIXL agent moving the same blocks into the NIXL decode rank's pages; then each process's
+    CPU, idle and while rooms run back to back."""
+    model = ModelSpec(
+        layers=args.layers,
+        page_size=args.page_size,
+        kv_bytes_per_token=args.bytes_per_token,
+        state_layers=(),
+        state_kinds=(),
+        draft_layers=0,
+    )
+    capacity = Capacity(kv_pages=max(sizes), state_slots=1, aux_rows=4)
+    page_bytes = model.kv_item_bytes
+    progress = Progress()
+    rng = np.random.default_rng(args.seed)
+    progress.show(f"filling {max(sizes)} pages x {args.layers} layers of prefill memory ...")
+    memory = RankMemory(model, capacity)
+    memory.fill_prefill(cp_rank=0, policy=_policy())
+    src_bases = [memory.tensors[key].data_ptr() for key in model.kv_keys()]
+    layer_bytes = capacity.kv_pages * page_bytes
+    placements = {pages: place_pages(pages, args.run_fraction, args.max_run, rng) for pages in sizes}
+    engines: list[_Engine] = []
+    raw: RawNixlWriter | None = None
+    verified = True
+    failures: list[str] = []
+    cpu: dict[str, dict[str, float]] = {}
+    raw_times: dict[int, list[float]] = {pages: [] for pages in sizes}
+    room = 1
+    load = InterpreterLoad(args.load_threads)
+    try:
+        for kind, label in (("nixl", f"nixl-{args.ucx_tls}"), ("mooncake", "mooncake")):
+            progress.show(f"starting the {label} decode rank ...")
+            engines.append(_start_engine(kind, label, args, model, capacity, memory))
+            if kind == "nixl":
+                time.sleep(0.5)  # start-up settles before the idle window
+                progress.show(f"{label}: {args.cpu_seconds:g} s idle ...")
+                prefill_idle, decode_idle = _cpu_share([os.getpid(), engines[-1].child.pid], args.cpu_seconds)
+                cpu[label] = {"prefill_idle": prefill_idle, "decode_idle": decode_idle}
+        load.start()
+        nixl = engines[0]
+        raw = RawNixlWriter(_nixl_config(args.ucx_tls), [(base, layer_bytes) for base in src_bases])
+        raw_peer = raw.connect(nixl.metadata)
+        for engine in engines:
+            for pages, (src_pages, dst_pages) in placements.items():
+                engine.blocks[pages] = run_blocks(
+                    src_pages, dst_pages, src_bases, engine.dst_bases, page_bytes
+                )
+        for pages in sizes:
+            raw.write(raw_peer, nixl.blocks[pages])  # warm-up: connection, first touch
+        timeline = Timeline()
+        for round_index in range(args.repeats):
+            for pages in sizes:
+                progress.show(f"round {round_index + 1}/{args.repeats}: {pages} pages")
+                src_pages, dst_pages = placements[pages]
+                size = SizeRuns(pages, nixl.blocks[pages], RawBlocks([], [], []), src_pages, dst_pages)
+
+                def pdkv_room(engine: _Engine, size: SizeRuns = size, first: bool = round_index == 0) -> None:
+                    nonlocal room, verified
+                    verify = first and not args.no_verify
+                    timing = _pdkv_room(
+                        engine.transport,
+                        engine.conn,
+                        engine.child,
+                        timeline,
+                        size,
+                        room,
+                        5e-3,
+                        verify=verify,
+                        wake=True,
+                    )
+                    room += 1
+                    if timing is None:
+                        failures.append(f"{engine.label} room of {size.pages} pages failed")
+                        return
+                    verified &= timing.verified is not False
+                    engine.rooms.setdefault(size.pages, []).append(timing)
+
+                def raw_write(pages: int = pages) -> None:
+                    assert raw is not None
+                    raw_times[pages].append(
+                        _timed(functools.partial(raw.write, raw_peer, nixl.blocks[pages]))
+                    )
+
+                methods: list[Callable[[], None]] = [
+                    functools.partial(pdkv_room, engines[0]),
+                    functools.partial(pdkv_room, engines[1]),
+                    raw_write,
+                ]
+                turn = round_index % len(methods)
+                for method in methods[turn:] + methods[:turn]:
+                    method()
+        for engine in engines:
+            # Under load: 1-page rooms back to back for the window, this engine alone.
+            src_pages, dst_pages = placements[min(sizes)]
+            size = SizeRuns(
+                min(sizes), engine.blocks[min(sizes)], RawBlocks([], [], []), src_pages, dst_pages
+            )
+            count = 0
+
+            def busy(engine: _Engine = engine, size: SizeRuns = size) -> None:
+                nonlocal room, count
+                deadline = time.monotonic() + args.cpu_seconds
+                while time.monotonic() < deadline:
+                    _pdkv_room(
+                        engine.transport,
+                        engine.conn,
+                        engine.child,
+                        timeline,
+                        size,
+                        room,
+                        5e-3,
+                        verify=False,
+                        wake=True,
+                    )
+                    room += 1
+                    count += 1
+
+            progress.show(
+                f"{engine.label}: {min(sizes)}-page rooms back to back for {args.cpu_seconds:g} s ..."
+            )
+            prefill_busy, decode_busy = _cpu_share([os.getpid(), engine.child.pid], 0.0, busy)
+            cpu.setdefault(engine.label, {}).update(
+                {
+                    "prefill_busy": prefill_busy,
+                    "decode_busy": decode_busy,
+                    "busy_rooms_per_s": count / args.cpu_seconds,
+                }
+            )
+        progress.close()
+    finally:
+        load.stop()
+        if raw is not None:
+            raw.close()
+        for engine in engines:
+            _stop_engine(engine)
+    return _report_engines(args, sizes, engines, raw_times, cpu, page_bytes, verified, failures)
+
+
+def _report_engines(
+    args: argparse.Namespace,
+    sizes: list[int],
+    engines: list[_Engine],
+    raw_times: dict[int, list[float]],
+    cpu: dict[str, dict[str, float]],
+    page_bytes: int,
+    verified: bool,
+    failures: list[str],
+) -> int:
+    nixl, mooncake = engines
+    rows: list[list[object]] = []
+    for pages in sizes:
+        n = _stats([r.to_prefill_success for r in nixl.rooms.get(pages, [])])
+        nd = _stats([r.to_decode_success for r in nixl.rooms.get(pages, [])])
+        m = _stats([r.to_prefill_success for r in mooncake.rooms.get(pages, [])])
+        raw = _stats(raw_times[pages])
+        record = {
+            "bench": "latency",
+            "kind": "engines",
+            "pages": pages,
+            "layers": args.layers,
+            "bytes": pages * args.layers * page_bytes,
+            "blocks": len(nixl.blocks[pages]),
+            "ucx_tls": args.ucx_tls,
+            "rounds": len(nixl.rooms.get(pages, [])),
+            "seconds": {
+                "pdkv_nixl_prefill_success": n,
+                "pdkv_nixl_decode_success": nd,
+                "pdkv_mooncake_prefill_success": m,
+                "raw_nixl_agent": raw,
+            },
+            "nixl_vs_mooncake": m["median"] / n["median"],
+            "pdkv_vs_raw_agent": raw["median"] / n["median"],
+        }
+        emit(record)
+        rows.append(
+            [
+                pages,
+                f"{record['bytes'] / 1e6:.1f} MB",
+                record["blocks"],
+                n["median"] * 1e3,
+                n["min"] * 1e3,
+                nd["median"] * 1e3,
+                m["median"] * 1e3,
+                raw["median"] * 1e3,
+                record["nixl_vs_mooncake"],
+                record["pdkv_vs_raw_agent"],
+            ]
+        )
+    table(
+        f"pdkv bench latency --backend nixl (UCX_TLS={args.ucx_tls}): one room at a time, {args.layers} MLA "
+        f"layers, pages of {page_bytes} B, {args.repeats} interleaved rounds (ms; send -> prefill Success; "
+        "ratios of medians)",
+        [
+            "pages",
+            "bytes",
+            "blocks",
+            "NIXL p50",
+            "NIXL min",
+            "NIXL ->D p50",
+            "Mooncake p50",
+            "raw agent p50",
+            "Mooncake/NIXL",
+            "raw/NIXL",
+        ],
+        rows,
+    )
+    cpu_rows = []
+    for label, figures in cpu.items():
+        emit({"bench": "latency", "kind": "cpu", "engine": label, **figures})
+        cpu_rows.append(
+            [
+                label,
+                figures.get("prefill_idle", float("nan")),
+                figures.get("decode_idle", float("nan")),
+                figures["prefill_busy"],
+                figures["decode_busy"],
+                figures["busy_rooms_per_s"],
+            ]
+        )
+    table(
+        f"CPU per process, % of one core ({args.cpu_seconds:g} s each; idle: nothing to do after start-up; "
+        f"busy: {min(sizes)}-page rooms back to back, this engine alone; the prefill process holds both "
+        "engines' transports, the Mooncake one idle meanwhile)",
+        ["engine", "prefill idle", "decode idle", "prefill busy", "decode busy", "rooms/s"],
+        cpu_rows,
     )
     emit({"bench": "latency", "kind": "summary", "verified": verified, "failures": failures})
     return 0 if verified and not failures else 1

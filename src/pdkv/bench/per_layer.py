@@ -15,6 +15,13 @@ monotonic clock for every process of the machine). Every room is verified byte f
 ``--decode-tp 2`` runs the fan-out case (decode TP above prefill TP): every layer goes to each decode
 rank on its own submission lane, against the monolithic path writing the chunk to each in turn.
 
+``--mha --tp P --decode-tp D`` (``--kv-heads``, ``--head-bytes``): an MHA/GQA model whose K and V heads
+are split over TP, each prefill rank writing its heads to the decode ranks that hold them; with D above
+P every layer goes to several decode ranks as head slices, gathered through each prefill rank's
+staging pool (``--no-staging``: one engine entry per token slice). With
+``PDKV_PER_LAYER_FAN_OUT_MIN_BYTES=1`` every size goes per layer, which is how the fan-out rule
+(``PerLayerConfig.fan_out_min_layer_bytes``) is measured.
+
 The default sizes (1,024 and 8,192 tokens) take about half a minute here; ``--tokens
 1024,8192,32768`` adds the 2.3 GB request (about 80 s more, mostly filling and verifying memory).
 """
@@ -25,8 +32,10 @@ import argparse
 from collections.abc import Sequence
 
 from pdkv.bench._report import emit, table
+from pdkv.mapping import AttentionKind, Topology, TopologyError
 from pdkv.protocol.ids import RoomId
 from pdkv.protocol.poll import KVPoll
+from pdkv.runtime.staging import StagingConfig
 from pdkv.testing.cluster import Cluster, ClusterSpec, RequestPlan, RoomOutcome
 from pdkv.testing.synthetic import Capacity, ModelSpec
 
@@ -92,24 +101,56 @@ def main(argv: Sequence[str]) -> int:
         default=1,
         help="decode TP ranks (MLA fan-out: every layer goes to each of them; default 1)",
     )
+    parser.add_argument("--mha", action="store_true", help="MHA/GQA: K and V split by KV heads over TP")
+    parser.add_argument("--tp", type=int, default=1, help="--mha: prefill TP ranks (default 1)")
+    parser.add_argument("--kv-heads", type=int, default=8, help="--mha: the model's KV heads (default 8)")
+    parser.add_argument(
+        "--head-bytes", type=int, default=256, help="--mha: bytes of one KV head of one token (default 256)"
+    )
+    parser.add_argument(
+        "--staging",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="--mha: head slices through each prefill rank's staging pool (default; PDKV_STAGING_*)",
+    )
     parser.add_argument("--repeats", type=int, default=2, help="rooms per mode and size (best is reported)")
     parser.add_argument("--quick", action="store_true", help="tiny run: 1,024 tokens, 4 layers, 1 repeat")
     args = parser.parse_args(list(argv))
     if args.quick:
         args.tokens, args.layers, args.repeats = [1024], 4, 1
+    if args.mha:
+        try:
+            Topology(
+                prefill_tp=args.tp,
+                decode_tp=args.decode_tp,
+                attention=AttentionKind.MHA,
+                kv_heads=args.kv_heads,
+            )
+        except TopologyError as exc:
+            parser.error(str(exc))
+    elif args.tp != 1:
+        parser.error("--tp needs --mha (MLA prefill TP ranks beyond the first are dummies)")
     model = ModelSpec(
+        attention=AttentionKind.MHA if args.mha else AttentionKind.MLA,
         layers=args.layers,
         page_size=args.page_size,
-        kv_bytes_per_token=args.bytes_per_token,
+        kv_bytes_per_token=args.kv_heads * args.head_bytes if args.mha else args.bytes_per_token,
+        kv_heads=args.kv_heads if args.mha else None,
         state_layers=(),
         state_kinds=(),
         draft_layers=0,
     )
+    # Bytes a room moves: MLA writes the whole latent to every decode rank; MHA writes K and V once per
+    # decode replica of each head (decode TP above the head count replicates heads).
+    copies = max(1, args.decode_tp // args.kv_heads) if args.mha else args.decode_tp
+    buffers = 2 if args.mha else 1
     max_pages = -(-max(args.tokens) // args.page_size)
     spec = ClusterSpec(
         model=model,
+        prefill_tp=args.tp,
         prefill_cp=args.cp,
         decode_tp=args.decode_tp,
+        staging=StagingConfig.from_env() if args.mha and args.staging else None,
         prefill_capacity=Capacity(kv_pages=max_pages // args.cp + 8, state_slots=8, aux_rows=8),
         decode_capacity=Capacity(kv_pages=max_pages + 8, state_slots=8, aux_rows=8),
         state_slots_per_room=0,
@@ -120,7 +161,7 @@ def main(argv: Sequence[str]) -> int:
         runner = _Runner(cluster)
         for tokens in args.tokens:
             pages = -(-tokens // args.page_size)
-            total = pages * model.kv_item_bytes * args.layers * args.decode_tp
+            total = pages * model.kv_item_bytes * args.layers * buffers * copies
             calibration = runner.tail_seconds(tokens, per_layer=False, layer_s=0.0)
             layer_s = args.layer_ms / 1000 if args.layer_ms is not None else calibration / args.layers
             best: dict[bool, float] = {}
@@ -137,8 +178,11 @@ def main(argv: Sequence[str]) -> int:
                 "kind": "size",
                 "tokens": tokens,
                 "layers": args.layers,
+                "attention": model.attention.value,
+                "prefill_tp": args.tp,
                 "prefill_cp": args.cp,
                 "decode_tp": args.decode_tp,
+                "staging": spec.staging is not None,
                 "bytes": total,
                 "layer_compute_ms": layer_s * 1000,
                 "forward_s": layer_s * args.layers,
@@ -153,8 +197,14 @@ def main(argv: Sequence[str]) -> int:
             emit(record)
             ms = [layer_s * 1000, monolithic * 1000, layered * 1000]
             rows.append([tokens, total / 1e9, *ms, ratio, runner.verified])
+    staged = ", staged" if spec.staging else ""
+    kind = (
+        f"mha {args.kv_heads} KV heads x {args.head_bytes} B{staged}, prefill tp{args.tp}"
+        if args.mha
+        else "mla"
+    )
     table(
-        f"pdkv bench per_layer: {args.layers} layers, {model.kv_item_bytes:,} B per page per layer, "
+        f"pdkv bench per_layer: {kind}, {args.layers} layers, {model.kv_item_bytes:,} B per page per layer, "
         f"prefill cp{args.cp}, decode tp{args.decode_tp}, end of forward -> decode Success "
         f"(best of {args.repeats})",
         ["tokens", "GB", "layer ms", "monolithic ms", "per-layer ms", "ratio", "verified"],

@@ -18,11 +18,11 @@ from pdkv.protocol.decode import DecodeEndpoint
 from pdkv.protocol.effects import ChunkSpec, Send, Target
 from pdkv.protocol.ids import Endpoint, Epoch, InstanceId, RoomId, SessionId
 from pdkv.protocol.machines import (
-    SENDER_ROOM,
+    PREFILL_ABORT,
     ChunkMachine,
-    SenderRoomMachine,
-    SenderRoomState,
-    SenderRoomTrigger,
+    PrefillAbortInput,
+    PrefillAbortMachine,
+    PrefillAbortState,
 )
 from pdkv.protocol.messages import (
     Origin,
@@ -77,12 +77,11 @@ def main(argv: Sequence[str]) -> int:
     )
 
     construct_us = best_us(lambda: ChunkMachine("bench"), number=number, repeat=repeat)
-    # TRANSFERRING --queue_chunk--> TRANSFERRING is a self-loop: a pure trigger, repeatable.
-    looping = SenderRoomMachine("bench")
-    looping.fire(SenderRoomTrigger.ALL_REQUESTS_IN)
-    trigger_us = best_us(lambda: looping.fire(SenderRoomTrigger.QUEUE_CHUNK), number=number, repeat=repeat)
-    key = (SenderRoomState.TRANSFERRING, SenderRoomTrigger.QUEUE_CHUNK)
-    table_us = best_us(lambda: SENDER_ROOM.table[key], number=number * 10, repeat=repeat)
+    # DRAINING --fenced--> DRAINING is a row that keeps the state with no guard or effect: repeatable.
+    looping = PrefillAbortMachine("bench")
+    trigger_us = best_us(lambda: looping.fire(PrefillAbortInput.FENCED), number=number, repeat=repeat)
+    key = (PrefillAbortState.DRAINING, PrefillAbortInput.FENCED)
+    table_us = best_us(lambda: PREFILL_ABORT.table[key], number=number * 10, repeat=repeat)
     rows.append(("machine construction (transitions)", construct_us, "per room/chunk/abort object"))
     rows.append(
         (

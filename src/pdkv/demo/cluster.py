@@ -1,4 +1,4 @@
-"""``pdkv demo``: prefill CP ranks and a decode rank in real processes, real Mooncake TCP on 127.0.0.1.
+"""``pdkv demo``: prefill CP ranks and a decode rank in real processes over Mooncake TCP or NIXL on loopback.
 
 Owns: the demo workload and its report. It starts a bootstrap registry, ``--cp`` prefill rank
 processes (x ``--tp``) and ``--decode-tp`` decode processes (``pdkv.testing.cluster``), runs a
@@ -13,7 +13,14 @@ pages of aborted rooms get a canary after their safe release, checked at the end
 ``--mha``: K and V buffers split by KV heads over TP (``--kv-heads``, GQA: fewer heads than ranks
 replicate), heads described in the layout, so ``--tp`` and ``--decode-tp`` may differ in either
 direction; each decode rank checks its heads against the model's full layout, whichever prefill
-ranks wrote them.
+ranks wrote them. Prefill ranks gather head slices into a staging pool (``--no-staging``: off), so a
+decode rank of a higher TP receives whole pages as few large blocks.
+``--decode-without-draft-state`` (``--prefill-without-draft-state``): a rolling deployment, where the
+prefill ranks register the draft model's NSA-style index state and the decode ranks do not (or the
+reverse): under ``--layout-policy degrade_draft`` (the default) every room is served without it and
+must say so (``receiver.draft_skipped()``: the ``draft`` column), while its target bytes and draft KV
+are checked as ever (and the decode's own draft state, where only it has one, checked untouched);
+under ``--layout-policy strict`` the registration is refused, naming both lists.
 Shows progress, prints a summary table (``--json``: one JSON object per room plus a summary line),
 exits non-zero on any mismatch. The prefill ranks (CP x TP) run rank consensus over a gloo group
 (``--no-consensus`` turns it off): one rank's failure fails the room on every rank together.
@@ -36,11 +43,23 @@ from collections.abc import Sequence
 import attrs
 
 from pdkv.config import cli_fraction, cli_int
-from pdkv.mapping import AttentionKind, Topology, TopologyError
+from pdkv.engine import BackendKind, backend_kind
+from pdkv.engine.choice import CHOICES
+from pdkv.errors import ConfigError
+from pdkv.mapping import DEFAULT_LAYOUT_POLICY, AttentionKind, LayoutPolicy, Topology, TopologyError
 from pdkv.protocol.ids import RoomId
 from pdkv.protocol.poll import KVPoll
 from pdkv.runtime import json_log
-from pdkv.testing.cluster import AbortPlan, Cluster, ClusterSpec, RankReport, RequestPlan, RoomOutcome
+from pdkv.runtime.staging import StagingConfig
+from pdkv.testing.cluster import (
+    AbortPlan,
+    Cluster,
+    ClusterError,
+    ClusterSpec,
+    RankReport,
+    RequestPlan,
+    RoomOutcome,
+)
 from pdkv.testing.synthetic import Capacity, ModelSpec
 
 
@@ -106,6 +125,10 @@ class Summary:
     rooms_verified: int = 0
     decode_successes: int = 0
     checksum_failures: int = 0
+    draft_skipped: int = 0
+    """Successful rooms served without some draft-model state (a rolling deployment)."""
+    draft_unreported: int = 0
+    """Successful rooms of a rolling deployment that did not report the draft state they missed."""
 
     @property
     def ok(self) -> bool:
@@ -118,6 +141,7 @@ class Summary:
             or self.worker_errors
             or self.checksum_failures
             or unverified
+            or self.draft_unreported
         )
 
 
@@ -128,23 +152,34 @@ def summarize(
     seconds: float,
     *,
     checksums: bool = False,
+    draft_left_out: bool = False,
 ) -> tuple[Summary, list[dict[str, object]]]:
+    """``draft_left_out``: the two sides register different draft state, so every successful room must
+    report what it missed (``RoomOutcome.draft_skipped``)."""
     by_room: dict[int, list[RoomOutcome]] = {}
     for outcome in outcomes:
         by_room.setdefault(outcome.room, []).append(outcome)
     rows: list[dict[str, object]] = []
-    succeeded = failed = unexpected = 0
+    succeeded = failed = unexpected = skipped = unreported = 0
     latencies: list[float] = []
     for plan in plans:
         got = by_room.get(int(plan.room), [])
         decode = [o for o in got if o.side == "decode"]
-        all_ok = bool(decode) and all(o.poll == KVPoll.Success for o in decode)
+        # The room's outcome is the decode ranks' consensus, as a decode scheduler MIN-reduces KVPoll
+        # over its TP ranks: one Failed fails the room. With several decode ranks fed by different
+        # prefill TP ranks, a prefill-side abort can fail some decode ranks after others already
+        # succeeded (their prefill rank had finished); the room is then Failed, as planned.
+        consensus = min((KVPoll(o.poll) for o in decode), default=KVPoll.Failed)
+        all_ok = bool(decode) and consensus is KVPoll.Success
         planned_abort = plan.abort is not None
         # A planned abort may lose the race against a fast transfer: Success is fine then.
-        as_planned = all_ok or (planned_abort and all(o.poll == KVPoll.Failed for o in decode))
+        as_planned = all_ok or (planned_abort and consensus is KVPoll.Failed)
         succeeded += all_ok
         failed += not all_ok
         unexpected += not as_planned
+        draft = sorted({o.draft_skipped for o in decode if o.draft_skipped})
+        skipped += all_ok and bool(draft)
+        unreported += all_ok and draft_left_out and not all(o.draft_skipped for o in decode)
         latencies += [o.seconds for o in decode]
         rows.append(
             {
@@ -158,6 +193,7 @@ def summarize(
                 "bytes_verified": sum(o.bytes_checked for o in decode),
                 "mismatches": [m for o in decode for m in o.mismatches],
                 "failure": "; ".join(sorted({o.failure for o in got if o.failure})),
+                "draft_skipped": "; ".join(draft),
             }
         )
     latencies.sort()
@@ -181,6 +217,8 @@ def summarize(
         rooms_verified=sum(r.rooms_verified for r in reports),
         decode_successes=sum(1 for o in outcomes if o.side == "decode" and o.poll == KVPoll.Success),
         checksum_failures=sum(r.checksum_failures for r in reports),
+        draft_skipped=skipped,
+        draft_unreported=unreported,
     )
     return summary, rows
 
@@ -235,12 +273,21 @@ def _kv_description(model: ModelSpec, prefill_tp: int, decode_tp: int) -> str:
     )
 
 
+def _layout_policy(text: str) -> LayoutPolicy:
+    try:
+        return LayoutPolicy.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def main(argv: Sequence[str] = ()) -> int:
     parser = argparse.ArgumentParser(prog="pdkv demo", description=(__doc__ or "").splitlines()[0])
     positive = cli_int(1)  # every count of the demo: 0 or less is an argument error, never "result OK"
     parser.add_argument("--cp", type=positive, default=2, help="prefill context-parallel ranks (default 2)")
     parser.add_argument("--tp", type=positive, default=1, help="prefill tensor-parallel ranks (default 1)")
-    parser.add_argument("--decode-tp", type=positive, default=1, help="decode tensor-parallel ranks (default 1)")
+    parser.add_argument(
+        "--decode-tp", type=positive, default=1, help="decode tensor-parallel ranks (default 1)"
+    )
     parser.add_argument("--rooms", type=positive, default=32, help="requests (default 32)")
     parser.add_argument("--layers", type=positive, default=8)
     parser.add_argument("--page-size", type=positive, default=16)
@@ -248,7 +295,10 @@ def main(argv: Sequence[str] = ()) -> int:
         "--bytes-per-token", type=positive, default=576, help="KV bytes per token per layer (MLA latent)"
     )
     parser.add_argument(
-        "--kv-heads", type=positive, default=8, help="--mha: the model's KV heads (default 8; e.g. 2 over tp 4)"
+        "--kv-heads",
+        type=positive,
+        default=8,
+        help="--mha: the model's KV heads (default 8; e.g. 2 over tp 4)",
     )
     parser.add_argument(
         "--head-bytes",
@@ -257,7 +307,9 @@ def main(argv: Sequence[str] = ()) -> int:
         help="--mha: bytes of one KV head of one token (head_dim x dtype size; default 128)",
     )
     parser.add_argument("--max-tokens", type=positive, default=2048)
-    parser.add_argument("--aborts", type=cli_fraction, default=0.15, help="fraction of rooms aborted (default 0.15)")
+    parser.add_argument(
+        "--aborts", type=cli_fraction, default=0.15, help="fraction of rooms aborted (default 0.15)"
+    )
     parser.add_argument("--max-active", type=positive, default=8, help="rooms in flight at once")
     parser.add_argument("--mha", action="store_true", help="MHA layout (K and V per layer) instead of MLA")
     parser.add_argument(
@@ -296,7 +348,43 @@ def main(argv: Sequence[str] = ()) -> int:
         help="PDKV_KV_CHECKSUM on every rank: decode ranks check each room's pages against the prefill "
         "ranks' checksums before Success (the byte check after it still runs)",
     )
+    parser.add_argument(
+        "--staging",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="--mha: prefill ranks gather head slices into a registered staging pool and send them as "
+        "few large blocks (default; PDKV_STAGING_* set its shape; --no-staging: one engine entry per "
+        "token and head slice)",
+    )
+    rollout = parser.add_mutually_exclusive_group()
+    rollout.add_argument(
+        "--decode-without-draft-state",
+        action="store_true",
+        help="a rolling deployment: the prefill ranks register the draft model's index state, the "
+        "decode ranks do not (rooms are served without it and report it)",
+    )
+    rollout.add_argument(
+        "--prefill-without-draft-state",
+        action="store_true",
+        help="the reverse: the decode ranks register the draft model's index state, the prefill ranks do not",
+    )
+    parser.add_argument(
+        "--layout-policy",
+        type=_layout_policy,
+        default=DEFAULT_LAYOUT_POLICY,
+        help="both sides' layout policy: degrade_draft (default: draft buffers one side lacks are left "
+        "out) or strict (any difference refuses the registration)",
+    )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--backend",
+        choices=CHOICES[:2],
+        default=None,
+        help="transfer engine (default: PDKV_BACKEND, else mooncake)",
+    )
+    parser.add_argument(
+        "--ucx-tls", default=None, help="--backend nixl: UCX_TLS (default: UCX's own, cma + tcp here)"
+    )
     parser.add_argument("--json", action="store_true", help="JSON lines on stdout instead of the table")
     parser.add_argument(
         "--log-dir", default=None, help="where rank logs go (default: a new temporary folder)"
@@ -312,6 +400,13 @@ def main(argv: Sequence[str] = ()) -> int:
         state_layers=tuple(range(0, args.layers, 2)),
         draft_layers=1,
     )
+    with_draft_state = attrs.evolve(model, draft_state_layers=(0,))
+    rollout = args.decode_without_draft_state or args.prefill_without_draft_state
+    prefill_model, decode_model = model, model
+    if args.decode_without_draft_state:
+        prefill_model = with_draft_state
+    elif args.prefill_without_draft_state:
+        decode_model = with_draft_state
     if args.mha:
         try:
             Topology(
@@ -331,10 +426,19 @@ def main(argv: Sequence[str] = ()) -> int:
         seed=args.seed,
         layer_compute_s=args.layer_ms / 1000,
     )
+    try:
+        backend = backend_kind(args.backend)
+    except ConfigError as exc:
+        parser.error(str(exc))
+    if backend is BackendKind.LOOPBACK:
+        parser.error("the demo's ranks are processes: PDKV_BACKEND=loopback cannot reach across them")
     pages_total = sum(-(-p.tokens // args.page_size) for p in plans)
     max_room_pages = -(-args.max_tokens // args.page_size)
     spec = ClusterSpec(
-        model=model,
+        model=prefill_model,
+        decode_model=decode_model,
+        prefill_layout_policy=args.layout_policy,
+        decode_layout_policy=args.layout_policy,
         prefill_tp=args.tp,
         prefill_cp=args.cp,
         decode_tp=args.decode_tp,
@@ -352,29 +456,52 @@ def main(argv: Sequence[str] = ()) -> int:
         engine_transfer_timeout_s=args.engine_timeout_s or (120 if args.mha else None),
         engine_tcp_queue=args.engine_tcp_queue or (16384 if args.mha else None),
         kv_checksum=args.checksum,
+        backend=backend.value,
+        ucx_tls=args.ucx_tls,
+        staging=StagingConfig.from_env() if args.mha and args.staging else None,
     )
+    engine = f"NIXL (UCX_TLS={args.ucx_tls or 'all'})" if backend is BackendKind.NIXL else "Mooncake TCP"
     print(
         f"pdkv demo: prefill tp{args.tp} x cp{args.cp}, decode tp{args.decode_tp}, "
-        "Mooncake TCP on 127.0.0.1; "
+        f"{engine} on 127.0.0.1; "
         f"{args.rooms} rooms, {model.layers} layers + {model.draft_layers} draft, page {model.page_size}, "
         f"{_kv_description(model, args.tp, args.decode_tp)}; "
         f"{'per-layer' if args.per_layer else 'monolithic'} transfer, {args.layer_ms:g} ms compute per layer"
-        f"{', checksums verified before Success' if args.checksum else ''}",
+        f"{', checksums verified before Success' if args.checksum else ''}"
+        f"{', staged head slices' if spec.staging is not None else ''}",
         file=sys.stderr,
     )
+    if rollout:
+        lacking = "decode" if args.decode_without_draft_state else "prefill"
+        print(
+            f"  rolling deployment: the {lacking} ranks register no draft-model index state; layout "
+            f"policy {args.layout_policy.value}",
+            file=sys.stderr,
+        )
     started = time.monotonic()
     progress = _Progress(len(plans), decode_ranks=args.decode_tp)
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="pdkv-demo-")
     os.makedirs(log_dir, exist_ok=True)
     os.environ.setdefault(json_log.ENV, log_dir)  # every rank's JSON log lands there: `pdkv trace ROOM DIR`
     print(f"  starting registry and rank processes (rank logs: {log_dir}) ...", file=sys.stderr, flush=True)
-    with Cluster(spec, log_level=logging.INFO, log_dir=log_dir) as cluster:
-        ready = time.monotonic()
-        outcomes = cluster.run(plans, max_active=args.max_active, progress=progress)
-        progress.close()
-        elapsed = time.monotonic() - ready
-        reports = cluster.close()
-    summary, rows = summarize(plans, outcomes, reports, elapsed, checksums=args.checksum)
+    try:
+        with Cluster(spec, log_level=logging.INFO, log_dir=log_dir) as cluster:
+            ready = time.monotonic()
+            outcomes = cluster.run(plans, max_active=args.max_active, progress=progress)
+            progress.close()
+            elapsed = time.monotonic() - ready
+            reports = cluster.close()
+    except ClusterError as exc:
+        if not (rollout and args.layout_policy is LayoutPolicy.STRICT):
+            raise
+        # The expected end of a strict rolling deployment: the decode rank's registration is refused.
+        refusal = str(exc).strip().splitlines()[-1]
+        print(f"registration refused (layout policy strict): {refusal}", file=sys.stderr)
+        print(f"result              REFUSED (rank logs: {log_dir})")
+        return 1
+    summary, rows = summarize(
+        plans, outcomes, reports, elapsed, draft_left_out=rollout, checksums=args.checksum
+    )
     if args.json:
         for row in rows:
             print(json.dumps(row))
@@ -394,6 +521,8 @@ def _print_table(summary: Summary, rows: list[dict[str, object]], *, startup_s: 
             note += f"MISMATCH {row['mismatches']} "
         if row["outcome"] == "failed":
             note += str(row["failure"])[:70]
+        elif row["draft_skipped"]:
+            note += "no draft state"
         print(
             f"{row['room']:>6} {row['tokens']:>6} {row['chunks']:>6} {row['prefix_tokens']:>6} "
             f"{row['abort'] or '-':>7} {row['outcome']:>8} "
@@ -420,6 +549,11 @@ def _print_table(summary: Summary, rows: list[dict[str, object]], *, startup_s: 
         print(
             f"checksums           {s.rooms_verified} of {s.decode_successes} decode Successes verified first, "
             f"{s.checksum_failures} checksum failures"
+        )
+    if s.draft_skipped or s.draft_unreported:
+        print(
+            f"draft state         {s.draft_skipped} rooms served without it (reported per room), "
+            f"{s.draft_unreported} that did not report it"
         )
     print(f"start-up            {startup_s:.1f} s (processes, engines, registration)")
     print(f"result              {'OK' if summary.ok else 'FAILED'}")

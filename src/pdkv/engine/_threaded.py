@@ -421,6 +421,12 @@ class WorkerThreadBackend(abc.ABC, Generic[Token]):
     def _complete(self, job: PieceJob, token: Token) -> None:
         """Wait until a launched piece ended (lane completer thread); ``PieceFailed`` if it failed."""
 
+    def _inline_launch_allowed(self, piece: TransferBlocks) -> bool:
+        """Whether the submitting thread may launch ``piece`` itself (an engine whose launch does the
+        whole copy, as NIXL's cma transport does, allows it only for small pieces: ``submit_write``
+        never waits for a long transfer)."""
+        return True
+
     def _completion_bound_s(self, handle: BatchHandle) -> float | None:
         """The longest ``_complete`` can block for this batch (the engine's own timeout), or None
         when nothing bounds it: then no waiter with a timeout completes a piece itself."""
@@ -529,7 +535,7 @@ class WorkerThreadBackend(abc.ABC, Generic[Token]):
                 progress = _BatchProgress(handle, len(pieces))
                 first = lane.put(
                     [PieceJob(handle, piece, i, len(pieces), progress) for i, piece in enumerate(pieces)],
-                    inline=True,
+                    inline=self._inline_launch_allowed(pieces[0]),
                 )
                 if first is not None:
                     reserved = (lane, first)
@@ -619,6 +625,14 @@ class WorkerThreadBackend(abc.ABC, Generic[Token]):
         """Peer lanes alive now (each two threads)."""
         with self._lock:
             return len(self._lanes)
+
+    @property
+    def engine_metadata(self) -> bytes:
+        """Nothing by default: a peer reaches this backend by its session id alone."""
+        return b""
+
+    def add_peer(self, session: str, metadata: bytes) -> None:
+        """Nothing to learn by default (engines that reach a peer by its session id alone)."""
 
     def cut_connections_from(self, host: str) -> int:
         """Nothing to cut by default: a backend whose writes end when reported (loopback copies in this

@@ -25,8 +25,11 @@ Contract every backend keeps (``pdkv.testing.backend_conformance`` checks it):
   from alive, and ``close()`` on it (or leaving its ``with`` block, or closing the backend)
   unregisters. Closing a backend first waits for every submitted batch, then unregisters all.
 - The caller must not unregister memory that a batch still in flight reads or writes.
-- A FAILED write may still land later (``specs/mooncake-tcp-late-writes.md``): the receiving side ends
-  that only with ``cut_connections_from`` after the writer proved its queue drained (a fence write).
+- A FAILED write may still land later (``specs/mooncake-tcp-late-writes.md``, ``specs/nixl.md``): the
+  receiving side ends that only with ``cut_connections_from`` after the writer proved its queue drained
+  (a fence write).
+- A peer is reachable once its ``engine_metadata`` reached ``add_peer`` (engines that need none reach a
+  peer by its session id alone); a batch to a peer the backend cannot reach ends FAILED.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from pdkv.errors.engine import BatchFailedError as BatchFailedError
 from pdkv.errors.engine import BatchTimedOutError as BatchTimedOutError
 from pdkv.errors.engine import ForeignHandleError as ForeignHandleError
 from pdkv.errors.engine import InvalidBatchError as InvalidBatchError
+from pdkv.errors.engine import PeerMetadataError as PeerMetadataError
 from pdkv.errors.engine import RegistrationError as RegistrationError
 from pdkv.errors.engine import UnregisteredMemoryError as UnregisteredMemoryError
 from pdkv.mapping.blocks import TransferBlocks
@@ -222,6 +226,20 @@ class TransferBackend(Protocol):
     @property
     def max_entries_in_flight(self) -> int:
         """Most blocks kept in flight towards one peer; larger batches are split and queued."""
+        ...
+
+    @property
+    def engine_metadata(self) -> bytes:
+        """What a peer needs, beside ``session_id``, to write into this backend's registered memory
+        (NIXL: its agent's metadata and the regions registered so far); ``b""`` for engines that need
+        nothing (Mooncake, loopback). Sent to peers in the registration exchange (``Register``); read
+        it after registering the memory peers will write into."""
+        ...
+
+    def add_peer(self, session: str, metadata: bytes) -> None:
+        """Learn how to reach the peer ``session`` from the ``engine_metadata`` it sent (again after a
+        re-registration: the newest metadata replaces the older). A no-op for engines that need none.
+        Raises ``PeerMetadataError`` for metadata this engine cannot use (nothing changes then)."""
         ...
 
     def register(self, memory: TensorLike) -> Registration:

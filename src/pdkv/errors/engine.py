@@ -14,6 +14,7 @@ satisfies.
       BatchFailedError                 a batch ended FAILED
       BatchTimedOutError               a batch did not finish in time (it may still be in flight)
       EngineInitError                  the Mooncake engine's set-up call returned a failure code
+      PeerMetadataError                a peer's engine metadata is malformed or the engine refused it
       ConnectionCutUnavailableError    sockets cannot be destroyed here (no CAP_NET_ADMIN, ...)
 """
 
@@ -100,6 +101,11 @@ class BatchTimedOutError(TransferError):
 
 class EngineInitError(TransferError):
     """``TransferEngine.initialize`` (or another setup call) returned a failure code."""
+
+
+class PeerMetadataError(TransferError, ValueError):
+    """A peer's engine metadata (``TransferBackend.add_peer``) is malformed, names another session, or
+    the engine refused to load it; nothing about the peer changed."""
 
 
 class ConnectionCutUnavailableError(TransferError):

@@ -356,32 +356,45 @@ class BufferLayout:
         problems: list[str] = []
         for model in ModelRole:
             for kind in BufferKind:
-                mine = [b.layer_id for b in self.buffers if b.kind is kind and b.model is model]
-                theirs = [b.layer_id for b in other.buffers if b.kind is kind and b.model is model]
-                if mine != theirs:
-                    problems.append(f"{model.value} {kind.value} layer ids differ: {mine} vs {theirs}")
-                    continue
-                mine_s = [b for b in self.buffers if b.kind is kind and b.model is model]
-                theirs_s = [b for b in other.buffers if b.kind is kind and b.model is model]
-                heads = _head_difference(mine_s, theirs_s)
-                if heads is not None:
-                    problems.append(f"{model.value} {kind.value} {heads}")
-                    continue
-                if any(b.heads is not None for b in mine_s):
-                    continue  # same model heads: bytes per item follow each rank's own head range
-                mine_b = [b.item_bytes for b in mine_s]
-                theirs_b = [b.item_bytes for b in theirs_s]
-                if mine_b != theirs_b:
-                    problems.append(
-                        f"{model.value} {kind.value} bytes per item differ: {sorted(set(mine_b))} "
-                        f"vs {sorted(set(theirs_b))}"
-                    )
+                mine = [b for b in self.buffers if b.kind is kind and b.model is model]
+                theirs = [b for b in other.buffers if b.kind is kind and b.model is model]
+                problem = group_difference(model, kind, mine, theirs)
+                if problem is not None:
+                    problems.append(problem)
         return "; ".join(problems) if problems else None
 
     def check_compatible(self, other: BufferLayout) -> None:
         diff = self.difference(other)
         if diff is not None:
             raise LayoutMismatchError(f"buffer layouts are incompatible: {diff}")
+
+
+def group_difference(
+    model: ModelRole, kind: BufferKind, mine: Sequence[BufferSpec], theirs: Sequence[BufferSpec]
+) -> str | None:
+    """None when two sides' buffers of one (model, kind) agree, else the difference naming both lists:
+    the layer ids, then (for K/V buffers that describe heads) the model heads, else the bytes per item.
+
+    ``mine`` and ``theirs`` are in canonical order (layer ascending); ``BufferLayout.difference`` is this
+    over every (model, kind), and ``pdkv.mapping.layout_policy`` applies it to parts of a layout.
+    """
+    mine_ids = [b.layer_id for b in mine]
+    theirs_ids = [b.layer_id for b in theirs]
+    if mine_ids != theirs_ids:
+        return f"{model.value} {kind.value} layer ids differ: {mine_ids} vs {theirs_ids}"
+    heads = _head_difference(list(mine), list(theirs))
+    if heads is not None:
+        return f"{model.value} {kind.value} {heads}"
+    if any(b.heads is not None for b in mine):
+        return None  # same model heads: bytes per item follow each rank's own head range
+    mine_b = [b.item_bytes for b in mine]
+    theirs_b = [b.item_bytes for b in theirs]
+    if mine_b != theirs_b:
+        return (
+            f"{model.value} {kind.value} bytes per item differ: {sorted(set(mine_b))} "
+            f"vs {sorted(set(theirs_b))}"
+        )
+    return None
 
 
 def _check_tensor(name: str, kind: BufferKind, t: LayoutTensor, item_bytes: int, page_size: int) -> None:

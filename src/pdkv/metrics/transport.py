@@ -56,6 +56,7 @@ class TransportCounter(enum.Enum):
     WRITE_JOBS = "write_jobs"
     ROOMS_VERIFIED = "rooms_verified"
     CHECKSUM_FAILURES = "checksum_failures"
+    ROOMS_DRAFT_SKIPPED = "rooms_draft_skipped"
 
     @property
     def description(self) -> str:
@@ -68,6 +69,7 @@ class TransportGauge(enum.Enum):
 
     ROOMS_QUARANTINED = "rooms_quarantined"
     PAGES_QUARANTINED = "pages_quarantined"
+    DRAFT_BUFFERS_SKIPPED = "draft_buffers_skipped"
 
     @property
     def description(self) -> str:
@@ -79,6 +81,11 @@ GAUGE_DESCRIPTIONS: Final[Mapping[TransportGauge, str]] = {
         "Aborted rooms whose pages are held now because a prefill rank has not acknowledged the abort."
     ),
     TransportGauge.PAGES_QUARANTINED: "Destination pages of the quarantined rooms (not reusable yet).",
+    TransportGauge.DRAFT_BUFFERS_SKIPPED: (
+        "Draft-model buffers left out of the transfers (only one side of the pair registers them, "
+        "a rolling deployment under PDKV_LAYOUT_POLICY=degrade_draft), both sides' counted, summed "
+        "over the peer ranks registered now."
+    ),
 }
 
 
@@ -138,6 +145,10 @@ COUNTER_DESCRIPTIONS: Final[Mapping[TransportCounter, str]] = {
     TransportCounter.CHECKSUM_FAILURES: (
         "Decode: rooms failed because a received page differed from what the prefill sent (checksums)."
     ),
+    TransportCounter.ROOMS_DRAFT_SKIPPED: (
+        "Decode: rooms that succeeded without some draft-model state (receiver.draft_skipped()): the "
+        "scheduler should not speculate from it."
+    ),
 }
 
 
@@ -174,6 +185,7 @@ class CounterValues:
     write_jobs: int = 0
     rooms_verified: int = 0
     checksum_failures: int = 0
+    rooms_draft_skipped: int = 0
 
     def __getitem__(self, counter: TransportCounter) -> int:
         value: int = getattr(self, counter.value)

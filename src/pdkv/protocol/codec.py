@@ -6,12 +6,19 @@ beyond its fields: ``encode`` takes a validated message, ``decode`` returns one 
 ``messages`` validate themselves). ``decode`` is the trust boundary: for ANY input it returns a
 message or raises ``RemoteProtocolError``, never anything else.
 
-Wire format, version 5 (normative; another implementation can be written from this text)
+Wire format, version 7 (normative; another implementation can be written from this text)
 =========================================================================================
 
-Changes from version 4: ``TransferStatus`` gains the key ``checksums`` (``Checksums | nil``): with
+Changes from version 6: ``TransferStatus`` gains the key ``checksums`` (``Checksums | nil``): with
 ``PDKV_KV_CHECKSUM`` a Success status says, per (buffer, page), what the prefill rank wrote, and the
 decode rank verifies its pages against it before it reports Success (``SUMS`` array slots).
+Changes from version 5 to 6: ``RegisterAck`` gains the keys ``prefill_left_out`` and ``decode_left_out``
+(lists of ``BufferRef``): the buffers of each side that the transfers of this pair of ranks leave out,
+as the prefill's layout policy allowed (draft-model buffers only one side registers, during a rolling
+deployment); both empty when the layouts match.
+Changes from version 4 to 5: ``Register`` gains the key ``engine_metadata`` (``bin``, at most 256 KiB),
+what the prefill's transfer engine needs beside the session to write into the decode's buffers (NIXL's
+agent metadata and registered regions; empty for Mooncake). It is the only ``bin`` value of the format.
 Changes from version 3 to 4: ``AbortAck`` gains the key ``fenced`` (bool): a write of the room to the
 decode rank failed and the ack follows the fence that proved the engine queue drained (the decode then
 cuts its connections from that host, or settles, before reusing the pages).
@@ -41,7 +48,8 @@ Message type codes (stable; never reuse or renumber, 0 is reserved)::
     1 RankAnnounce   2 RouteQuery   3 RouteTable   4 Register    5 RegisterAck   6 RegisterReject
     7 TransferRequest  8 TransferStatus  9 Abort  10 AbortAck  11 Heartbeat  12 HeartbeatAck
 
-Body. msgpack with str (UTF-8) map keys, str for text, no bin and no ext types, no duplicate keys.
+Body. msgpack with str (UTF-8) map keys, str for text, no ext types, no duplicate keys, and no bin
+value but ``Register.engine_metadata``.
 Every map has exactly the keys listed (no missing, no extra); senders write them in the listed order
 and receivers do not depend on the order. Integers use msgpack's shortest int encoding on the send
 side (receivers accept any int encoding); bool is msgpack true/false and is never an integer; ``float``
@@ -61,6 +69,8 @@ any value outside them. Nested records::
                                         page_size x head_count x head_bytes
     Layout      {"attention": str, "page_size": int, "buffers": [BufferSpec, ...]}
                                                     attention: mla mha; buffers in canonical order
+    BufferRef   {"kind": str, "model": str, "layer_id": int}
+                                        a buffer as both sides name it; values as in BufferSpec
     StateSlot   {"kind": str, "indices": ARRAY}     kind: index_k index_scale swa
     Metric      {"pages": int, "bytes": int, "seconds": float}
     Checksums   {"positions": ARRAY, "kv": SUMS, "state": [StateSums, ...], "aux": SUMS}
@@ -88,8 +98,10 @@ Bodies by type (key order as written)::
     2 RouteQuery      {"origin": Origin}
     3 RouteTable      {"origin": Origin, "tp_size": int, "cp_size": int, "page_size": int,
                        "layout_digest": str, "ranks": [RankRoute, ...], "complete": bool}
-    4 Register        {"origin": Origin, "tp_size": int, "endpoint": str, "session": str, "layout": Layout}
-    5 RegisterAck     {"origin": Origin}
+    4 Register        {"origin": Origin, "tp_size": int, "endpoint": str, "session": str, "layout": Layout,
+                       "engine_metadata": bin}
+    5 RegisterAck     {"origin": Origin, "prefill_left_out": [BufferRef, ...],
+                       "decode_left_out": [BufferRef, ...]}     no buffer twice in one list
     6 RegisterReject  {"origin": Origin, "reason": str, "retry": bool}
     7 TransferRequest {"origin": Origin, "room": int, "dst_pages": ARRAY, "dst_aux_row": int | nil,
                        "dst_state": [StateSlot, ...], "required_dst_info_num": int, "dummy": bool,
@@ -102,8 +114,8 @@ Bodies by type (key order as written)::
    11 Heartbeat       {"origin": Origin, "seq": int, "endpoint": str | nil}
    12 HeartbeatAck    {"origin": Origin, "seq": int}
 
-Limits: at most 64 frames, body at most 1 MiB (msgpack strings at most 16 KiB, lists at most 65,536
-items, maps at most 16 keys), array frames at most 256 MiB each. ``encode`` refuses (with
+Limits: at most 64 frames, body at most 1 MiB (msgpack strings at most 16 KiB, bin at most 256 KiB,
+lists at most 65,536 items, maps at most 16 keys), array frames at most 256 MiB each. ``encode`` refuses (with
 ``LocalProtocolError``) to produce anything a receiver would reject for size or representability
 (an int outside msgpack's range, a str that is not valid Unicode).
 
@@ -133,8 +145,10 @@ from pdkv.mapping.layout import (
     ItemLayout,
     ModelRole,
 )
+from pdkv.mapping.layout_policy import BufferKey
 from pdkv.protocol.ids import Endpoint, Epoch, InstanceId, RoomId, SessionId
 from pdkv.protocol.messages import (
+    MAX_ENGINE_METADATA_BYTES,
     Abort,
     AbortAck,
     Heartbeat,
@@ -160,7 +174,7 @@ from pdkv.protocol.messages import (
     TransferStatus,
 )
 
-PROTOCOL_VERSION: Final = 5
+PROTOCOL_VERSION: Final = 7
 MAGIC: Final = b"PDKV"
 HEADER: Final = struct.Struct("<4sHHH")  # magic, version, type code, number of array frames
 _MAGIC_AND_VERSION_BYTES: Final = 6  # the only header bytes whose position no future version may move
@@ -171,6 +185,7 @@ MAX_ARRAY_BYTES: Final = 256 << 20
 MAX_BODY_STR_BYTES: Final = 16 << 10  # 4,096 characters (the longest text field) of up to 4 UTF-8 bytes
 MAX_BODY_LIST_ITEMS: Final = 1 << 16
 MAX_BODY_MAP_KEYS: Final = 16
+MAX_BODY_BIN_BYTES: Final = MAX_ENGINE_METADATA_BYTES
 
 _INT32_LIMIT: Final = 2**31
 _INT32_LE: Final = np.dtype(np.int32).newbyteorder("<")
@@ -283,6 +298,10 @@ def _layout_body(layout: BufferLayout) -> dict[str, object]:
     }
 
 
+def _buffer_ref_body(key: BufferKey) -> dict[str, object]:
+    return {"kind": key.kind.value, "model": key.model.value, "layer_id": key.layer_id}
+
+
 def _message_body(msg: Message, arrays: list[bytes]) -> dict[str, object]:
     match msg:
         case RankAnnounce():
@@ -295,8 +314,14 @@ def _message_body(msg: Message, arrays: list[bytes]) -> dict[str, object]:
                 "page_size": msg.page_size,
                 "layout_digest": msg.layout_digest,
             }
-        case RouteQuery() | RegisterAck():
+        case RouteQuery():
             return {"origin": _origin_body(msg.origin)}
+        case RegisterAck():
+            return {
+                "origin": _origin_body(msg.origin),
+                "prefill_left_out": [_buffer_ref_body(k) for k in msg.prefill_left_out],
+                "decode_left_out": [_buffer_ref_body(k) for k in msg.decode_left_out],
+            }
         case RouteTable():
             return {
                 "origin": _origin_body(msg.origin),
@@ -322,6 +347,7 @@ def _message_body(msg: Message, arrays: list[bytes]) -> dict[str, object]:
                 "endpoint": msg.endpoint,
                 "session": msg.session,
                 "layout": _layout_body(msg.layout),
+                "engine_metadata": msg.engine_metadata,
             }
         case RegisterReject():
             return {"origin": _origin_body(msg.origin), "reason": msg.reason, "retry": msg.retry}
@@ -432,6 +458,12 @@ class _Fields:
     def read_optional_text(self, key: str) -> str | None:
         return None if self._values[key] is None else self.read_text(key)
 
+    def read_bytes(self, key: str) -> bytes:
+        value = self._values[key]
+        if not isinstance(value, bytes):
+            raise self._wrong(key, "bin")
+        return value
+
     def read_bool(self, key: str) -> bool:
         value = self._values[key]
         if not isinstance(value, bool):
@@ -511,7 +543,9 @@ class _ArrayFrames:
             raise _reject(f"{path} claims array frame {index}, but the header announces {len(self._views)}")
         view = self._views[self._claimed]
         if view.nbytes != 4 * count:
-            raise _reject(f"array frame {index} ({path}) has {view.nbytes} bytes, slot says {count} checksums")
+            raise _reject(
+                f"array frame {index} ({path}) has {view.nbytes} bytes, slot says {count} checksums"
+            )
         self._claimed += 1
         return np.frombuffer(view, dtype=_UINT32_LE)
 
@@ -552,6 +586,7 @@ _SPEC_KEYS: Final = frozenset({"kind", "model", "layer_id", "base_ptr", "length"
 _HEADS_KEYS: Final = frozenset({"kv_heads", "head_start", "head_count", "head_bytes", "item_layout"})
 _LAYOUT_KEYS: Final = frozenset({"attention", "page_size", "buffers"})
 _STATE_KEYS: Final = frozenset({"kind", "indices"})
+_BUFFER_REF_KEYS: Final = frozenset({"kind", "model", "layer_id"})
 _METRIC_KEYS: Final = frozenset({"pages", "bytes", "seconds"})
 _CHECKSUMS_KEYS: Final = frozenset({"positions", "kv", "state", "aux"})
 _STATE_SUMS_KEYS: Final = frozenset({"kind", "count", "sums"})
@@ -627,6 +662,18 @@ def _layout(fields: _Fields) -> BufferLayout:
             attention=fields.read_enum("attention", AttentionKind),
             page_size=fields.read_int("page_size"),
             buffers=tuple(_spec(item) for item in _items(fields, "buffers", _SPEC_KEYS)),
+        ),
+    )
+
+
+def _buffer_ref(fields: _Fields) -> BufferKey:
+    # BufferKey raises LayoutError (a ValueError) for a layer id out of range: the peer's fault.
+    return _validated(
+        "BufferRef",
+        lambda: BufferKey(
+            model=fields.read_enum("model", ModelRole),
+            kind=fields.read_enum("kind", BufferKind),
+            layer_id=fields.read_int("layer_id"),
         ),
     )
 
@@ -718,12 +765,18 @@ def _decode_register(body: _Fields, _: _ArrayFrames) -> Register:
             endpoint=Endpoint(body.read_text("endpoint")),
             session=SessionId(body.read_text("session")),
             layout=_layout(body.read_map("layout", _LAYOUT_KEYS)),
+            engine_metadata=body.read_bytes("engine_metadata"),
         ),
     )
 
 
 def _decode_register_ack(body: _Fields, _: _ArrayFrames) -> RegisterAck:
-    return _validated("RegisterAck", lambda: RegisterAck(origin=_origin(body)))
+    prefill = tuple(_buffer_ref(item) for item in _items(body, "prefill_left_out", _BUFFER_REF_KEYS))
+    decode = tuple(_buffer_ref(item) for item in _items(body, "decode_left_out", _BUFFER_REF_KEYS))
+    return _validated(
+        "RegisterAck",
+        lambda: RegisterAck(origin=_origin(body), prefill_left_out=prefill, decode_left_out=decode),
+    )
 
 
 def _decode_register_reject(body: _Fields, _: _ArrayFrames) -> RegisterReject:
@@ -781,7 +834,9 @@ def _decode_abort(body: _Fields, _: _ArrayFrames) -> Abort:
 def _decode_abort_ack(body: _Fields, _: _ArrayFrames) -> AbortAck:
     return _validated(
         "AbortAck",
-        lambda: AbortAck(origin=_origin(body), room=RoomId(body.read_int("room")), fenced=body.read_bool("fenced")),
+        lambda: AbortAck(
+            origin=_origin(body), room=RoomId(body.read_int("room")), fenced=body.read_bool("fenced")
+        ),
     )
 
 
@@ -830,8 +885,10 @@ _WIRE_TYPES: Final = (
         _keys("tp_size", "cp_size", "page_size", "layout_digest", "ranks", "complete"),
         _decode_route_table,
     ),
-    _WireType(4, Register, _keys("tp_size", "endpoint", "session", "layout"), _decode_register),
-    _WireType(5, RegisterAck, _keys(), _decode_register_ack),
+    _WireType(
+        4, Register, _keys("tp_size", "endpoint", "session", "layout", "engine_metadata"), _decode_register
+    ),
+    _WireType(5, RegisterAck, _keys("prefill_left_out", "decode_left_out"), _decode_register_ack),
     _WireType(6, RegisterReject, _keys("reason", "retry"), _decode_register_reject),
     _WireType(
         7,
@@ -909,7 +966,7 @@ def _unpack_body(view: memoryview) -> object:
             strict_map_key=True,
             object_pairs_hook=_strict_map,
             max_str_len=MAX_BODY_STR_BYTES,
-            max_bin_len=0,  # the format has no bin values
+            max_bin_len=MAX_BODY_BIN_BYTES,  # Register.engine_metadata, the only bin value
             max_ext_len=0,  # ... and no ext types (not even msgpack's timestamp)
             max_array_len=MAX_BODY_LIST_ITEMS,
             max_map_len=MAX_BODY_MAP_KEYS,

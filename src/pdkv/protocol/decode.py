@@ -39,6 +39,7 @@ import attrs
 
 from pdkv.errors import InvalidArgumentError, LocalProtocolError
 from pdkv.mapping.layout import BufferKind, BufferLayout
+from pdkv.mapping.layout_policy import DEFAULT_LAYOUT_POLICY, LayoutPolicy
 from pdkv.protocol import arguments
 from pdkv.protocol._deadlines import DeadlineQueue, Tombstones
 from pdkv.protocol._rooms import Counts, Heartbeats, RoomKeeper
@@ -92,6 +93,7 @@ from pdkv.protocol.messages import (
     index_array,
 )
 from pdkv.protocol.poll import KVPoll
+from pdkv.protocol.registration import DraftSkipped
 
 _POLL = {
     ReceiverRoomState.BOOTSTRAPPING: KVPoll.Bootstrapping,
@@ -151,9 +153,15 @@ class DecodeStatistics:
     """Rooms whose pages matched every prefill rank's checksums before Success (``PDKV_KV_CHECKSUM``)."""
     checksum_failures: int = 0
     """Rooms failed because a page differed from what a prefill rank sent (``FailureCause.CHECKSUM``)."""
+    registrations_degraded: int = 0
+    """RegisterAcks accepted that leave draft-model buffers out (once per pair of ranks)."""
+    rooms_draft_skipped: int = 0
+    """Rooms that succeeded without some draft-model buffers (``receiver.draft_skipped()``)."""
+    draft_buffers_skipped: int = 0
+    """Draft buffers (both sides') left out, summed over the registered prefill ranks (a level)."""
 
 
-_LEVELS = ("rooms_open", "rooms_quarantined", "pages_quarantined")
+_LEVELS = ("rooms_open", "rooms_quarantined", "pages_quarantined", "draft_buffers_skipped")
 
 
 class DecodeEndpoint(RoomKeeper[ReceiverRoom]):
@@ -171,11 +179,20 @@ class DecodeEndpoint(RoomKeeper[ReceiverRoom]):
         layout: BufferLayout,
         timeouts: Timeouts | None = None,
         cuts_connections: bool = False,
+        layout_policy: LayoutPolicy = DEFAULT_LAYOUT_POLICY,
     ) -> None:
         """``cuts_connections``: the driver can end every engine connection from a host and will
         answer ``CutConnections`` with ``connections_cut`` (a quarantined room is then released as
-        soon as it is proven safe, instead of after ``quarantine_settle``)."""
+        soon as it is proven safe, instead of after ``quarantine_settle``). ``layout_policy``:
+        whether a RegisterAck that leaves draft buffers out is accepted (``STRICT``: refused)."""
+        if not isinstance(layout_policy, LayoutPolicy):
+            raise InvalidArgumentError(
+                f"layout_policy must be a LayoutPolicy, got {layout_policy!r}",
+                argument="layout_policy",
+                value=layout_policy,
+            )
         self.origin = origin
+        self.layout_policy = layout_policy
         self.cuts_connections = cuts_connections
         self.timeouts = timeouts if timeouts is not None else Timeouts()
         self.register_message = Register(
@@ -249,6 +266,11 @@ class DecodeEndpoint(RoomKeeper[ReceiverRoom]):
 
     # ------------------------------------------------------------------ registration
 
+    def set_engine_metadata(self, metadata: bytes) -> None:
+        """What every Register sent from now on carries for the prefill's engine (the backend's
+        ``engine_metadata`` once this rank's buffers are registered)."""
+        self.register_message = attrs.evolve(self.register_message, engine_metadata=metadata)
+
     def connect(self, route: RouteTable, now: float) -> list[DecodeEffect]:
         """Register with every prefill rank of ``route`` (idempotent for ranks already registered)."""
         for entry in route.ranks:
@@ -256,7 +278,11 @@ class DecodeEndpoint(RoomKeeper[ReceiverRoom]):
             known = self._ranks.get(key)
             if known is not None and entry.epoch < known.epoch:
                 continue
-            if known is not None and entry.epoch == known.epoch and known.machine.state is not PrefillRankState.REJECTED:
+            if (
+                known is not None
+                and entry.epoch == known.epoch
+                and known.machine.state is not PrefillRankState.REJECTED
+            ):
                 continue
             fresh = self._new_rank(key, entry.epoch, entry.endpoint, entry.session)
             if known is not None and entry.epoch > known.epoch:
@@ -275,6 +301,12 @@ class DecodeEndpoint(RoomKeeper[ReceiverRoom]):
         rank = self._ranks.get(target.key)
         return rank.reason if rank is not None and rank.machine.state is PrefillRankState.REJECTED else None
 
+    def peer_ack(self, target: Target) -> RegisterAck | None:
+        """The RegisterAck ``target``'s prefill rank registered this rank with (None before one): what
+        their transfers leave out."""
+        rank = self._ranks.get(target.key)
+        return None if rank is None else rank.ack
+
     def peer_session(self, target: Target) -> SessionId | None:
         rank = self._ranks.get(target.key)
         return None if rank is None else rank.session
@@ -287,7 +319,11 @@ class DecodeEndpoint(RoomKeeper[ReceiverRoom]):
     def _register_deadline(self, key: PeerKey) -> float | None:
         """When the registration with ``key``'s current incarnation is resent (None: not registering)."""
         rank = self._ranks.get(key)
-        return rank.register_due if rank is not None and rank.machine.state is PrefillRankState.REGISTERING else None
+        return (
+            rank.register_due
+            if rank is not None and rank.machine.state is PrefillRankState.REGISTERING
+            else None
+        )
 
     # ------------------------------------------------------------------ network input
 
@@ -329,7 +365,8 @@ class DecodeEndpoint(RoomKeeper[ReceiverRoom]):
         return self._effects()
 
     def _on_register_ack(self, rank: PrefillRank, message: Message, now: float) -> None:
-        self._step_rank(rank, PrefillRankInput.REGISTER_ACK, now)
+        assert isinstance(message, RegisterAck)
+        self._step_rank(rank, PrefillRankInput.REGISTER_ACK, now, ack=message)
 
     def _on_register_reject(self, rank: PrefillRank, message: Message, now: float) -> None:
         assert isinstance(message, RegisterReject)
@@ -379,7 +416,8 @@ class DecodeEndpoint(RoomKeeper[ReceiverRoom]):
             return
         reason = _clip(f"aborted by prefill {message.origin}: {message.reason}")
         room.machine.step(
-            ReceiverRoomInput.PEER_ABORT, RoomStep(self, room, now, rank.key, reason, FailureCause.ABORTED_BY_PEER)
+            ReceiverRoomInput.PEER_ABORT,
+            RoomStep(self, room, now, rank.key, reason, FailureCause.ABORTED_BY_PEER),
         )
 
     def _on_heartbeat(self, rank: PrefillRank, message: Message, now: float) -> None:
@@ -445,8 +483,16 @@ class DecodeEndpoint(RoomKeeper[ReceiverRoom]):
             )
             self._fail(r, reason, FailureCause.INVALID, now)
             return self._effects()
-        r = self._new_room(room, targets, now, pages=index_array(pages), aux_row=aux_row, state=state,
-                           required=required, prefix=prefix)
+        r = self._new_room(
+            room,
+            targets,
+            now,
+            pages=index_array(pages),
+            aux_row=aux_row,
+            state=state,
+            required=required,
+            prefix=prefix,
+        )
         r.verify = bool(verify_checksums)
         self._set_deadline(r, now + self.timeouts.bootstrap)
         if not r.required:
@@ -460,7 +506,9 @@ class DecodeEndpoint(RoomKeeper[ReceiverRoom]):
                 self._fail(r, reason, FailureCause.NO_DESTINATION, now)
                 return self._effects()
             if rank.machine.state is PrefillRankState.REJECTED:
-                reason = _clip(f"target prefill rank {t.instance}:{t.rank} rejected registration: {rank.reason}")
+                reason = _clip(
+                    f"target prefill rank {t.instance}:{t.rank} rejected registration: {rank.reason}"
+                )
                 self._fail(r, reason, FailureCause.INVALID, now)
                 return self._effects()
         if all(self.peer_ready(t) for t in r.targets):
@@ -477,7 +525,9 @@ class DecodeEndpoint(RoomKeeper[ReceiverRoom]):
         them was given a destination, so nothing waits for an ack.
         """
         r = self._rooms.get(room) or self._failed_room(room, targets)
-        step = RoomStep(self, r, now, reason=_clip(f"aborted by decode: {reason}"), cause=FailureCause.ABORTED_HERE)
+        step = RoomStep(
+            self, r, now, reason=_clip(f"aborted by decode: {reason}"), cause=FailureCause.ABORTED_HERE
+        )
         r.machine.step(ReceiverRoomInput.ABORT, step)
         return self._effects()
 
@@ -536,6 +586,18 @@ class DecodeEndpoint(RoomKeeper[ReceiverRoom]):
         """How the room's pages came back (None: not released, the room succeeded, or it is unknown)."""
         r = self._rooms.get(room)
         return None if r is None or r.abort is None else r.abort.release
+
+    def draft_skipped(self, room: RoomId) -> DraftSkipped | None:
+        """What of the draft model the room's transfer leaves out (None: nothing, or not opened yet);
+        known once its requests went (WaitingForInput), final at Success."""
+        r = self._rooms.get(room)
+        return None if r is None else r.draft_skipped
+
+    def draft_buffers_skipped(self) -> int:
+        """Draft buffers of both sides left out, summed over the registered (READY) prefill ranks."""
+        return sum(
+            r.left_out_count for r in self._ranks.values() if r.machine.state is PrefillRankState.READY
+        )
 
     def metric(self, room: RoomId) -> dict[PeerKey, TransferMetricData]:
         """What each prefill rank reported writing (empty for a room not opened: nothing moved)."""
@@ -621,7 +683,9 @@ class DecodeEndpoint(RoomKeeper[ReceiverRoom]):
         r.abort.machine.step(DecodeAbortInput.CUT if ok else DecodeAbortInput.CUT_FAILED, step)
         return self._effects()
 
-    def checksums_verified(self, room: RoomId, mismatch: ChecksumMismatch | None, now: float) -> list[DecodeEffect]:
+    def checksums_verified(
+        self, room: RoomId, mismatch: ChecksumMismatch | None, now: float
+    ) -> list[DecodeEffect]:
         """The driver's verdict on a ``VerifyChecksums``: None, every page matched (the room
         succeeds); else where it differs (the room fails with ``FailureCause.CHECKSUM`` and the
         prefill rank named, and its pages wait for the abort handshake). A verdict for a room that
@@ -657,6 +721,7 @@ class DecodeEndpoint(RoomKeeper[ReceiverRoom]):
             rooms_open=sum(1 for r in self._rooms.values() if not r.terminal),
             rooms_quarantined=len(self._quarantined),
             pages_quarantined=sum(self._quarantined.values()),
+            draft_buffers_skipped=self.draft_buffers_skipped(),
             **self._counts.values(),
         )
 
@@ -664,10 +729,20 @@ class DecodeEndpoint(RoomKeeper[ReceiverRoom]):
 
     def _new_rank(self, key: PeerKey, epoch: Epoch, endpoint: Endpoint, session: SessionId) -> PrefillRank:
         label = f"prefill rank {key[0]}:{key[1]} epoch {epoch}"
-        return PrefillRank(key=key, epoch=epoch, endpoint=endpoint, session=session, machine=PrefillRankMachine(label))
+        return PrefillRank(
+            key=key, epoch=epoch, endpoint=endpoint, session=session, machine=PrefillRankMachine(label)
+        )
 
-    def _step_rank(self, rank: PrefillRank, what: PrefillRankInput, now: float, *, reason: str = "") -> None:
-        rank.machine.step(what, RankStep(side=self, rank=rank, now=now, reason=reason))
+    def _step_rank(
+        self,
+        rank: PrefillRank,
+        what: PrefillRankInput,
+        now: float,
+        *,
+        reason: str = "",
+        ack: RegisterAck | None = None,
+    ) -> None:
+        rank.machine.step(what, RankStep(side=self, rank=rank, now=now, reason=reason, ack=ack))
 
     def _replace(self, old: PrefillRank, new: PrefillRank, now: float, *, register: bool = True) -> None:
         """A prefill rank restarted behind the same address: its record is replaced (before its rooms
@@ -720,7 +795,9 @@ class DecodeEndpoint(RoomKeeper[ReceiverRoom]):
 
     def _failed_room(self, room: RoomId, targets: Sequence[Target]) -> ReceiverRoom:
         """A room record for a room that fails before any request went out (nothing to wait for)."""
-        return self._new_room(room, targets, 0.0, pages=index_array(()), aux_row=None, state=(), required=1, prefix=0)
+        return self._new_room(
+            room, targets, 0.0, pages=index_array(()), aux_row=None, state=(), required=1, prefix=0
+        )
 
     def _fail(
         self, r: ReceiverRoom, reason: str, cause: FailureCause, now: float, *, by: PeerKey | None = None
@@ -731,7 +808,11 @@ class DecodeEndpoint(RoomKeeper[ReceiverRoom]):
     def _late(self, msg: Message, room: RoomId) -> None:
         self.count("late_messages")
         self.emit(
-            Notice(level=NoticeLevel.DEBUG, text=f"late {type(msg).__name__} from {msg.origin} for room {room}", room=room)
+            Notice(
+                level=NoticeLevel.DEBUG,
+                text=f"late {type(msg).__name__} from {msg.origin} for room {room}",
+                room=room,
+            )
         )
 
 

@@ -14,6 +14,7 @@ import attrs
 import numpy as np
 
 from pdkv.mapping.layout import BufferLayout
+from pdkv.mapping.layout_policy import BufferKey
 from pdkv.protocol.ids import Endpoint, Epoch, InstanceId, RoomId, SessionId
 from pdkv.protocol.messages import (
     IntArray,
@@ -282,7 +283,9 @@ class VerifyChecksums:
     """Decode: every required prefill rank reported Success for ``room``; compute the checksums of its
     destination pages (``dst_pages`` by position, the first ``prefix_pages`` held already), state
     slots and aux row, compare them with what each rank sent (``reports``; None: a rank sent none),
-    and report ``checksums_verified``. The pages are stable: every write of the room completed."""
+    and report ``checksums_verified``. The pages are stable: every write of the room completed.
+    ``left_out``: per rank whose registration leaves some of this rank's (draft-model) buffers out of
+    the pair's transfers, those buffers: that rank neither writes nor checksums them."""
 
     room: RoomId
     dst_pages: IntArray = attrs.field(eq=attrs.cmp_using(eq=np.array_equal))
@@ -290,6 +293,7 @@ class VerifyChecksums:
     dst_state: tuple[StateIndices, ...]
     dst_aux_row: int | None
     reports: tuple[tuple[PeerKey, PageChecksums | None], ...]
+    left_out: tuple[tuple[PeerKey, tuple[BufferKey, ...]], ...] = ()
 
 
 @attrs.frozen(kw_only=True)

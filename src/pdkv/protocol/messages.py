@@ -20,6 +20,7 @@ import numpy as np
 import numpy.typing as npt
 
 from pdkv.mapping.layout import BufferKind, BufferLayout
+from pdkv.mapping.layout_policy import BufferKey, describe_keys
 from pdkv.protocol.ids import MAX_EPOCH, MAX_ROOM_ID, Endpoint, Epoch, InstanceId, RoomId, SessionId
 
 IntArray: TypeAlias = npt.NDArray[np.int64]
@@ -30,6 +31,7 @@ MAX_REASON_CHARS: Final = 4096
 MAX_NAME_CHARS: Final = 256
 MAX_RANKS: Final = 4096
 MAX_INDEX: Final = 2**62  # page / row / slot indices are non-negative and below this
+MAX_ENGINE_METADATA_BYTES: Final = 256 << 10  # a NIXL agent's metadata with its regions (a few KiB)
 
 
 class Side(enum.StrEnum):
@@ -67,6 +69,16 @@ def _text(max_chars: int, *, allow_empty: bool = False) -> Any:
             value.encode("utf-8")
         except UnicodeEncodeError:
             raise ValueError(f"{attribute.name} is not valid UTF-8 text (lone surrogate)") from None
+
+    return check
+
+
+def _bytes_up_to(max_bytes: int) -> Any:
+    def check(_: object, attribute: attrs.Attribute[bytes], value: bytes) -> None:
+        if not isinstance(value, bytes):
+            raise TypeError(f"{attribute.name} must be bytes, got {type(value).__name__}")
+        if len(value) > max_bytes:
+            raise ValueError(f"{attribute.name} must have at most {max_bytes} bytes, got {len(value)}")
 
     return check
 
@@ -230,11 +242,13 @@ class PageChecksums:
     )
     kv: SumArray = attrs.field(converter=checksum_array, eq=_array_eq(), hash=False)
     state: tuple[StateChecksums, ...] = attrs.field(
-        default=(), converter=_state_sums_tuple, validator=attrs.validators.deep_iterable(
-            attrs.validators.instance_of(StateChecksums)
-        )
+        default=(),
+        converter=_state_sums_tuple,
+        validator=attrs.validators.deep_iterable(attrs.validators.instance_of(StateChecksums)),
     )
-    aux: SumArray = attrs.field(factory=lambda: checksum_array(()), converter=checksum_array, eq=_array_eq(), hash=False)
+    aux: SumArray = attrs.field(
+        factory=lambda: checksum_array(()), converter=checksum_array, eq=_array_eq(), hash=False
+    )
 
     def __attrs_post_init__(self) -> None:
         n = self.positions.size
@@ -265,6 +279,18 @@ def _unique_state_kinds(_: object, attribute: attrs.Attribute[Any], value: tuple
 
 def _tuple_of(cls: type) -> Any:
     return attrs.validators.deep_iterable(attrs.validators.instance_of(cls))
+
+
+def _key_tuple(value: Iterable[BufferKey]) -> tuple[BufferKey, ...]:
+    return tuple(value)
+
+
+def _unique_keys(_: object, attribute: attrs.Attribute[Any], value: tuple[BufferKey, ...]) -> None:
+    for item in value:
+        if not isinstance(item, BufferKey):
+            raise TypeError(f"{attribute.name} holds BufferKey, got {type(item).__name__}")
+    if len(set(value)) != len(value):
+        raise ValueError(f"{attribute.name} lists a buffer twice: {describe_keys(value)}")
 
 
 def _route_tuple(value: Iterable[RankRoute]) -> tuple[RankRoute, ...]:
@@ -337,13 +363,17 @@ class RouteTable:
 
 @attrs.frozen(kw_only=True)
 class Register:
-    """Decode rank -> each prefill rank it receives from: my endpoint, my session, my buffers."""
+    """Decode rank -> each prefill rank it receives from: my endpoint, my session, my buffers.
+
+    ``engine_metadata`` is what the prefill's transfer engine needs beside ``session`` to write into
+    those buffers (``TransferBackend.engine_metadata``: NIXL's agent metadata; empty for Mooncake)."""
 
     origin: Origin = attrs.field(validator=_origin)
     tp_size: int = attrs.field(validator=_int_in(1, MAX_RANKS))
     endpoint: Endpoint = attrs.field(validator=_text(MAX_NAME_CHARS))
     session: SessionId = attrs.field(validator=_text(MAX_NAME_CHARS))
     layout: BufferLayout = attrs.field(validator=attrs.validators.instance_of(BufferLayout))
+    engine_metadata: bytes = attrs.field(default=b"", validator=_bytes_up_to(MAX_ENGINE_METADATA_BYTES))
 
     def __attrs_post_init__(self) -> None:
         if self.origin.rank.tp >= self.tp_size:
@@ -352,9 +382,24 @@ class Register:
 
 @attrs.frozen(kw_only=True)
 class RegisterAck:
-    """Prefill rank -> decode rank: layouts agree; rooms may name this rank from now on."""
+    """Prefill rank -> decode rank: layouts agree (or differ only as the prefill's layout policy
+    allows); rooms may name this rank from now on.
+
+    ``prefill_left_out``: the prefill's buffers its transfers to this decode rank leave out (the decode
+    registers no counterpart: draft-model buffers of a rolling deployment); ``decode_left_out``: the
+    decode's buffers nothing of this prefill rank writes. Both empty when the layouts match."""
 
     origin: Origin = attrs.field(validator=_origin)
+    prefill_left_out: tuple[BufferKey, ...] = attrs.field(
+        default=(), converter=_key_tuple, validator=_unique_keys
+    )
+    decode_left_out: tuple[BufferKey, ...] = attrs.field(
+        default=(), converter=_key_tuple, validator=_unique_keys
+    )
+
+    @property
+    def leaves_out(self) -> bool:
+        return bool(self.prefill_left_out or self.decode_left_out)
 
 
 @attrs.frozen(kw_only=True)

@@ -3,6 +3,8 @@
 - ``PrefillTransport`` / ``KVSender`` and ``DecodeTransport`` / ``KVReceiver``: one transport per
   rank, one sender or receiver per room; every scheduler call is non-blocking;
 - ``TransferExecutor``: shaped, bounded, fully-waited batches through a ``TransferBackend``;
+- ``StagingPool``: registered staging memory the executor gathers scattered head slices into
+  (MHA/GQA towards a decode rank of a higher TP), so the engine moves them as few large blocks;
 - ``PerLayerTransferManager`` (``PrefillTransport.per_layer``): a chunk's KV sent layer by layer
   while its forward runs;
 - ``all_reduce_polls``: the MIN consensus of KVPoll across a torch.distributed group;
@@ -13,6 +15,7 @@ The only layer that starts threads and owns clocks; it imports protocol, mapping
 alloc and metrics, and nothing imports it but the CLI, the demo and ``pdkv.testing``.
 """
 
+from pdkv.runtime._layout_policy import layout_policy_from_env
 from pdkv.runtime.channels import Registry
 from pdkv.runtime.checksum import checksums_from_env
 from pdkv.runtime.decode import DecodeConfig, DecodeTransport, KVReceiver, RouteUnavailableError
@@ -33,6 +36,7 @@ from pdkv.runtime.per_layer import (
     UnknownLayerError,
 )
 from pdkv.runtime.prefill import KVSender, PrefillConfig, PrefillTransport
+from pdkv.runtime.staging import StagingConfig, StagingPool, StagingStatistics
 
 __all__ = [
     "DecodeConfig",
@@ -51,9 +55,13 @@ __all__ = [
     "PrefillTransport",
     "Registry",
     "RouteUnavailableError",
+    "StagingConfig",
+    "StagingPool",
+    "StagingStatistics",
     "TransferExecutor",
     "TransferJob",
     "TransferResult",
     "UnknownLayerError",
     "checksums_from_env",
+    "layout_policy_from_env",
 ]

@@ -277,7 +277,12 @@ class EndpointHost(Generic[E, F]):
 
     # ------------------------------------------------------------------ control thread
 
+    def _before_receive(self, message: Message) -> None:
+        """Control thread, before the endpoint sees ``message``, outside the lock (a side's engine may
+        need what a message carries: the prefill hands a Register's engine metadata to its backend)."""
+
     def _on_message(self, message: Message, now: float) -> None:
+        self._before_receive(message)
         with self._lock:
             self._accounting.received(message)
             self._trace.received(message)

@@ -48,7 +48,7 @@ import ctypes
 import math
 import threading
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, Final
 
 import attrs
@@ -58,7 +58,7 @@ import torch
 
 from pdkv import config
 from pdkv.errors import ConfigError, MappingError
-from pdkv.mapping import BufferKind, BufferLayout, BufferSpec, ItemLayout
+from pdkv.mapping import BufferKey, BufferKind, BufferLayout, BufferSpec, ItemLayout
 from pdkv.protocol.effects import ChecksumMismatch, PeerKey
 from pdkv.protocol.messages import IntArray, PageChecksums, StateChecksums, StateIndices, SumArray
 
@@ -656,8 +656,11 @@ def verify_room(
     reports: Mapping[PeerKey, PageChecksums | None],
     *,
     prefill_heads: Callable[[PeerKey], tuple[int, int] | None],
+    left_out: Mapping[PeerKey, Collection[BufferKey]] | None = None,
 ) -> ChecksumMismatch | None:
     """Check a room's pages against every required prefill rank's checksums; None when all agree.
+    ``left_out``: per rank, this rank's buffers its registration leaves out (draft-model buffers a
+    rolling deployment does not transfer): that rank wrote and checksummed the others only.
 
     For each rank: its KV positions (inside ``[prefix_pages, len(dst_pages))``) in every KV buffer,
     read as the heads it shares with this rank (``prefill_heads(rank)``: the model heads it holds,
@@ -676,12 +679,17 @@ def verify_room(
         who = f"{key[0]}:{key[1]}"
         if report is None:
             return _structural(who, f"prefill {who} sent no checksums (is PDKV_KV_CHECKSUM set there?)")
-        problem = _shape_problem(layout, room, report)
+        gone = set(left_out.get(key, ())) if left_out else set()
+
+        def kept(specs: Sequence[BufferSpec], gone: set[BufferKey] = gone) -> list[BufferSpec]:
+            return [b for b in specs if BufferKey.of(b) not in gone]
+
+        pairs = [p for p in receiver_kv_pairs(layout, prefill_heads(key)) if BufferKey.of(p.spec) not in gone]
+        problem = _shape_problem(layout, room, report, kv_buffers=len(pairs), kept=kept)
         if problem is not None:
             return _structural(who, f"checksums from prefill {who} do not fit this rank: {problem}")
         positions = report.positions
         covered[positions] = True
-        pairs = receiver_kv_pairs(layout, prefill_heads(key))
         got = summer.many([(p.buffer, p.region) for p in pairs], room.dst_pages[positions], positions)
         diff = got != report.kv_matrix()
         if diff.any():
@@ -694,7 +702,7 @@ def verify_room(
                 )
         wanted = {s.kind: s.indices for s in room.dst_state}
         for state in report.state:
-            specs = layout.select(state.kind)
+            specs = kept(layout.select(state.kind))
             slots = wanted[state.kind][: state.count]
             got = summer.many(
                 [(layout.buffers.index(s), WHOLE) for s in specs],
@@ -709,7 +717,7 @@ def verify_room(
                 if first is None:
                     first = _mismatch(who, specs[row], "state slot", col, int(slots[col]))
         if report.aux.size and room.dst_aux_row is not None:
-            specs = layout.aux_buffers
+            specs = kept(layout.aux_buffers)
             row_index = np.array([room.dst_aux_row], dtype=np.int64)
             got = summer.many(
                 [(layout.buffers.index(s), WHOLE) for s in specs], row_index, np.zeros(1, np.int64)
@@ -741,7 +749,16 @@ def verify_room(
     return None
 
 
-def _shape_problem(layout: BufferLayout, room: RoomPages, report: PageChecksums) -> str | None:
+def _shape_problem(
+    layout: BufferLayout,
+    room: RoomPages,
+    report: PageChecksums,
+    *,
+    kv_buffers: int,
+    kept: Callable[[Sequence[BufferSpec]], list[BufferSpec]],
+) -> str | None:
+    """What makes ``report`` not a report for this rank's room (``kv_buffers``: the KV buffers the
+    rank writes here; ``kept``: this rank's buffers of a kind that it writes), or None."""
     n = room.dst_pages.size
     positions = report.positions
     if positions.size and (int(positions[0]) < room.prefix_pages or int(positions[-1]) >= n):
@@ -749,19 +766,20 @@ def _shape_problem(layout: BufferLayout, room: RoomPages, report: PageChecksums)
             f"positions {int(positions[0])}..{int(positions[-1])} outside the room's "
             f"{room.prefix_pages}..{n - 1}"
         )
-    if positions.size and report.kv_buffers != len(layout.kv_buffers):
-        return f"{report.kv_buffers} KV buffers checksummed, this rank has {len(layout.kv_buffers)}"
+    if positions.size and report.kv_buffers != kv_buffers:
+        return f"{report.kv_buffers} KV buffers checksummed, this rank receives {kv_buffers}"
     wanted = {s.kind: s.indices.size for s in room.dst_state}
     for state in report.state:
         if state.kind not in wanted or state.count > wanted[state.kind]:
             has = wanted.get(state.kind, 0)
             return f"{state.count} {state.kind.value} slots checksummed, the room has {has}"
-        buffers = len(layout.select(state.kind))
+        buffers = len(kept(layout.select(state.kind)))
         if state.count and state.sums.size != buffers * state.count:
             sent = state.sums.size // state.count
             return f"{sent} {state.kind.value} buffers checksummed, this rank has {buffers}"
-    if report.aux.size and report.aux.size != len(layout.aux_buffers):
-        return f"{report.aux.size} aux buffers checksummed, this rank has {len(layout.aux_buffers)}"
+    aux_buffers = len(kept(layout.aux_buffers))
+    if report.aux.size and report.aux.size != aux_buffers:
+        return f"{report.aux.size} aux buffers checksummed, this rank receives {aux_buffers}"
     return None
 
 

@@ -16,6 +16,11 @@ and destination:
   rank 0 (``writes_extras``), and ``writes_extras_to`` narrows that to the one real TP source of the
   destination whose head range holds the destination's first head (specs/protocol.md, "Who writes
   what"). Under MLA and equal-TP MHA each destination has one real TP source, which always qualifies.
+
+Draft-model buffers that a registration under ``DEGRADE_DRAFT`` left out for this pair of ranks (only
+one side registers them) are planned around: every block is made on the pair's ``transfer_view``
+(the two layouts without those buffers), decided from the two registered layouts alone, and its
+buffer index put back into the source layout's numbering.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from pdkv.mapping import (
     kv_blocks,
     map_chunk,
     state_blocks,
+    transfer_view,
 )
 from pdkv.protocol.effects import ChunkSpec, Destination, FenceWrite
 from pdkv.protocol.ids import RoomId, SessionId
@@ -127,7 +133,9 @@ def plan_chunk(
     are written when, in addition, ``writes_extras_to`` names this rank for the destination.
     """
     request = destination.request
-    dst_layout = destination.peer.layout
+    # The pair's view: both layouts without the draft buffers left out for it (the layouts themselves
+    # when nothing is), so no block reads a buffer the peer lacks or writes one it did not register.
+    view = transfer_view(src_layout, destination.peer.layout)
     mapped = map_chunk(
         spec.pages,
         start_token=spec.start_token,
@@ -136,14 +144,16 @@ def plan_chunk(
         cp_rank=cp_rank,
         policy=policy,
     )
-    parts = [kv_blocks(coalesce(mapped.src, mapped.dst), src_layout, dst_layout)]
+    parts = [kv_blocks(coalesce(mapped.src, mapped.dst), view.src, view.dst)]
     notes: list[str] = []
     state_slots = aux_rows = 0
     state_src: list[tuple[BufferKind, IntArray]] = []
     aux_src: int | None = None
-    if spec.last and writes_extras and writes_extras_to(src_layout, dst_layout):
+    if spec.last and writes_extras and writes_extras_to(view.src, view.dst):
         wanted = {s.kind: s.indices for s in request.dst_state}
         for src_state in spec.state:
+            if view.leaves_out and not view.src.select(src_state.kind) and src_layout.select(src_state.kind):
+                continue  # every buffer of this kind is a draft buffer the peer lacks
             if src_state.kind not in wanted:
                 raise MappingError(
                     f"room {room}: prefill sends {src_state.kind.value} state but the decode request "
@@ -152,15 +162,15 @@ def plan_chunk(
             clipped = clip_state(src_state.indices, wanted[src_state.kind])
             if clipped.clipped:
                 notes.append(f"{src_state.kind.value} state: {clipped.describe()}")
-            parts.append(state_blocks(src_state.kind, clipped.src, clipped.dst, src_layout, dst_layout))
+            parts.append(state_blocks(src_state.kind, clipped.src, clipped.dst, view.src, view.dst))
             state_slots += len(clipped.src)
             state_src.append((src_state.kind, clipped.src))
         if src_aux_row is not None and request.dst_aux_row is not None:
-            parts.append(aux_blocks(src_aux_row, request.dst_aux_row, src_layout, dst_layout))
+            parts.append(aux_blocks(src_aux_row, request.dst_aux_row, view.src, view.dst))
             aux_rows = 1
             aux_src = src_aux_row
     return ChunkPlan(
-        blocks=TransferBlocks.concat(parts),
+        blocks=view.restore(TransferBlocks.concat(parts)),
         kv_pages=len(mapped),
         state_slots=state_slots,
         aux_rows=aux_rows,

@@ -30,7 +30,15 @@ from pdkv.control.channel import ChannelStatistics
 from pdkv.control.errors import ControlError
 from pdkv.engine.backend import TransferBackend
 from pdkv.errors import ConfigError, InvalidArgumentError, LayoutMismatchError, RouteUnavailableError
-from pdkv.mapping import BufferLayout, Topology, decode_fanout, head_range, layout_kv_heads
+from pdkv.mapping import (
+    DEFAULT_LAYOUT_POLICY,
+    BufferLayout,
+    LayoutPolicy,
+    Topology,
+    decode_fanout,
+    head_range,
+    layout_kv_heads,
+)
 from pdkv.metrics import KVTransferMetric, TransportCounter, TransportGauge, TransportMetricsSnapshot
 from pdkv.protocol import arguments
 from pdkv.protocol.config import Timeouts
@@ -59,8 +67,10 @@ from pdkv.protocol.messages import (
     StateIndices,
 )
 from pdkv.protocol.poll import KVPoll
+from pdkv.protocol.registration import DraftSkipped
 from pdkv.runtime._cuts import HostCutter
 from pdkv.runtime._host import EndpointHost, RoomHandle, new_epoch, peer_name
+from pdkv.runtime._layout_policy import LAYOUT_POLICY_ENV
 from pdkv.runtime._loop import ChannelFactory
 from pdkv.runtime.channels import query_registry, zmq_channel_factory
 from pdkv.runtime.checksum import Checksummer, RoomPages, checksums_from_env, verify_room
@@ -79,7 +89,7 @@ class DecodeConfig:
     """One decode rank (decode CP is 1: every decode rank holds whole requests).
 
     The constructor reads no environment: ``DecodeConfig.from_env(...)`` takes the ``PDKV_*``
-    timeout overrides (README, "Environment")."""
+    overrides of the timeouts and the layout policy (README, "Environment")."""
 
     instance: InstanceId = attrs.field(validator=config.non_empty_text)
     rank: RankCoord = attrs.field(validator=config.instance_of(RankCoord))
@@ -94,14 +104,20 @@ class DecodeConfig:
     prefill rank sent (a mismatch fails the room, ``FailureCause.CHECKSUM``, naming the page)."""
     checksum_device: str = attrs.field(default="cpu", validator=config.non_empty_text)
     """Where the registered buffers live (``cpu``, ``cuda:N``): the checksums run there."""
+    layout_policy: LayoutPolicy = attrs.field(
+        default=DEFAULT_LAYOUT_POLICY, validator=config.instance_of(LayoutPolicy), metadata=LAYOUT_POLICY_ENV
+    )
+    """Whether a prefill rank may serve this rank with draft-model buffers left out (``DEGRADE_DRAFT``,
+    the default: a rolling deployment keeps serving, rooms report ``draft_skipped()``) or not
+    (``STRICT``: such a registration is refused). Target buffers must match under either."""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **fields: Any) -> DecodeConfig:
-        """``fields`` as for the constructor; the timeouts and ``kv_checksum``, when not given, come
-        from the ``PDKV_*`` variables set in ``env`` (``os.environ`` by default)."""
+        """``fields`` as for the constructor; the timeouts, ``kv_checksum`` and the layout policy, when
+        not given, come from the ``PDKV_*`` variables set in ``env`` (``os.environ`` by default)."""
         fields.setdefault("timeouts", Timeouts.from_env(env))
         fields.setdefault("kv_checksum", checksums_from_env(env))
-        return cls(**fields)
+        return config.from_env(cls, env, **fields)
 
     def __attrs_post_init__(self) -> None:
         if self.rank.tp >= self.tp_size or self.rank.cp != 0:
@@ -152,6 +168,7 @@ class DecodeTransport(EndpointHost[DecodeEndpoint, DecodeEffect]):
             layout=config.layout,
             timeouts=config.timeouts,
             cuts_connections=True,  # a backend that cannot cut says so, and the room settles instead
+            layout_policy=config.layout_policy,
         )
         super().__init__(endpoint, channel, thread_name=f"pdkv-decode-{config.rank}", logger=log, clock=clock)
         self._query_route = query if query is not None else _default_query()
@@ -176,7 +193,18 @@ class DecodeTransport(EndpointHost[DecodeEndpoint, DecodeEffect]):
     def start(self) -> None:
         """Register buffers and start the control thread. Idempotent once it succeeded; a failed start
         (memory that cannot be registered) rolls back what it registered and may be retried."""
-        self._start(self.backend, self.config.layout if self.config.register_memory else None)
+        self._start(
+            self.backend,
+            self.config.layout if self.config.register_memory else None,
+            then=self._publish_engine_metadata,
+        )
+
+    def _publish_engine_metadata(self) -> None:
+        """Once the buffers are registered, Register carries what the prefill's engine needs to write
+        into them (NIXL: the agent's metadata and regions; nothing for Mooncake)."""
+        metadata = self.backend.engine_metadata
+        with self._lock:
+            self._endpoint.set_engine_metadata(metadata)
 
     def connect(self, registry: str, *, timeout_s: float = 60.0) -> InstanceId:
         """Fetch the route table of the prefill instance behind ``registry`` and register with its ranks.
@@ -223,9 +251,15 @@ class DecodeTransport(EndpointHost[DecodeEndpoint, DecodeEffect]):
             self._routes[instance] = table
             self._apply(self._endpoint.connect(table, self._clock()))
         if table.layout_digest != self.config.layout.digest():
-            # The digest says only "different"; the prefill ranks' refusal says how.
+            # The digest says only "different"; the prefill ranks' refusal says how, or their acks
+            # name the draft buffers left out (each pair warned of that already).
             self.wait_registered(instance, timeout_s=max(0.0, deadline - self._clock()))
-            log.warning("layout digest of %s differs from ours, yet its ranks accepted the layout", registry)
+            with self._lock:
+                acks = [self._endpoint.peer_ack(Target(instance=instance, rank=r.rank)) for r in table.ranks]
+            if not any(ack is not None and ack.leaves_out for ack in acks):
+                log.warning(
+                    "layout digest of %s differs from ours, yet its ranks accepted the layout", registry
+                )
         return instance
 
     def wait_registered(self, instance: InstanceId, *, timeout_s: float = 30.0) -> bool:
@@ -338,6 +372,8 @@ class DecodeTransport(EndpointHost[DecodeEndpoint, DecodeEffect]):
         rooms, pages, quarantines, released, proven = self._endpoint.quarantine_figures()
         self.metrics.set_gauge(TransportGauge.ROOMS_QUARANTINED, rooms)
         self.metrics.set_gauge(TransportGauge.PAGES_QUARANTINED, pages)
+        skipped = self._endpoint.draft_buffers_skipped()
+        self.metrics.set_gauge(TransportGauge.DRAFT_BUFFERS_SKIPPED, skipped)
         for counter, total in (
             (TransportCounter.QUARANTINES, quarantines),
             (TransportCounter.QUARANTINES_RELEASED, released),
@@ -362,6 +398,10 @@ class DecodeTransport(EndpointHost[DecodeEndpoint, DecodeEffect]):
                     log.debug("room %s succeeded on decode %s", effect.room, self.config.rank)
                     for (instance, rank), data in self._endpoint.metric(effect.room).items():
                         self._accounting.reported(effect.room, peer_name(instance, rank), data)
+                    skipped = self._endpoint.draft_skipped(effect.room)
+                    if skipped is not None:
+                        self.metrics.increment(TransportCounter.ROOMS_DRAFT_SKIPPED)
+                        log.debug("room %s: %s", effect.room, skipped)
             case CutConnections():
                 # Off the lock: a cut waits until this process closed the destroyed sockets.
                 self._cutter.request(effect)
@@ -427,7 +467,13 @@ class DecodeTransport(EndpointHost[DecodeEndpoint, DecodeEffect]):
                 dst_state=effect.dst_state,
                 dst_aux_row=effect.dst_aux_row,
             )
-            mismatch = verify_room(summer, pages, dict(effect.reports), prefill_heads=self._prefill_heads)
+            mismatch = verify_room(
+                summer,
+                pages,
+                dict(effect.reports),
+                prefill_heads=self._prefill_heads,
+                left_out=dict(effect.left_out),
+            )
             log.debug(
                 "room %s: checksums of %d pages verified in %.2f ms",
                 effect.room,
@@ -532,6 +578,16 @@ class KVReceiver(RoomHandle[DecodeEndpoint, DecodeEffect]):
         SETTLED a time bound, UNSAFE the quarantine bound); None while held, and for a room that
         succeeded (its pages were never at risk)."""
         return self.transport._query(lambda e: e.release_kind(self.room))
+
+    def draft_skipped(self) -> DraftSkipped | None:
+        """What of the draft model this room does not receive, or None when nothing is left out.
+
+        Not None when this rank and the room's prefill ranks register different draft-model buffers
+        (a rolling deployment under ``LayoutPolicy.DEGRADE_DRAFT``): the target model's bytes all
+        arrive, but the draft buffers it names (``not_written``) hold nothing of this request, so the
+        scheduler should decode this room without speculation. Known from WaitingForInput on (the
+        ranks' registrations decide it), and read after Success."""
+        return self.transport._query(lambda e: e.draft_skipped(self.room))
 
     def metric(self) -> KVTransferMetric:
         """The room's totals as reported by its prefill ranks (pages, bytes, slowest rank's seconds)."""

@@ -34,6 +34,14 @@ Rules it keeps:
 - Per-layer use: ``job = executor.start(peer)``, ``job.submit(layer_blocks)`` as each layer becomes
   ready, ``job.finish()`` once after the last layer. ``submit`` blocks only while the job is full;
   a caller that must never block (a forward thread) hands layers to a transfer worker instead.
+- Staging (an executor built with a ``StagingPool``, ``pdkv.runtime.staging``): ``submit`` asks the
+  pool whether the blocks are worth staging (many small blocks whose destinations are contiguous:
+  MHA/GQA head slices towards a decode rank of a higher TP). If so, each piece leases staging space
+  (waiting for it as the pool's docstring says: never failing for it before the job's deadline), is
+  gathered there with one copy per source region, and its few staged blocks are shaped and submitted
+  like any others; the lease goes back, or into quarantine, as its batches end. Results, byte
+  accounting, ``landed`` offsets and fences are those of the unstaged blocks: a piece keeps its
+  blocks' bytes in order, so nothing above the executor can tell a staged write from a direct one.
 
 A job is driven by one thread at a time. The backend does the real work on its own threads.
 """
@@ -57,6 +65,8 @@ from pdkv.engine.backend import BatchHandle, BatchOutcome, BatchStatus, Transfer
 from pdkv.errors import ConfigError, TransferError
 from pdkv.errors.runtime import JobFinishedError as JobFinishedError
 from pdkv.mapping import TransferBlocks, shape_batches
+from pdkv.mapping.staging import StagedPiece
+from pdkv.runtime.staging import StagingLease, StagingPool
 
 log = logging.getLogger(__name__)
 
@@ -175,8 +185,10 @@ class TransferJob:
         *,
         timeout_s: float,
         clock: Callable[[], float],
+        staging: StagingPool | None = None,
     ) -> None:
         self._backend = backend
+        self._staging = staging
         self.peer = peer
         self._config = config
         self._max_entries = min(config.max_entries, backend.max_entries_in_flight)
@@ -197,17 +209,82 @@ class TransferJob:
         """True once a batch failed, was refused, or timed out (the job sends nothing more)."""
         return self._failure is not None
 
+    def _stopped(self) -> bool:
+        """``failed``, as a call: mypy narrows a property it has seen checked, and the calls between
+        two checks (waits, submissions) can fail the job."""
+        return self._failure is not None
+
     @property
     def batches_in_flight(self) -> int:
         return len(self._in_flight)
 
     def submit(self, blocks: TransferBlocks) -> None:
-        """Shape ``blocks`` and submit them, blocking only while ``max_in_flight`` batches are out."""
+        """Shape ``blocks`` and submit them, blocking only while ``max_in_flight`` batches are out (and,
+        for a staged write, while a piece waits for staging space)."""
         if self._finish_called:
             raise JobFinishedError(f"transfer to {self.peer} already finished; start a new job")
         self._bytes_requested += blocks.total_bytes
         if self._failure is not None:
             return  # the job failed: sending more would only write into pages nobody will read
+        pool = self._staging
+        pieces = pool.plan(blocks) if pool is not None else None
+        if pool is None or pieces is None:
+            self._submit_blocks(blocks, None)
+            return
+        for piece in pieces:
+            if self._stopped():
+                return
+            lease = self._lease_for(pool, piece)
+            if lease is None:
+                if self._stopped():
+                    return  # no space before the deadline: the job is TIMED_OUT
+                pool.count_direct_piece()  # quarantined space leaves too little room: send it as it is
+                self._submit_blocks(piece.source, None)
+                continue
+            try:
+                staged = pool.gather(piece, lease)
+            except Exception as exc:  # nothing of the piece was submitted: the lease comes back at once
+                pool.seal(lease)
+                self._fail(
+                    self._batches, JobStatus.FAILED, f"staging copy failed: {type(exc).__name__}: {exc}"
+                )
+                return
+            try:
+                self._submit_blocks(staged, lease)
+            finally:
+                pool.seal(lease)
+
+    def _lease_for(self, pool: StagingPool, piece: StagedPiece) -> StagingLease | None:
+        """Staging space for ``piece``: waits while space held by batches in flight can come back.
+
+        Leases come back as their batches end (the pool follows every batch itself), so this waits on
+        the pool's condition in short waits that re-check, reaping this job's finished batches between
+        them. Bounded by the job's deadline: past it the job fails TIMED_OUT and None is returned. None
+        with the job not failed: the pool could not hold the piece even with every live lease back
+        (quarantined space, or the pool closed), so the piece goes unstaged.
+        """
+        waited = False
+        while True:
+            lease = pool.acquire_nowait(self.peer, piece.nbytes)
+            if lease is not None:
+                return lease
+            if not pool.could_fit(piece.nbytes):
+                return None
+            self._reap_finished()
+            if self._stopped():
+                return None
+            remaining = self._deadline - self._clock()
+            if remaining <= 0:
+                self._fail(
+                    self._batches,
+                    JobStatus.TIMED_OUT,
+                    f"no staging space for a {piece.nbytes}-byte piece within the transfer deadline",
+                )
+                return None
+            pool.wait_for_space(min(remaining, 0.1), first=not waited)
+            waited = True
+
+    def _submit_blocks(self, blocks: TransferBlocks, lease: StagingLease | None) -> None:
         batches = shape_batches(
             blocks,
             max_entries=self._max_entries,
@@ -225,7 +302,9 @@ class TransferJob:
                 handle = self._backend.submit_write(self.peer, batch)
             except TransferError as exc:
                 self._fail(self._batches, JobStatus.FAILED, f"refused at submission: {exc}")
-                return
+                return  # never reached the engine: it holds no staging
+            if self._staging is not None:
+                self._staging.watch(handle, lease)
             self._in_flight.append(_Submitted(self._batches, handle))
             self._batch_bytes.append(handle.total_bytes)
             self._completed.append(False)
@@ -280,7 +359,7 @@ class TransferJob:
             if outcome.status is BatchStatus.TIMED_OUT:
                 still_out.append(submitted)
             else:
-                self._record(submitted.index, outcome)
+                self._record(submitted, outcome)
         self._in_flight = still_out
         if still_out:
             self._fail(
@@ -296,7 +375,7 @@ class TransferJob:
             if outcome.status is BatchStatus.TIMED_OUT:
                 return
             self._in_flight.popleft()
-            self._record(head.index, outcome)
+            self._record(head, outcome)
 
     def _wait_oldest(self) -> None:
         head = self._in_flight[0]
@@ -307,10 +386,13 @@ class TransferJob:
             self._fail(head.index, JobStatus.TIMED_OUT, "not finished in time (waiting for room to submit)")
             return
         self._in_flight.popleft()
-        self._record(head.index, outcome)
+        self._record(head, outcome)
 
-    def _record(self, index: int, outcome: BatchOutcome) -> None:
-        if outcome.status is BatchStatus.COMPLETED:
+    def _record(self, submitted: _Submitted, outcome: BatchOutcome) -> None:
+        """A batch ended (COMPLETED or FAILED, never TIMED_OUT: that one stays in flight)."""
+        index = submitted.index
+        completed = outcome.status is BatchStatus.COMPLETED
+        if completed:
             self._bytes_written += outcome.handle.total_bytes
             self._completed[index] = True
         else:
@@ -375,15 +457,21 @@ class TransferExecutor:
         config: ExecutorConfig | None = None,
         *,
         clock: Callable[[], float] = time.monotonic,
+        staging: StagingPool | None = None,
     ) -> None:
+        """``staging``: a pool registered with ``backend`` whose sources are this rank's buffers; writes
+        worth staging then go through it (see the module docstring)."""
         self.backend = backend
         self.config = config or ExecutorConfig()
         self._clock = clock
+        self.staging = staging
 
     def start(self, peer: str, *, timeout_s: float | None = None) -> TransferJob:
         """A new job towards ``peer``; its budget runs from now (``timeout_s`` or the config's)."""
         budget = self.config.timeout_s if timeout_s is None else timeout_s
-        return TransferJob(self.backend, peer, self.config, timeout_s=budget, clock=self._clock)
+        return TransferJob(
+            self.backend, peer, self.config, timeout_s=budget, clock=self._clock, staging=self.staging
+        )
 
     def transfer(
         self, peer: str, blocks: TransferBlocks, *, timeout_s: float | None = None

@@ -47,6 +47,7 @@ from pdkv.protocol.messages import (
     Message,
     Origin,
     Outcome,
+    RegisterAck,
     RegisterReject,
     TransferRequest,
     TransferStatus,
@@ -92,6 +93,9 @@ def describe(message: Message) -> str:
         return f"{name}({'Success' if message.outcome is Outcome.SUCCESS else 'Failed'})"
     if isinstance(message, RegisterReject):
         return f"{name}({'retry' if message.retry else 'fatal'})"
+    if isinstance(message, RegisterAck) and message.leaves_out:
+        left = len(message.prefill_left_out), len(message.decode_left_out)
+        return f"{name}(leaves out {left[0]} prefill + {left[1]} decode buffers)"
     if isinstance(message, Heartbeat | HeartbeatAck):
         return f"{name}({message.seq})"
     return name
@@ -263,7 +267,11 @@ class MessageTrace:
                 text = describe(effect.message)
                 room = room_of(effect.message)
                 extra = self._fields(
-                    event="send", room=room, msg=text, peer_addr=str(effect.to), detail=_reason(effect.message)
+                    event="send",
+                    room=room,
+                    msg=text,
+                    peer_addr=str(effect.to),
+                    detail=_reason(effect.message),
                 )
                 _trace.debug("send %s to %s", text, effect.to, extra=extra)
             case SubmitChunk():

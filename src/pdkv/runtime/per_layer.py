@@ -103,8 +103,14 @@ DEFAULT_MAX_PENDING_EVENTS: Final = 65536
 # pdkv bench per-layer --decode-tp 2 --tokens ...` (61 layers, 72 KiB pages, compute per layer equal
 # to transfer per layer): per-layer was slower than monolithic at 144 KiB per layer and destination
 # (2.15x), either way at 288 KiB (1.47x, 0.52x), and faster from 576 KiB (0.58x, 864 KiB 0.25x,
-# 1.15 MB 0.09x). Below the threshold the chunk goes monolithic.
-DEFAULT_FAN_OUT_MIN_LAYER_BYTES: Final = 512 << 10
+# 1.15 MB 0.09x). Re-measured with staged MHA head slices (issue 32, 32 layers, best of 5, exclusive
+# lock): MLA `--decode-tp 2` 144 KiB 1.17x, 288 KiB 0.58x, 576 KiB 0.33x, 1.15 MB 0.15x; MHA
+# `--mha --tp 2 --decode-tp 4` (8 KV heads x 256 B, each layer gathered through the staging pool: one
+# batch per layer and destination, as for MLA) 128 KiB 0.83x, 256 KiB 0.17x, 512 KiB 0.28x, 1 MiB
+# 0.18x. Per-layer now wins from about 256 KiB in both, so the threshold is 256 KiB (was 512 KiB).
+# Unstaged head slices (one entry per token) would cost far more per layer; they need the staging
+# pool to go per layer at these sizes. Below the threshold the chunk goes monolithic.
+DEFAULT_FAN_OUT_MIN_LAYER_BYTES: Final = 256 << 10
 
 
 @attrs.frozen(kw_only=True)

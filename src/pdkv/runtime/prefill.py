@@ -28,8 +28,8 @@ import os
 import queue
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar, assert_never
 
 import attrs
@@ -49,15 +49,18 @@ from pdkv.errors import (
     RouteUnavailableError,
 )
 from pdkv.mapping import (
+    DEFAULT_LAYOUT_POLICY,
     BufferLayout,
+    LayoutPolicy,
     OwnershipPolicy,
     PageInterleaved,
     TransferBlocks,
     chunk_page_start,
     cp_owned,
     map_chunk,
+    transfer_view,
 )
-from pdkv.metrics import KVTransferMetric, TransportCounter, TransportMetricsSnapshot
+from pdkv.metrics import KVTransferMetric, TransportCounter, TransportGauge, TransportMetricsSnapshot
 from pdkv.protocol import arguments
 from pdkv.protocol.config import Timeouts
 from pdkv.protocol.effects import (
@@ -82,6 +85,7 @@ from pdkv.protocol.messages import (
     Outcome,
     RankAnnounce,
     RankCoord,
+    Register,
     StateIndices,
     TransferMetricData,
     TransferStatus,
@@ -89,6 +93,7 @@ from pdkv.protocol.messages import (
 from pdkv.protocol.poll import KVPoll
 from pdkv.protocol.prefill import PrefillEndpoint, PrefillStatistics
 from pdkv.runtime._host import EndpointHost, RoomHandle, new_epoch, peer_name
+from pdkv.runtime._layout_policy import LAYOUT_POLICY_ENV
 from pdkv.runtime._loop import ChannelFactory
 from pdkv.runtime.channels import announce_to_registry, zmq_channel_factory
 from pdkv.runtime.checksum import (
@@ -107,6 +112,7 @@ from pdkv.runtime.per_layer import (
     PerLayerStatistics,
     PerLayerTransferManager,
 )
+from pdkv.runtime.staging import StagingPool
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +141,8 @@ class PrefillConfig:
     """One prefill rank. ``registry`` is the bootstrap registry's address (``tcp://host:port``).
 
     The constructor reads no environment: ``PrefillConfig.from_env(...)`` takes the ``PDKV_*``
-    overrides of the timeouts, the executor and the per-layer path (README, "Environment")."""
+    overrides of the timeouts, the executor, the per-layer path and the layout policy (README,
+    "Environment")."""
 
     instance: InstanceId = attrs.field(validator=config.non_empty_text)
     rank: RankCoord = attrs.field(validator=config.instance_of(RankCoord))
@@ -149,8 +156,12 @@ class PrefillConfig:
     )
     """CP shared-KV ownership (default: page-interleaved over ``cp_size``)."""
     timeouts: Timeouts = attrs.field(factory=Timeouts, validator=config.instance_of(Timeouts))
-    executor: ExecutorConfig = attrs.field(factory=ExecutorConfig, validator=config.instance_of(ExecutorConfig))
-    per_layer: PerLayerConfig = attrs.field(factory=PerLayerConfig, validator=config.instance_of(PerLayerConfig))
+    executor: ExecutorConfig = attrs.field(
+        factory=ExecutorConfig, validator=config.instance_of(ExecutorConfig)
+    )
+    per_layer: PerLayerConfig = attrs.field(
+        factory=PerLayerConfig, validator=config.instance_of(PerLayerConfig)
+    )
     epoch: Epoch = attrs.field(factory=new_epoch, validator=config.instance_of(int))
     workers: int = attrs.field(default=2, validator=config.positive_int)
     queue_size: int = attrs.field(default=4096, validator=config.positive_int)
@@ -164,6 +175,12 @@ class PrefillConfig:
     rank wrote (``pdkv.runtime.checksum``), for the decode to verify before its Success."""
     checksum_device: str = attrs.field(default="cpu", validator=config.non_empty_text)
     """Where the registered buffers live (``cpu``, ``cuda:N``): the checksums run there."""
+    layout_policy: LayoutPolicy = attrs.field(
+        default=DEFAULT_LAYOUT_POLICY, validator=config.instance_of(LayoutPolicy), metadata=LAYOUT_POLICY_ENV
+    )
+    """What a decode rank's registration may differ in (``DEGRADE_DRAFT``, the default: draft-model
+    buffers only one side registers are left out of that pair's transfers; ``STRICT``: any difference
+    refuses it). Target buffers must match under either."""
 
     def __attrs_post_init__(self) -> None:
         if self.rank.tp >= self.tp_size or self.rank.cp >= self.cp_size:
@@ -175,13 +192,13 @@ class PrefillConfig:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **fields: Any) -> PrefillConfig:
-        """``fields`` as for the constructor; the timeouts, executor and per-layer settings not given
-        there come from the ``PDKV_*`` variables set in ``env`` (``os.environ`` by default)."""
+        """``fields`` as for the constructor; the timeouts, executor, per-layer and layout-policy settings
+        not given there come from the ``PDKV_*`` variables set in ``env`` (``os.environ`` by default)."""
         fields.setdefault("timeouts", Timeouts.from_env(env))
         fields.setdefault("executor", ExecutorConfig.from_env(env))
         fields.setdefault("per_layer", PerLayerConfig.from_env(env))
         fields.setdefault("kv_checksum", checksums_from_env(env))
-        return cls(**fields)
+        return config.from_env(cls, env, **fields)
 
     @property
     def policy(self) -> OwnershipPolicy:
@@ -226,20 +243,27 @@ class PrefillTransport(EndpointHost[PrefillEndpoint, PrefillEffect]):
         channel_factory: ChannelFactory | None = None,
         announce: Callable[[str, RankAnnounce, float], object] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        staging: StagingPool | None = None,
     ) -> None:
+        """``staging``: a pool over this rank's buffers, registered with ``backend``, that the executor
+        gathers scattered writes into (``pdkv.runtime.staging``); the caller closes it after ``close()``."""
         self.config = config
         self.backend = backend
         factory = channel_factory if channel_factory is not None else zmq_channel_factory()
         super().__init__(
             PrefillEndpoint(
-                origin=config.origin, layout=config.layout, timeouts=config.timeouts, policy=config.policy
+                origin=config.origin,
+                layout=config.layout,
+                timeouts=config.timeouts,
+                policy=config.policy,
+                layout_policy=config.layout_policy,
             ),
             factory(config.host),
             thread_name=f"pdkv-prefill-{config.rank}",
             logger=log,
             clock=clock,
         )
-        self._executor = TransferExecutor(backend, config.executor)
+        self._executor = TransferExecutor(backend, config.executor, staging=staging)
         self._work: queue.Queue[SubmitChunk | SubmitFence | None] = queue.Queue(maxsize=config.queue_size)
         if announce is None:  # the zmq registry: an address it can dial, checked now, not 30 s from now
             problem = tcp_address_problem(self.config.registry)
@@ -281,7 +305,9 @@ class PrefillTransport(EndpointHost[PrefillEndpoint, PrefillEffect]):
         completely: threads stopped, memory unregistered; it raises and may be retried.
         """
 
-        announce_timeout_s = arguments.seconds(announce_timeout_s, argument="announce_timeout_s", positive=True)
+        announce_timeout_s = arguments.seconds(
+            announce_timeout_s, argument="announce_timeout_s", positive=True
+        )
 
         def workers_and_announcement() -> None:
             self._workers = [
@@ -297,6 +323,16 @@ class PrefillTransport(EndpointHost[PrefillEndpoint, PrefillEffect]):
 
         layout = self.config.layout if self.config.register_memory else None
         self._start(self.backend, layout, then=workers_and_announcement, undo=self._stop_workers)
+
+    def _before_receive(self, message: Message) -> None:
+        """A decode rank's Register carries what this engine needs to write to it (NIXL's metadata):
+        the backend learns it before the endpoint answers. Metadata the engine refuses is logged; each
+        write to that rank then fails with the reason, and the control loop goes on."""
+        if isinstance(message, Register):
+            try:
+                self.backend.add_peer(message.session, message.engine_metadata)
+            except PdkvError as exc:
+                log.warning("engine metadata of decode rank %s refused: %s", message.origin, exc)
 
     def _announce_now(self, timeout_s: float) -> None:
         layout = self.config.layout
@@ -386,6 +422,10 @@ class PrefillTransport(EndpointHost[PrefillEndpoint, PrefillEffect]):
 
     # ------------------------------------------------------------------ effects (lock held)
 
+    def _after_tick(self) -> None:
+        skipped = self._endpoint.draft_buffers_skipped()
+        self.metrics.set_gauge(TransportGauge.DRAFT_BUFFERS_SKIPPED, skipped)
+
     def _apply_effect(self, effect: PrefillEffect) -> None:
         match effect:
             case Send():
@@ -414,7 +454,9 @@ class PrefillTransport(EndpointHost[PrefillEndpoint, PrefillEffect]):
                     self._work.put_nowait(effect)
                 except queue.Full:  # the AbortAck stays owed: the decode's next resent Abort fences again
                     reason = f"transfer queue full ({self.config.queue_size} chunks)"
-                    self._apply(self._endpoint.fence_done(effect.room, effect.peer, False, reason, self._clock()))
+                    self._apply(
+                        self._endpoint.fence_done(effect.room, effect.peer, False, reason, self._clock())
+                    )
             case Notice():
                 self._log_notice(effect)
             case ForgetPeer():
@@ -461,7 +503,9 @@ class PrefillTransport(EndpointHost[PrefillEndpoint, PrefillEffect]):
             return None
         with self._lock:
             if self._checksum_pool is None:
-                self._checksum_pool = ThreadPoolExecutor(1, thread_name_prefix=f"pdkv-checksum-{self.config.rank}")
+                self._checksum_pool = ThreadPoolExecutor(
+                    1, thread_name_prefix=f"pdkv-checksum-{self.config.rank}"
+                )
             pool = self._checksum_pool
         return pool.submit(self._note_checksums, submit, destination, plan)
 
@@ -474,7 +518,9 @@ class PrefillTransport(EndpointHost[PrefillEndpoint, PrefillEffect]):
         sources = ChunkSources(
             kv_src=plan.kv_src, kv_positions=plan.kv_positions, state=plan.state_src, aux_src=plan.aux_src
         )
-        part = chunk_checksums(summer, sources, self.config.layout, destination.peer.layout)
+        # the destination's buffers this pair transfers (draft buffers a rollout leaves out: neither)
+        dst_layout = transfer_view(self.config.layout, destination.peer.layout).dst
+        part = chunk_checksums(summer, sources, self.config.layout, dst_layout)
         self.checksums.add(submit.room, destination.peer.endpoint, part)
 
     def _note_layered_checksums(self, submit: SubmitChunk, destination: Destination) -> None:
@@ -483,7 +529,7 @@ class PrefillTransport(EndpointHost[PrefillEndpoint, PrefillEffect]):
         summer = self._summer(submit.room)
         if summer is None:
             return
-        dst_layout = destination.peer.layout
+        dst_layout = transfer_view(self.config.layout, destination.peer.layout).dst
         mapped = map_chunk(
             submit.spec.pages,
             start_token=submit.spec.start_token,

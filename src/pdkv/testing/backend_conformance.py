@@ -2,9 +2,10 @@
 
 Owns: the cases (``CASES``, each a named function of a ``BackendPair``), the peer-side harnesses that
 hold registered destination memory and let a case look at it (``InProcessPeer`` in this process,
-``SpawnedPeer`` in a child process started with multiprocessing "spawn"), and ready-made pairs for
-the shipped backends (``loopback_pair``, ``mooncake_pair``). Must not know any backend's internals:
-a case uses only the protocol, so a new backend passes or fails on behaviour alone.
+``SpawnedPeer`` in a child process started with multiprocessing "spawn", ``MetadataSyncedPeer`` for
+engines that reach a peer through its metadata), and ready-made pairs for the shipped backends
+(``loopback_pair``, ``mooncake_pair``, ``nixl_pair``). Must not know any backend's internals: a case
+uses only the protocol, so a new backend passes or fails on behaviour alone.
 
 Every case checks the bytes at the destination against an image it computes itself with numpy
 slicing (never with the backend's code), and leaves the sender as it found it: no registration
@@ -41,6 +42,7 @@ from pdkv.engine.backend import (
 )
 from pdkv.engine.loopback import LoopbackBackend, LoopbackConfig, LoopbackFabric
 from pdkv.engine.mooncake import MooncakeBackend, MooncakeConfig
+from pdkv.engine.nixl import NixlBackend, NixlConfig
 from pdkv.errors import TransferError
 from pdkv.mapping.blocks import TransferBlocks
 from pdkv.mapping.layout import AttentionKind, BufferKind, BufferLayout, BufferSpec, ModelRole
@@ -177,13 +179,24 @@ class InProcessPeer:
         summer = self._summers.get((buffers, item_bytes))
         if summer is None:
             specs = [
-                BufferSpec(kind=BufferKind.KV, model=ModelRole.TARGET, layer_id=i, base_ptr=a, length=n, item_bytes=item_bytes)
+                BufferSpec(
+                    kind=BufferKind.KV,
+                    model=ModelRole.TARGET,
+                    layer_id=i,
+                    base_ptr=a,
+                    length=n,
+                    item_bytes=item_bytes,
+                )
                 for i, (a, n) in enumerate(buffers)
             ]
             layout = BufferLayout.build(attention=AttentionKind.MLA, page_size=1, buffers=specs)
             summer = self._summers[(buffers, item_bytes)] = Checksummer(BufferViews(layout))
         pairs = [(i, WHOLE) for i in range(len(buffers))]
         return summer.many(pairs, np.asarray(items, dtype=np.int64), np.asarray(positions, dtype=np.int64))
+
+    def engine_metadata(self) -> bytes:
+        """The peer backend's ``engine_metadata`` now (what its ``Register`` would carry)."""
+        return self._store.backend.engine_metadata
 
     def close(self) -> None:
         self._store.release_all()
@@ -233,11 +246,16 @@ class _Checksums:
 
 
 @attrs.frozen
+class _Metadata:
+    pass
+
+
+@attrs.frozen
 class _Stop:
     pass
 
 
-_Request = _Allocate | _Fill | _Read | _Digest | _Release | _Checksums | _Stop
+_Request = _Allocate | _Fill | _Read | _Digest | _Release | _Checksums | _Metadata | _Stop
 
 
 @attrs.frozen
@@ -275,7 +293,11 @@ def _serve_peer(conn: multiprocessing.connection.Connection, factory: Callable[[
                 elif isinstance(request, _Release):
                     peer.release(MemoryRegion(request.address, request.length))
                 elif isinstance(request, _Checksums):
-                    value = peer.checksums(request.buffers, request.item_bytes, request.items, request.positions)
+                    value = peer.checksums(
+                        request.buffers, request.item_bytes, request.items, request.positions
+                    )
+                elif isinstance(request, _Metadata):
+                    value = peer.engine_metadata()
                 conn.send(_Reply(True, value))
             except Exception as exc:  # the peer keeps serving; the caller gets the error
                 conn.send(_Reply(False, None, repr(exc)))
@@ -377,6 +399,13 @@ class SpawnedPeer:
             raise PeerError(f"spawned peer returned {type(value).__name__} for checksums")
         sums: npt.NDArray[np.uint32] = value
         return sums
+
+    def engine_metadata(self) -> bytes:
+        """The child backend's ``engine_metadata`` now (what its ``Register`` would carry)."""
+        value = self._call(_Metadata())
+        if not isinstance(value, bytes):
+            raise PeerError(f"spawned peer returned {type(value).__name__} for its engine metadata")
+        return value
 
     def close(self) -> None:
         try:
@@ -486,6 +515,85 @@ def mooncake_pair(config: MooncakeConfig | None = None) -> Iterator[BackendPair]
             # Port 1 on loopback: nothing listens there, so the handshake is refused at once.
             unreachable_peer=f"{cfg.local_hostname}:1",
             slow_bytes=128 << 20,  # ~0.1 s over TCP on 127.0.0.1
+        )
+        try:
+            yield pair
+        finally:
+            pair.sender.close()
+
+
+class MetadataSyncedPeer:
+    """A spawned peer whose registrations reach every sender of the pair as a decode's ``Register``
+    would carry them: after each allocation or release, each live sender gets ``add_peer`` with the
+    peer's current ``engine_metadata`` (for engines that need metadata to reach a peer, as NIXL does).
+    The cases see an ordinary ``PeerMemory``."""
+
+    def __init__(self, peer: SpawnedPeer) -> None:
+        self._peer = peer
+        self._senders: list[TransferBackend] = []
+
+    def attach(self, sender: TransferBackend) -> TransferBackend:
+        """Make ``sender`` one that hears of the peer's registrations; returns it."""
+        self._senders.append(sender)
+        self._announce()
+        return sender
+
+    def _announce(self) -> None:
+        metadata = self._peer.engine_metadata()
+        live = []
+        for sender in self._senders:
+            try:
+                sender.add_peer(self._peer.session_id, metadata)
+            except BackendClosedError:
+                continue  # a sender a case closed: forget it
+            live.append(sender)
+        self._senders = live
+
+    @property
+    def session_id(self) -> str:
+        return self._peer.session_id
+
+    def allocate(self, nbytes: int, fill: int = 0) -> MemoryRegion:
+        region = self._peer.allocate(nbytes, fill)
+        self._announce()
+        return region
+
+    def fill(self, address: int, length: int, value: int) -> None:
+        self._peer.fill(address, length, value)
+
+    def read(self, address: int, length: int) -> bytes:
+        return self._peer.read(address, length)
+
+    def digest(self, address: int, length: int) -> str:
+        return self._peer.digest(address, length)
+
+    def engine_metadata(self) -> bytes:
+        return self._peer.engine_metadata()
+
+    def checksums(
+        self, buffers: tuple[tuple[int, int], ...], item_bytes: int, items: object, positions: object
+    ) -> npt.NDArray[np.uint32]:
+        return self._peer.checksums(buffers, item_bytes, items, positions)
+
+    def release(self, region: MemoryRegion) -> None:
+        self._peer.release(region)
+        self._announce()
+
+    def close(self) -> None:
+        self._peer.close()
+
+
+@contextlib.contextmanager
+def nixl_pair(config: NixlConfig | None = None) -> Iterator[BackendPair]:
+    """A NIXL sender in this process and a NIXL peer in a spawned child (two agents, real UCX)."""
+    cfg = config or NixlConfig()
+    with SpawnedPeer(functools.partial(NixlBackend, cfg)) as spawned:
+        peer = MetadataSyncedPeer(spawned)
+        pair = BackendPair(
+            new_sender=lambda: peer.attach(NixlBackend(cfg)),
+            peer=peer,
+            unreachable_peer=f"{cfg.hostname}:pdkv-nobody",  # no metadata: nobody to write to
+            slow_bytes=128 << 20,  # ~12 ms over cma, ~0.1 s over UCX tcp: a launch thread hand-off away
         )
         try:
             yield pair

@@ -721,7 +721,9 @@ class EndpointPair:
         for room in {w.room for w in self._writes if w.prefill == cp} | {
             w.room for w in self._layer_writes if w.prefill == cp
         }:
-            self._residues.append(_Residue(room=room, prefill=cp, lands_at=now + self.late_write_s, in_engine=False))
+            self._residues.append(
+                _Residue(room=room, prefill=cp, lands_at=now + self.late_write_s, in_engine=False)
+            )
         self._writes = [w for w in self._writes if w.prefill != cp]
         self._layer_writes = [w for w in self._layer_writes if w.prefill != cp]
         self._layer_events = [e for e in self._layer_events if e.prefill != cp]
@@ -772,7 +774,11 @@ class EndpointPair:
     def _apply(self, who: str, effects: Sequence[Effect]) -> None:
         """Carry out ``effects`` in the order the endpoint ``who`` emitted them, as the runtime does."""
         now = self.clock.now
-        sender = self.decode_endpoint if who == "decode" else self.prefill_endpoints[int(who.removeprefix("prefill"))]
+        sender = (
+            self.decode_endpoint
+            if who == "decode"
+            else self.prefill_endpoints[int(who.removeprefix("prefill"))]
+        )
         for e in effects:
             match e:
                 case Send():
@@ -787,7 +793,9 @@ class EndpointPair:
                 case RoomFinished():
                     self.finished[(who, e.room)] = e
                     if who != "decode":  # contexts of the room stop (those that never wrote, on Success)
-                        self.layer_books[int(who.removeprefix("prefill"))].cancel(e.room, e.reason or "room ended")
+                        self.layer_books[int(who.removeprefix("prefill"))].cancel(
+                            e.room, e.reason or "room ended"
+                        )
                 case ReleasePages():
                     self._on_release(e, now)
                 case ForgetPeer():
@@ -798,7 +806,11 @@ class EndpointPair:
                 case SubmitFence():
                     cp = int(who.removeprefix("prefill"))
                     fence = _FenceInFlight(
-                        room=e.room, peer=e.peer, prefill=cp, endpoint=self.prefills[cp], done_at=now + self.transfer_time
+                        room=e.room,
+                        peer=e.peer,
+                        prefill=cp,
+                        endpoint=self.prefills[cp],
+                        done_at=now + self.transfer_time,
                     )
                     self._fences.append(fence)
                 case CutConnections():

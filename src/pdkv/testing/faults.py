@@ -16,6 +16,7 @@ transparent otherwise), or import zmq (``pdkv.control`` owns the sockets).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import random
 import threading
@@ -266,6 +267,13 @@ class FaultyBackend:
     @property
     def max_entries_in_flight(self) -> int:
         return self._inner.max_entries_in_flight
+
+    @property
+    def engine_metadata(self) -> bytes:
+        return self._inner.engine_metadata
+
+    def add_peer(self, session: str, metadata: bytes) -> None:
+        self._inner.add_peer(session, metadata)
 
     def register(self, memory: TensorLike) -> Registration:
         return self._inner.register(memory)
@@ -525,7 +533,6 @@ def enter_netns(name: str) -> None:
 
     Threads and sockets created afterwards (zmq's, the engine's) live there too.
     """
-    import ctypes
     import os
 
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
@@ -536,3 +543,19 @@ def enter_netns(name: str) -> None:
             raise OSError(errno, f"setns into network namespace {name!r} failed: {os.strerror(errno)}")
     finally:
         os.close(fd)
+    _remount_sysfs(libc)
+
+
+_CLONE_NEWNS = 0x00020000
+_MS_REC, _MS_SLAVE, _MNT_DETACH = 0x4000, 0x80000, 2
+
+
+def _remount_sysfs(libc: ctypes.CDLL) -> None:
+    """Give this process a /sys of its new network namespace, as ``ip netns exec`` does (UCX finds
+    its network devices in /sys/class/net; the host's /sys lists the host's devices). Best effort: a
+    process that cannot (no CAP_SYS_ADMIN) keeps the host's /sys, which only NIXL ranks miss."""
+    if libc.unshare(_CLONE_NEWNS) != 0:
+        return
+    libc.mount(None, b"/", None, _MS_REC | _MS_SLAVE, None)  # our mounts stay ours
+    libc.umount2(b"/sys", _MNT_DETACH)
+    libc.mount(b"sysfs", b"/sys", b"sysfs", 0, None)

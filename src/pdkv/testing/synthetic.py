@@ -24,7 +24,7 @@ wired to ``PerLayerTransferManager`` does.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import attrs
 import numpy as np
@@ -70,6 +70,9 @@ class ModelSpec:
     state_kinds: tuple[BufferKind, ...] = (BufferKind.INDEX_K, BufferKind.INDEX_SCALE)
     state_item_bytes: int = 32
     draft_layers: int = 1
+    draft_state_layers: tuple[int, ...] = ()
+    """Draft-model layers that keep index state (the draft model's NSA state buffers, registered beside
+    the target's); none by default. A prefill and a decode that differ here are a rolling deployment."""
     aux_item_bytes: int = 64
 
     def __attrs_post_init__(self) -> None:
@@ -110,7 +113,11 @@ class ModelSpec:
         return keys
 
     def state_keys(self) -> list[tuple[ModelRole, BufferKind, int]]:
-        return [(ModelRole.TARGET, kind, layer) for kind in self.state_kinds for layer in self.state_layers]
+        keys = [(ModelRole.TARGET, kind, layer) for kind in self.state_kinds for layer in self.state_layers]
+        keys += [
+            (ModelRole.DRAFT, kind, layer) for kind in self.state_kinds for layer in self.draft_state_layers
+        ]
+        return keys
 
 
 @attrs.frozen(kw_only=True)
@@ -332,17 +339,35 @@ def verify_room(
     aux_dst: int | None,
     tp_rank: int | None = None,
     limit: int = 8,
+    left_out: Collection[tuple[ModelRole, BufferKind, int]] = (),
 ) -> tuple[int, list[Mismatch]]:
     """Compare one room's decode memory with the content rule; returns (bytes checked, mismatches).
 
     Positions before ``prefix_pages`` were already on the decode side: they must be untouched (zero).
     ``tp_rank``: the MHA salt when heads are not described (default: the memory's own TP rank).
+    ``left_out``: buffers of this memory no prefill rank may write for the room (draft buffers the
+    prefill side lacks): their destination pages and slots must still be zero (a write shows).
     """
     spec = memory.spec
     mismatches: list[Mismatch] = []
     checked = 0
     sent = slice(prefix_pages, None)
+    untouched = set(left_out)
+    for key in sorted(untouched, key=str):
+        if key not in memory.tensors:
+            raise ValueError(f"left_out names {key}, which this memory does not hold")
+        model, kind, layer = key
+        rows = dst_pages if kind.is_kv else state_dst.get(kind, np.zeros(0, dtype=np.int64))
+        got = memory.view(key)[rows]
+        checked += got.nbytes
+        mismatches += [
+            Mismatch(what=f"{model.value}/{kind.value}/L{layer} left out, written at", index=int(i),
+                     expected_zero=True)
+            for i in np.flatnonzero(got.any(axis=1))[:limit]
+        ]
     for key in spec.kv_keys():
+        if key in untouched:
+            continue
         model, kind, layer = key
         got = memory.view(key)[dst_pages]
         want = memory.kv_content(model, kind, layer, logical_ids, tp_rank=tp_rank)
@@ -360,6 +385,8 @@ def verify_room(
             for i in stray[:limit]
         ]
     for key in spec.state_keys():
+        if key in untouched:
+            continue
         model, kind, layer = key
         src, dst = state_src.get(kind), state_dst.get(kind)
         if src is None or dst is None:
@@ -369,7 +396,7 @@ def verify_room(
         checked += got.nbytes
         bad = np.flatnonzero((got != pattern(salt(*key), src[:n], spec.state_item_bytes)).any(axis=1))
         mismatches += [
-            Mismatch(what=f"{kind.value}/L{layer} slot", index=int(i), expected_zero=False)
+            Mismatch(what=f"{model.value}/{kind.value}/L{layer} slot", index=int(i), expected_zero=False)
             for i in bad[:limit]
         ]
     if aux_src is not None and aux_dst is not None:

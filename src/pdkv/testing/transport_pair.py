@@ -29,7 +29,7 @@ from pdkv.control.bootstrap import RegistryService
 from pdkv.control.channel import ChannelStatistics
 from pdkv.engine.loopback import LoopbackBackend, LoopbackConfig, LoopbackFabric
 from pdkv.errors import RegistryError, RemoteProtocolError
-from pdkv.mapping import PageInterleaved
+from pdkv.mapping import DEFAULT_LAYOUT_POLICY, LayoutPolicy, PageInterleaved
 from pdkv.protocol import codec
 from pdkv.protocol.config import Timeouts
 from pdkv.protocol.ids import Epoch, InstanceId
@@ -50,6 +50,7 @@ from pdkv.runtime.decode import DecodeConfig, DecodeTransport
 from pdkv.runtime.executor import ExecutorConfig
 from pdkv.runtime.per_layer import PerLayerConfig
 from pdkv.runtime.prefill import PrefillConfig, PrefillTransport
+from pdkv.runtime.staging import StagingConfig, StagingPool
 from pdkv.testing.synthetic import Capacity, ModelSpec, RankMemory
 
 PAIR_TIMEOUTS = Timeouts(
@@ -203,7 +204,13 @@ class TransportPair:
 
     ``sockets=True`` wires them instead through real control sockets (zmq on 127.0.0.1, free ports) and
     a real bootstrap registry thread, for tests of the socket layer itself (the bytes still go through
-    the loopback engine). ``decode_model`` gives the decode ranks another model (a layout mismatch).
+    the loopback engine). ``decode_model`` gives the decode ranks another model (a layout mismatch, or,
+    when only the draft model's buffers differ, a rolling deployment that ``prefill_policy`` and
+    ``decode_policy``, the two sides' layout policies, decide on).
+
+    ``staging``: every prefill rank's executor gathers head slices through a ``StagingPool`` of that shape
+    (``staging`` lists the pools). With a model that describes KV heads, each decode rank holds its TP share
+    of the heads (the one prefill TP rank holds them all), so ``decode_tp`` > 1 slices every page.
 
     ``kv_checksum``: both sides compute and verify checksums per (buffer, page) (``PDKV_KV_CHECKSUM``);
     ``decode_checksum`` sets the decode ranks' switch apart (None: the same).
@@ -232,6 +239,9 @@ class TransportPair:
         fabric: str = "pair",
         kv_checksum: bool = False,
         decode_checksum: bool | None = None,
+        staging: StagingConfig | None = None,
+        prefill_policy: LayoutPolicy = DEFAULT_LAYOUT_POLICY,
+        decode_policy: LayoutPolicy = DEFAULT_LAYOUT_POLICY,
     ) -> None:
         self.model = model if model is not None else ModelSpec(layers=3, page_size=16)
         self.prefill_instance = InstanceId(prefill_instance)
@@ -252,6 +262,7 @@ class TransportPair:
             self.registry_address = registry.address
             factory, announce, query = self.hub.channel, registry.announce, registry.query
         self.prefill_memory: list[RankMemory] = []
+        self.staging: list[StagingPool] = []  # one per prefill rank when ``staging`` is given
         self.prefill_backends: list[LoopbackBackend] = []
         self.prefills: list[PrefillTransport] = []
         for rank in range(cp):
@@ -271,23 +282,29 @@ class TransportPair:
                 executor=executor or ExecutorConfig(),
                 per_layer=per_layer or PerLayerConfig(),
                 kv_checksum=kv_checksum,
+                layout_policy=prefill_policy,
             )
             self.prefill_memory.append(memory)
             self.prefill_backends.append(backend)
+            pool = None
+            if staging is not None:
+                sources = [memory.tensors[(b.model, b.kind, b.layer_id)] for b in memory.layout.buffers]
+                pool = StagingPool(backend, memory.layout, sources, staging)
+                self.staging.append(pool)
             self.prefills.append(
-                PrefillTransport(config, backend, channel_factory=factory, announce=announce)
+                PrefillTransport(config, backend, channel_factory=factory, announce=announce, staging=pool)
             )
         self.decode_memory: list[RankMemory] = []
         self.decode_backends: list[LoopbackBackend] = []
         self.decodes: list[DecodeTransport] = []
         for tp in range(decode_tp):
             decode_spec = decode_model or self.model
-            heads = decode_spec.kv_heads is not None  # each decode rank holds its own heads
             memory = RankMemory(
                 decode_spec,
                 decode_capacity or Capacity(kv_pages=256, state_slots=8, aux_rows=8),
-                tp_size=decode_tp if heads else 1,
-                tp_rank=tp if heads else 0,
+                # heads described: each decode rank holds its TP share of them (the prefill rank all)
+                tp_size=decode_tp if decode_spec.kv_heads is not None else 1,
+                tp_rank=tp if decode_spec.kv_heads is not None else 0,
             )
             backend = LoopbackBackend(fabric=self.fabric)
             config_d = DecodeConfig(
@@ -297,6 +314,7 @@ class TransportPair:
                 layout=memory.layout,
                 timeouts=timeouts,
                 kv_checksum=kv_checksum if decode_checksum is None else decode_checksum,
+                layout_policy=decode_policy,
             )
             self.decode_memory.append(memory)
             self.decode_backends.append(backend)
@@ -330,6 +348,8 @@ class TransportPair:
             d.close()
         for p in self.prefills:
             p.close()
+        for pool in self.staging:
+            pool.close()
         for b in [*self.prefill_backends, *self.decode_backends]:
             b.close()
         if self._registry_service is not None:

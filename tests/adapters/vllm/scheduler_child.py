@@ -15,6 +15,7 @@ import sys
 import traceback
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from tests.adapters.vllm import vllm_env as env
@@ -328,6 +329,11 @@ def refusals_at_construction() -> None:
     pp = env.vllm_config(MODEL, "kv_consumer")
     pp.parallel_config.pipeline_parallel_size = 2
     _refused(lambda: PdkvConnector(pp, worker, env.kv_cache_config()), "pipeline parallelism")
+    # Speculative decoding stays refused: the drafter's KV layers are not described, so a layout policy
+    # that leaves draft buffers out (issue 35) has nothing of the vLLM connector to apply to.
+    spec = env.vllm_config(MODEL, "kv_consumer")
+    spec.speculative_config = SimpleNamespace(method="eagle", num_speculative_tokens=2)
+    _refused(lambda: PdkvConnector(spec, worker, env.kv_cache_config()), "speculative decoding")
     no_port = env.vllm_config(MODEL, "kv_producer")
     _refused(lambda: PdkvConnector(no_port, worker, env.kv_cache_config()), "registry_port")
     typo = env.vllm_config(MODEL, "kv_consumer", extra={"prefil_registry": REGISTRY})

@@ -104,3 +104,10 @@ def test_settings_take_the_checksum_switch() -> None:
     assert AdapterSettings.from_extra_config({"kv_checksum": True}).kv_checksum is True
     with pytest.raises(ConfigError, match="kv_checksum"):
         AdapterSettings.from_extra_config({"kv_checksum": "yes"})
+
+
+def test_settings_choose_the_transfer_engine() -> None:
+    assert AdapterSettings.from_extra_config({}).backend is None  # PDKV_BACKEND, else Mooncake
+    assert AdapterSettings.from_extra_config({"backend": "nixl"}).backend == "nixl"
+    with pytest.raises(ConfigError, match="backend"):
+        AdapterSettings.from_extra_config({"backend": "ucx"})

@@ -16,6 +16,11 @@ bootstrap registry on SGLang's bootstrap port), and the translation of SGLang's 
 - deferred decode KV release: pages are safe once pdkv says every prefill rank acked the abort
   (``is_abort_release_safe``); SGLang's own 30 s bound is pdkv's abort-ack timeout;
 - timeouts come from SGLang's ``SGLANG_DISAGGREGATION_*`` variables (then ``PDKV_*`` ones, see README);
+- the draft model's state (MTP's NSA index buffers, named by KVArgs' ``draft_state_buffer_start/count``)
+  is the draft model's in the layout, so a rolling deployment where one side registers it is served as
+  ``PDKV_LAYOUT_POLICY`` says (default ``degrade_draft``); a decode room served without it says so
+  (``PdkvKVReceiver.draft_skipped()``, logged once per room at INFO) so speculation can be turned off
+  for that request;
 - SGLang's CUDA events for a chunk (the early-send wait event, ``indices_event``) are waited for on the
   manager's ready thread (``ready.py``), never on the scheduler thread; without one nothing waits.
 
@@ -69,12 +74,13 @@ from pdkv.adapters.sglang.translate import (
     prefix_pages_of,
     state_indices_for,
 )
-from pdkv.engine import MooncakeBackend, MooncakeConfig
+from pdkv.engine import MooncakeConfig, NixlConfig, make_backend
 from pdkv.errors import ConfigError, LocalProtocolError, MappingError, PdkvError
 from pdkv.mapping import AttentionKind, BufferLayout
 from pdkv.protocol import RoomId, Timeouts, room_id
 from pdkv.protocol.ids import InstanceId
 from pdkv.protocol.messages import Origin, RankCoord, RouteQuery
+from pdkv.protocol.registration import DraftSkipped
 from pdkv.runtime import (
     DecodeConfig,
     DecodeTransport,
@@ -84,6 +90,7 @@ from pdkv.runtime import (
     PrefillTransport,
     Registry,
     checksums_from_env,
+    layout_policy_from_env,
 )
 
 log = logging.getLogger(__name__)
@@ -204,6 +211,17 @@ def checksum_device_of(args: KVArgs, server_args: ServerArgs) -> str:
     return "cpu"
 
 
+def _nixl_config(kv_args: KVArgs) -> NixlConfig:
+    """``PDKV_NIXL_*`` settings; UCX's devices are SGLang's IB devices when ``--disaggregation-ib-device``
+    names some and ``PDKV_NIXL_UCX_NET_DEVICES`` does not."""
+    config = NixlConfig.from_env()
+    device = getattr(kv_args, "ib_device", None)
+    if "PDKV_NIXL_UCX_NET_DEVICES" not in os.environ and isinstance(device, str) and device:
+        names = ",".join(f"{d.strip()}:1" for d in device.split(",") if d.strip())
+        config = attrs.evolve(config, ucx_net_devices=names)
+    return config
+
+
 @attrs.frozen(kw_only=True)
 class PrefillInfo:
     """What SGLang's decode scheduler reads from ``prefill_info_table[bootstrap_addr]``."""
@@ -259,7 +277,10 @@ class PdkvKVManager(BaseKVManager):
         self.ready_waiter = ReadyWaiter(self.timeouts.waiting)
         """Chunks whose GPU event has not completed yet wait here (its thread starts on first use)."""
         self.enable_all_cp_ranks_for_transfer = False  # read by SGLang's prefill before host-tensor sends
-        backend = MooncakeBackend(_mooncake_config(args, self.host))
+        # The engine: PDKV_BACKEND (SGLang 0.5.23's --disaggregation-transfer-backend names pdkv itself).
+        self._backend = backend = make_backend(
+            host=self.host, mooncake=_mooncake_config(args, self.host), nixl=_nixl_config(args)
+        )
         self._prefill: PrefillTransport | None = None
         self._decode: DecodeTransport | None = None
         if mode is DisaggregationMode.PREFILL:
@@ -275,6 +296,7 @@ class PdkvKVManager(BaseKVManager):
                     timeouts=self.timeouts,
                     kv_checksum=kv_checksum_of(server_args),
                     checksum_device=checksum_device_of(args, server_args),
+                    layout_policy=layout_policy_from_env(),
                 ),
                 backend,
             )
@@ -291,6 +313,7 @@ class PdkvKVManager(BaseKVManager):
                     timeouts=self.timeouts,
                     kv_checksum=kv_checksum_of(server_args),
                     checksum_device=checksum_device_of(args, server_args),
+                    layout_policy=layout_policy_from_env(),
                 ),
                 backend,
             )
@@ -304,11 +327,13 @@ class PdkvKVManager(BaseKVManager):
             self._prefill.start()
 
     def close(self) -> None:
-        """Stop the transport (unregisters memory, closes sockets); the manager is unusable afterwards."""
+        """Stop the transport (unregisters memory, closes sockets) and its engine; the manager is unusable
+        afterwards."""
         self.ready_waiter.close()
         for transport in (self._prefill, self._decode):
             if transport is not None:
                 transport.close()
+        self._backend.close()  # the manager made it: its engine goes with the transport
 
     @property
     def prefill_transport(self) -> PrefillTransport:
@@ -733,10 +758,19 @@ class PdkvKVReceiver(BaseKVReceiver):
     def is_abort_release_safe(self) -> bool:
         return self._receiver is None or _release_ready(self._receiver)
 
+    def draft_skipped(self) -> DraftSkipped | None:
+        """What of the draft model's state this request did not receive (a rolling deployment: the prefill
+        and this decode register different draft state buffers), None when nothing was left out. The
+        target model's KV and state all arrived; speculative decoding should be off for this request."""
+        return None if self._receiver is None else self._receiver.draft_skipped()
+
     def clear(self) -> None:
         if self.conclude_state is not None:
             return
         self.conclude_state = self.poll()
+        skipped = self.draft_skipped() if self.conclude_state == KVPoll.Success else None
+        if skipped is not None:
+            log.info("room %d: %s", self.bootstrap_room, skipped)
         if self._receiver is not None and (self._metadata_sent or self.abort_notified):
             self.kv_mgr.retire(self._receiver)
 

@@ -18,6 +18,15 @@ How SGLang lays out KVArgs (0.5.23):
   ``BufferKind.SWA`` buffers, DSA/NSA index pages (index K and its scale packed in one item) become
   ``BufferKind.INDEX_K`` buffers with the packed item size. Layer id: ``state_layer_ids`` when given for
   every entry, else the entry's index in its component.
+- Draft-model state (the draft's NSA/DSA index buffers registered beside the target's, MTP):
+  ``draft_state_buffer_start`` / ``draft_state_buffer_count`` say which entries of a state component
+  are the draft model's: ints for the DSA/NSA component (where SGLang appends the draft pool's
+  ``get_state_buf_infos()``), or one value per ``state_types`` entry (None: no draft entries there).
+  Those entries become ``ModelRole.DRAFT`` buffers, numbered from 0 like draft KV layers unless
+  ``state_layer_ids`` names them. Without the fields every state entry is the target's (SGLang 0.5.23
+  sets neither: its appended draft entries then read as more target layers, and a decode without
+  them is refused as another target model, never guessed apart). A pair of ranks whose draft state
+  differs is then served as the layout policy says (``pdkv.mapping.layout_policy``).
 """
 
 from __future__ import annotations
@@ -138,6 +147,57 @@ def layout_from_kv_args(kv_args: KVArgsLike, is_mla: bool) -> BufferLayout:
         raise ConfigError(f"KVArgs do not describe a valid pdkv layout: {exc}") from exc
 
 
+def _draft_ranges(kv_args: KVArgsLike, types: Sequence[object], sizes: Sequence[int]) -> list[range]:
+    """Per state component, the entries that are the draft model's (``draft_state_buffer_start/count``)."""
+    start = _get(kv_args, "draft_state_buffer_start", None)
+    count = _get(kv_args, "draft_state_buffer_count", None)
+    if start is None and count is None:
+        return [range(0) for _ in types]
+    if start is None or count is None:
+        raise ConfigError(
+            "KVArgs.draft_state_buffer_start and draft_state_buffer_count come together: got "
+            f"start={start!r}, count={count!r}"
+        )
+    if isinstance(start, int) and not isinstance(start, bool):
+        dsa = [t for t, st in enumerate(types) if getattr(st, "value", st) == "dsa"]
+        if len(dsa) != 1:
+            raise ConfigError(
+                "KVArgs.draft_state_buffer_start/count are single ints, which name the DSA/NSA state "
+                f"component, but state_types has {len(dsa)} of them: give one value per state type"
+            )
+        starts: list[object] = [None] * len(types)
+        counts: list[object] = [None] * len(types)
+        starts[dsa[0]], counts[dsa[0]] = start, count
+    else:
+        starts = _list(kv_args, "draft_state_buffer_start")
+        counts = _list(kv_args, "draft_state_buffer_count")
+        if len(starts) != len(types) or len(counts) != len(types):
+            raise ConfigError(
+                f"KVArgs.draft_state_buffer_start/count have {len(starts)}/{len(counts)} values for "
+                f"{len(types)} state types"
+            )
+    ranges: list[range] = []
+    for t, (first, n) in enumerate(zip(starts, counts, strict=True)):
+        if first is None and n is None:
+            ranges.append(range(0))
+            continue
+        if (
+            not isinstance(first, int)
+            or not isinstance(n, int)
+            or isinstance(first, bool)
+            or isinstance(n, bool)
+            or first < 0
+            or n < 0
+            or first + n > sizes[t]
+        ):
+            raise ConfigError(
+                f"KVArgs.draft_state_buffer_start/count of state type {t} ({first!r}, {n!r}) do not name "
+                f"entries of its {sizes[t]} buffers"
+            )
+        ranges.append(range(first, first + n))
+    return ranges
+
+
 def _state_specs(kv_args: KVArgsLike) -> list[BufferSpec]:
     types = _list(kv_args, "state_types", default=())
     if not types:
@@ -146,6 +206,7 @@ def _state_specs(kv_args: KVArgsLike) -> list[BufferSpec]:
     lens = _nested(kv_args, "state_data_lens", len(types))
     items = _nested(kv_args, "state_item_lens", len(types))
     given_ids = _nested(kv_args, "state_layer_ids", len(types), optional=True)
+    drafts = _draft_ranges(kv_args, types, [len(p) for p in ptrs])
     seen: dict[BufferKind, str] = {}
     specs: list[BufferSpec] = []
     for t, state_type in enumerate(types):
@@ -158,16 +219,17 @@ def _state_specs(kv_args: KVArgsLike) -> list[BufferSpec]:
             )
         seen[kind] = name
         _same_length(f"state_data_ptrs[{t}]", ptrs[t], state_data_lens=lens[t], state_item_lens=items[t])
-        ids = list(given_ids[t]) if given_ids and given_ids[t] else list(range(len(ptrs[t])))
+        draft = drafts[t]
+        positional = [i - draft.start if i in draft else i for i in range(len(ptrs[t]))]
+        ids = list(given_ids[t]) if given_ids and given_ids[t] else positional
         if len(ids) != len(ptrs[t]):
             raise ConfigError(
                 f"KVArgs.state_layer_ids[{t}] ({name}) has {len(ids)} ids for {len(ptrs[t])} buffers: "
                 f"{_summary(ids)}"
             )
         for i in range(len(ptrs[t])):
-            specs.append(
-                _spec(kind, ModelRole.TARGET, ids[i], ptrs[t][i], lens[t][i], items[t][i], f"{name} {i}")
-            )
+            model = ModelRole.DRAFT if i in draft else ModelRole.TARGET
+            specs.append(_spec(kind, model, ids[i], ptrs[t][i], lens[t][i], items[t][i], f"{name} {i}"))
     return specs
 
 

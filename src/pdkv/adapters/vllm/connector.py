@@ -58,8 +58,6 @@ from pdkv import (
     KVPoll,
     KVReceiver,
     KVSender,
-    MooncakeBackend,
-    MooncakeConfig,
     PdkvError,
     PerLayerMode,
     PrefillConfig,
@@ -70,6 +68,7 @@ from pdkv import (
 )
 from pdkv.adapters.vllm.layout import layout_from_kv_caches
 from pdkv.adapters.vllm.params import AdapterSettings, ConsumerParams, producer_transfer_id, room_for
+from pdkv.engine import TransferBackend, make_backend
 from pdkv.runtime import checksums_from_env
 
 if TYPE_CHECKING:
@@ -550,7 +549,7 @@ class WorkerSide:
         self.registry: Registry | None = None
         self.prefill: PrefillTransport | None = None
         self.decode: DecodeTransport | None = None
-        self._backend: MooncakeBackend | None = None
+        self._backend: TransferBackend | None = None
         self._out: dict[RoomId, _Outgoing] = {}
         self._in: dict[str, _Incoming] = {}
         self._layered_now: list[RoomId] = []  # rooms whose layers this step's forward reports
@@ -574,9 +573,11 @@ class WorkerSide:
             kv_caches, num_blocks=num_blocks, block_size=self.block_size
         )
         host = self.settings.host
-        self._backend = MooncakeBackend(attrs.evolve(MooncakeConfig.from_env(), local_hostname=host))
+        self._backend = make_backend(self.settings.backend, host=host)
         # kv_connector_extra_config.kv_checksum, else PDKV_KV_CHECKSUM; the checksums run where the cache is
-        checksum = self.settings.kv_checksum if self.settings.kv_checksum is not None else checksums_from_env()
+        checksum = (
+            self.settings.kv_checksum if self.settings.kv_checksum is not None else checksums_from_env()
+        )
         device = "cpu" if first is None or first.device.type != "cuda" else str(first.device)
         if self.producer:
             instance = InstanceId(self.settings.instance or f"vllm-prefill@{host}:{self.engine_id}")

@@ -87,7 +87,8 @@ class AdapterSettings:
     registry. ``connect_timeout_s``: how long a consumer waits for a prefill registry before the
     requests that need it fail (and are recomputed). ``kv_checksum``: pdkv's checksums per (buffer,
     page), computed by the producer and verified by the consumer before a request's KV counts as
-    received (None: ``PDKV_KV_CHECKSUM`` decides; set it on both instances).
+    received (None: ``PDKV_KV_CHECKSUM`` decides; set it on both instances). ``backend``: the transfer
+    engine, ``mooncake`` or ``nixl`` (default: ``PDKV_BACKEND``, else mooncake; ``pdkv.engine.make_backend``).
     """
 
     host: str = "127.0.0.1"
@@ -97,6 +98,9 @@ class AdapterSettings:
     connect_timeout_s: float = 30.0
     kv_checksum: bool | None = attrs.field(
         default=None, validator=attrs.validators.optional(attrs.validators.instance_of(bool))
+    )
+    backend: str | None = attrs.field(
+        default=None, validator=attrs.validators.optional(attrs.validators.in_(("mooncake", "nixl")))
     )
 
     @classmethod

@@ -7,10 +7,12 @@ from typing import Any
 from pdkv.protocol.machines._base import Edge, MachineSpec, StateMachine
 from pdkv.protocol.machines.abort import (
     PREFILL_ABORT,
+    PrefillAbortInput,
     PrefillAbortMachine,
     PrefillAbortState,
     PrefillAbortTrigger,
 )
+from pdkv.protocol.machines.chunk import CHUNK, ChunkInput, ChunkMachine, ChunkState, ChunkTrigger
 from pdkv.protocol.machines.decode_abort import (
     DECODE_ABORT,
     DecodeAbortInput,
@@ -18,8 +20,13 @@ from pdkv.protocol.machines.decode_abort import (
     DecodeAbortState,
     DecodeAbortTrigger,
 )
-from pdkv.protocol.machines.chunk import CHUNK, ChunkMachine, ChunkState, ChunkTrigger
-from pdkv.protocol.machines.peer import PEER, PeerMachine, PeerState, PeerTrigger
+from pdkv.protocol.machines.decode_rank import (
+    DECODE_RANK,
+    DecodeRankInput,
+    DecodeRankMachine,
+    DecodeRankState,
+)
+from pdkv.protocol.machines.fence import FENCE, FenceInput, FenceMachine, FenceState
 from pdkv.protocol.machines.per_layer import PER_LAYER, PerLayerMachine, PerLayerState, PerLayerTrigger
 from pdkv.protocol.machines.prefill_rank import (
     PREFILL_RANK,
@@ -36,6 +43,7 @@ from pdkv.protocol.machines.room_receiver import (
 )
 from pdkv.protocol.machines.room_sender import (
     SENDER_ROOM,
+    SenderRoomInput,
     SenderRoomMachine,
     SenderRoomState,
     SenderRoomTrigger,
@@ -50,20 +58,23 @@ ALL_MACHINES: tuple[MachineSpec[Any, Any], ...] = (
     DECODE_ABORT,
     PREFILL_ABORT,
     PER_LAYER,
-    PEER,
+    DECODE_RANK,
     PREFILL_RANK,
+    FENCE,
 )
 
 __all__ = [
     "ALL_MACHINES",
     "CHUNK",
     "DECODE_ABORT",
-    "PEER",
+    "DECODE_RANK",
+    "FENCE",
     "PER_LAYER",
     "PREFILL_ABORT",
     "PREFILL_RANK",
     "RECEIVER_ROOM",
     "SENDER_ROOM",
+    "ChunkInput",
     "ChunkMachine",
     "ChunkState",
     "ChunkTrigger",
@@ -71,15 +82,19 @@ __all__ = [
     "DecodeAbortMachine",
     "DecodeAbortState",
     "DecodeAbortTrigger",
+    "DecodeRankInput",
+    "DecodeRankMachine",
+    "DecodeRankState",
     "Edge",
+    "FenceInput",
+    "FenceMachine",
+    "FenceState",
     "KVPoll",
     "MachineSpec",
-    "PeerMachine",
-    "PeerState",
-    "PeerTrigger",
     "PerLayerMachine",
     "PerLayerState",
     "PerLayerTrigger",
+    "PrefillAbortInput",
     "PrefillAbortMachine",
     "PrefillAbortState",
     "PrefillAbortTrigger",
@@ -90,6 +105,7 @@ __all__ = [
     "ReceiverRoomMachine",
     "ReceiverRoomState",
     "ReceiverRoomTrigger",
+    "SenderRoomInput",
     "SenderRoomMachine",
     "SenderRoomState",
     "SenderRoomTrigger",

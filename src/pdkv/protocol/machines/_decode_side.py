@@ -19,6 +19,7 @@ from typing import Protocol
 
 import attrs
 
+from pdkv.mapping.layout_policy import LayoutPolicy
 from pdkv.protocol.config import Timeouts
 from pdkv.protocol.effects import ChecksumMismatch, DecodeEffect, FailureCause, PeerKey, ReleaseKind, Target
 from pdkv.protocol.ids import Endpoint, Epoch, RoomId, SessionId
@@ -28,9 +29,11 @@ from pdkv.protocol.messages import (
     Origin,
     PageChecksums,
     Register,
+    RegisterAck,
     StateIndices,
     TransferMetricData,
 )
+from pdkv.protocol.registration import DraftSkipped
 
 
 class PrefillRankState(enum.Enum):
@@ -40,7 +43,7 @@ class PrefillRankState(enum.Enum):
 
 
 class PrefillRankInput(enum.Enum):
-    REGISTER_ACK = "register_ack"
+    REGISTER_ACK = "register_ack"  # RegisterAck: layouts agree (or differ in draft buffers left out)
     REFUSED = "refused"  # RegisterReject: the layouts differ
     NOT_KNOWN = "not_known"  # RegisterReject(retry): the rank forgot us, or restarted
     SILENCE = "silence"  # nothing heard for heartbeat_timeout
@@ -98,6 +101,7 @@ class DecodeSide(Protocol):
     timeouts: Timeouts
     cuts_connections: bool
     register_message: Register
+    layout_policy: LayoutPolicy
 
     def count(self, name: str, by: int = 1) -> None: ...
 
@@ -133,9 +137,17 @@ class PrefillRank:
     endpoint: Endpoint
     session: SessionId
     machine: RankMachine
-    reason: str = ""  # why it refused our registration
+    reason: str = ""  # why it refused our registration (or why this rank refused its answer)
     register_due: float = 0.0  # when the registration is resent (while REGISTERING)
     last_heard: float = 0.0  # meaningful while READY
+    ack: RegisterAck | None = None
+    """Its RegisterAck as accepted (READY): what its transfers to this rank leave out on each side."""
+
+    @property
+    def left_out_count(self) -> int:
+        """Buffers of both sides its transfers to this rank leave out (0 before an ack)."""
+        ack = self.ack
+        return 0 if ack is None else len(ack.prefill_left_out) + len(ack.decode_left_out)
 
     @property
     def name(self) -> str:
@@ -180,6 +192,7 @@ class ReceiverRoom:
     cause: FailureCause | None = None
     failure_peer: PeerKey | None = None
     abort: AbortRecord | None = None
+    draft_skipped: DraftSkipped | None = None  # fixed when its requests go (from its ranks' acks)
     # Its prefill ranks (all, and those whose Success it waits for), fixed with its targets. Derived
     # once: every status and every peer event asks, and scanning the targets each time made a room
     # cost O(ranks^2) on the decode (`pdkv bench scale`).
@@ -206,6 +219,7 @@ class RankStep:
     rank: PrefillRank
     now: float
     reason: str = ""
+    ack: RegisterAck | None = None  # the RegisterAck being answered
 
 
 @attrs.define(eq=False, slots=True)
@@ -248,19 +262,19 @@ def peer_order(key: PeerKey) -> tuple[str, int, int]:
 __all__ = [
     "AbortMachine",
     "AbortRecord",
+    "AbortStep",
     "DecodeAbortInput",
     "DecodeAbortState",
+    "DecodeSide",
+    "PrefillRank",
     "PrefillRankInput",
     "PrefillRankState",
     "RankMachine",
+    "RankStep",
+    "ReceiverRoom",
     "ReceiverRoomInput",
     "ReceiverRoomState",
     "RoomMachine",
-    "AbortStep",
-    "DecodeSide",
-    "PrefillRank",
-    "RankStep",
-    "ReceiverRoom",
     "RoomStep",
     "peer_order",
     "peer_text",

@@ -1,69 +1,57 @@
 """Chunk: one prefill forward's share of a room on one prefill rank (DESIGN section 5).
 
-REGISTERED    queued by ``send()``, not yet picked by a transfer worker
-TRANSFERRING  a worker submitted its writes (they may land at any moment)
-DONE          every write of the chunk completed
-FAILED        the engine reported a failure (the room fails with it)
-SKIPPED       the room failed or was aborted before a worker picked the chunk: nothing written,
-              so nothing can land in pages the decode side may have reused
+Every rule that moves a chunk is a row below; ``PrefillEndpoint`` finds the chunk and steps it.
+
+    REGISTERED    queued by ``send()``, not yet picked by a transfer worker
+    TRANSFERRING  a worker submitted its writes (they may land at any moment)
+    DONE          every write of the chunk completed
+    FAILED        the engine reported a failure (the room fails with it)
+    SKIPPED       the room failed or was aborted before a worker picked the chunk: nothing written,
+                  so nothing can land in pages the decode side may have reused
+
+Inputs: ``start`` (a worker is about to write it), ``complete``, ``fail`` (the engine's answers),
+``skip`` (its room failed while it waited).
 """
 
 from __future__ import annotations
 
-import enum
-
-from pdkv.protocol.machines._base import MachineSpec, StateMachine, edges
-from pdkv.protocol.machines._notes import EdgeNote, EdgeNotes
-
-
-class ChunkState(enum.Enum):
-    REGISTERED = "registered"
-    TRANSFERRING = "transferring"
-    DONE = "done"
-    FAILED = "failed"
-    SKIPPED = "skipped"
-
-
-class ChunkTrigger(enum.Enum):
-    START = "start"
-    COMPLETE = "complete"
-    FAIL = "fail"
-    SKIP = "skip"
-
+from pdkv.protocol.machines._base import MachineSpec, StateMachine, row
+from pdkv.protocol.machines._prefill_side import ChunkInput, ChunkState, ChunkStep, SenderRoomState
 
 _S = ChunkState
-_T = ChunkTrigger
+_I = ChunkInput
+
+
+def room_failed(s: ChunkStep) -> bool:
+    """Its room failed (or was aborted) while the chunk waited for a worker."""
+    return s.room.machine.state is SenderRoomState.FAILED
+
+
+def count_skipped(s: ChunkStep) -> None:
+    s.side.count("chunks_skipped")
+
 
 CHUNK = MachineSpec(
     name="Chunk",
     states=ChunkState,
-    triggers=ChunkTrigger,
+    triggers=ChunkInput,
     initial=_S.REGISTERED,
     edges=(
-        edges(_T.START, [_S.REGISTERED], _S.TRANSFERRING),
-        edges(_T.COMPLETE, [_S.TRANSFERRING], _S.DONE),
-        edges(_T.FAIL, [_S.TRANSFERRING], _S.FAILED),
-        edges(_T.SKIP, [_S.REGISTERED], _S.SKIPPED),
+        row(_I.START, _S.REGISTERED, _S.SKIPPED, when=room_failed, then=[count_skipped]),
+        row(_I.START, _S.REGISTERED, _S.TRANSFERRING),
+        row(_I.START, _S.SKIPPED, None),  # picked after it was skipped: the worker writes nothing
+        row(_I.COMPLETE, _S.TRANSFERRING, _S.DONE),
+        row(_I.FAIL, _S.TRANSFERRING, _S.FAILED),
+        row(_I.SKIP, _S.REGISTERED, _S.SKIPPED, then=[count_skipped]),
     ),
 )
 
 
-# Guards and effects of the edges, for the diagrams only (the endpoint decides and acts).
-CHUNK_NOTES = EdgeNotes(
-    CHUNK,
-    {
-        (_T.START, _S.TRANSFERRING): EdgeNote(guard="room not failed", effects=("worker writes",)),
-        (_T.COMPLETE, _S.DONE): EdgeNote(
-            guard="every write completed", effects=("room Success if last and all Done",)
-        ),
-        (_T.FAIL, _S.FAILED): EdgeNote(
-            guard="engine failure, writes ended", effects=("fail the room", "AbortAck if draining")
-        ),
-        (_T.SKIP, _S.SKIPPED): EdgeNote(guard="room failed before start", effects=("write nothing",)),
-    },
-)
-
-
-class ChunkMachine(StateMachine[ChunkState, ChunkTrigger]):
+class ChunkMachine(StateMachine[ChunkState, ChunkInput]):
     def __init__(self, label: str) -> None:
         super().__init__(CHUNK, label)
+
+
+ChunkTrigger = ChunkInput  # the name earlier code used
+
+__all__ = ["CHUNK", "ChunkInput", "ChunkMachine", "ChunkState", "ChunkTrigger"]

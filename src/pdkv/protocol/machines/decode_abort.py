@@ -217,7 +217,9 @@ def count_late_ack(s: AbortStep) -> None:
     s.side.count("late_messages")
     who = "?" if s.sender is None else peer_text(s.sender)
     s.side.emit(
-        Notice(level=NoticeLevel.DEBUG, text=f"late AbortAck from {who} for room {s.room.room}", room=s.room.room)
+        Notice(
+            level=NoticeLevel.DEBUG, text=f"late AbortAck from {who} for room {s.room.room}", room=s.room.room
+        )
     )
 
 

@@ -18,11 +18,14 @@ endpoint: a deadline, a lost, restarted or refusing rank, no destination), ``ver
 heard from a rank that was sent the request (the others' are late, counted); only required
 (non-dummy) ranks' successes count. A verifying room is live: an abort or a lost rank fails it, and
 a verdict that comes after that changes nothing; a mismatch fails it with ``FailureCause.CHECKSUM``
-and its pages follow the abort handshake like any failed room's.
+and its pages follow the abort handshake like any failed room's. When its requests go, the room
+keeps what its ranks' registrations leave out of the draft model (``draft_skipped``: the scheduler
+reads it after Success); a room that succeeds so is counted (``rooms_draft_skipped``).
 """
 
 from __future__ import annotations
 
+from pdkv.mapping.layout_policy import BufferKey
 from pdkv.protocol.effects import FailureCause, Notice, NoticeLevel, RoomFinished, Send, VerifyChecksums
 from pdkv.protocol.machines._base import MachineSpec, StateMachine, row
 from pdkv.protocol.machines._decode_side import (
@@ -38,6 +41,7 @@ from pdkv.protocol.machines._decode_side import (
 from pdkv.protocol.machines.decode_abort import DecodeAbortMachine
 from pdkv.protocol.messages import Abort, TransferMetricData, TransferRequest
 from pdkv.protocol.poll import KVPoll
+from pdkv.protocol.registration import DraftSkipped
 
 _S = ReceiverRoomState
 _I = ReceiverRoomInput
@@ -74,6 +78,28 @@ def last_required_to_verify(s: RoomStep) -> bool:
 
 
 # ------------------------------------------------------------------------------------------ effects
+
+
+def note_draft_skipped(s: RoomStep) -> None:
+    """What the room will not receive of the draft model: the buffers each required rank's RegisterAck
+    left out (dummies write nothing, so theirs do not matter)."""
+    not_written: list[BufferKey] = []
+    not_sent: list[BufferKey] = []
+    peers: list[str] = []
+    for t in s.room.targets:
+        rank = s.side.rank(t.key)
+        if t.dummy or rank is None or rank.ack is None or not rank.ack.leaves_out:
+            continue
+        not_written += rank.ack.decode_left_out
+        not_sent += rank.ack.prefill_left_out
+        peers.append(rank.name)
+    if peers:
+        s.room.draft_skipped = DraftSkipped(not_written=not_written, not_sent=not_sent, peers=peers)
+
+
+def count_without_draft(s: RoomStep) -> None:
+    if s.room.draft_skipped is not None:
+        s.side.count("rooms_draft_skipped")
 
 
 def send_requests(s: RoomStep) -> None:
@@ -124,6 +150,11 @@ def request_verification(s: RoomStep) -> None:
     r = s.room
     s.side.set_deadline(r, s.now + s.side.timeouts.transfer)
     reports = tuple((t.key, r.reports.get(t.key)) for t in r.targets if t.key in r.required)
+    left_out = []
+    for key, _ in reports:
+        rank = s.side.rank(key)
+        if rank is not None and rank.ack is not None and rank.ack.decode_left_out:
+            left_out.append((key, tuple(rank.ack.decode_left_out)))
     s.side.emit(
         VerifyChecksums(
             room=r.room,
@@ -132,6 +163,7 @@ def request_verification(s: RoomStep) -> None:
             dst_state=r.dst_state,
             dst_aux_row=r.dst_aux_row,
             reports=reports,
+            left_out=tuple(left_out),
         )
     )
 
@@ -166,7 +198,9 @@ def count_late(s: RoomStep) -> None:
     s.side.count("late_messages")
     who = "?" if s.sender is None else peer_text(s.sender)
     s.side.emit(
-        Notice(level=NoticeLevel.DEBUG, text=f"late message from {who} for room {s.room.room}", room=s.room.room)
+        Notice(
+            level=NoticeLevel.DEBUG, text=f"late message from {who} for room {s.room.room}", room=s.room.room
+        )
     )
 
 
@@ -187,7 +221,11 @@ def fail_room(s: RoomStep) -> None:
     r.abort = abort
     s.side.emit(RoomFinished(room=r.room, poll=KVPoll.Failed, reason=s.reason, cause=s.cause))
     s.side.emit(
-        Notice(level=NoticeLevel.WARNING, text=f"room {r.room} failed on decode {s.side.origin}: {s.reason}", room=r.room)
+        Notice(
+            level=NoticeLevel.WARNING,
+            text=f"room {r.room} failed on decode {s.side.origin}: {s.reason}",
+            room=r.room,
+        )
     )
     for t in r.targets:
         rank = s.side.rank(t.key)
@@ -195,7 +233,9 @@ def fail_room(s: RoomStep) -> None:
             continue
         if rank.machine.state is PrefillRankState.READY or t.key == s.tell_now:
             s.side.count("aborts_sent")
-            s.side.emit(Send(to=rank.endpoint, message=Abort(origin=s.side.origin, room=r.room, reason=s.reason)))
+            s.side.emit(
+                Send(to=rank.endpoint, message=Abort(origin=s.side.origin, room=r.room, reason=s.reason))
+            )
         elif not t.dummy and rank.machine.state is PrefillRankState.REGISTERING:
             abort.tell_later.add(t.key)
     step = AbortStep(side=s.side, room=r, abort=abort, now=s.now)
@@ -215,7 +255,9 @@ RECEIVER_ROOM = MachineSpec(
     triggers=ReceiverRoomInput,
     initial=_S.BOOTSTRAPPING,
     edges=(
-        row(_I.TARGETS_READY, _S.BOOTSTRAPPING, _S.WAITING_FOR_INPUT, then=[send_requests]),
+        row(
+            _I.TARGETS_READY, _S.BOOTSTRAPPING, _S.WAITING_FOR_INPUT, then=[note_draft_skipped, send_requests]
+        ),
         row(_I.SUCCESS, _ENDED, None, then=[count_late]),
         row(_I.SUCCESS, _S.BOOTSTRAPPING, None, then=[count_late]),  # nobody was asked yet
         row(_I.SUCCESS, _ASKED, None, when=not_asked, then=[count_late]),
@@ -228,7 +270,13 @@ RECEIVER_ROOM = MachineSpec(
             when=last_required_to_verify,
             then=[record_success, request_verification],
         ),
-        row(_I.SUCCESS, _ASKED, _S.SUCCESS, when=last_required, then=[record_success, finish_success]),
+        row(
+            _I.SUCCESS,
+            _ASKED,
+            _S.SUCCESS,
+            when=last_required,
+            then=[record_success, finish_success, count_without_draft],
+        ),
         row(_I.SUCCESS, _S.WAITING_FOR_INPUT, _S.TRANSFERRING, then=[record_success, arm_transfer_deadline]),
         row(_I.SUCCESS, _S.TRANSFERRING, None, then=[record_success]),
         row(_I.SUCCESS, _S.VERIFYING, None, then=[count_late]),  # every required rank reported already
@@ -241,7 +289,9 @@ RECEIVER_ROOM = MachineSpec(
         row(_I.ABORT, _LIVE, _S.FAILED, then=[fail_room]),
         row(_I.FAIL, _ENDED, None),
         row(_I.FAIL, _LIVE, _S.FAILED, then=[fail_room]),
-        row(_I.VERIFIED, _S.VERIFYING, _S.SUCCESS, then=[count_verified, finish_success]),
+        row(
+            _I.VERIFIED, _S.VERIFYING, _S.SUCCESS, then=[count_verified, finish_success, count_without_draft]
+        ),
         row(_I.VERIFIED, _S.FAILED, None),  # the room failed while it was checked (an abort)
         row(_I.CORRUPT, _S.VERIFYING, _S.FAILED, then=[record_mismatch, fail_room]),
         row(_I.CORRUPT, _S.FAILED, None),

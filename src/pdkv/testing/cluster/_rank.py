@@ -59,19 +59,32 @@ class _RankArgs:
     control_port: int = 0
 
 
-def _make_backend(faults: BackendFaults | None, host: str, spec: ClusterSpec) -> Any:
-    from pdkv.engine.mooncake import TCP_DEFAULT_QUEUED_TRANSFERS_PER_PEER, MooncakeBackend, MooncakeConfig
+def _make_backend(faults: BackendFaults | None, side: Side, spec: ClusterSpec) -> Any:
+    from pdkv.engine import make_backend
+    from pdkv.engine.mooncake import TCP_DEFAULT_QUEUED_TRANSFERS_PER_PEER, MooncakeConfig
+    from pdkv.engine.nixl import NixlConfig
 
     queue = spec.engine_tcp_queue
-    backend = MooncakeBackend(
-        MooncakeConfig(
-            local_hostname=host,
+    if spec.netns is None:
+        devices = "lo"
+    else:  # the veth end of the rank's namespace (its lo is another host's 127.0.0.1 for the peer)
+        devices = spec.netns.prefill_link if side is Side.PREFILL else spec.netns.decode_link
+    backend = make_backend(
+        spec.backend,
+        host=spec.host(side),
+        mooncake=MooncakeConfig(
             transfer_timeout_s=spec.engine_transfer_timeout_s,
             tcp_max_queued_transfers_per_peer=queue,
             max_entries_in_flight=None
             if queue is None
             else min(queue, TCP_DEFAULT_QUEUED_TRANSFERS_PER_PEER),
-        )
+        ),
+        nixl=NixlConfig(
+            ucx_tls=spec.ucx_tls or "all",  # written out: the rank's environment may hold another
+            ucx_net_devices=devices,
+            transfer_timeout_s=float(spec.engine_transfer_timeout_s or 30),
+            log_level="ERROR",
+        ),
     )
     return backend if faults is None else FaultyBackend(backend, faults)
 
@@ -96,11 +109,11 @@ class _Wiring:
 
 
 def _wire(args: _RankArgs, side: Side) -> _Wiring:
-    """The rank's faults applied to a new Mooncake backend and to its control channels."""
+    """The rank's faults applied to a new backend (``spec.backend``) and to its control channels."""
     channel_faults, backend_faults = wrap_for_rank(args.spec.faults, side, args.tp, args.cp)
     channels: list[FaultyChannel] = []
     return _Wiring(
-        backend=_make_backend(backend_faults, args.spec.host(side), args.spec),
+        backend=_make_backend(backend_faults, side, args.spec),
         channel_factory=_channel_factory(args, channel_faults, channels),
         channels=channels,
     )

@@ -16,6 +16,7 @@ import numpy as np
 import numpy.typing as npt
 
 from pdkv.alloc import PagePool
+from pdkv.mapping import ModelRole
 from pdkv.protocol.ids import InstanceId
 from pdkv.protocol.messages import RankCoord, Side, StateIndices
 from pdkv.protocol.poll import KVPoll
@@ -38,7 +39,10 @@ def _decode_rank(args: _RankArgs, conn: Connection) -> None:
 
     spec = args.spec
     cap = spec.decode_capacity
-    memory = RankMemory(spec.model, cap, tp_size=spec.decode_tp, tp_rank=args.tp)
+    memory = RankMemory(spec.decode_spec, cap, tp_size=spec.decode_tp, tp_rank=args.tp)
+    # Draft buffers of this rank the prefill's model lacks: nothing may write them (checked untouched).
+    prefill_keys = set(spec.model.kv_keys()) | set(spec.model.state_keys())
+    unsent = [k for k in memory.tensors if k[0] is ModelRole.DRAFT and k not in prefill_keys]
     wiring = _wire(attrs.evolve(args, control_port=0), Side.DECODE)  # the decode's port: any free one
     backend = wiring.backend
     config = DecodeConfig(
@@ -49,6 +53,7 @@ def _decode_rank(args: _RankArgs, conn: Connection) -> None:
         host=spec.host(Side.DECODE),
         timeouts=spec.timeouts,
         kv_checksum=spec.kv_checksum,
+        layout_policy=spec.decode_layout_policy,
     )
     transport = DecodeTransport(config, backend, channel_factory=wiring.channel_factory)
     name = f"decode tp{args.tp}"
@@ -78,9 +83,12 @@ def _decode_rank(args: _RankArgs, conn: Connection) -> None:
                     assert isinstance(room, _DecodeRoom)
                     dst = pages.allocate(room.num_pages)
                     if spec.verify_bytes:
-                        for buffer_key in spec.model.kv_keys():
+                        for buffer_key in memory.spec.kv_keys():
                             memory.view(buffer_key)[dst] = 0  # reused pages: start from "untouched"
                     slots = state_slots.allocate(spec.state_slots_per_room)
+                    if spec.verify_bytes:
+                        for buffer_key in unsent:
+                            memory.view(buffer_key)[dst if buffer_key[1].is_kv else slots] = 0
                     aux = aux_rows.allocate(1)
                     receiver = transport.receiver(room.room, prefill)
                     receiver.init(
@@ -116,6 +124,7 @@ def _decode_rank(args: _RankArgs, conn: Connection) -> None:
                         state_dst={kind: slots for kind in spec.model.state_kinds},
                         aux_src=room.aux_src,
                         aux_dst=int(aux[0]),
+                        left_out=unsent,
                     )
                     bad = [
                         f"{m.what} {m.index}" + (" (expected untouched)" if m.expected_zero else "")
@@ -128,6 +137,7 @@ def _decode_rank(args: _RankArgs, conn: Connection) -> None:
                 state_slots.free(slots)
                 aux_rows.free(aux)
                 metric = receiver.metric()
+                skipped = receiver.draft_skipped() if poll is KVPoll.Success else None
                 ended.append(
                     RoomOutcome(
                         room=room.room,
@@ -140,6 +150,7 @@ def _decode_rank(args: _RankArgs, conn: Connection) -> None:
                         mismatches=tuple(bad),
                         bytes_reported=metric.bytes,
                         finished_at=observed,
+                        draft_skipped="" if skipped is None else str(skipped),
                     )
                 )
                 receiver.clear()

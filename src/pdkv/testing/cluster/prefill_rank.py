@@ -89,8 +89,15 @@ def _prefill_rank(args: _RankArgs, conn: Connection) -> None:
         host=spec.host(Side.PREFILL),
         timeouts=spec.timeouts,
         kv_checksum=spec.kv_checksum,
+        layout_policy=spec.prefill_layout_policy,
     )
-    transport = PrefillTransport(config, backend, channel_factory=wiring.channel_factory)
+    staging = None
+    if spec.staging is not None:
+        from pdkv.runtime.staging import StagingPool
+
+        sources = [memory.tensors[(b.model, b.kind, b.layer_id)] for b in memory.layout.buffers]
+        staging = StagingPool(backend, memory.layout, sources, spec.staging)
+    transport = PrefillTransport(config, backend, channel_factory=wiring.channel_factory, staging=staging)
     name = f"prefill tp{args.tp}/cp{args.cp}"
     consensus: _RankConsensus | None = None
     try:
@@ -184,6 +191,12 @@ def _prefill_rank(args: _RankArgs, conn: Connection) -> None:
                     fences=stats.endpoint.fences_submitted,
                     writes=stats.metrics.counters.writes,
                     write_jobs=stats.metrics.counters.write_jobs,
+                    staged_writes=staging.statistics().staged_writes if staging is not None else 0,
+                    staging_leased_at_end=(
+                        staging.statistics().in_use_bytes + staging.statistics().quarantined_bytes
+                        if staging is not None
+                        else 0
+                    ),
                     cpu_s=cpu,
                     consensus_lost=consensus.lost if consensus is not None else "",
                     faults=wiring.fault_counts(),
@@ -194,6 +207,8 @@ def _prefill_rank(args: _RankArgs, conn: Connection) -> None:
         if consensus is not None:
             consensus.close()
         transport.close()
+        if staging is not None:
+            staging.close()
         backend.close()
 
 

@@ -13,10 +13,18 @@ import numpy as np
 import numpy.typing as npt
 
 from pdkv.alloc import PagePool
-from pdkv.mapping import BufferKind, OwnershipPolicy, PageInterleaved, chunk_page_start
+from pdkv.mapping import (
+    DEFAULT_LAYOUT_POLICY,
+    BufferKind,
+    LayoutPolicy,
+    OwnershipPolicy,
+    PageInterleaved,
+    chunk_page_start,
+)
 from pdkv.protocol.config import Timeouts
 from pdkv.protocol.ids import RoomId
 from pdkv.protocol.messages import Side
+from pdkv.runtime.staging import StagingConfig
 from pdkv.testing.faults import (
     FaultCounts,
     NetnsLayout,
@@ -34,6 +42,12 @@ log = logging.getLogger(__name__)
 @attrs.frozen(kw_only=True)
 class ClusterSpec:
     model: ModelSpec = attrs.Factory(ModelSpec)
+    decode_model: ModelSpec | None = None
+    """The decode ranks' model when it differs from the prefill's (None: the same). Draft-model
+    differences only make a rolling deployment: the layout policies below decide on it; the decode
+    then checks that nothing wrote its draft buffers the prefill lacks."""
+    prefill_layout_policy: LayoutPolicy = DEFAULT_LAYOUT_POLICY
+    decode_layout_policy: LayoutPolicy = DEFAULT_LAYOUT_POLICY
     prefill_tp: int = 1
     prefill_cp: int = 1
     decode_tp: int = 1
@@ -70,6 +84,13 @@ class ClusterSpec:
     kv_checksum: bool = False
     """Every rank runs with ``PDKV_KV_CHECKSUM``: a decode rank checks each room's pages against the
     prefill ranks' checksums before Success (the byte check after it still runs)."""
+    backend: str = "mooncake"
+    """The transfer engine of every rank (``pdkv.engine.BackendKind``: mooncake or nixl)."""
+    ucx_tls: str | None = None
+    """NIXL only: ``UCX_TLS`` of every rank (None: UCX's default, cma and tcp on one host)."""
+    staging: StagingConfig | None = None
+    """Each prefill rank's executor gathers scattered writes (MHA/GQA head slices towards a decode rank
+    of a higher TP) into a staging pool of this shape (``pdkv.runtime.staging``); None: no pool."""
     netns: NetnsLayout | None = None
     """Run prefill ranks (and the registry) in one network namespace and decode ranks in another,
     joined by a veth pair, so a test can partition them (``NetnsLayout.partition``)."""
@@ -88,6 +109,10 @@ class ClusterSpec:
     @property
     def policy(self) -> OwnershipPolicy:
         return PageInterleaved(cp_size=self.prefill_cp)
+
+    @property
+    def decode_spec(self) -> ModelSpec:
+        return self.model if self.decode_model is None else self.decode_model
 
 
 @attrs.frozen(kw_only=True)
@@ -169,6 +194,8 @@ class RoomOutcome:
     """``time.monotonic()`` when this rank saw the room terminal."""
     mode: str = ""
     """Prefill: how its chunks went: ``per_layer``, ``monolithic`` or ``mixed``."""
+    draft_skipped: str = ""
+    """Decode: ``receiver.draft_skipped()`` of a successful room, as text ("" when nothing was left out)."""
 
 
 @attrs.frozen(kw_only=True)
@@ -208,6 +235,10 @@ class RankReport:
     """Prefill: chunk writes to decode ranks (one per chunk and destination with bytes)."""
     write_jobs: int = 0
     """Prefill: transfer jobs those writes went in (``writes / write_jobs`` rooms shared a job on average)."""
+    staged_writes: int = 0
+    """Prefill: writes its staging pool gathered (``ClusterSpec.staging``); 0 without a pool."""
+    staging_leased_at_end: int = 0
+    """Prefill: staging bytes still leased or quarantined at its final report (must be 0)."""
     cpu_s: dict[str, float] = attrs.Factory(dict)
     """CPU seconds from the end of the rank's start-up to its final report, by thread group
     (``_rank.thread_cpu``)."""
