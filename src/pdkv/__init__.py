@@ -101,7 +101,7 @@ if TYPE_CHECKING:
     )
     from pdkv.protocol import KVPoll, RoomId, Timeouts, room_id
     from pdkv.protocol.decode import DecodeStatistics
-    from pdkv.protocol.effects import Failure, FailureCause, ReleaseKind
+    from pdkv.protocol.effects import ChecksumMismatch, Failure, FailureCause, ReleaseKind
     from pdkv.protocol.ids import InstanceId
     from pdkv.protocol.messages import RankCoord, StateIndices
     from pdkv.protocol.prefill import PrefillStatistics
@@ -168,6 +168,7 @@ _EXPORTS: dict[str, str] = {
     "EngineInitError": "pdkv.engine.mooncake",
     "EngineUnavailableError": "pdkv.errors",
     "ExecutorConfig": "pdkv.runtime",
+    "ChecksumMismatch": "pdkv.protocol.effects",
     "Failure": "pdkv.protocol.effects",
     "FailureCause": "pdkv.protocol.effects",
     "ForeignHandleError": "pdkv.engine.backend",
@@ -268,6 +269,7 @@ __all__ = [
     "ChannelClosedError",
     "ChannelOwnershipError",
     "ChannelStatistics",
+    "ChecksumMismatch",
     "ConfigError",
     "ConnectionCutUnavailableError",
     "ConsensusError",

@@ -199,15 +199,15 @@ def tcp_address_problem(value: object) -> str | None:
 
 __all__ = [
     "ENVIRONMENT",
+    "EnvVar",
     "cli_fraction",
     "cli_int",
-    "EnvVar",
     "declare",
     "env_var_of",
     "env_vars",
     "from_env",
-    "int_var",
     "instance_of",
+    "int_var",
     "non_empty_text",
     "positive_int",
     "positive_seconds",

@@ -246,7 +246,19 @@ def scenario_plugin(plan: dict[str, Any]) -> dict[str, Any]:
         except Exception as exc:
             refusals[label] = f"{type(exc).__name__}: {exc}"
     timeouts = conn.timeouts_from_sglang_env()
+    # pdkv's checksums follow SGLang's own switch (0.5.23's --disaggregation-enable-kv-checksum)
+    with_flag, _ = parse_cli(
+        [*base, "--disaggregation-mode", "decode", "--disaggregation-enable-kv-checksum"]
+    )
+    without, _ = parse_cli([*base, "--disaggregation-mode", "decode"])
+    assert with_flag is not None and without is not None
+    kv_checksum = {
+        "flag": conn.kv_checksum_of(with_flag),
+        "default": conn.kv_checksum_of(without),
+        "device": conn.checksum_device_of(make_kv_args(pool, metadata, engine_rank=0), with_flag),
+    }
     return {
+        "kv_checksum": kv_checksum,
         "member": f"{backend!r}",
         "members": [m.value for m in TransferBackend],
         "in_choices": DISAGG_TRANSFER_BACKEND_CHOICES.count("pdkv"),
@@ -914,6 +926,11 @@ def scenario_decode(plan: dict[str, Any]) -> dict[str, Any]:
         "verified": verified,
         "stub_calls_during_transfer": list(gpu_stubs.calls_outside_import()[calls_before:]),
         "stub_calls_outside_import": list(gpu_stubs.calls_outside_import()),
+        "checksums": {
+            "on": mgr.decode_transport.config.kv_checksum,
+            "rooms_verified": mgr.decode_transport.statistics().endpoint.rooms_verified,
+            "checksum_failures": mgr.decode_transport.statistics().endpoint.checksum_failures,
+        },
     }
     mgr.close()
     return result

@@ -58,7 +58,7 @@ def test_plugin_registers_pdkv_with_sglang(tmp_path: Path) -> None:
         "readme_commands": readme_commands(),
     }
     with children() as started:
-        child = Child("plugin", plan, tmp_path, env=SGLANG_TIMEOUTS)
+        child = Child("plugin", plan, tmp_path, env={**SGLANG_TIMEOUTS, "PDKV_KV_CHECKSUM": "0"})
         started.append(child)
         assert child.wait(240) == 0, child.log_tail()
         result = child.result()
@@ -113,6 +113,8 @@ def test_plugin_registers_pdkv_with_sglang(tmp_path: Path) -> None:
     assert "several nodes" in refusals["nnodes"]
     assert "mark_prefill_complete" in refusals["allocation_policy"]
     assert "state type 'mamba' is not supported by pdkv" in refusals["mamba_state"]
+    # SGLang's own checksum switch turns pdkv's on (PDKV_KV_CHECKSUM=0 in this child)
+    assert result["kv_checksum"] == {"flag": True, "default": False, "device": "cpu"}
     assert result["timeouts"] == {
         "bootstrap": 123.0,
         "waiting": 77.0,

@@ -248,3 +248,40 @@ def test_two_processes_move_bytes_exactly(tmp_path: Path, engine: str) -> None:
     assert got_decode["prefill_info"] == {"dp_size": 1, "follow_bootstrap_room": True}
     for side in (got_prefill, got_decode):
         assert side["stub_calls_outside_import"] == []
+
+
+@pytest.mark.parametrize("switch", ["PDKV_KV_CHECKSUM"])
+def test_checksums_on_every_room_is_verified_before_success(tmp_path: Path, switch: str) -> None:
+    """The same transfer with pdkv's checksums on in both processes (the pdkv variable: SGLang's own
+    ``--disaggregation-enable-kv-checksum`` turns them on too, but also runs SGLang's GPU-only digest):
+    small rooms, chunked and with a decode prefix; each is verified by the decode before its Success,
+    and the bytes still equal the source's."""
+    rooms = [ROOMS[0], ROOMS[1], PREFIXED[0]]
+    stop_file = tmp_path / "stop"
+    base: dict[str, Any] = {
+        "bootstrap_port": free_port(),
+        "http_port": free_port(),
+        "layers": 4,
+        "prefill_pages": PREFILL_PAGES,
+        "decode_pages": DECODE_PAGES,
+        "rooms": rooms,
+        "timeout_s": 90,
+        "grace_s": 2,
+        "stop_file": str(stop_file),
+    }
+    env = {switch: "1"}
+    with children() as started:
+        prefill = Child("prefill", {**base, "result": str(tmp_path / "prefill.json")}, tmp_path, env=env)
+        started.append(prefill)
+        decode = Child("decode", {**base, "result": str(tmp_path / "decode.json")}, tmp_path, env=env)
+        started.append(decode)
+        assert decode.wait(180) == 0, decode.log_tail()
+        stop_file.touch()
+        assert prefill.wait(120) == 0, prefill.log_tail()
+        got_decode = decode.result()
+    for room in rooms:
+        key = str(room["room"])
+        assert got_decode["rooms"][key]["state"] == SUCCESS, got_decode["rooms"][key]
+        check = got_decode["verified"][key]
+        assert check["digests_equal"] and check["mismatched_pages"] == 0, check
+    assert got_decode["checksums"] == {"on": True, "rooms_verified": len(rooms), "checksum_failures": 0}

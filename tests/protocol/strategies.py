@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Final
 
 import numpy as np
+import numpy.typing as npt
 from hypothesis import strategies as st
 
 from pdkv.mapping.layout import AttentionKind, BufferKind, BufferLayout, BufferSpec, ModelRole
@@ -32,6 +33,7 @@ from pdkv.protocol.messages import (
     Message,
     Origin,
     Outcome,
+    PageChecksums,
     RankAnnounce,
     RankCoord,
     RankRoute,
@@ -40,6 +42,7 @@ from pdkv.protocol.messages import (
     RegisterReject,
     RouteQuery,
     RouteTable,
+    StateChecksums,
     StateIndices,
     TransferMetricData,
     TransferRequest,
@@ -272,15 +275,45 @@ def transfer_requests(draw: st.DrawFn) -> TransferRequest:
 
 
 @st.composite
+def checksum_arrays(draw: st.DrawFn, size: int) -> npt.NDArray[np.uint32]:
+    """``size`` uint32 checksums (the extremes included)."""
+    value = st.sampled_from([0, 1, 2**31, 2**32 - 1]) | st.integers(0, 2**32 - 1)
+    values = draw(st.lists(value, min_size=size, max_size=size))
+    return np.array(values, dtype=np.uint32)
+
+
+@st.composite
+def page_checksums(draw: st.DrawFn) -> PageChecksums:
+    """A status's checksums: increasing positions (int32 or int64 on the wire), a few KV buffers,
+    state kinds with a slot count each, an aux checksum or none."""
+    positions = np.unique(draw(index_arrays(max_size=12)))
+    buffers = draw(st.integers(0, 4)) if positions.size else 0
+    kinds = draw(st.lists(st.sampled_from(STATE_KINDS), unique=True, max_size=len(STATE_KINDS)))
+    state = []
+    for kind in kinds:
+        count = draw(st.integers(0, 4))
+        sums = draw(checksum_arrays(count * draw(st.integers(1, 3))))
+        state.append(StateChecksums(kind=kind, count=count, sums=sums))
+    return PageChecksums(
+        positions=positions,
+        kv=draw(checksum_arrays(buffers * int(positions.size))),
+        state=state,
+        aux=draw(checksum_arrays(draw(st.integers(0, 2)))),
+    )
+
+
+@st.composite
 def transfer_statuses(draw: st.DrawFn) -> TransferStatus:
     outcome = draw(st.sampled_from(Outcome))
     reason = draw(_reasons if outcome is Outcome.FAILED else st.just("") | _reasons)
+    checksums = None if outcome is Outcome.FAILED else draw(st.none() | page_checksums())
     return TransferStatus(
         origin=draw(origins()),
         room=draw(rooms()),
         outcome=outcome,
         reason=reason,
         metric=draw(transfer_metrics()),
+        checksums=checksums,
     )
 
 

@@ -63,6 +63,8 @@ from pdkv.protocol.messages import (
     HeartbeatAck,
     Message,
     Origin,
+    Outcome,
+    PageChecksums,
     RankAnnounce,
     RankCoord,
     RankRoute,
@@ -71,6 +73,7 @@ from pdkv.protocol.messages import (
     RegisterReject,
     RouteQuery,
     RouteTable,
+    StateChecksums,
     StateIndices,
     TransferRequest,
     TransferStatus,
@@ -161,7 +164,7 @@ def test_type_codes_are_the_documented_stable_numbers() -> None:
 
 def test_golden_transfer_request_bytes() -> None:
     """Written by hand from the codec docstring; a change here is a change of the wire format."""
-    header = b"PDKV" + b"\x06\x00" + b"\x07\x00" + b"\x02\x00"  # version 6, type 7, two array frames
+    header = b"PDKV" + b"\x07\x00" + b"\x07\x00" + b"\x02\x00"  # version 7, type 7, two array frames
     body = (
         b"\x88"  # map of 8, keys in the documented order
         + b"\xa6origin"
@@ -190,8 +193,8 @@ def test_golden_transfer_request_bytes() -> None:
 def test_header_layout() -> None:
     frames = encode(Heartbeat(origin=ORIGIN, seq=1))
     assert len(frames) == 2
-    assert frames[0] == b"PDKV\x06\x00\x0b\x00\x00\x00"
-    assert HEADER.size == 10 and MAGIC == b"PDKV" and PROTOCOL_VERSION == 6
+    assert frames[0] == b"PDKV\x07\x00\x0b\x00\x00\x00"
+    assert HEADER.size == 10 and MAGIC == b"PDKV" and PROTOCOL_VERSION == 7
 
 
 @pytest.mark.parametrize(
@@ -262,9 +265,9 @@ def test_header_errors() -> None:
 
 def test_other_version_is_reported_before_the_header_size() -> None:
     """A later version may lengthen the header: the peer still learns it is a version mismatch."""
-    v7_header = MAGIC + struct.pack("<H", 7) + bytes(30)
-    reason = rejection([v7_header, b"whatever v7 sends"])
-    assert reason == "peer speaks protocol version 7, this side speaks version 6"
+    v8_header = MAGIC + struct.pack("<H", 8) + bytes(30)
+    reason = rejection([v8_header, b"whatever v8 sends"])
+    assert reason == "peer speaks protocol version 8, this side speaks version 7"
 
 
 def test_body_msgpack_errors() -> None:
@@ -394,6 +397,87 @@ def test_array_frame_errors() -> None:
     assert "body.dst_state[0].indices claims array frame 3, but the header announces 1" in rejection(fewer)
     more = [HEADER.pack(MAGIC, PROTOCOL_VERSION, 7, 3), *good[1:], b""]
     assert "header announces 3 array frames, the body claims 2" in rejection(more)
+
+
+def golden_status() -> TransferStatus:
+    return TransferStatus(
+        origin=ORIGIN,
+        room=RoomId(42),
+        outcome=Outcome.SUCCESS,
+        checksums=PageChecksums(
+            positions=[3, 4],
+            kv=[1, 2, 3, 0xFFFFFFFF],
+            state=[StateChecksums(kind=BufferKind.SWA, count=1, sums=[9])],
+            aux=[7],
+        ),
+    )
+
+
+def test_golden_status_with_checksums_bytes() -> None:
+    """Version 7's field, written by hand from the codec docstring: raw uint32 frames, in the order
+    positions, kv, state sums, aux."""
+    header = b"PDKV" + b"\x07\x00" + b"\x08\x00" + b"\x04\x00"  # version 7, type 8, four array frames
+    body = (
+        b"\x86"
+        + b"\xa6origin"
+        + (b"\x83" + b"\xa8instance" + b"\xa2d0" + b"\xa5epoch" + b"\x03")
+        + (b"\xa4rank" + b"\x82" + b"\xa2tp" + b"\x01" + b"\xa2cp" + b"\x00")
+        + (b"\xa4room" + b"\x2a")
+        + (b"\xa7outcome" + b"\xa7success")
+        + (b"\xa6reason" + b"\xa0")
+        + b"\xa6metric"
+        + (b"\x83" + b"\xa5pages\x00" + b"\xa5bytes\x00" + b"\xa7seconds" + b"\xcb" + bytes(8))
+        + b"\xa9checksums"
+        + b"\x84"
+        + (b"\xa9positions" + b"\x92\x04\x02")
+        + (b"\xa2kv" + b"\x92\x04\x04")
+        + (b"\xa5state" + b"\x91\x83" + b"\xa4kind\xa3swa" + b"\xa5count\x01" + b"\xa4sums\x92\x04\x01")
+        + (b"\xa3aux" + b"\x92\x04\x01")
+    )
+    positions = b"\x03\x00\x00\x00\x04\x00\x00\x00"
+    kv = b"\x01\x00\x00\x00\x02\x00\x00\x00\x03\x00\x00\x00\xff\xff\xff\xff"
+    golden = [header, body, positions, kv, b"\x09\x00\x00\x00", b"\x07\x00\x00\x00"]
+
+    assert encode(golden_status()) == golden
+    decoded = decode(golden)
+    assert decoded == golden_status()
+    assert isinstance(decoded, TransferStatus) and decoded.checksums is not None
+    assert decoded.checksums.kv.dtype == np.uint32 and not decoded.checksums.kv.flags.writeable
+    assert decoded.checksums.kv_matrix().tolist() == [[1, 2], [3, 0xFFFFFFFF]]
+
+
+def test_checksum_frame_errors() -> None:
+    good = encode(golden_status())
+
+    def reason_with(**changes: object) -> str:
+        body = body_of(good)
+        sums = body["checksums"]
+        assert isinstance(sums, dict)
+        sums.update(changes)
+        return rejection(with_body(good, body))
+
+    assert "body.checksums.kv has item width 8, expected 4 (uint32 checksums)" in reason_with(kv=[8, 2])
+    assert "array frame 3 (body.checksums.kv) has 16 bytes, slot says 3 checksums" in reason_with(kv=[4, 3])
+    no_aux = body_of(good)
+    del no_aux["checksums"]["aux"]  # type: ignore[attr-defined]  # a dict: the golden body
+    assert "body.checksums has missing keys ['aux']" in rejection(with_body(good, no_aux))
+    # Values the message classes refuse: the decoder names the class.
+    backwards = [*good[:2], b"\x04\x00\x00\x00\x03\x00\x00\x00", *good[3:]]
+    assert "invalid Checksums: positions must be strictly increasing" in rejection(backwards)
+    short_kv = [*good[:3], good[3][:12], *good[4:]]
+    short_body = body_of(good)
+    short_body["checksums"]["kv"] = [4, 3]  # type: ignore[index]  # a dict: the golden body
+    assert "invalid Checksums: 3 KV checksums do not fill buffers of 2 positions" in rejection(
+        with_body(short_kv, short_body)
+    )
+    assert "invalid StateSums" in reason_with(state=[{"kind": "swa", "count": 2, "sums": [4, 1]}])
+    assert "invalid StateSums: kv is not a state buffer kind" in reason_with(
+        state=[{"kind": "kv", "count": 1, "sums": [4, 1]}]
+    )
+    # A Failed status never carries checksums.
+    failed = body_of(good)
+    failed["outcome"], failed["reason"] = "failed", "x"
+    assert "a Failed status carries no checksums" in rejection(with_body(good, failed))
 
 
 def test_oversized_and_odd_buffers() -> None:
@@ -749,7 +833,7 @@ def test_random_msgpack_bodies_raise_only_remote_error(
 def test_any_other_version_is_named_with_ours(message: Message, version: int) -> None:
     frames = encode(message)
     frames[0] = MAGIC + struct.pack("<H", version) + frames[0][6:]
-    assert rejection(frames) == f"peer speaks protocol version {version}, this side speaks version 6"
+    assert rejection(frames) == f"peer speaks protocol version {version}, this side speaks version 7"
 
 
 @settings(max_examples=100)
@@ -999,7 +1083,7 @@ def test_golden_register_ack_bytes() -> None:
     """A RegisterAck naming one prefill buffer left out, as written by hand from the codec docstring."""
     ack = RegisterAck(origin=ORIGIN, prefill_left_out=[_DRAFT_INDEX_K])
     frames = encode(ack)
-    assert frames[0] == HEADER.pack(b"PDKV", 6, 5, 0)
+    assert frames[0] == HEADER.pack(b"PDKV", 7, 5, 0)
     golden = (
         b"\xb0prefill_left_out"
         + b"\x91\x83"

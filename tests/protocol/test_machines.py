@@ -82,7 +82,7 @@ DR, DRI, F, FI = DecodeRankState, DecodeRankInput, FenceState, FenceInput
 _S_LIVE = (S.BOOTSTRAPPING, S.WAITING_FOR_INPUT, S.TRANSFERRING, S.COMPLETING)
 _S_END = (S.SUCCESS, S.FAILED)
 _DR_OFF = (DR.NEW, DR.FORGOTTEN, DR.REJECTED)
-_R_LIVE = (RS.BOOTSTRAPPING, RS.WAITING_FOR_INPUT, RS.TRANSFERRING)
+_R_LIVE = (RS.BOOTSTRAPPING, RS.WAITING_FOR_INPUT, RS.TRANSFERRING, RS.VERIFYING)
 _R_END = (RS.SUCCESS, RS.FAILED)
 MOVES: dict[str, dict[tuple[Any, Any], set[Any]]] = {
     # Completing: every chunk Done, Success waits for per-layer writes of a chunk never sent, or fences.
@@ -145,9 +145,13 @@ MOVES: dict[str, dict[tuple[Any, Any], set[Any]]] = {
     },
     "ReceiverRoom": {
         (RS.BOOTSTRAPPING, RI.TARGETS_READY): {RS.WAITING_FOR_INPUT},
-        **{(s, RI.SUCCESS): {None} for s in (*_R_END, RS.BOOTSTRAPPING)},
-        (RS.WAITING_FOR_INPUT, RI.SUCCESS): {None, RS.SUCCESS, RS.TRANSFERRING},
-        (RS.TRANSFERRING, RI.SUCCESS): {None, RS.SUCCESS},
+        **{(s, RI.SUCCESS): {None} for s in (*_R_END, RS.BOOTSTRAPPING, RS.VERIFYING)},
+        # The last required Success: Success, or (checksums on) the check of the pages first.
+        (RS.WAITING_FOR_INPUT, RI.SUCCESS): {None, RS.SUCCESS, RS.VERIFYING, RS.TRANSFERRING},
+        (RS.TRANSFERRING, RI.SUCCESS): {None, RS.SUCCESS, RS.VERIFYING},
+        (RS.VERIFYING, RI.VERIFIED): {RS.SUCCESS},
+        (RS.VERIFYING, RI.CORRUPT): {RS.FAILED},
+        **{(RS.FAILED, i): {None} for i in (RI.VERIFIED, RI.CORRUPT)},  # a verdict after an abort
         **{(s, i): {None} for s in _R_END for i in (RI.FAILED, RI.PEER_ABORT, RI.ABORT, RI.FAIL)},
         **{(s, RI.FAILED): {None, RS.FAILED} for s in _R_LIVE},
         **{(s, i): {RS.FAILED} for s in _R_LIVE for i in (RI.PEER_ABORT, RI.ABORT, RI.FAIL)},

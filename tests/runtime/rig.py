@@ -57,6 +57,7 @@ class Rig(TransportPair):
         staging: StagingConfig | None = None,
         prefill_policy: LayoutPolicy = DEFAULT_LAYOUT_POLICY,
         decode_policy: LayoutPolicy = DEFAULT_LAYOUT_POLICY,
+        kv_checksum: bool = False,
     ) -> None:
         per_layer = PerLayerConfig(finish_timeout_s=finish_timeout_s)
         if fan_out_min_layer_bytes is not None:
@@ -79,6 +80,7 @@ class Rig(TransportPair):
             staging=staging,
             prefill_policy=prefill_policy,
             decode_policy=decode_policy,
+            kv_checksum=kv_checksum,
         )
         self.spec = spec
 

@@ -159,6 +159,27 @@ def test_the_absence_check_fails_when_draft_state_is_written(rig_factory: Callab
     [(WITH_DRAFT_STATE, WITHOUT_DRAFT_STATE), (WITHOUT_DRAFT_STATE, WITH_DRAFT_STATE)],
     ids=["prefill-has-draft", "decode-has-draft"],
 )
+@pytest.mark.parametrize("per_layer", [False, True], ids=["monolithic", "per-layer"])
+def test_checksums_cover_what_a_degraded_pair_transfers(
+    rig_factory: Callable[..., Rig], prefill_spec: ModelSpec, decode_spec: ModelSpec, per_layer: bool
+) -> None:
+    """With PDKV_KV_CHECKSUM on both sides, a rollout pair's rooms are verified and succeed: the
+    prefill checksums the buffers it writes to that rank and the decode checks those, not the draft
+    state only one side has (which the prefill never wrote, so checking it would fail every room)."""
+    rig = rig_factory(spec=prefill_spec, decode_spec=decode_spec, kv_checksum=True)
+    rig.start_registered()
+    r = run_one_room(rig, 40, per_layer=per_layer)
+    check_bytes(rig, r, decode_spec)
+    assert r.receivers[0].draft_skipped() is not None
+    endpoint = rig.decode.statistics().endpoint
+    assert (endpoint.rooms_verified, endpoint.checksum_failures) == (1, 0)
+
+
+@pytest.mark.parametrize(
+    ("prefill_spec", "decode_spec"),
+    [(WITH_DRAFT_STATE, WITHOUT_DRAFT_STATE), (WITHOUT_DRAFT_STATE, WITH_DRAFT_STATE)],
+    ids=["prefill-has-draft", "decode-has-draft"],
+)
 def test_a_strict_prefill_refuses_naming_both_lists(
     rig_factory: Callable[..., Rig], prefill_spec: ModelSpec, decode_spec: ModelSpec
 ) -> None:

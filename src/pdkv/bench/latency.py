@@ -38,6 +38,12 @@ timestamps come from a subclass of the Mooncake backend, a wrapper of its engine
 control channels, and a wrapper of ``plan_chunk`` in this process (instrumentation only: a few
 microseconds each). ``time.monotonic`` is one clock for every process of the host.
 
+``--checksum``: each round also runs a pdkv room with ``PDKV_KV_CHECKSUM`` on both transports
+(``pdkv+checksum``: the prefill computes a checksum per (buffer, page) of what it sends, the decode
+checks its pages before Success), right before or after the plain room (the order turns each
+round), and a ``checksum`` record gives what it adds to send -> decode Success (medians of the same
+run). The first checksum room of each size is verified byte for byte too.
+
 The first room of each size is verified byte for byte on the decode side. Memory: the largest
 size's pages, per side (2.3 GB each at 512 pages).
 """
@@ -489,6 +495,8 @@ class DecodeRoomReport:
     status_received_at: float
     success_at: float
     verified: bool | None
+    checksum_verified: bool = False
+    """The decode checked the room's pages against the prefill's checksums before Success."""
 
 
 def _decode_main(args: _DecodeArgs, conn: Connection) -> None:
@@ -526,7 +534,9 @@ def _decode_rank(args: _DecodeArgs, conn: Connection) -> None:
             command = conn.recv()
             if command[0] == "stop":
                 break
-            _, room, dst_pages, aux_row, verify_src = command
+            _, room, dst_pages, aux_row, verify_src, checksum = command
+            transport.set_kv_checksum(checksum)
+            verified_before = transport.statistics().endpoint.rooms_verified
             if verify_src is not None:
                 memory.clear_pages(dst_pages)
             receiver = transport.receiver(RoomId(room), prefill)
@@ -558,6 +568,7 @@ def _decode_rank(args: _DecodeArgs, conn: Connection) -> None:
                 (
                     "done",
                     DecodeRoomReport(
+                        checksum_verified=transport.statistics().endpoint.rooms_verified > verified_before,
                         room=room,
                         poll=int(poll),
                         failure=failure,
@@ -689,6 +700,7 @@ class RoomTiming:
     to_decode_success: float
     phases: dict[str, float]
     verified: bool | None
+    checksum_verified: bool = False
 
 
 @attrs.define
@@ -802,6 +814,11 @@ def main(argv: Sequence[str]) -> int:
         help="both processes' interpreter switch interval (sys.setswitchinterval; default: Python's 5,000)",
     )
     parser.add_argument(
+        "--checksum",
+        action="store_true",
+        help="also run each pdkv room with PDKV_KV_CHECKSUM on both transports, and report what it adds",
+    )
+    parser.add_argument(
         "--quick", action="store_true", help="tiny run for tests: 4 layers, sizes 1 and 4, 2 rounds"
     )
     parser.add_argument(
@@ -842,7 +859,9 @@ def _measure(args: argparse.Namespace, sizes: list[int]) -> int:
     )
     capacity = Capacity(kv_pages=max(sizes), state_slots=1, aux_rows=4)
     page_bytes = model.kv_item_bytes
-    variants = [("pdkv", True)] + ([("pdkv-spin", False)] if args.ab_pacing else [])
+    variants = [("pdkv", True, False)] + ([("pdkv-spin", False, False)] if args.ab_pacing else [])
+    if args.checksum:
+        variants.append(("pdkv+checksum", True, True))
     progress = Progress()
     rng = np.random.default_rng(args.seed)
     runs: list[SizeRuns] = []
@@ -917,11 +936,15 @@ def _measure(args: argparse.Namespace, sizes: list[int]) -> int:
                 for size in runs:
                     progress.show(f"round {round_index + 1}/{args.repeats}: {size.pages} pages")
 
-                    def pdkv_rooms(size: SizeRuns = size, first_round: bool = round_index == 0) -> None:
+                    def pdkv_rooms(size: SizeRuns = size, turn: int = round_index) -> None:
                         nonlocal room, verified
-                        for n, (variant, paced) in enumerate(variants):
+                        # The order of the variants turns each round too (a room after a large one is slower).
+                        order = variants if turn % 2 == 0 else variants[::-1]
+                        for variant, paced, checksum in order:
                             backend.config = attrs.evolve(backend.config, pace_status_waits=paced)
-                            verify = first_round and n == 0 and not args.no_verify
+                            transport.set_kv_checksum(checksum)
+                            checked = variant in ("pdkv", "pdkv+checksum")
+                            verify = turn == 0 and checked and not args.no_verify
                             lock.recording = True
                             timing = _pdkv_room(
                                 transport,
@@ -933,13 +956,14 @@ def _measure(args: argparse.Namespace, sizes: list[int]) -> int:
                                 poll_s,
                                 verify=verify,
                                 wake=wake,
+                                checksum=checksum,
                             )
                             lock.recording = False
                             room += 1
                             if timing is None:
                                 failures.append(f"{variant} room of {size.pages} pages failed")
                                 continue
-                            if timing.verified is False:
+                            if timing.verified is False or timing.checksum_verified is not checksum:
                                 verified = False
                             size.rooms.setdefault(variant, []).append(timing)
 
@@ -1038,10 +1062,11 @@ def _pdkv_room(
     *,
     verify: bool,
     wake: bool,
+    checksum: bool = False,
 ) -> RoomTiming | None:
     """One room through both transports; None if it failed."""
     aux_row = room % 4
-    conn.send(("room", room, size.dst_pages, aux_row, size.src_pages if verify else None))
+    conn.send(("room", room, size.dst_pages, aux_row, size.src_pages if verify else None, checksum))
     sender = transport.sender(RoomId(room))
     sender.init(size.pages, aux_row)
     waits = transport if wake else None
@@ -1066,6 +1091,7 @@ def _pdkv_room(
         to_decode_success=decode.success_at - sent_at,
         phases=_phases(timeline, sent_at, returned_at, prefill_success_at, decode),
         verified=decode.verified,
+        checksum_verified=decode.checksum_verified,
     )
 
 
@@ -1149,6 +1175,38 @@ def _report(
         ],
         rows,
     )
+    checksum_rows: list[list[object]] = []
+    for size in runs:
+        plain, checked = size.rooms.get("pdkv"), size.rooms.get("pdkv+checksum")
+        if not plain or not checked:
+            continue
+        p_med = _stats([r.to_decode_success for r in plain])["median"]
+        c_med = _stats([r.to_decode_success for r in checked])["median"]
+        pp_med = _stats([r.to_prefill_success for r in plain])["median"]
+        cp_med = _stats([r.to_prefill_success for r in checked])["median"]
+        nbytes = size.pages * args.layers * page_bytes
+        record = {
+            "bench": "latency",
+            "kind": "checksum",
+            "pages": size.pages,
+            "bytes": nbytes,
+            "rounds": min(len(plain), len(checked)),
+            "decode_success_ms": {"plain": p_med * 1e3, "checksum": c_med * 1e3},
+            "prefill_success_ms": {"plain": pp_med * 1e3, "checksum": cp_med * 1e3},
+            "checksum_adds": c_med / p_med - 1.0,
+            "checksum_adds_to_prefill_success": cp_med / pp_med - 1.0,
+        }
+        emit(record)
+        adds = f"{100 * (c_med / p_med - 1):+.1f}%"
+        checksum_rows.append(
+            [size.pages, f"{nbytes / 1e6:.1f} MB", p_med * 1e3, c_med * 1e3, adds, pp_med * 1e3, cp_med * 1e3]
+        )
+    if checksum_rows:
+        table(
+            "PDKV_KV_CHECKSUM: send() -> decode Success with and without (medians of this run, ms)",
+            ["pages", "bytes", "->D plain", "->D checksum", "adds", "->P plain", "->P checksum"],
+            checksum_rows,
+        )
     table(
         "per-phase medians and means of the pdkv rooms (ms): send() -> ... -> decode poll sees Success "
         "(a mean well above its median: a phase that is slow in some rooms only, e.g. a wait for the "

@@ -19,6 +19,12 @@ scattered. Four ways to move it, round-robin for ``--repeats`` rounds (best roun
   executor's blocks as one WRITE and polling it without sleeping: executor / raw agent is what pdkv
   costs over NIXL itself.
 
+``--checksum``: a fifth method, ``executor+checksum``: what the executor does with
+``PDKV_KV_CHECKSUM``: this process computes a checksum per (layer, page) of the source pages
+(``pdkv.runtime.checksum``, as a prefill rank does before it submits), the executor moves the runs,
+then the peer process computes the same checksums over its pages (as a decode rank does before it
+reports Success) and they are compared; the summary gives what that adds to the executor's time.
+
 The destination is zeroed before and checked (SHA-1 against an image built here) after every
 timed run. Memory: the request is tokens x layers x bytes-per-token per side (2.3 GB at the
 defaults), freed when the benchmark ends.
@@ -73,6 +79,7 @@ from pdkv.mapping import (
 )
 from pdkv.mapping.landing import LandingPlan, plan_landing, plan_scatter
 from pdkv.mapping.staging import staged_entries
+from pdkv.runtime.checksum import WHOLE, BufferViews, Checksummer
 from pdkv.runtime.executor import ExecutorConfig, TransferExecutor
 from pdkv.runtime.staging import LandingRegions, StagingConfig, StagingPool
 from pdkv.testing.backend_conformance import HostBuffer, MetadataSyncedPeer, PeerMemory
@@ -179,6 +186,11 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="timed rounds (best is reported)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="tiny run: 4,096 tokens, 4 layers, 1 round")
+    parser.add_argument(
+        "--checksum",
+        action="store_true",
+        help="also time the executor with PDKV_KV_CHECKSUM's work on both sides (executor+checksum)",
+    )
     parser.add_argument("--mha", action="store_true", help="MHA/GQA K and V split by heads over TP")
     parser.add_argument("--tp", type=int, default=1, help="--mha: prefill TP size (default 1)")
     parser.add_argument("--decode-tp", type=int, default=1, help="--mha: decode TP size (default 1)")
@@ -262,12 +274,34 @@ def main(argv: Sequence[str]) -> int:
         def run_plain() -> None:
             sender.write(peer.session_id, runs)
 
+        # --checksum: both sides' checksums per (layer, page), by position, around the executor's write.
+        src_layers = [
+            (source.data_ptr() + i * request.layer_bytes, request.layer_bytes) for i in range(args.layers)
+        ]
+        dst_layers = tuple(
+            (region.address + i * request.layer_bytes, request.layer_bytes) for i in range(args.layers)
+        )
+        summer = Checksummer(BufferViews(_pool_layout(src_layers, request.page_bytes)))
+        positions = np.arange(pages, dtype=np.int64)
+        every_layer = [(i, WHOLE) for i in range(args.layers)]
+        mismatched: list[int] = []
+
+        def run_executor_checksum() -> None:
+            sent = summer.many(every_layer, request.src_pages, positions)
+            run_executor()
+            got = peer.checksums(dst_layers, request.page_bytes, request.dst_pages, positions)
+            mismatched.append(int((got != sent).sum()))
+
         methods = [
             Method("executor", run_executor, permuted_digest),
             Method("raw", run_raw, identity_digest),
             Method("same runs", run_same_runs, permuted_digest),
             Method("plain", run_plain, permuted_digest),
         ]
+        if args.checksum:
+            methods.insert(1, Method("executor+checksum", run_executor_checksum, permuted_digest))
+            summer.many(every_layer, request.src_pages, positions)  # warm-up: views, scratch, weights
+            peer.checksums(dst_layers, request.page_bytes, request.dst_pages, positions)
         raw_agent: RawNixlWriter | None = None
         if nixl and isinstance(peer, MetadataSyncedPeer):
             # The raw NIXL agent (no pdkv code) moving the executor's very blocks as one WRITE.
@@ -302,6 +336,7 @@ def main(argv: Sequence[str]) -> int:
                 )
         if raw_agent is not None:
             raw_agent.close()
+    verified &= not any(mismatched)  # executor+checksum: the peer's checksums equal the sender's
     del source  # 2.3 GB at the defaults: give it back before printing
     gbps = {name: total / seconds / 1e9 for name, seconds in best.items()}
     defaults = ExecutorConfig.from_env()
@@ -333,6 +368,18 @@ def main(argv: Sequence[str]) -> int:
                 gbps["same runs"],
             ],
             ["plain", f"{len(runs)} runs in one batch", best["plain"], gbps["plain"]],
+            *(
+                [
+                    [
+                        "executor+checksum",
+                        "the executor, with both sides' checksums",
+                        best["executor+checksum"],
+                        gbps["executor+checksum"],
+                    ]
+                ]
+                if args.checksum
+                else []
+            ),
         ]
         + (
             [
@@ -365,10 +412,26 @@ def main(argv: Sequence[str]) -> int:
             "executor_vs_same_runs": best["same runs"] / best["executor"],
             "same_runs_vs_raw": best["raw"] / best["same runs"],
             "executor_vs_plain": best["plain"] / best["executor"],
+            **(
+                {
+                    "checksum_adds": best["executor+checksum"] / best["executor"] - 1.0,
+                    "checksum_mismatches": sum(mismatched),
+                }
+                if args.checksum
+                else {}
+            ),
             "executor_vs_raw_agent": best["raw agent"] / best["executor"] if "raw agent" in best else None,
             "verified": verified,
         }
     )
+    if args.checksum:
+        print(
+            f"pdkv bench transfer: PDKV_KV_CHECKSUM adds "
+            f"{100 * (best['executor+checksum'] / best['executor'] - 1):+.1f}% to the executor's "
+            f"{best['executor']:.3f} s (both sides' checksums, best rounds)",
+            file=sys.stderr,
+            flush=True,
+        )
     if "raw agent" in best:
         print(
             f"pdkv bench transfer: executor {best['raw agent'] / best['executor']:.2f}x the raw NIXL agent "
@@ -385,6 +448,25 @@ def main(argv: Sequence[str]) -> int:
         flush=True,
     )
     return 0 if verified else 1
+
+
+def _pool_layout(layers: Sequence[tuple[int, int]], page_bytes: int) -> BufferLayout:
+    """The layer regions of one pool as a layout of one KV buffer per layer (for checksums)."""
+    return BufferLayout.build(
+        attention=AttentionKind.MLA,
+        page_size=1,
+        buffers=[
+            BufferSpec(
+                kind=BufferKind.KV,
+                model=ModelRole.TARGET,
+                layer_id=i,
+                base_ptr=a,
+                length=n,
+                item_bytes=page_bytes,
+            )
+            for i, (a, n) in enumerate(layers)
+        ],
+    )
 
 
 def shaped(blocks: TransferBlocks, shape: Shape) -> list[TransferBlocks]:

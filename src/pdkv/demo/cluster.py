@@ -120,6 +120,11 @@ class Summary:
     seconds: float
     room_p50_ms: float
     room_p99_ms: float
+    checksums: bool = False
+    """``--checksum``: every decode rank verified its rooms' pages before Success."""
+    rooms_verified: int = 0
+    decode_successes: int = 0
+    checksum_failures: int = 0
     draft_skipped: int = 0
     """Successful rooms served without some draft-model state (a rolling deployment)."""
     draft_unreported: int = 0
@@ -127,11 +132,15 @@ class Summary:
 
     @property
     def ok(self) -> bool:
+        # With --checksum every decode Success must have been verified first (else the option did nothing).
+        unverified = self.checksums and self.rooms_verified != self.decode_successes
         return not (
             self.unexpected
             or self.mismatches
             or self.canary_violations
             or self.worker_errors
+            or self.checksum_failures
+            or unverified
             or self.draft_unreported
         )
 
@@ -142,6 +151,7 @@ def summarize(
     reports: Sequence[RankReport],
     seconds: float,
     *,
+    checksums: bool = False,
     draft_left_out: bool = False,
 ) -> tuple[Summary, list[dict[str, object]]]:
     """``draft_left_out``: the two sides register different draft state, so every successful room must
@@ -203,6 +213,10 @@ def summarize(
         room_p50_ms=1000 * (statistics.median(latencies) if latencies else 0.0),
         room_p99_ms=1000
         * (latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))] if latencies else 0.0),
+        checksums=checksums,
+        rooms_verified=sum(r.rooms_verified for r in reports),
+        decode_successes=sum(1 for o in outcomes if o.side == "decode" and o.poll == KVPoll.Success),
+        checksum_failures=sum(r.checksum_failures for r in reports),
         draft_skipped=skipped,
         draft_unreported=unreported,
     )
@@ -329,6 +343,12 @@ def main(argv: Sequence[str] = ()) -> int:
         "(default: the engine's; --mha: 16,384, headroom for a stream of per-token head slices)",
     )
     parser.add_argument(
+        "--checksum",
+        action="store_true",
+        help="PDKV_KV_CHECKSUM on every rank: decode ranks check each room's pages against the prefill "
+        "ranks' checksums before Success (the byte check after it still runs)",
+    )
+    parser.add_argument(
         "--staging",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -435,6 +455,7 @@ def main(argv: Sequence[str] = ()) -> int:
         consensus=args.consensus,
         engine_transfer_timeout_s=args.engine_timeout_s or (120 if args.mha else None),
         engine_tcp_queue=args.engine_tcp_queue or (16384 if args.mha else None),
+        kv_checksum=args.checksum,
         backend=backend.value,
         ucx_tls=args.ucx_tls,
         staging=StagingConfig.from_env() if args.mha and args.staging else None,
@@ -446,6 +467,7 @@ def main(argv: Sequence[str] = ()) -> int:
         f"{args.rooms} rooms, {model.layers} layers + {model.draft_layers} draft, page {model.page_size}, "
         f"{_kv_description(model, args.tp, args.decode_tp)}; "
         f"{'per-layer' if args.per_layer else 'monolithic'} transfer, {args.layer_ms:g} ms compute per layer"
+        f"{', checksums verified before Success' if args.checksum else ''}"
         f"{', staged head slices' if spec.staging is not None else ''}",
         file=sys.stderr,
     )
@@ -477,7 +499,9 @@ def main(argv: Sequence[str] = ()) -> int:
         print(f"registration refused (layout policy strict): {refusal}", file=sys.stderr)
         print(f"result              REFUSED (rank logs: {log_dir})")
         return 1
-    summary, rows = summarize(plans, outcomes, reports, elapsed, draft_left_out=rollout)
+    summary, rows = summarize(
+        plans, outcomes, reports, elapsed, draft_left_out=rollout, checksums=args.checksum
+    )
     if args.json:
         for row in rows:
             print(json.dumps(row))
@@ -521,6 +545,11 @@ def _print_table(summary: Summary, rows: list[dict[str, object]], *, startup_s: 
         "(init to terminal, decode side)"
     )
     print(f"abort safety        {s.canary_violations} canary violations, {s.unsafe_releases} unsafe releases")
+    if s.checksums:
+        print(
+            f"checksums           {s.rooms_verified} of {s.decode_successes} decode Successes verified first, "
+            f"{s.checksum_failures} checksum failures"
+        )
     if s.draft_skipped or s.draft_unreported:
         print(
             f"draft state         {s.draft_skipped} rooms served without it (reported per room), "

@@ -27,7 +27,14 @@ from pdkv.engine.backend import (
     WaitResult,
 )
 from pdkv.engine.choice import BackendKind, backend_kind, make_backend
-from pdkv.engine.loopback import LoopbackBackend, LoopbackConfig, LoopbackFabric, LoopbackFaults
+from pdkv.engine.loopback import (
+    Corruption,
+    CorruptionKind,
+    LoopbackBackend,
+    LoopbackConfig,
+    LoopbackFabric,
+    LoopbackFaults,
+)
 from pdkv.engine.mooncake import (
     EngineInitError,
     MooncakeBackend,
@@ -47,6 +54,8 @@ __all__ = [
     "BatchOutcome",
     "BatchStatus",
     "BatchTimedOutError",
+    "Corruption",
+    "CorruptionKind",
     "EngineInitError",
     "ForeignHandleError",
     "InvalidBatchError",

@@ -2,7 +2,8 @@
 
 Owns: ``LoopbackBackend``, ``LoopbackFabric`` (the registry that maps session ids to live loopback
 backends: one per process by default, or an explicit one shared by the backends of a test) and
-``LoopbackFaults`` (fail the Nth batch, delay batches, fail only some peers). Must not pretend to be
+``LoopbackFaults`` (fail the Nth batch, delay batches, fail only some peers, and damage the bytes a
+write landed: ``Corruption``, what a checksum must catch while the engine reports success). Must not pretend to be
 faster or more forgiving than a real engine: completion is asynchronous on worker threads (a delayed
 batch is really still in flight), the destination is checked against the peer's registrations as a
 real peer would, and more than ``max_entries_in_flight`` entries towards one peer fail the batch,
@@ -17,6 +18,7 @@ unregister memory a batch in flight may touch).
 from __future__ import annotations
 
 import ctypes
+import enum
 import itertools
 import threading
 import time
@@ -49,6 +51,52 @@ def _peers(values: Iterable[str]) -> frozenset[str]:
     return frozenset(values)
 
 
+class CorruptionKind(enum.Enum):
+    FLIP = "flip"  # xor the byte at ``at`` with ``mask``
+    ZERO = "zero"  # zero ``length`` bytes from ``at``
+    SWAP = "swap"  # exchange ``length`` bytes at ``at`` with those at ``other``
+    COPY = "copy"  # overwrite ``length`` bytes at ``at`` with those at ``other`` (a stale write)
+
+
+@attrs.frozen(kw_only=True)
+class Corruption:
+    """Silent damage at the destination: once a piece that writes destination address ``at`` has
+    landed, the bytes there change as ``kind`` says, and the batch still completes. ``other``: the
+    second range of a swap (it must land in the same piece), or the source of a copy (any memory of
+    this process: e.g. another room's bytes, as a late write of that room would bring)."""
+
+    kind: CorruptionKind
+    at: int
+    length: int = 1
+    other: int = 0
+    mask: int = 0x01
+
+    def touched_by(self, piece: TransferBlocks) -> bool:
+        inside = (piece.dst <= self.at) & (self.at + self.length <= piece.dst + piece.length)
+        if self.kind is CorruptionKind.SWAP:
+            other = (piece.dst <= self.other) & (self.other + self.length <= piece.dst + piece.length)
+            return bool(inside.any()) and bool(other.any())
+        return bool(inside.any())
+
+    def apply(self) -> None:
+        if self.kind is CorruptionKind.FLIP:
+            byte = ctypes.c_uint8.from_address(self.at)
+            byte.value ^= self.mask
+        elif self.kind is CorruptionKind.ZERO:
+            ctypes.memset(self.at, 0, self.length)
+        elif self.kind is CorruptionKind.SWAP:
+            saved = ctypes.create_string_buffer(self.length)
+            ctypes.memmove(saved, self.at, self.length)
+            ctypes.memmove(self.at, self.other, self.length)
+            ctypes.memmove(self.other, saved, self.length)
+        else:
+            ctypes.memmove(self.at, self.other, self.length)
+
+
+def _corruptions(values: Iterable[Corruption]) -> tuple[Corruption, ...]:
+    return tuple(values)
+
+
 @attrs.frozen(kw_only=True)
 class LoopbackFaults:
     """What goes wrong, by batch serial (1-based submission order of the sending backend) and peer."""
@@ -66,6 +114,8 @@ class LoopbackFaults:
     # A real engine that fails a batch may already have landed some of it: a failing batch first
     # writes the first half of its blocks, so callers are tested against partial writes.
     partial_write: bool = True
+    # Bytes damaged after a successful write (every piece that covers them, while installed).
+    corruptions: tuple[Corruption, ...] = attrs.field(default=(), converter=_corruptions)
 
     def delays(self, serial: int) -> bool:
         return self.delay_seconds > 0 and (self.delay_batches is None or serial in self.delay_batches)
@@ -203,6 +253,9 @@ def _execute(job: PieceJob, faults: LoopbackFaults, target: LoopbackBackend) -> 
             _copy(piece.take(slice(0, len(piece) // 2)))
         raise PieceFailed(f"injected failure of batch {serial}")
     _copy(piece)
+    for corruption in faults.corruptions:
+        if corruption.touched_by(piece):
+            corruption.apply()
 
 
 def _copy(blocks: TransferBlocks) -> None:

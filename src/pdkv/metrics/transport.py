@@ -54,6 +54,8 @@ class TransportCounter(enum.Enum):
     FENCES = "fences"
     WRITES = "writes"
     WRITE_JOBS = "write_jobs"
+    ROOMS_VERIFIED = "rooms_verified"
+    CHECKSUM_FAILURES = "checksum_failures"
     ROOMS_DRAFT_SKIPPED = "rooms_draft_skipped"
 
     @property
@@ -137,6 +139,12 @@ COUNTER_DESCRIPTIONS: Final[Mapping[TransportCounter, str]] = {
     TransportCounter.WRITE_JOBS: (
         "Transfer jobs those writes went in; writes / write_jobs is how many rooms' chunks shared a job."
     ),
+    TransportCounter.ROOMS_VERIFIED: (
+        "Decode: rooms whose pages matched every prefill rank's checksums before Success (PDKV_KV_CHECKSUM)."
+    ),
+    TransportCounter.CHECKSUM_FAILURES: (
+        "Decode: rooms failed because a received page differed from what the prefill sent (checksums)."
+    ),
     TransportCounter.ROOMS_DRAFT_SKIPPED: (
         "Decode: rooms that succeeded without some draft-model state (receiver.draft_skipped()): the "
         "scheduler should not speculate from it."
@@ -175,6 +183,8 @@ class CounterValues:
     fences: int = 0
     writes: int = 0
     write_jobs: int = 0
+    rooms_verified: int = 0
+    checksum_failures: int = 0
     rooms_draft_skipped: int = 0
 
     def __getitem__(self, counter: TransportCounter) -> int:

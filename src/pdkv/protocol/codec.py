@@ -6,10 +6,13 @@ beyond its fields: ``encode`` takes a validated message, ``decode`` returns one 
 ``messages`` validate themselves). ``decode`` is the trust boundary: for ANY input it returns a
 message or raises ``RemoteProtocolError``, never anything else.
 
-Wire format, version 6 (normative; another implementation can be written from this text)
+Wire format, version 7 (normative; another implementation can be written from this text)
 =========================================================================================
 
-Changes from version 5: ``RegisterAck`` gains the keys ``prefill_left_out`` and ``decode_left_out``
+Changes from version 6: ``TransferStatus`` gains the key ``checksums`` (``Checksums | nil``): with
+``PDKV_KV_CHECKSUM`` a Success status says, per (buffer, page), what the prefill rank wrote, and the
+decode rank verifies its pages against it before it reports Success (``SUMS`` array slots).
+Changes from version 5 to 6: ``RegisterAck`` gains the keys ``prefill_left_out`` and ``decode_left_out``
 (lists of ``BufferRef``): the buffers of each side that the transfers of this pair of ranks leave out,
 as the prefill's layout policy allowed (draft-model buffers only one side registers, during a rolling
 deployment); both empty when the layouts match.
@@ -33,7 +36,7 @@ A message is a sequence of ``2 + n`` byte frames (one ZMQ multipart message)::
                      type     u16       message type code (table below)
                      arrays   u16       n, the number of array frames after the body
     frame 1        body: exactly one msgpack map (at most 1 MiB)
-    frame 2 .. 1+n array frames: raw little-endian signed integers, no header (each at most 256 MiB)
+    frame 2 .. 1+n array frames: raw little-endian integers, no header (each at most 256 MiB)
 
 A receiver checks, in this order: 1 <= frame count <= 64; frame 0 is at least 6 bytes and starts with
 the magic; the version equals its own (otherwise it reports both versions: the header may grow in a
@@ -70,6 +73,11 @@ any value outside them. Nested records::
                                         a buffer as both sides name it; values as in BufferSpec
     StateSlot   {"kind": str, "indices": ARRAY}     kind: index_k index_scale swa
     Metric      {"pages": int, "bytes": int, "seconds": float}
+    Checksums   {"positions": ARRAY, "kv": SUMS, "state": [StateSums, ...], "aux": SUMS}
+                                        positions strictly increasing; kv: KV buffers x positions,
+                                        buffer-major; aux: one per aux buffer (empty: none written)
+    StateSums   {"kind": str, "count": int, "sums": SUMS}
+                                        kind: index_k index_scale swa; sums: buffers x count
 
 ``ARRAY`` is an array slot ``[width, count]`` (a msgpack array of two ints) describing the next array
 frame not yet claimed: ``width`` is the item size in bytes, 4 (int32) or 8 (int64), and the frame is
@@ -78,7 +86,10 @@ truncated or padded array frame an error instead of a shorter or longer array). 
 claimed in the order their slots appear in the listing below (for TransferRequest: ``dst_pages`` is
 frame 2, then one frame per ``dst_state`` entry in list order), and the body claims exactly ``n`` of
 them. Senders use width 4 when every value is below 2**31, else 8; receivers accept either width for
-any values. Indices are non-negative (a negative int32/int64 is rejected).
+any values. Indices are non-negative (a negative int32/int64 is rejected). ``SUMS`` is an array slot
+of the same form whose frame holds little-endian uint32 checksums: ``width`` is always 4. Inside
+``Checksums`` the frames are claimed in the order ``positions``, ``kv``, each ``state`` entry's
+``sums`` in list order, then ``aux``.
 
 Bodies by type (key order as written)::
 
@@ -95,8 +106,9 @@ Bodies by type (key order as written)::
     7 TransferRequest {"origin": Origin, "room": int, "dst_pages": ARRAY, "dst_aux_row": int | nil,
                        "dst_state": [StateSlot, ...], "required_dst_info_num": int, "dummy": bool,
                        "prefix_pages": int}
-    8 TransferStatus  {"origin": Origin, "room": int, "outcome": str, "reason": str, "metric": Metric}
-                                                    outcome: success failed
+    8 TransferStatus  {"origin": Origin, "room": int, "outcome": str, "reason": str, "metric": Metric,
+                       "checksums": Checksums | nil}
+                                                    outcome: success failed; checksums: success only
     9 Abort           {"origin": Origin, "room": int, "reason": str}
    10 AbortAck        {"origin": Origin, "room": int, "fenced": bool}
    11 Heartbeat       {"origin": Origin, "seq": int, "endpoint": str | nil}
@@ -145,6 +157,7 @@ from pdkv.protocol.messages import (
     Message,
     Origin,
     Outcome,
+    PageChecksums,
     RankAnnounce,
     RankCoord,
     RankRoute,
@@ -153,13 +166,15 @@ from pdkv.protocol.messages import (
     RegisterReject,
     RouteQuery,
     RouteTable,
+    StateChecksums,
     StateIndices,
+    SumArray,
     TransferMetricData,
     TransferRequest,
     TransferStatus,
 )
 
-PROTOCOL_VERSION: Final = 6
+PROTOCOL_VERSION: Final = 7
 MAGIC: Final = b"PDKV"
 HEADER: Final = struct.Struct("<4sHHH")  # magic, version, type code, number of array frames
 _MAGIC_AND_VERSION_BYTES: Final = 6  # the only header bytes whose position no future version may move
@@ -175,6 +190,7 @@ MAX_BODY_BIN_BYTES: Final = MAX_ENGINE_METADATA_BYTES
 _INT32_LIMIT: Final = 2**31
 _INT32_LE: Final = np.dtype(np.int32).newbyteorder("<")
 _INT64_LE: Final = np.dtype(np.int64).newbyteorder("<")
+_UINT32_LE: Final = np.dtype(np.uint32).newbyteorder("<")
 
 # Reason prefix of the last line of defence in ``decode``: tests assert it never appears, so a path
 # that escapes the specific checks is found by the fuzzer instead of hidden by the catch-all.
@@ -220,6 +236,29 @@ def _array_slot(values: IntArray, arrays: list[bytes]) -> list[int]:
         )
     arrays.append(data)
     return [width, values.size]
+
+
+def _sums_slot(values: SumArray, arrays: list[bytes]) -> list[int]:
+    """Append checksums as the next (uint32) array frame; return its slot ``[4, count]``."""
+    data = values.astype(_UINT32_LE, copy=False).tobytes()
+    if len(data) > MAX_ARRAY_BYTES:
+        raise LocalProtocolError(f"{values.size} checksums exceed the {MAX_ARRAY_BYTES}-byte frame limit")
+    arrays.append(data)
+    return [4, values.size]
+
+
+def _checksums_body(sums: PageChecksums | None, arrays: list[bytes]) -> dict[str, object] | None:
+    if sums is None:
+        return None
+    # Slots in frame order: positions, kv, the state entries' sums, aux.
+    return {
+        "positions": _array_slot(sums.positions, arrays),
+        "kv": _sums_slot(sums.kv, arrays),
+        "state": [
+            {"kind": s.kind.value, "count": s.count, "sums": _sums_slot(s.sums, arrays)} for s in sums.state
+        ],
+        "aux": _sums_slot(sums.aux, arrays),
+    }
 
 
 def _rank_body(rank: RankCoord) -> dict[str, object]:
@@ -338,6 +377,7 @@ def _message_body(msg: Message, arrays: list[bytes]) -> dict[str, object]:
                     # always float64 on the wire, even when the metric was built from an int
                     "seconds": float(msg.metric.seconds),
                 },
+                "checksums": _checksums_body(msg.checksums, arrays),
             }
         case Abort():
             return {"origin": _origin_body(msg.origin), "room": msg.room, "reason": msg.reason}
@@ -489,6 +529,26 @@ class _ArrayFrames:
         # Zero copy here; the message's converter makes its own read-only int64 array.
         return np.frombuffer(view, dtype=_INT32_LE) if width == 4 else np.frombuffer(view, dtype=_INT64_LE)
 
+    def claim_sums(self, fields: _Fields, key: str) -> npt.NDArray[np.uint32]:
+        """The next array frame as uint32 checksums, checked against the slot ``[4, count]``."""
+        path = fields.path(key)
+        slot = fields.read_list(key)
+        width, count = slot if len(slot) == 2 else (None, None)
+        if type(width) is not int or type(count) is not int:
+            raise _reject(f"{path} must be an array slot [width, count] of two ints")
+        if width != 4:
+            raise _reject(f"{path} has item width {width}, expected 4 (uint32 checksums)")
+        index = 2 + self._claimed
+        if self._claimed == len(self._views):
+            raise _reject(f"{path} claims array frame {index}, but the header announces {len(self._views)}")
+        view = self._views[self._claimed]
+        if view.nbytes != 4 * count:
+            raise _reject(
+                f"array frame {index} ({path}) has {view.nbytes} bytes, slot says {count} checksums"
+            )
+        self._claimed += 1
+        return np.frombuffer(view, dtype=_UINT32_LE)
+
     def check_all_claimed(self) -> None:
         if self._claimed != len(self._views):
             raise _reject(
@@ -528,6 +588,8 @@ _LAYOUT_KEYS: Final = frozenset({"attention", "page_size", "buffers"})
 _STATE_KEYS: Final = frozenset({"kind", "indices"})
 _BUFFER_REF_KEYS: Final = frozenset({"kind", "model", "layer_id"})
 _METRIC_KEYS: Final = frozenset({"pages", "bytes", "seconds"})
+_CHECKSUMS_KEYS: Final = frozenset({"positions", "kv", "state", "aux"})
+_STATE_SUMS_KEYS: Final = frozenset({"kind", "count", "sums"})
 
 
 def _items(body: _Fields, key: str, keys: frozenset[str]) -> list[_Fields]:
@@ -637,6 +699,28 @@ def _metric(fields: _Fields) -> TransferMetricData:
     )
 
 
+def _state_sums(fields: _Fields, arrays: _ArrayFrames) -> StateChecksums:
+    return _validated(
+        "StateSums",
+        lambda: StateChecksums(
+            kind=fields.read_enum("kind", BufferKind),
+            count=fields.read_int("count"),
+            sums=arrays.claim_sums(fields, "sums"),
+        ),
+    )
+
+
+def _checksums(fields: _Fields | None, arrays: _ArrayFrames) -> PageChecksums | None:
+    if fields is None:
+        return None
+    # Claim order is frame order: positions, kv, each state entry's sums, aux.
+    positions = arrays.claim(fields, "positions")
+    kv = arrays.claim_sums(fields, "kv")
+    state = tuple(_state_sums(item, arrays) for item in _items(fields, "state", _STATE_SUMS_KEYS))
+    aux = arrays.claim_sums(fields, "aux")
+    return _validated("Checksums", lambda: PageChecksums(positions=positions, kv=kv, state=state, aux=aux))
+
+
 def _decode_rank_announce(body: _Fields, _: _ArrayFrames) -> RankAnnounce:
     return _validated(
         "RankAnnounce",
@@ -723,7 +807,8 @@ def _decode_transfer_request(body: _Fields, arrays: _ArrayFrames) -> TransferReq
     )
 
 
-def _decode_transfer_status(body: _Fields, _: _ArrayFrames) -> TransferStatus:
+def _decode_transfer_status(body: _Fields, arrays: _ArrayFrames) -> TransferStatus:
+    checksums = _checksums(body.read_optional_map("checksums", _CHECKSUMS_KEYS), arrays)
     return _validated(
         "TransferStatus",
         lambda: TransferStatus(
@@ -732,6 +817,7 @@ def _decode_transfer_status(body: _Fields, _: _ArrayFrames) -> TransferStatus:
             outcome=body.read_enum("outcome", Outcome),
             reason=body.read_text("reason"),
             metric=_metric(body.read_map("metric", _METRIC_KEYS)),
+            checksums=checksums,
         ),
     )
 
@@ -748,7 +834,9 @@ def _decode_abort(body: _Fields, _: _ArrayFrames) -> Abort:
 def _decode_abort_ack(body: _Fields, _: _ArrayFrames) -> AbortAck:
     return _validated(
         "AbortAck",
-        lambda: AbortAck(origin=_origin(body), room=RoomId(body.read_int("room")), fenced=body.read_bool("fenced")),
+        lambda: AbortAck(
+            origin=_origin(body), room=RoomId(body.read_int("room")), fenced=body.read_bool("fenced")
+        ),
     )
 
 
@@ -810,7 +898,9 @@ _WIRE_TYPES: Final = (
         ),
         _decode_transfer_request,
     ),
-    _WireType(8, TransferStatus, _keys("room", "outcome", "reason", "metric"), _decode_transfer_status),
+    _WireType(
+        8, TransferStatus, _keys("room", "outcome", "reason", "metric", "checksums"), _decode_transfer_status
+    ),
     _WireType(9, Abort, _keys("room", "reason"), _decode_abort),
     _WireType(10, AbortAck, _keys("room", "fenced"), _decode_abort_ack),
     _WireType(11, Heartbeat, _keys("seq", "endpoint"), _decode_heartbeat),

@@ -11,13 +11,16 @@ carries ``now``; the driver calls ``tick(now)`` at ``next_deadline()``.
 
 Inputs: ``connect(route_table)`` (register with every prefill rank of an instance), ``receive``
 (messages), the scheduler's ``open_room`` (``receiver.init``), ``abort_room``, ``close_room``, the
-driver's ``connections_cut`` and the queries ``poll`` / ``failure`` / ``release_ready``.
+driver's ``connections_cut`` and ``checksums_verified`` (the verdict on a room's pages, after
+``VerifyChecksums``), and the queries ``poll`` / ``failure`` / ``release_ready``.
 
 Safety rules these rows enforce (DESIGN section 8):
 - a failed room's pages are reusable only after every prefill rank that was told the destinations
   acknowledged the abort (after its in-flight writes ended), or the counted ``quarantine`` bound.
   Each release is counted by what proves it (``ReleaseKind``, ``machines.decode_abort``);
-- Success only when every required (non-dummy) prefill rank reported Success;
+- Success only when every required (non-dummy) prefill rank reported Success, and, for a room
+  opened with ``verify_checksums``, the driver found its pages equal to what those ranks sent
+  (a mismatch fails the room with ``FailureCause.CHECKSUM``, naming the page);
 - every non-terminal room and every pending abort has a deadline;
 - liveness of prefill ranks: a Heartbeat goes to every registered prefill rank each
   ``heartbeat_interval``, and any message of its current epoch is a sign of life. A silent rank fails
@@ -42,6 +45,7 @@ from pdkv.protocol._deadlines import DeadlineQueue, Tombstones
 from pdkv.protocol._rooms import Counts, Heartbeats, RoomKeeper
 from pdkv.protocol.config import Timeouts
 from pdkv.protocol.effects import (
+    ChecksumMismatch,
     DecodeEffect,
     Failure,
     FailureCause,
@@ -95,6 +99,7 @@ _POLL = {
     ReceiverRoomState.BOOTSTRAPPING: KVPoll.Bootstrapping,
     ReceiverRoomState.WAITING_FOR_INPUT: KVPoll.WaitingForInput,
     ReceiverRoomState.TRANSFERRING: KVPoll.Transferring,
+    ReceiverRoomState.VERIFYING: KVPoll.Transferring,
     ReceiverRoomState.SUCCESS: KVPoll.Success,
     ReceiverRoomState.FAILED: KVPoll.Failed,
 }
@@ -144,6 +149,10 @@ class DecodeStatistics:
     """Prefill ranks that went silent for ``heartbeat_timeout`` (registered with again)."""
     peer_restarts: int = 0
     """Prefill ranks seen with a newer epoch."""
+    rooms_verified: int = 0
+    """Rooms whose pages matched every prefill rank's checksums before Success (``PDKV_KV_CHECKSUM``)."""
+    checksum_failures: int = 0
+    """Rooms failed because a page differed from what a prefill rank sent (``FailureCause.CHECKSUM``)."""
     registrations_degraded: int = 0
     """RegisterAcks accepted that leave draft-model buffers out (once per pair of ranks)."""
     rooms_draft_skipped: int = 0
@@ -380,7 +389,7 @@ class DecodeEndpoint(RoomKeeper[ReceiverRoom]):
             step = RoomStep(self, room, now, rank.key, reason, FailureCause.ABORTED_BY_PEER)
             room.machine.step(ReceiverRoomInput.FAILED, step)
         else:
-            step = RoomStep(self, room, now, rank.key, metric=message.metric)
+            step = RoomStep(self, room, now, rank.key, metric=message.metric, checksums=message.checksums)
             room.machine.step(ReceiverRoomInput.SUCCESS, step)
 
     def _on_abort_ack(self, rank: PrefillRank, message: Message, now: float) -> None:
@@ -427,10 +436,12 @@ class DecodeEndpoint(RoomKeeper[ReceiverRoom]):
         dst_state: Sequence[StateIndices] = (),
         required_dst_info_num: int = 1,
         prefix_pages: int = 0,
+        verify_checksums: bool = False,
         now: float,
     ) -> list[DecodeEffect]:
         """``receiver.init``: the room's destinations (by position) and the prefill ranks it needs;
-        ``prefix_pages``: the first positions this rank already holds (no prefill rank writes them).
+        ``prefix_pages``: the first positions this rank already holds (no prefill rank writes them);
+        ``verify_checksums``: Success waits for the driver's verdict on the pages (``VerifyChecksums``).
 
         Every argument is checked against this rank's own buffers first (``InvalidArgumentError``,
         or ``MappingError`` for repeated pages); a bad call creates nothing.
@@ -482,6 +493,7 @@ class DecodeEndpoint(RoomKeeper[ReceiverRoom]):
             required=required,
             prefix=prefix,
         )
+        r.verify = bool(verify_checksums)
         self._set_deadline(r, now + self.timeouts.bootstrap)
         if not r.required:
             why = "every target prefill rank is a dummy" if r.targets else "no target prefill rank was given"
@@ -549,9 +561,13 @@ class DecodeEndpoint(RoomKeeper[ReceiverRoom]):
         return None if r is None else r.cause
 
     def failure_record(self, room: RoomId) -> Failure | None:
-        """The room's failure as the scheduler reads it (None unless it failed)."""
+        """The room's failure as the scheduler reads it (None unless it failed); a checksum failure
+        says where (``Failure.mismatch``)."""
         r = self._rooms.get(room)
-        return None if r is None else self._failure_of(r)
+        failure = None if r is None else self._failure_of(r)
+        if failure is not None and r is not None and r.mismatch is not None:
+            failure = attrs.evolve(failure, mismatch=r.mismatch)
+        return failure
 
     def release_ready(self, room: RoomId) -> bool:
         """True when no prefill rank can still write into the room's pages (or the ack wait timed out);
@@ -628,6 +644,7 @@ class DecodeEndpoint(RoomKeeper[ReceiverRoom]):
                 ReceiverRoomState.BOOTSTRAPPING: ("bootstrap", self.timeouts.bootstrap),
                 ReceiverRoomState.WAITING_FOR_INPUT: ("waiting", self.timeouts.waiting),
                 ReceiverRoomState.TRANSFERRING: ("transfer", self.timeouts.transfer),
+                ReceiverRoomState.VERIFYING: ("transfer", self.timeouts.transfer),
             }[r.machine.state]
             reason = f"{limit[0]} timeout: still {r.machine.state.name} after {limit[1]:g} s"
             self._fail(r, reason, FailureCause.TIMEOUT, now)
@@ -664,6 +681,26 @@ class DecodeEndpoint(RoomKeeper[ReceiverRoom]):
             return []
         step = AbortStep(self, r, r.abort, now, reason=reason)
         r.abort.machine.step(DecodeAbortInput.CUT if ok else DecodeAbortInput.CUT_FAILED, step)
+        return self._effects()
+
+    def checksums_verified(
+        self, room: RoomId, mismatch: ChecksumMismatch | None, now: float
+    ) -> list[DecodeEffect]:
+        """The driver's verdict on a ``VerifyChecksums``: None, every page matched (the room
+        succeeds); else where it differs (the room fails with ``FailureCause.CHECKSUM`` and the
+        prefill rank named, and its pages wait for the abort handshake). A verdict for a room that
+        failed meanwhile, or is gone, changes nothing."""
+        r = self._rooms.get(room)
+        if r is None:
+            return []
+        if mismatch is None:
+            r.machine.step(ReceiverRoomInput.VERIFIED, RoomStep(self, r, now))
+        else:
+            by = next((t.key for t in r.targets if f"{t.instance}:{t.rank}" == mismatch.prefill), None)
+            step = RoomStep(
+                self, r, now, by, _clip(mismatch.detail), FailureCause.CHECKSUM, mismatch=mismatch
+            )
+            r.machine.step(ReceiverRoomInput.CORRUPT, step)
         return self._effects()
 
     # ------------------------------------------------------------------ statistics

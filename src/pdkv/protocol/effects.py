@@ -14,10 +14,12 @@ import attrs
 import numpy as np
 
 from pdkv.mapping.layout import BufferLayout
+from pdkv.mapping.layout_policy import BufferKey
 from pdkv.protocol.ids import Endpoint, Epoch, InstanceId, RoomId, SessionId
 from pdkv.protocol.messages import (
     IntArray,
     Message,
+    PageChecksums,
     RankCoord,
     StateIndices,
     TransferRequest,
@@ -128,6 +130,27 @@ class FailureCause(enum.Enum):
     PEER_RESTART = "peer_restart"  # the peer came back with a new epoch
     PEER_SILENT = "peer_silent"  # the peer sent nothing for heartbeat_timeout seconds
     NO_DESTINATION = "no_destination"  # nothing to send to
+    CHECKSUM = "checksum"  # the decode's pages differ from what the prefill sent (PDKV_KV_CHECKSUM)
+
+
+@attrs.frozen(kw_only=True)
+class ChecksumMismatch:
+    """Where a room's received bytes differ from what a prefill rank sent (``FailureCause.CHECKSUM``).
+
+    ``prefill``: the rank whose checksums disagree (``instance:tpN/cpM``; None: a position no rank
+    covered). ``buffer`` (``target kv layer 3``) and ``layer``: the first buffer that differs (None
+    when the checksums themselves do not fit this rank, or a position was never covered).
+    ``position``: the page's position in the request (a state slot's index in the room's list; None
+    for the aux row), ``dst_index`` the decode page, slot or row there. ``entries``: how many
+    (buffer, item) checksums differ in all. ``detail``: the sentence the reason and the log say."""
+
+    prefill: str | None
+    buffer: str | None
+    layer: int | None
+    position: int | None
+    dst_index: int | None
+    entries: int
+    detail: str
 
 
 @attrs.frozen(kw_only=True)
@@ -141,6 +164,8 @@ class Failure:
     cause: FailureCause
     reason: str
     peer: str | None = None
+    mismatch: ChecksumMismatch | None = None
+    """``FailureCause.CHECKSUM`` only: which buffer, layer, position and prefill rank differ."""
 
     def __str__(self) -> str:
         return self.reason
@@ -254,6 +279,24 @@ class SubmitFence:
 
 
 @attrs.frozen(kw_only=True)
+class VerifyChecksums:
+    """Decode: every required prefill rank reported Success for ``room``; compute the checksums of its
+    destination pages (``dst_pages`` by position, the first ``prefix_pages`` held already), state
+    slots and aux row, compare them with what each rank sent (``reports``; None: a rank sent none),
+    and report ``checksums_verified``. The pages are stable: every write of the room completed.
+    ``left_out``: per rank whose registration leaves some of this rank's (draft-model) buffers out of
+    the pair's transfers, those buffers: that rank neither writes nor checksums them."""
+
+    room: RoomId
+    dst_pages: IntArray = attrs.field(eq=attrs.cmp_using(eq=np.array_equal))
+    prefix_pages: int
+    dst_state: tuple[StateIndices, ...]
+    dst_aux_row: int | None
+    reports: tuple[tuple[PeerKey, PageChecksums | None], ...]
+    left_out: tuple[tuple[PeerKey, tuple[BufferKey, ...]], ...] = ()
+
+
+@attrs.frozen(kw_only=True)
 class CutConnections:
     """Decode: end every engine connection from ``host`` (a prefill rank's engine host) and report
     ``connections_cut``; emitted before releasing a quarantined room whose ranks all acknowledged
@@ -266,7 +309,9 @@ class CutConnections:
 PrefillEffect: TypeAlias = Send | SubmitChunk | RoomFinished | Notice | ForgetPeer | DropLayers | SubmitFence
 """What a prefill endpoint asks its driver to do."""
 
-DecodeEffect: TypeAlias = Send | RoomFinished | ReleasePages | Notice | ForgetPeer | CutConnections
+DecodeEffect: TypeAlias = (
+    Send | RoomFinished | ReleasePages | Notice | ForgetPeer | CutConnections | VerifyChecksums
+)
 """What a decode endpoint asks its driver to do."""
 
 Effect: TypeAlias = PrefillEffect | DecodeEffect

@@ -24,6 +24,8 @@ from pdkv.mapping.layout_policy import BufferKey, describe_keys
 from pdkv.protocol.ids import MAX_EPOCH, MAX_ROOM_ID, Endpoint, Epoch, InstanceId, RoomId, SessionId
 
 IntArray: TypeAlias = npt.NDArray[np.int64]
+SumArray: TypeAlias = npt.NDArray[np.uint32]
+"""Checksums as they travel: one uint32 per (buffer, item)."""
 
 MAX_REASON_CHARS: Final = 4096
 MAX_NAME_CHARS: Final = 256
@@ -117,6 +119,27 @@ def index_array(value: object) -> IntArray:
     return out
 
 
+def checksum_array(value: object) -> SumArray:
+    """Converter: any 1-D sequence of integers in [0, 2**32) -> read-only contiguous uint32 array."""
+    arr = np.asarray(value)
+    if arr.ndim != 1:
+        raise ValueError(f"checksum arrays are 1-D, got shape {arr.shape}")
+    if arr.size == 0:
+        out = np.zeros(0, dtype=np.uint32)
+    elif arr.dtype.kind not in "iu":
+        raise TypeError(f"checksum arrays hold integers, got dtype {arr.dtype}")
+    elif arr.dtype == np.uint32:
+        out = np.ascontiguousarray(arr)
+    else:
+        if int(arr.min()) < 0 or int(arr.max()) > 0xFFFFFFFF:
+            raise ValueError(f"checksums are uint32, got min {int(arr.min())} max {int(arr.max())}")
+        out = np.ascontiguousarray(arr, dtype=np.uint32)
+    if out is arr or out.base is arr:
+        out = out.copy()
+    out.flags.writeable = False
+    return out
+
+
 def _array_eq() -> Any:
     return attrs.cmp_using(eq=np.array_equal)
 
@@ -176,6 +199,73 @@ class TransferMetricData:
     pages: int = attrs.field(default=0, validator=_int_in(0, MAX_INDEX))
     bytes: int = attrs.field(default=0, validator=_int_in(0, 2**63 - 1))
     seconds: float = attrs.field(default=0.0, validator=_finite_non_negative)
+
+
+@attrs.frozen(kw_only=True)
+class StateChecksums:
+    """Checksums of the state slots of one kind a prefill rank wrote: the first ``count`` of the
+    decode's slots of that kind (``clip_state`` keeps the leading ones), for every buffer of the
+    kind (in layout order), buffer-major: ``sums[b * count + i]`` is buffer b's slot i."""
+
+    kind: BufferKind = attrs.field(validator=attrs.validators.instance_of(BufferKind))
+    count: int = attrs.field(validator=_int_in(0, MAX_INDEX - 1))
+    sums: SumArray = attrs.field(converter=checksum_array, eq=_array_eq(), hash=False)
+
+    def __attrs_post_init__(self) -> None:
+        if not self.kind.is_state:
+            raise ValueError(f"{self.kind.value} is not a state buffer kind")
+        if (self.count == 0) != (self.sums.size == 0) or (self.count and self.sums.size % self.count):
+            raise ValueError(f"{self.sums.size} state checksums do not fill buffers of {self.count} slots")
+
+
+def _state_sums_tuple(value: Iterable[StateChecksums]) -> tuple[StateChecksums, ...]:
+    return tuple(value)
+
+
+def _strictly_increasing(_: object, attribute: attrs.Attribute[IntArray], value: IntArray) -> None:
+    if value.size > 1 and not bool((np.diff(value) > 0).all()):
+        raise ValueError(f"{attribute.name} must be strictly increasing")
+
+
+@attrs.frozen(kw_only=True)
+class PageChecksums:
+    """What one prefill rank wrote for one room, as checksums (opt-in, ``PDKV_KV_CHECKSUM``).
+
+    ``positions``: the KV page positions it wrote (strictly increasing); ``kv``: one checksum per KV
+    buffer (in layout order) and position, buffer-major (``kv[b * len(positions) + i]``); ``state``:
+    per state kind it wrote; ``aux``: one per aux buffer for the aux row (empty: it wrote none).
+    ``pdkv.runtime.checksum`` defines the checksum and computes it on both sides; this class only
+    carries it. Every field is a compact array (raw uint32 frames on the wire)."""
+
+    positions: IntArray = attrs.field(
+        converter=index_array, validator=_strictly_increasing, eq=_array_eq(), hash=False
+    )
+    kv: SumArray = attrs.field(converter=checksum_array, eq=_array_eq(), hash=False)
+    state: tuple[StateChecksums, ...] = attrs.field(
+        default=(),
+        converter=_state_sums_tuple,
+        validator=attrs.validators.deep_iterable(attrs.validators.instance_of(StateChecksums)),
+    )
+    aux: SumArray = attrs.field(
+        factory=lambda: checksum_array(()), converter=checksum_array, eq=_array_eq(), hash=False
+    )
+
+    def __attrs_post_init__(self) -> None:
+        n = self.positions.size
+        if (n == 0 and self.kv.size) or (n and self.kv.size % n):
+            raise ValueError(f"{self.kv.size} KV checksums do not fill buffers of {n} positions")
+        kinds = [s.kind for s in self.state]
+        if len(set(kinds)) != len(kinds):
+            raise ValueError(f"state checksums list a kind twice: {[k.value for k in kinds]}")
+
+    @property
+    def kv_buffers(self) -> int:
+        """KV buffers covered (0 when no position was written)."""
+        return self.kv.size // self.positions.size if self.positions.size else 0
+
+    def kv_matrix(self) -> npt.NDArray[np.uint32]:
+        """``kv`` as (buffers, positions)."""
+        return self.kv.reshape(self.kv_buffers, self.positions.size)
 
 
 def _unique_state_kinds(_: object, attribute: attrs.Attribute[Any], value: tuple[StateIndices, ...]) -> None:
@@ -370,10 +460,16 @@ class TransferStatus:
     metric: TransferMetricData = attrs.field(
         factory=TransferMetricData, validator=attrs.validators.instance_of(TransferMetricData)
     )
+    checksums: PageChecksums | None = attrs.field(
+        default=None, validator=attrs.validators.optional(attrs.validators.instance_of(PageChecksums))
+    )
+    """Success only, with ``PDKV_KV_CHECKSUM``: what this rank wrote for the room, as checksums."""
 
     def __attrs_post_init__(self) -> None:
         if self.outcome is Outcome.FAILED and not self.reason:
             raise ValueError("a Failed status carries a reason")
+        if self.outcome is Outcome.FAILED and self.checksums is not None:
+            raise ValueError("a Failed status carries no checksums")
 
 
 @attrs.frozen(kw_only=True)

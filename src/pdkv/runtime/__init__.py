@@ -8,6 +8,7 @@
 - ``PerLayerTransferManager`` (``PrefillTransport.per_layer``): a chunk's KV sent layer by layer
   while its forward runs;
 - ``all_reduce_polls``: the MIN consensus of KVPoll across a torch.distributed group;
+- ``checksum``: per-(buffer, page) checksums of a room's KV (``PDKV_KV_CHECKSUM``; ``checksums_from_env``);
 - ``channels``: the zmq wiring (default channel factory, registry client and service).
 
 The only layer that starts threads and owns clocks; it imports protocol, mapping, engine, control,
@@ -16,6 +17,7 @@ alloc and metrics, and nothing imports it but the CLI, the demo and ``pdkv.testi
 
 from pdkv.runtime._layout_policy import layout_policy_from_env
 from pdkv.runtime.channels import Registry
+from pdkv.runtime.checksum import checksums_from_env
 from pdkv.runtime.decode import DecodeConfig, DecodeTransport, KVReceiver, RouteUnavailableError
 from pdkv.runtime.executor import (
     ExecutorConfig,
@@ -60,5 +62,6 @@ __all__ = [
     "TransferJob",
     "TransferResult",
     "UnknownLayerError",
+    "checksums_from_env",
     "layout_policy_from_env",
 ]

@@ -25,6 +25,7 @@ from pdkv.protocol.effects import (
     Send,
     SubmitChunk,
     SubmitFence,
+    VerifyChecksums,
 )
 from pdkv.protocol.ids import RoomId
 from pdkv.protocol.messages import Abort, AbortAck, Message, TransferMetricData, TransferStatus
@@ -69,12 +70,23 @@ class Accounting:
                             count(TransportCounter.ROOMS_ABORTED)
                         elif e.cause is FailureCause.TIMEOUT:
                             count(TransportCounter.TIMEOUTS)
+                        elif e.cause is FailureCause.CHECKSUM:
+                            count(TransportCounter.CHECKSUM_FAILURES)
                     self._settle(e.room, completed=e.poll is KVPoll.Success)
                 case ReleasePages():
                     counter = _RELEASE_COUNTER.get(e.kind)
                     if counter is not None:
                         count(counter)
-                case Send() | SubmitChunk() | Notice() | ForgetPeer() | DropLayers() | SubmitFence() | CutConnections():
+                case (
+                    Send()
+                    | SubmitChunk()
+                    | Notice()
+                    | ForgetPeer()
+                    | DropLayers()
+                    | SubmitFence()
+                    | CutConnections()
+                    | VerifyChecksums()
+                ):
                     pass  # counted where they are carried out, or not at all
                 case _:
                     assert_never(e)

@@ -26,9 +26,11 @@ buffer index put back into the source layout's numbering.
 from __future__ import annotations
 
 import attrs
+import numpy as np
 
 from pdkv.errors import MappingError
 from pdkv.mapping import (
+    BufferKind,
     BufferLayout,
     OwnershipPolicy,
     TransferBlocks,
@@ -42,6 +44,7 @@ from pdkv.mapping import (
 )
 from pdkv.protocol.effects import ChunkSpec, Destination, FenceWrite
 from pdkv.protocol.ids import RoomId, SessionId
+from pdkv.protocol.messages import IntArray
 
 FENCE_BYTES = 64
 """How much of a failed batch's first block a fence write repeats (it only has to pass the engine's queue)."""
@@ -64,6 +67,10 @@ def fence_of(session: SessionId, blocks: TransferBlocks) -> FenceWrite | None:
     )
 
 
+def _empty() -> IntArray:
+    return np.zeros(0, dtype=np.int64)
+
+
 @attrs.frozen(kw_only=True)
 class ChunkPlan:
     """The blocks of one chunk towards one destination, and what they amount to."""
@@ -73,6 +80,11 @@ class ChunkPlan:
     state_slots: int  # state slots written (all kinds)
     aux_rows: int
     notes: tuple[str, ...]  # e.g. state clipping, for the log
+    # What the blocks write, item by item (for checksums, ``pdkv.runtime.checksum``):
+    kv_src: IntArray = attrs.field(factory=_empty)  # this rank's KV pages, by position
+    kv_positions: IntArray = attrs.field(factory=_empty)
+    state_src: tuple[tuple[BufferKind, IntArray], ...] = ()  # source slots written per kind (clipped)
+    aux_src: int | None = None  # the aux row written (None: none)
 
 
 def _first_head_range(layout: BufferLayout) -> tuple[int, int] | None:
@@ -135,6 +147,8 @@ def plan_chunk(
     parts = [kv_blocks(coalesce(mapped.src, mapped.dst), view.src, view.dst)]
     notes: list[str] = []
     state_slots = aux_rows = 0
+    state_src: list[tuple[BufferKind, IntArray]] = []
+    aux_src: int | None = None
     if spec.last and writes_extras and writes_extras_to(view.src, view.dst):
         wanted = {s.kind: s.indices for s in request.dst_state}
         for src_state in spec.state:
@@ -150,13 +164,19 @@ def plan_chunk(
                 notes.append(f"{src_state.kind.value} state: {clipped.describe()}")
             parts.append(state_blocks(src_state.kind, clipped.src, clipped.dst, view.src, view.dst))
             state_slots += len(clipped.src)
+            state_src.append((src_state.kind, clipped.src))
         if src_aux_row is not None and request.dst_aux_row is not None:
             parts.append(aux_blocks(src_aux_row, request.dst_aux_row, view.src, view.dst))
             aux_rows = 1
+            aux_src = src_aux_row
     return ChunkPlan(
         blocks=view.restore(TransferBlocks.concat(parts)),
         kv_pages=len(mapped),
         state_slots=state_slots,
         aux_rows=aux_rows,
         notes=tuple(notes),
+        kv_src=mapped.src,
+        kv_positions=mapped.positions,
+        state_src=tuple(state_src),
+        aux_src=aux_src,
     )

@@ -6,12 +6,17 @@ ranks it asks, which are dummies, how many statuses it waits for: ``pdkv.mapping
 The decode side moves no bytes itself: prefill ranks write into its registered buffers. Its job is
 to say where (TransferRequest), to know when the bytes are complete (every required status), and
 to say when pages are safe to reuse (``release_ready``: after every AbortAck, or the counted timeout).
+With ``kv_checksum`` (``PDKV_KV_CHECKSUM``) it also checks the bytes before Success: the endpoint
+asks (``VerifyChecksums``), a verifier thread computes the checksums of the room's pages on their
+device (``pdkv.runtime.checksum``) off the control thread and the lock, and feeds the verdict back.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import queue
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar, assert_never
@@ -31,6 +36,7 @@ from pdkv.mapping import (
     LayoutPolicy,
     Topology,
     decode_fanout,
+    head_range,
     layout_kv_heads,
 )
 from pdkv.metrics import KVTransferMetric, TransportCounter, TransportGauge, TransportMetricsSnapshot
@@ -38,15 +44,18 @@ from pdkv.protocol import arguments
 from pdkv.protocol.config import Timeouts
 from pdkv.protocol.decode import DecodeEndpoint, DecodeStatistics
 from pdkv.protocol.effects import (
+    ChecksumMismatch,
     CutConnections,
     DecodeEffect,
     ForgetPeer,
     Notice,
+    PeerKey,
     ReleaseKind,
     ReleasePages,
     RoomFinished,
     Send,
     Target,
+    VerifyChecksums,
 )
 from pdkv.protocol.ids import Endpoint, Epoch, InstanceId, RoomId, SessionId
 from pdkv.protocol.messages import (
@@ -64,10 +73,15 @@ from pdkv.runtime._host import EndpointHost, RoomHandle, new_epoch, peer_name
 from pdkv.runtime._layout_policy import LAYOUT_POLICY_ENV
 from pdkv.runtime._loop import ChannelFactory
 from pdkv.runtime.channels import query_registry, zmq_channel_factory
+from pdkv.runtime.checksum import Checksummer, RoomPages, checksums_from_env, verify_room
 
 log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
+
+INLINE_VERIFY_BYTES = 32 << 20
+"""A room with at most this many KV bytes is checked on the thread that saw its last Success status
+(about 1.5 ms of reading here); larger ones on the verifier thread."""
 
 
 @attrs.frozen(kw_only=True)
@@ -85,6 +99,11 @@ class DecodeConfig:
     timeouts: Timeouts = attrs.field(factory=Timeouts, validator=config.instance_of(Timeouts))
     epoch: Epoch = attrs.field(factory=new_epoch, validator=config.instance_of(int))
     register_memory: bool = attrs.field(default=True, validator=config.instance_of(bool))
+    kv_checksum: bool = attrs.field(default=False, validator=config.instance_of(bool))
+    """``PDKV_KV_CHECKSUM``: before a room's Success, check its pages against the checksums every
+    prefill rank sent (a mismatch fails the room, ``FailureCause.CHECKSUM``, naming the page)."""
+    checksum_device: str = attrs.field(default="cpu", validator=config.non_empty_text)
+    """Where the registered buffers live (``cpu``, ``cuda:N``): the checksums run there."""
     layout_policy: LayoutPolicy = attrs.field(
         default=DEFAULT_LAYOUT_POLICY, validator=config.instance_of(LayoutPolicy), metadata=LAYOUT_POLICY_ENV
     )
@@ -94,9 +113,10 @@ class DecodeConfig:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **fields: Any) -> DecodeConfig:
-        """``fields`` as for the constructor; the timeouts and the layout policy, when not given, come
-        from the ``PDKV_*`` variables set in ``env`` (``os.environ`` by default)."""
+        """``fields`` as for the constructor; the timeouts, ``kv_checksum`` and the layout policy, when
+        not given, come from the ``PDKV_*`` variables set in ``env`` (``os.environ`` by default)."""
         fields.setdefault("timeouts", Timeouts.from_env(env))
+        fields.setdefault("kv_checksum", checksums_from_env(env))
         return config.from_env(cls, env, **fields)
 
     def __attrs_post_init__(self) -> None:
@@ -163,6 +183,12 @@ class DecodeTransport(EndpointHost[DecodeEndpoint, DecodeEffect]):
         self._cutter = HostCutter(
             backend.cut_connections_from, self._cut_done, name=f"pdkv-cut-{config.rank}"
         )
+        self._checksum_on = config.kv_checksum
+        self._checksummer: Checksummer | None = None  # built by the first room to verify
+        self._verifications: queue.Queue[VerifyChecksums | None] = queue.Queue(maxsize=4096)
+        self._verifier: threading.Thread | None = None  # started by the first large room to verify
+        self._verdicts: list[tuple[RoomId, ChecksumMismatch | None]] = []  # checked inline, not yet applied
+        self._kv_bytes_per_page = sum(b.item_bytes for b in config.layout.kv_buffers)
 
     def start(self) -> None:
         """Register buffers and start the control thread. Idempotent once it succeeded; a failed start
@@ -294,6 +320,7 @@ class DecodeTransport(EndpointHost[DecodeEndpoint, DecodeEffect]):
                 f"decode {self.config.rank} closed with {len(unsafe)} room(s) whose prefill ranks did not "
                 f"acknowledge within {wait:g} s (e.g. {unsafe[:5]})"
             )
+        self._stop_verifier()  # it reads the registered memory: it ends before that is unregistered
         self._finish_close(stuck)
 
     def receiver(self, room: RoomId | int, prefill: InstanceId) -> KVReceiver:
@@ -378,12 +405,110 @@ class DecodeTransport(EndpointHost[DecodeEndpoint, DecodeEffect]):
             case CutConnections():
                 # Off the lock: a cut waits until this process closed the destroyed sockets.
                 self._cutter.request(effect)
+            case VerifyChecksums():
+                self._request_verification(effect)
             case Notice():
                 self._log_notice(effect)
             case ForgetPeer():
                 self._forget_peer(effect)
             case _:
                 assert_never(effect)
+
+    # ------------------------------------------------------------------ checksums
+
+    def set_kv_checksum(self, on: bool) -> None:
+        """Turn the check on or off for rooms ``receiver.init`` opens from now on (``kv_checksum``)."""
+        self._checksum_on = arguments.flag(on, room=None, argument="on")
+
+    def _apply(self, effects: Sequence[DecodeEffect], *, progressed: bool = True) -> None:
+        """The endpoint's effects in order, then the verdicts of rooms checked inline among them
+        (each verdict's own effects after every effect of the batch that asked for it)."""
+        super()._apply(effects, progressed=progressed)
+        while self._verdicts:
+            room, mismatch = self._verdicts.pop(0)
+            super()._apply(self._endpoint.checksums_verified(room, mismatch, self._clock()))
+
+    def _request_verification(self, effect: VerifyChecksums) -> None:
+        """Lock held: a small room is checked here, at once (a hand-off to another thread costs more
+        than reading a few MB); a large one goes to the verifier thread (tens of milliseconds of
+        reading that must not hold the lock or the control thread); with its queue full, here too."""
+        if effect.dst_pages.size * self._kv_bytes_per_page <= INLINE_VERIFY_BYTES:
+            self._verdicts.append((effect.room, self._verify(effect)))
+            return
+        if self._verifier is None:
+            self._verifier = threading.Thread(
+                target=self._verify_loop, name=f"pdkv-verify-{self.config.rank}", daemon=True
+            )
+            self._verifier.start()
+        try:
+            self._verifications.put_nowait(effect)
+        except queue.Full:
+            self._verdicts.append((effect.room, self._verify(effect)))
+
+    def _verify_loop(self) -> None:
+        while True:
+            effect = self._verifications.get()
+            if effect is None:
+                return
+            mismatch = self._verify(effect)
+            with self._locked():
+                self._apply(self._endpoint.checksums_verified(effect.room, mismatch, self._clock()))
+
+    def _verify(self, effect: VerifyChecksums) -> ChecksumMismatch | None:
+        """The verdict on one room; a verifier that fails says so as a mismatch (the room fails)."""
+        try:
+            if self._checksummer is None:
+                self._checksummer = Checksummer.of(self.config.layout, self.config.checksum_device)
+            summer = self._checksummer
+            started = time.perf_counter()
+            pages = RoomPages(
+                dst_pages=effect.dst_pages,
+                prefix_pages=effect.prefix_pages,
+                dst_state=effect.dst_state,
+                dst_aux_row=effect.dst_aux_row,
+            )
+            mismatch = verify_room(
+                summer,
+                pages,
+                dict(effect.reports),
+                prefill_heads=self._prefill_heads,
+                left_out=dict(effect.left_out),
+            )
+            log.debug(
+                "room %s: checksums of %d pages verified in %.2f ms",
+                effect.room,
+                effect.dst_pages.size,
+                (time.perf_counter() - started) * 1e3,
+            )
+        except Exception as exc:
+            log.exception("room %s: checksum verification failed", effect.room)
+            mismatch = ChecksumMismatch(
+                prefill=None,
+                buffer=None,
+                layer=None,
+                position=None,
+                dst_index=None,
+                entries=0,
+                detail=f"checksum verification failed: {type(exc).__name__}: {exc}",
+            )
+        if mismatch is None:
+            self.metrics.increment(TransportCounter.ROOMS_VERIFIED)
+        return mismatch
+
+    def _prefill_heads(self, key: PeerKey) -> tuple[int, int] | None:
+        """The model KV heads prefill rank ``key`` holds (None: the layout describes no heads)."""
+        heads = layout_kv_heads(self.config.layout)
+        table = self._routes.get(key[0])
+        if heads is None or table is None:
+            return None
+        held = head_range(heads, table.tp_size, key[1].tp)
+        return held.start, held.stop
+
+    def _stop_verifier(self) -> None:
+        if self._verifier is None:
+            return
+        self._verifications.put(None)
+        self._verifier.join(30)
 
     def _cut_done(self, effect: CutConnections, ok: bool, reason: str) -> None:
         """The cutter ended the connections a quarantined room waited for (or could not)."""
@@ -426,6 +551,7 @@ class KVReceiver(RoomHandle[DecodeEndpoint, DecodeEffect]):
                 dst_state=state_indices,
                 required_dst_info_num=required,
                 prefix_pages=prefix_pages,
+                verify_checksums=self.transport._checksum_on,
                 now=now,
             ),
             what=f"receiver.init of room {self.room}",

@@ -36,6 +36,7 @@ from pdkv.protocol.effects import (
     Send,
     SubmitChunk,
     SubmitFence,
+    VerifyChecksums,
 )
 from pdkv.protocol.ids import RoomId
 from pdkv.protocol.messages import (
@@ -266,7 +267,11 @@ class MessageTrace:
                 text = describe(effect.message)
                 room = room_of(effect.message)
                 extra = self._fields(
-                    event="send", room=room, msg=text, peer_addr=str(effect.to), detail=_reason(effect.message)
+                    event="send",
+                    room=room,
+                    msg=text,
+                    peer_addr=str(effect.to),
+                    detail=_reason(effect.message),
                 )
                 _trace.debug("send %s to %s", text, effect.to, extra=extra)
             case SubmitChunk():
@@ -294,6 +299,10 @@ class MessageTrace:
                 _trace.debug("%s", effect, extra=self._fields(event="fence", room=effect.room))
             case CutConnections():
                 _trace.debug("%s", effect, extra=self._fields(event="cut", room=effect.room))
+            case VerifyChecksums():
+                detail = f"{effect.dst_pages.size} pages, {len(effect.reports)} prefill rank(s)"
+                extra = self._fields(event="verify", room=effect.room, detail=detail)
+                _trace.debug("room %s: verify checksums of %s", effect.room, detail, extra=extra)
             case _:
                 assert_never(effect)
 

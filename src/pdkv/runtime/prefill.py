@@ -29,6 +29,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar, assert_never
 
 import attrs
@@ -56,6 +57,8 @@ from pdkv.mapping import (
     TransferBlocks,
     chunk_page_start,
     cp_owned,
+    map_chunk,
+    transfer_view,
 )
 from pdkv.metrics import KVTransferMetric, TransportCounter, TransportGauge, TransportMetricsSnapshot
 from pdkv.protocol import arguments
@@ -79,11 +82,13 @@ from pdkv.protocol.messages import (
     IntArray,
     Message,
     Origin,
+    Outcome,
     RankAnnounce,
     RankCoord,
     Register,
     StateIndices,
     TransferMetricData,
+    TransferStatus,
 )
 from pdkv.protocol.poll import KVPoll
 from pdkv.protocol.prefill import PrefillEndpoint, PrefillStatistics
@@ -91,6 +96,14 @@ from pdkv.runtime._host import EndpointHost, RoomHandle, new_epoch, peer_name
 from pdkv.runtime._layout_policy import LAYOUT_POLICY_ENV
 from pdkv.runtime._loop import ChannelFactory
 from pdkv.runtime.channels import announce_to_registry, zmq_channel_factory
+from pdkv.runtime.checksum import (
+    ChecksumBook,
+    Checksummer,
+    ChunkSources,
+    checksums_from_env,
+    chunk_checksums,
+    kv_checksums,
+)
 from pdkv.runtime.chunk_plan import ChunkPlan, fence_of, plan_chunk
 from pdkv.runtime.executor import ExecutorConfig, TransferExecutor, TransferResult
 from pdkv.runtime.per_layer import (
@@ -108,6 +121,10 @@ PARTITION_DUMP = config.declare(
 )
 
 _T = TypeVar("_T")
+
+INLINE_CHECKSUM_BYTES = 32 << 20
+"""With checksums on, a chunk's write of at most this many bytes is checksummed by its worker before
+it is submitted (about 1.5 ms of reading here); a larger one on the checksum thread while it moves."""
 
 
 def _ownership_policy(_: object, attribute: attrs.Attribute[Any], value: Any) -> None:
@@ -139,8 +156,12 @@ class PrefillConfig:
     )
     """CP shared-KV ownership (default: page-interleaved over ``cp_size``)."""
     timeouts: Timeouts = attrs.field(factory=Timeouts, validator=config.instance_of(Timeouts))
-    executor: ExecutorConfig = attrs.field(factory=ExecutorConfig, validator=config.instance_of(ExecutorConfig))
-    per_layer: PerLayerConfig = attrs.field(factory=PerLayerConfig, validator=config.instance_of(PerLayerConfig))
+    executor: ExecutorConfig = attrs.field(
+        factory=ExecutorConfig, validator=config.instance_of(ExecutorConfig)
+    )
+    per_layer: PerLayerConfig = attrs.field(
+        factory=PerLayerConfig, validator=config.instance_of(PerLayerConfig)
+    )
     epoch: Epoch = attrs.field(factory=new_epoch, validator=config.instance_of(int))
     workers: int = attrs.field(default=2, validator=config.positive_int)
     queue_size: int = attrs.field(default=4096, validator=config.positive_int)
@@ -149,6 +170,11 @@ class PrefillConfig:
     waited for) go to each decode rank as one shared job (1: every chunk on its own)."""
     register_memory: bool = attrs.field(default=True, validator=config.instance_of(bool))
     """Register every buffer of ``layout`` with the backend (False: the caller registered them)."""
+    kv_checksum: bool = attrs.field(default=False, validator=config.instance_of(bool))
+    """``PDKV_KV_CHECKSUM``: every Success status carries checksums per (buffer, page) of what this
+    rank wrote (``pdkv.runtime.checksum``), for the decode to verify before its Success."""
+    checksum_device: str = attrs.field(default="cpu", validator=config.non_empty_text)
+    """Where the registered buffers live (``cpu``, ``cuda:N``): the checksums run there."""
     layout_policy: LayoutPolicy = attrs.field(
         default=DEFAULT_LAYOUT_POLICY, validator=config.instance_of(LayoutPolicy), metadata=LAYOUT_POLICY_ENV
     )
@@ -171,6 +197,7 @@ class PrefillConfig:
         fields.setdefault("timeouts", Timeouts.from_env(env))
         fields.setdefault("executor", ExecutorConfig.from_env(env))
         fields.setdefault("per_layer", PerLayerConfig.from_env(env))
+        fields.setdefault("kv_checksum", checksums_from_env(env))
         return config.from_env(cls, env, **fields)
 
     @property
@@ -260,6 +287,13 @@ class PrefillTransport(EndpointHost[PrefillEndpoint, PrefillEffect]):
         """Per-layer transfer (DESIGN section 7): ``register``, ``on_layer_end`` per layer, ``send()``."""
         self._worker_errors = 0
         self._partition_dump = os.environ.get(PARTITION_DUMP.name) == "1"
+        self._checksum_on = config.kv_checksum
+        self._checksummer: Checksummer | None = None  # built with the first room that needs it
+        # A chunk's checksums are computed here while the engine moves its bytes (started by the first).
+        self._checksum_pool: ThreadPoolExecutor | None = None
+        self.checksums = ChecksumBook()
+        """With ``kv_checksum``: what each room's chunks wrote to each decode rank, as checksums,
+        until its Success status carries them (``add_layer``: the per-layer path's seam)."""
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -271,7 +305,9 @@ class PrefillTransport(EndpointHost[PrefillEndpoint, PrefillEffect]):
         completely: threads stopped, memory unregistered; it raises and may be retried.
         """
 
-        announce_timeout_s = arguments.seconds(announce_timeout_s, argument="announce_timeout_s", positive=True)
+        announce_timeout_s = arguments.seconds(
+            announce_timeout_s, argument="announce_timeout_s", positive=True
+        )
 
         def workers_and_announcement() -> None:
             self._workers = [
@@ -352,6 +388,8 @@ class PrefillTransport(EndpointHost[PrefillEndpoint, PrefillEffect]):
         deadline = time.monotonic() + timeout_s
         for worker in self._workers:
             worker.join(max(0.0, deadline - time.monotonic()))
+        if self._checksum_pool is not None:  # it reads registered memory: done before that goes
+            self._checksum_pool.shutdown(wait=True)
         running = [w.name for w in self._workers if w.is_alive()]
         stuck = None
         if running or not per_layer_stopped:
@@ -391,7 +429,7 @@ class PrefillTransport(EndpointHost[PrefillEndpoint, PrefillEffect]):
     def _apply_effect(self, effect: PrefillEffect) -> None:
         match effect:
             case Send():
-                self._loop.post(effect.to, effect.message)
+                self._loop.post(effect.to, self._with_checksums(effect))
             case SubmitChunk():
                 try:
                     self._work.put_nowait(effect)
@@ -408,6 +446,7 @@ class PrefillTransport(EndpointHost[PrefillEndpoint, PrefillEffect]):
                     self.per_layer.cancel(effect.room, "room succeeded without this chunk")
                 else:
                     self.per_layer.cancel(effect.room, effect.reason or "room failed")
+                    self.checksums.forget(effect.room)
             case DropLayers():
                 self.per_layer.cancel(effect.room, effect.reason)
             case SubmitFence():
@@ -415,13 +454,97 @@ class PrefillTransport(EndpointHost[PrefillEndpoint, PrefillEffect]):
                     self._work.put_nowait(effect)
                 except queue.Full:  # the AbortAck stays owed: the decode's next resent Abort fences again
                     reason = f"transfer queue full ({self.config.queue_size} chunks)"
-                    self._apply(self._endpoint.fence_done(effect.room, effect.peer, False, reason, self._clock()))
+                    self._apply(
+                        self._endpoint.fence_done(effect.room, effect.peer, False, reason, self._clock())
+                    )
             case Notice():
                 self._log_notice(effect)
             case ForgetPeer():
                 self._forget_peer(effect)
             case _:
                 assert_never(effect)
+
+    def set_kv_checksum(self, on: bool) -> None:
+        """Turn checksums on or off for rooms ``sender.init`` opens from now on (``kv_checksum``)."""
+        self._checksum_on = arguments.flag(on, room=None, argument="on")
+
+    def _summer(self, room: RoomId) -> Checksummer | None:
+        """The kernel, when ``room`` has checksums (its ``sender.init`` came while they were on)."""
+        if not self.checksums.enabled(room):
+            return None
+        if self._checksummer is None:
+            self._checksummer = Checksummer.of(self.config.layout, self.config.checksum_device)
+        return self._checksummer
+
+    def _with_checksums(self, effect: Send) -> Message:
+        """A Success status leaves with what the room wrote to that decode rank, as checksums."""
+        message = effect.message
+        if not isinstance(message, TransferStatus) or message.outcome is not Outcome.SUCCESS:
+            return message
+        if not self.checksums.enabled(message.room):
+            return message
+        try:
+            sums = self.checksums.status_checksums(message.room, effect.to)
+        except ValueError as exc:  # a position twice: never guessed; the decode names the missing checksums
+            log.error("room %s: checksums to %s dropped: %s", message.room, effect.to, exc)
+            return message
+        return message if sums is None else attrs.evolve(message, checksums=sums)
+
+    def _checksums_async(
+        self, submit: SubmitChunk, destination: Destination, plan: ChunkPlan
+    ) -> Future[None] | None:
+        """``_note_checksums`` on the checksum thread, while the caller submits the plan's writes
+        (the source pages do not change until the room ends); None when the room has no checksums.
+        The caller waits for it before it reports the chunk."""
+        if self._summer(submit.room) is None:
+            return None
+        if int(plan.blocks.length.sum()) <= INLINE_CHECKSUM_BYTES:  # a hand-off costs more than that
+            self._note_checksums(submit, destination, plan)
+            return None
+        with self._lock:
+            if self._checksum_pool is None:
+                self._checksum_pool = ThreadPoolExecutor(
+                    1, thread_name_prefix=f"pdkv-checksum-{self.config.rank}"
+                )
+            pool = self._checksum_pool
+        return pool.submit(self._note_checksums, submit, destination, plan)
+
+    def _note_checksums(self, submit: SubmitChunk, destination: Destination, plan: ChunkPlan) -> None:
+        """With ``kv_checksum``: the checksums of what ``plan`` writes (the source pages are what the
+        scheduler's forward left, and do not change until the room ends)."""
+        summer = self._summer(submit.room)
+        if summer is None:
+            return
+        sources = ChunkSources(
+            kv_src=plan.kv_src, kv_positions=plan.kv_positions, state=plan.state_src, aux_src=plan.aux_src
+        )
+        # the destination's buffers this pair transfers (draft buffers a rollout leaves out: neither)
+        dst_layout = transfer_view(self.config.layout, destination.peer.layout).dst
+        part = chunk_checksums(summer, sources, self.config.layout, dst_layout)
+        self.checksums.add(submit.room, destination.peer.endpoint, part)
+
+    def _note_layered_checksums(self, submit: SubmitChunk, destination: Destination) -> None:
+        """A per-layer chunk's KV checksums: the rows the per-layer path recorded after each layer's
+        ready event (``checksums.add_layer``), the others computed now (the forward has ended)."""
+        summer = self._summer(submit.room)
+        if summer is None:
+            return
+        dst_layout = transfer_view(self.config.layout, destination.peer.layout).dst
+        mapped = map_chunk(
+            submit.spec.pages,
+            start_token=submit.spec.start_token,
+            page_size=self.config.layout.page_size,
+            dst_pages=destination.request.dst_pages,
+            cp_rank=self.config.rank.cp,
+            policy=self.config.policy,
+        )
+        n = len(dst_layout.kv_buffers)
+        endpoint = destination.peer.endpoint
+        rows = self.checksums.layered_missing(submit.room, endpoint, submit.spec.start_token, n)
+        sums = kv_checksums(summer, self.config.layout, dst_layout, mapped.src, mapped.positions, rows=rows)
+        self.checksums.finish_layers(
+            submit.room, endpoint, submit.spec.start_token, mapped.positions, rows, sums, kv_buffers=n
+        )
 
     # ------------------------------------------------------------------ transfer workers
 
@@ -569,6 +692,7 @@ class PrefillTransport(EndpointHost[PrefillEndpoint, PrefillEffect]):
         for share in layered.shares:
             destination = share.destination
             wrote_bytes = share.bytes_written
+            self._note_layered_checksums(submit, destination)
             if submit.spec.last and self.config.rank.cp == 0:
                 # State and aux rows ride on the last chunk, after its KV (as on the monolithic path);
                 # planned for no pages, plan_chunk yields exactly those blocks.
@@ -611,10 +735,15 @@ class PrefillTransport(EndpointHost[PrefillEndpoint, PrefillEffect]):
         plan = self._plan(submit, destination, spec, writes_extras=writes_extras)
         if plan is None:
             return None
+        pending = self._checksums_async(submit, destination, plan)
         submitted = self._clock()
-        if not len(plan.blocks):
-            return _Written(plan.kv_pages, 0, 0.0, submitted, submitted)
-        result = self._executor.transfer(destination.peer.session, plan.blocks)
+        try:
+            if not len(plan.blocks):
+                return _Written(plan.kv_pages, 0, 0.0, submitted, submitted)
+            result = self._executor.transfer(destination.peer.session, plan.blocks)
+        finally:
+            if pending is not None:
+                pending.result()  # a checksum that failed fails the chunk (the worker's guard)
         self.metrics.increment(TransportCounter.WRITES)
         self.metrics.increment(TransportCounter.WRITE_JOBS)
         if not result.ok:
@@ -664,6 +793,7 @@ class PrefillTransport(EndpointHost[PrefillEndpoint, PrefillEffect]):
         a batch that failed fails every chunk with bytes in it. ``ended``: ids of the chunks reported.
         """
         planned: list[tuple[SubmitChunk, float, list[tuple[Destination, ChunkPlan]]]] = []
+        checksums: list[Future[None]] = []  # computed while the engine moves the chunks' bytes
         extras = self.config.rank.cp == 0
         with self._lock:  # one lock hold for all of them (and again to report them below)
             now = self._clock()
@@ -687,12 +817,18 @@ class PrefillTransport(EndpointHost[PrefillEndpoint, PrefillEffect]):
                 if plan is None:
                     ended.add(id(submit))  # reported failed
                     break
+                if (pending := self._checksums_async(submit, destination, plan)) is not None:
+                    checksums.append(pending)
                 plans.append((destination, plan))
             else:
                 planned.append((submit, began, plans))
         writes = [(d.peer.session, p.blocks) for _, _, plans in planned for d, p in plans if len(p.blocks)]
         submitted = self._clock()
-        results = iter(self._executor.transfer_shared(writes) if writes else [])
+        try:
+            results = iter(self._executor.transfer_shared(writes) if writes else [])
+        finally:
+            for pending in checksums:
+                pending.result()
         done = self._clock()
         self.metrics.increment(TransportCounter.WRITES, len(writes))
         self.metrics.increment(TransportCounter.WRITE_JOBS, len({peer for peer, _ in writes}))
@@ -805,6 +941,8 @@ class KVSender(RoomHandle[PrefillEndpoint, PrefillEffect]):
             lambda e, now: e.open_room(self.room, num_pages=num_pages, aux_row=aux_row, now=now),
             what=f"sender.init of room {self.room}",
         )
+        if self.transport._checksum_on:
+            self.transport.checksums.enable(self.room)
 
     def send(
         self,
@@ -841,6 +979,7 @@ class KVSender(RoomHandle[PrefillEndpoint, PrefillEffect]):
         """Forget a terminal room (its id is remembered as a tombstone for late messages)."""
         self.transport._call(lambda e, now: _close(e, self.room, now))
         self.transport.per_layer.forget(self.room)
+        self.transport.checksums.forget(self.room)
 
 
 def chunk_spec(

@@ -45,6 +45,8 @@ from pdkv.engine.mooncake import MooncakeBackend, MooncakeConfig
 from pdkv.engine.nixl import NixlBackend, NixlConfig
 from pdkv.errors import TransferError
 from pdkv.mapping.blocks import TransferBlocks
+from pdkv.mapping.layout import AttentionKind, BufferKind, BufferLayout, BufferSpec, ModelRole
+from pdkv.runtime.checksum import WHOLE, BufferViews, Checksummer
 
 ByteArray = npt.NDArray[np.uint8]
 
@@ -147,6 +149,7 @@ class InProcessPeer:
 
     def __init__(self, backend: TransferBackend) -> None:
         self._store = _RegionStore(backend)
+        self._summers: dict[tuple[tuple[tuple[int, int], ...], int], Checksummer] = {}
 
     @property
     def session_id(self) -> str:
@@ -166,6 +169,30 @@ class InProcessPeer:
 
     def release(self, region: MemoryRegion) -> None:
         self._store.release(region)
+
+    def checksums(
+        self, buffers: tuple[tuple[int, int], ...], item_bytes: int, items: object, positions: object
+    ) -> npt.NDArray[np.uint32]:
+        """``pdkv.runtime.checksum`` of whole items ``items`` at ``positions`` in each buffer
+        ``(address, length)`` of this peer's memory, shape ``(buffers, items)`` (for benchmarks:
+        what a decode rank's verification costs, on the memory the bytes landed in)."""
+        summer = self._summers.get((buffers, item_bytes))
+        if summer is None:
+            specs = [
+                BufferSpec(
+                    kind=BufferKind.KV,
+                    model=ModelRole.TARGET,
+                    layer_id=i,
+                    base_ptr=a,
+                    length=n,
+                    item_bytes=item_bytes,
+                )
+                for i, (a, n) in enumerate(buffers)
+            ]
+            layout = BufferLayout.build(attention=AttentionKind.MLA, page_size=1, buffers=specs)
+            summer = self._summers[(buffers, item_bytes)] = Checksummer(BufferViews(layout))
+        pairs = [(i, WHOLE) for i in range(len(buffers))]
+        return summer.many(pairs, np.asarray(items, dtype=np.int64), np.asarray(positions, dtype=np.int64))
 
     def engine_metadata(self) -> bytes:
         """The peer backend's ``engine_metadata`` now (what its ``Register`` would carry)."""
@@ -211,6 +238,14 @@ class _Release:
 
 
 @attrs.frozen
+class _Checksums:
+    buffers: tuple[tuple[int, int], ...]
+    item_bytes: int
+    items: object
+    positions: object
+
+
+@attrs.frozen
 class _Metadata:
     pass
 
@@ -220,7 +255,7 @@ class _Stop:
     pass
 
 
-_Request = _Allocate | _Fill | _Read | _Digest | _Release | _Metadata | _Stop
+_Request = _Allocate | _Fill | _Read | _Digest | _Release | _Checksums | _Metadata | _Stop
 
 
 @attrs.frozen
@@ -257,6 +292,10 @@ def _serve_peer(conn: multiprocessing.connection.Connection, factory: Callable[[
                     value = peer.digest(request.address, request.length)
                 elif isinstance(request, _Release):
                     peer.release(MemoryRegion(request.address, request.length))
+                elif isinstance(request, _Checksums):
+                    value = peer.checksums(
+                        request.buffers, request.item_bytes, request.items, request.positions
+                    )
                 elif isinstance(request, _Metadata):
                     value = peer.engine_metadata()
                 conn.send(_Reply(True, value))
@@ -350,6 +389,16 @@ class SpawnedPeer:
 
     def release(self, region: MemoryRegion) -> None:
         self._call(_Release(region.address, region.length))
+
+    def checksums(
+        self, buffers: tuple[tuple[int, int], ...], item_bytes: int, items: object, positions: object
+    ) -> npt.NDArray[np.uint32]:
+        """``InProcessPeer.checksums``, computed in the child on its memory."""
+        value = self._call(_Checksums(buffers, item_bytes, items, positions))
+        if not isinstance(value, np.ndarray):
+            raise PeerError(f"spawned peer returned {type(value).__name__} for checksums")
+        sums: npt.NDArray[np.uint32] = value
+        return sums
 
     def engine_metadata(self) -> bytes:
         """The child backend's ``engine_metadata`` now (what its ``Register`` would carry)."""
@@ -520,6 +569,11 @@ class MetadataSyncedPeer:
 
     def engine_metadata(self) -> bytes:
         return self._peer.engine_metadata()
+
+    def checksums(
+        self, buffers: tuple[tuple[int, int], ...], item_bytes: int, items: object, positions: object
+    ) -> npt.NDArray[np.uint32]:
+        return self._peer.checksums(buffers, item_bytes, items, positions)
 
     def release(self, region: MemoryRegion) -> None:
         self._peer.release(region)

@@ -57,6 +57,7 @@ from pdkv.protocol.effects import (
     SubmitChunk,
     SubmitFence,
     Target,
+    VerifyChecksums,
 )
 from pdkv.protocol.ids import Endpoint, Epoch, InstanceId, RoomId, SessionId
 from pdkv.protocol.layers import LayerBook, LayerContext, Verdict
@@ -394,6 +395,9 @@ class EndpointPair:
         """Model a cut that reports success while bytes queued in the destroyed sockets are still read
         (the defect of a cut that counted the sockets' leaving the kernel table as proof)."""
         self._cuts: list[_CutInFlight] = []
+        self.verifications: list[VerifyChecksums] = []
+        """The decode's ``VerifyChecksums`` requests (rooms opened with ``verify_checksums``), for the
+        test to answer with ``decode_endpoint.checksums_verified``."""
         self.cut_time = cut_time
         self.cuts_made = 0
         self._prefill_address = {Endpoint(f"inproc://prefill-{cp}"): cp for cp in range(cp_size)}
@@ -717,7 +721,9 @@ class EndpointPair:
         for room in {w.room for w in self._writes if w.prefill == cp} | {
             w.room for w in self._layer_writes if w.prefill == cp
         }:
-            self._residues.append(_Residue(room=room, prefill=cp, lands_at=now + self.late_write_s, in_engine=False))
+            self._residues.append(
+                _Residue(room=room, prefill=cp, lands_at=now + self.late_write_s, in_engine=False)
+            )
         self._writes = [w for w in self._writes if w.prefill != cp]
         self._layer_writes = [w for w in self._layer_writes if w.prefill != cp]
         self._layer_events = [e for e in self._layer_events if e.prefill != cp]
@@ -768,7 +774,11 @@ class EndpointPair:
     def _apply(self, who: str, effects: Sequence[Effect]) -> None:
         """Carry out ``effects`` in the order the endpoint ``who`` emitted them, as the runtime does."""
         now = self.clock.now
-        sender = self.decode_endpoint if who == "decode" else self.prefill_endpoints[int(who.removeprefix("prefill"))]
+        sender = (
+            self.decode_endpoint
+            if who == "decode"
+            else self.prefill_endpoints[int(who.removeprefix("prefill"))]
+        )
         for e in effects:
             match e:
                 case Send():
@@ -783,7 +793,9 @@ class EndpointPair:
                 case RoomFinished():
                     self.finished[(who, e.room)] = e
                     if who != "decode":  # contexts of the room stop (those that never wrote, on Success)
-                        self.layer_books[int(who.removeprefix("prefill"))].cancel(e.room, e.reason or "room ended")
+                        self.layer_books[int(who.removeprefix("prefill"))].cancel(
+                            e.room, e.reason or "room ended"
+                        )
                 case ReleasePages():
                     self._on_release(e, now)
                 case ForgetPeer():
@@ -794,11 +806,17 @@ class EndpointPair:
                 case SubmitFence():
                     cp = int(who.removeprefix("prefill"))
                     fence = _FenceInFlight(
-                        room=e.room, peer=e.peer, prefill=cp, endpoint=self.prefills[cp], done_at=now + self.transfer_time
+                        room=e.room,
+                        peer=e.peer,
+                        prefill=cp,
+                        endpoint=self.prefills[cp],
+                        done_at=now + self.transfer_time,
                     )
                     self._fences.append(fence)
                 case CutConnections():
                     self._cuts.append(_CutInFlight(room=e.room, hosts=e.hosts, done_at=now + self.cut_time))
+                case VerifyChecksums():
+                    self.verifications.append(e)  # answered by the test (decode.checksums_verified)
                 case Notice():
                     self.notices_seen += 1
                     if self._notice_limit is None or len(self.notices) < self._notice_limit:

@@ -212,6 +212,9 @@ class TransportPair:
     (``staging`` lists the pools). With a model that describes KV heads, each decode rank holds its TP share
     of the heads (the one prefill TP rank holds them all), so ``decode_tp`` > 1 slices every page.
 
+    ``kv_checksum``: both sides compute and verify checksums per (buffer, page) (``PDKV_KV_CHECKSUM``);
+    ``decode_checksum`` sets the decode ranks' switch apart (None: the same).
+
     ``prefill_memory`` / ``decode_memory`` hold each rank's tensors (``RankMemory``: the prefill side is
     filled with a recognisable pattern, ``pdkv.testing.synthetic.verify_room`` checks a room's bytes).
     Closing (or leaving the ``with`` block) closes decode ranks first, then prefill ranks, then engines.
@@ -234,6 +237,8 @@ class TransportPair:
         decode_instance: str = "decode-0",
         sockets: bool = False,
         fabric: str = "pair",
+        kv_checksum: bool = False,
+        decode_checksum: bool | None = None,
         staging: StagingConfig | None = None,
         prefill_policy: LayoutPolicy = DEFAULT_LAYOUT_POLICY,
         decode_policy: LayoutPolicy = DEFAULT_LAYOUT_POLICY,
@@ -276,6 +281,7 @@ class TransportPair:
                 timeouts=timeouts,
                 executor=executor or ExecutorConfig(),
                 per_layer=per_layer or PerLayerConfig(),
+                kv_checksum=kv_checksum,
                 layout_policy=prefill_policy,
             )
             self.prefill_memory.append(memory)
@@ -307,6 +313,7 @@ class TransportPair:
                 tp_size=decode_tp,
                 layout=memory.layout,
                 timeouts=timeouts,
+                kv_checksum=kv_checksum if decode_checksum is None else decode_checksum,
                 layout_policy=decode_policy,
             )
             self.decode_memory.append(memory)

@@ -99,6 +99,13 @@ def test_settings_refuse_unknown_keys() -> None:
         AdapterSettings.from_extra_config({"registy_port": 8998})
 
 
+def test_settings_take_the_checksum_switch() -> None:
+    assert AdapterSettings.from_extra_config({}).kv_checksum is None  # PDKV_KV_CHECKSUM decides
+    assert AdapterSettings.from_extra_config({"kv_checksum": True}).kv_checksum is True
+    with pytest.raises(ConfigError, match="kv_checksum"):
+        AdapterSettings.from_extra_config({"kv_checksum": "yes"})
+
+
 def test_settings_choose_the_transfer_engine() -> None:
     assert AdapterSettings.from_extra_config({}).backend is None  # PDKV_BACKEND, else Mooncake
     assert AdapterSettings.from_extra_config({"backend": "nixl"}).backend == "nixl"

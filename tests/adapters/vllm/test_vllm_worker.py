@@ -17,13 +17,17 @@ from tests.adapters.vllm.helpers import VLLM_PYTHON, Child, read_json, requires_
 pytestmark = [requires_vllm, pytest.mark.slow]
 
 
-def test_vllm_0_33_worker_side_over_mooncake_tcp(tmp_path: Path) -> None:
+@pytest.mark.parametrize("checksum", [False, True], ids=["plain", "kv_checksum"])
+def test_vllm_0_33_worker_side_over_mooncake_tcp(tmp_path: Path, checksum: bool) -> None:
+    """``checksum``: kv_connector_extra_config ``kv_checksum`` on both instances: every load that
+    completes was verified against the producer's checksums first; nothing else changes."""
     plan = tmp_path / "plan.json"
     ports = {
         "registry_port": free_port(),
         "both_registry_port": free_port(),
         "dist_ports": [free_port(), free_port()],
         "dead_port": free_port(),
+        "kv_checksum": checksum,
     }
     plan.write_text(json.dumps(ports))
     children = [
@@ -56,3 +60,6 @@ def test_vllm_0_33_worker_side_over_mooncake_tcp(tmp_path: Path) -> None:
     assert decode["e_pages_reported_invalid"]
     # C, aborted while loading, kept its blocks until pdkv released them; all blocks came back
     assert decode["held_after_abort"] and decode["free_blocks_back"]
+    # with checksums: A, B and G (the loads that completed) were each verified before they counted
+    verified = 3 if checksum else 0
+    assert decode["checksums"] == {"on": checksum, "rooms_verified": verified, "checksum_failures": 0}

@@ -185,7 +185,8 @@ def wait_file(path: Path, timeout_s: float, engine: Engine | None = None, write_
 
 
 def run_prefill(plan: dict[str, Any], work: Path) -> dict[str, Any]:
-    e = Engine("kv_producer", {"registry_port": plan["registry_port"]}, plan["dist_ports"][0])
+    checksum = {"kv_checksum": True} if plan.get("kv_checksum") else {}  # kv_connector_extra_config
+    e = Engine("kv_producer", {"registry_port": plan["registry_port"], **checksum}, plan["dist_ports"][0])
     (work / "prefill-ready").touch()
     # B: computed before the decode asks; its response goes to the decode as a router would pass it
     e.add("B", PREFILL_PROMPTS["B"], {"do_remote_decode": True, "transfer_id": "t-B"}, 1)
@@ -217,6 +218,7 @@ def run_decode(plan: dict[str, Any], work: Path) -> dict[str, Any]:
         "prefill_registry": registry,
         "connect_timeout_s": 3.0,
         "registry_port": plan["both_registry_port"],
+        **({"kv_checksum": True} if plan.get("kv_checksum") else {}),
     }
     e = Engine("kv_both", extra, plan["dist_ports"][1])
     checked: dict[str, list[int]] = {}
@@ -294,7 +296,14 @@ def run_decode(plan: dict[str, Any], work: Path) -> dict[str, Any]:
     ]
     (work / "decode-done").touch()
     e.step(False)
+    assert e.worker.decode is not None
+    endpoint = e.worker.decode.statistics().endpoint
     return {
+        "checksums": {
+            "on": e.worker.decode.config.kv_checksum,
+            "rooms_verified": endpoint.rooms_verified,
+            "checksum_failures": endpoint.checksum_failures,
+        },
         "checked": checked,
         "stray_blocks": stray[:8],
         "held_after_abort": held_after_abort,

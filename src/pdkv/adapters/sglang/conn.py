@@ -49,6 +49,7 @@ from typing import Any, Final
 
 import attrs
 import numpy as np
+import torch
 from sglang.srt.disaggregation.base.conn import (
     BaseKVBootstrapServer,
     BaseKVManager,
@@ -88,6 +89,7 @@ from pdkv.runtime import (
     PrefillConfig,
     PrefillTransport,
     Registry,
+    checksums_from_env,
     layout_policy_from_env,
 )
 
@@ -194,6 +196,21 @@ def _mooncake_config(kv_args: KVArgs, host: str) -> MooncakeConfig:
     return attrs.evolve(config, **changes)
 
 
+def kv_checksum_of(server_args: ServerArgs) -> bool:
+    """pdkv's checksums per (buffer, page) (``PDKV_KV_CHECKSUM``) for this rank: on with SGLang's own
+    switch, ``--disaggregation-enable-kv-checksum`` (0.5.23; SGLang then also runs its own digest per
+    request, on the GPU), or with the pdkv variable."""
+    return bool(getattr(server_args, "disaggregation_enable_kv_checksum", False)) or checksums_from_env()
+
+
+def checksum_device_of(args: KVArgs, server_args: ServerArgs) -> str:
+    """Where the KV pool lives, for the checksums: SGLang's GPU ``gpu_id`` on a CUDA device, else cpu."""
+    device = str(getattr(server_args, "device", None) or "cuda")
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return f"cuda:{int(args.gpu_id)}"
+    return "cpu"
+
+
 def _nixl_config(kv_args: KVArgs) -> NixlConfig:
     """``PDKV_NIXL_*`` settings; UCX's devices are SGLang's IB devices when ``--disaggregation-ib-device``
     names some and ``PDKV_NIXL_UCX_NET_DEVICES`` does not."""
@@ -277,6 +294,8 @@ class PdkvKVManager(BaseKVManager):
                     registry=f"tcp://{_reachable(str(server_args.host))}:{self.bootstrap_port}",
                     host=self.host,
                     timeouts=self.timeouts,
+                    kv_checksum=kv_checksum_of(server_args),
+                    checksum_device=checksum_device_of(args, server_args),
                     layout_policy=layout_policy_from_env(),
                 ),
                 backend,
@@ -292,6 +311,8 @@ class PdkvKVManager(BaseKVManager):
                     layout=self.layout,
                     host=self.host,
                     timeouts=self.timeouts,
+                    kv_checksum=kv_checksum_of(server_args),
+                    checksum_device=checksum_device_of(args, server_args),
                     layout_policy=layout_policy_from_env(),
                 ),
                 backend,

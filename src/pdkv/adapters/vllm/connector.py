@@ -69,6 +69,7 @@ from pdkv import (
 from pdkv.adapters.vllm.layout import layout_from_kv_caches
 from pdkv.adapters.vllm.params import AdapterSettings, ConsumerParams, producer_transfer_id, room_for
 from pdkv.engine import TransferBackend, make_backend
+from pdkv.runtime import checksums_from_env
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -573,6 +574,11 @@ class WorkerSide:
         )
         host = self.settings.host
         self._backend = make_backend(self.settings.backend, host=host)
+        # kv_connector_extra_config.kv_checksum, else PDKV_KV_CHECKSUM; the checksums run where the cache is
+        checksum = (
+            self.settings.kv_checksum if self.settings.kv_checksum is not None else checksums_from_env()
+        )
+        device = "cpu" if first is None or first.device.type != "cuda" else str(first.device)
         if self.producer:
             instance = InstanceId(self.settings.instance or f"vllm-prefill@{host}:{self.engine_id}")
             self.registry = Registry(
@@ -587,6 +593,8 @@ class WorkerSide:
                     layout=layout,
                     registry=self.registry.address,
                     host=host,
+                    kv_checksum=checksum,
+                    checksum_device=device,
                 ),
                 self._backend,
             )
@@ -606,6 +614,8 @@ class WorkerSide:
                     layout=layout,
                     host=host,
                     register_memory=self.prefill is None,  # kv_both: the prefill transport registered it
+                    kv_checksum=checksum,
+                    checksum_device=device,
                 ),
                 self._backend,
             )

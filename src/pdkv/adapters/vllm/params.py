@@ -85,8 +85,10 @@ class AdapterSettings:
     address goes back to the router in ``remote_registry``). ``instance``: the pdkv instance id
     (default ``vllm-<role>@host:engine_id``). ``prefill_registry``: a consumer's default prefill
     registry. ``connect_timeout_s``: how long a consumer waits for a prefill registry before the
-    requests that need it fail (and are recomputed). ``backend``: the transfer engine, ``mooncake`` or
-    ``nixl`` (default: ``PDKV_BACKEND``, else mooncake; ``pdkv.engine.make_backend``).
+    requests that need it fail (and are recomputed). ``kv_checksum``: pdkv's checksums per (buffer,
+    page), computed by the producer and verified by the consumer before a request's KV counts as
+    received (None: ``PDKV_KV_CHECKSUM`` decides; set it on both instances). ``backend``: the transfer
+    engine, ``mooncake`` or ``nixl`` (default: ``PDKV_BACKEND``, else mooncake; ``pdkv.engine.make_backend``).
     """
 
     host: str = "127.0.0.1"
@@ -94,6 +96,9 @@ class AdapterSettings:
     instance: str | None = None
     prefill_registry: str | None = None
     connect_timeout_s: float = 30.0
+    kv_checksum: bool | None = attrs.field(
+        default=None, validator=attrs.validators.optional(attrs.validators.instance_of(bool))
+    )
     backend: str | None = attrs.field(
         default=None, validator=attrs.validators.optional(attrs.validators.in_(("mooncake", "nixl")))
     )

@@ -21,12 +21,13 @@ import attrs
 
 from pdkv.mapping.layout_policy import LayoutPolicy
 from pdkv.protocol.config import Timeouts
-from pdkv.protocol.effects import DecodeEffect, FailureCause, PeerKey, ReleaseKind, Target
+from pdkv.protocol.effects import ChecksumMismatch, DecodeEffect, FailureCause, PeerKey, ReleaseKind, Target
 from pdkv.protocol.ids import Endpoint, Epoch, RoomId, SessionId
 from pdkv.protocol.machines._base import StateMachine
 from pdkv.protocol.messages import (
     IntArray,
     Origin,
+    PageChecksums,
     Register,
     RegisterAck,
     StateIndices,
@@ -53,6 +54,7 @@ class ReceiverRoomState(enum.Enum):
     BOOTSTRAPPING = "bootstrapping"
     WAITING_FOR_INPUT = "waiting_for_input"
     TRANSFERRING = "transferring"
+    VERIFYING = "verifying"
     SUCCESS = "success"
     FAILED = "failed"
 
@@ -64,6 +66,8 @@ class ReceiverRoomInput(enum.Enum):
     PEER_ABORT = "peer_abort"  # Abort from a prefill rank
     ABORT = "abort"  # the scheduler's receiver.abort
     FAIL = "fail"  # decided here: a deadline, a lost or refusing rank, no destination
+    VERIFIED = "verified"  # the runtime's verdict: every page matches the prefill ranks' checksums
+    CORRUPT = "corrupt"  # ... or one does not (the mismatch says where)
 
 
 class DecodeAbortState(enum.Enum):
@@ -178,9 +182,12 @@ class ReceiverRoom:
     required_dst_info_num: int
     deadline: float | None
     prefix_pages: int = 0  # positions this rank already holds (its prefix cache): never written
+    verify: bool = False  # PDKV_KV_CHECKSUM: Success waits for the pages to match the ranks' checksums
     armed: set[PeerKey] = attrs.Factory(set)  # ranks sent the request (told the destinations)
     succeeded: set[PeerKey] = attrs.Factory(set)
     metric: dict[PeerKey, TransferMetricData] = attrs.Factory(dict)
+    reports: dict[PeerKey, PageChecksums | None] = attrs.Factory(dict)  # each Success's checksums (verify)
+    mismatch: ChecksumMismatch | None = None  # where the pages differ (FailureCause.CHECKSUM)
     failure: str | None = None
     cause: FailureCause | None = None
     failure_peer: PeerKey | None = None
@@ -227,6 +234,8 @@ class RoomStep:
     cause: FailureCause | None = None
     metric: TransferMetricData | None = None  # a Success status's
     tell_now: PeerKey | None = None  # a silent rank being registered with again: told at once
+    checksums: PageChecksums | None = None  # a Success status's
+    mismatch: ChecksumMismatch | None = None  # the runtime's verdict (``corrupt``)
 
 
 @attrs.define(eq=False, slots=True)

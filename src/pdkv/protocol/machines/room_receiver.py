@@ -6,22 +6,27 @@ the row. A failed room's pages are then the business of its abort handshake (``d
     BOOTSTRAPPING      waiting for registration with every target prefill rank (deadline: bootstrap)
     WAITING_FOR_INPUT  TransferRequests sent, no status yet (deadline: waiting)
     TRANSFERRING       some required prefill ranks reported Success, not all (deadline: transfer)
-    SUCCESS            every required prefill rank reported Success
-    FAILED             status Failed, timeout, rejection, peer lost or restarted, abort
+    VERIFYING          (checksums on) every required rank reported Success; the runtime compares the
+                       pages with the checksums they sent (deadline: transfer)
+    SUCCESS            every required prefill rank reported Success (and, checksums on, the pages match)
+    FAILED             status Failed, timeout, rejection, peer lost or restarted, abort, checksum mismatch
 
 Inputs: ``targets_ready`` (every target rank registered), ``success`` / ``failed`` (a TransferStatus),
 ``peer_abort`` (an Abort from a prefill rank), ``abort`` (the scheduler's), ``fail`` (decided by the
-endpoint: a deadline, a lost, restarted or refusing rank, no destination). A status is only heard
-from a rank that was sent the request (the others' are late, counted); only required (non-dummy)
-ranks' successes count. When its requests go, the room keeps what its ranks' registrations leave
-out of the draft model (``draft_skipped``: the scheduler reads it after Success); a room that
-succeeds so is counted (``rooms_draft_skipped``).
+endpoint: a deadline, a lost, restarted or refusing rank, no destination), ``verified`` /
+``corrupt`` (the runtime's verdict on the checksums, after ``VerifyChecksums``). A status is only
+heard from a rank that was sent the request (the others' are late, counted); only required
+(non-dummy) ranks' successes count. A verifying room is live: an abort or a lost rank fails it, and
+a verdict that comes after that changes nothing; a mismatch fails it with ``FailureCause.CHECKSUM``
+and its pages follow the abort handshake like any failed room's. When its requests go, the room
+keeps what its ranks' registrations leave out of the draft model (``draft_skipped``: the scheduler
+reads it after Success); a room that succeeds so is counted (``rooms_draft_skipped``).
 """
 
 from __future__ import annotations
 
 from pdkv.mapping.layout_policy import BufferKey
-from pdkv.protocol.effects import Notice, NoticeLevel, RoomFinished, Send
+from pdkv.protocol.effects import FailureCause, Notice, NoticeLevel, RoomFinished, Send, VerifyChecksums
 from pdkv.protocol.machines._base import MachineSpec, StateMachine, row
 from pdkv.protocol.machines._decode_side import (
     AbortRecord,
@@ -40,7 +45,7 @@ from pdkv.protocol.registration import DraftSkipped
 
 _S = ReceiverRoomState
 _I = ReceiverRoomInput
-_LIVE = (_S.BOOTSTRAPPING, _S.WAITING_FOR_INPUT, _S.TRANSFERRING)
+_LIVE = (_S.BOOTSTRAPPING, _S.WAITING_FOR_INPUT, _S.TRANSFERRING, _S.VERIFYING)
 _ASKED = (_S.WAITING_FOR_INPUT, _S.TRANSFERRING)
 _ENDED = (_S.SUCCESS, _S.FAILED)
 
@@ -65,6 +70,11 @@ def last_required(s: RoomStep) -> bool:
     """This success completes the room: every required rank has now reported Success. (Only required
     ranks are recorded, so equal sizes mean all: O(1) where comparing sets cost O(ranks) per status.)"""
     return len(s.room.succeeded) + 1 == len(s.room.required)
+
+
+def last_required_to_verify(s: RoomStep) -> bool:
+    """This success completes a room that verifies checksums: its pages are checked before Success."""
+    return s.room.verify and last_required(s)
 
 
 # ------------------------------------------------------------------------------------------ effects
@@ -130,6 +140,43 @@ def record_success(s: RoomStep) -> None:
     assert s.sender is not None
     s.room.succeeded.add(s.sender)
     s.room.metric[s.sender] = s.metric if s.metric is not None else TransferMetricData()
+    if s.room.verify:
+        s.room.reports[s.sender] = s.checksums
+
+
+def request_verification(s: RoomStep) -> None:
+    """Every required rank's writes completed: the runtime checks the pages against their checksums
+    (a rank that sent none is in ``reports`` as None: the verdict names it), bounded by ``transfer``."""
+    r = s.room
+    s.side.set_deadline(r, s.now + s.side.timeouts.transfer)
+    reports = tuple((t.key, r.reports.get(t.key)) for t in r.targets if t.key in r.required)
+    left_out = []
+    for key, _ in reports:
+        rank = s.side.rank(key)
+        if rank is not None and rank.ack is not None and rank.ack.decode_left_out:
+            left_out.append((key, tuple(rank.ack.decode_left_out)))
+    s.side.emit(
+        VerifyChecksums(
+            room=r.room,
+            dst_pages=r.dst_pages,
+            prefix_pages=r.prefix_pages,
+            dst_state=r.dst_state,
+            dst_aux_row=r.dst_aux_row,
+            reports=reports,
+            left_out=tuple(left_out),
+        )
+    )
+
+
+def count_verified(s: RoomStep) -> None:
+    s.side.count("rooms_verified")
+
+
+def record_mismatch(s: RoomStep) -> None:
+    """The pages differ from what a prefill rank sent: counted, kept for ``Failure.mismatch``."""
+    assert s.mismatch is not None and s.cause is FailureCause.CHECKSUM
+    s.room.mismatch = s.mismatch
+    s.side.count("checksum_failures")
 
 
 def arm_transfer_deadline(s: RoomStep) -> None:
@@ -219,12 +266,20 @@ RECEIVER_ROOM = MachineSpec(
         row(
             _I.SUCCESS,
             _ASKED,
+            _S.VERIFYING,
+            when=last_required_to_verify,
+            then=[record_success, request_verification],
+        ),
+        row(
+            _I.SUCCESS,
+            _ASKED,
             _S.SUCCESS,
             when=last_required,
             then=[record_success, finish_success, count_without_draft],
         ),
         row(_I.SUCCESS, _S.WAITING_FOR_INPUT, _S.TRANSFERRING, then=[record_success, arm_transfer_deadline]),
         row(_I.SUCCESS, _S.TRANSFERRING, None, then=[record_success]),
+        row(_I.SUCCESS, _S.VERIFYING, None, then=[count_late]),  # every required rank reported already
         row(_I.FAILED, _ENDED, None, then=[count_late]),
         row(_I.FAILED, _LIVE, None, when=not_asked, then=[count_late]),
         row(_I.FAILED, _LIVE, _S.FAILED, then=[fail_room]),
@@ -234,6 +289,12 @@ RECEIVER_ROOM = MachineSpec(
         row(_I.ABORT, _LIVE, _S.FAILED, then=[fail_room]),
         row(_I.FAIL, _ENDED, None),
         row(_I.FAIL, _LIVE, _S.FAILED, then=[fail_room]),
+        row(
+            _I.VERIFIED, _S.VERIFYING, _S.SUCCESS, then=[count_verified, finish_success, count_without_draft]
+        ),
+        row(_I.VERIFIED, _S.FAILED, None),  # the room failed while it was checked (an abort)
+        row(_I.CORRUPT, _S.VERIFYING, _S.FAILED, then=[record_mismatch, fail_room]),
+        row(_I.CORRUPT, _S.FAILED, None),
     ),
 )
 

@@ -52,6 +52,7 @@ def _decode_rank(args: _RankArgs, conn: Connection) -> None:
         layout=memory.layout,
         host=spec.host(Side.DECODE),
         timeouts=spec.timeouts,
+        kv_checksum=spec.kv_checksum,
         layout_policy=spec.decode_layout_policy,
     )
     transport = DecodeTransport(config, backend, channel_factory=wiring.channel_factory)
@@ -186,6 +187,8 @@ def _decode_rank(args: _RankArgs, conn: Connection) -> None:
                     peer_restarts=stats.endpoint.peer_restarts,
                     quarantines=stats.endpoint.quarantines,
                     quarantines_proven=stats.endpoint.quarantines_proven,
+                    rooms_verified=stats.endpoint.rooms_verified,
+                    checksum_failures=stats.endpoint.checksum_failures,
                     faults=wiring.fault_counts(),
                     pages_in_use=(pages.total_pages - pages.free_pages)
                     + (state_slots.total_pages - state_slots.free_pages)

@@ -88,6 +88,7 @@ def _prefill_rank(args: _RankArgs, conn: Connection) -> None:
         registry=args.registry,
         host=spec.host(Side.PREFILL),
         timeouts=spec.timeouts,
+        kv_checksum=spec.kv_checksum,
         layout_policy=spec.prefill_layout_policy,
     )
     staging = None

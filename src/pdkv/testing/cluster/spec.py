@@ -81,6 +81,9 @@ class ClusterSpec:
     peer kept at the engine's default queue (2,048): headroom for the engine. Under load (many ranks
     on few cores) a stream of small entries (MHA head slices, one per token) met "TCP lane
     queue-full" rejections with the budget equal to the queue. None: the engine's defaults."""
+    kv_checksum: bool = False
+    """Every rank runs with ``PDKV_KV_CHECKSUM``: a decode rank checks each room's pages against the
+    prefill ranks' checksums before Success (the byte check after it still runs)."""
     backend: str = "mooncake"
     """The transfer engine of every rank (``pdkv.engine.BackendKind``: mooncake or nixl)."""
     ucx_tls: str | None = None
@@ -222,6 +225,10 @@ class RankReport:
     """Decode: rooms quarantined (no AbortAck within ``abort_ack``)."""
     quarantines_proven: int = 0
     """Decode: quarantined rooms released proven (acks after fences, then connections cut)."""
+    rooms_verified: int = 0
+    """Decode, ``kv_checksum``: rooms whose pages matched the prefill ranks' checksums before Success."""
+    checksum_failures: int = 0
+    """Decode, ``kv_checksum``: rooms failed on a checksum mismatch."""
     fences: int = 0
     """Prefill: fence writes made before AbortAcks of rooms whose writes failed."""
     writes: int = 0
