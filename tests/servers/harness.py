@@ -167,7 +167,7 @@ def readme_pair(
     """Free ports and the README block's ``prefill``, ``decode`` and ``router`` lines filled with them,
     plus ``plain``: the decode's line cut before ``plain_from`` (its first disaggregation flag), on
     its own port. ``side_port``: the name of the prefill's second port (``$<NAME>_PORT``)."""
-    names = ("plain", "prefill", side_port, "decode", "router")
+    names = ("plain", "prefill", side_port, "decode", "router", "metrics")  # metrics: the router's
     ports = dict(zip(names, free_ports(len(names)), strict=True))
     values = {f"{name.upper()}_PORT": str(port) for name, port in ports.items() if name != "plain"}
     commands = readme_commands(marker, {"MODEL": str(model), **values})
