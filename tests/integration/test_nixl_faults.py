@@ -8,6 +8,7 @@ abort the process: the check can fail.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -18,12 +19,18 @@ pytestmark = pytest.mark.slow
 
 
 def _run(*args: str) -> subprocess.CompletedProcess[str]:
+    """The case in a child that starts with no ``UCX_*`` / ``NIXL_*`` settings: a NixlBackend made
+    earlier in this process wrote its own into ``os.environ`` (UCX reads them from there), and a
+    child inheriting ``UCX_TLS=tcp`` from another test ran the control on other transports (it then
+    missed the abort in all its attempts)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("UCX_", "NIXL_"))}
     return subprocess.run(
         [sys.executable, "-m", "tests.integration.nixl_peer_killed", *args],
         capture_output=True,
         text=True,
         timeout=180,
         check=False,
+        env=env,
     )
 
 

