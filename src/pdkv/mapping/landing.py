@@ -43,6 +43,7 @@ from pdkv.mapping.blocks import TransferBlocks
 from pdkv.mapping.fanout import Topology
 from pdkv.mapping.heads import head_blocks, head_plan, rank_heads
 from pdkv.mapping.layout import BufferKind, BufferLayout, BufferSpec, ItemLayout
+from pdkv.mapping.layout_policy import transfer_view
 from pdkv.mapping.runs import PageRuns, coalesce
 from pdkv.mapping.staging import StagingSources, non_empty, stageable
 
@@ -205,6 +206,33 @@ def source_region(
     return BufferLayout.build(
         attention=decode_layout.attention, page_size=decode_layout.page_size, buffers=specs
     )
+
+
+def grant_problem(
+    decode_layout: BufferLayout, source_layout: BufferLayout, *, address: int, nbytes: int, slots: int
+) -> str | None:
+    """Why a prefill rank with ``source_layout`` must refuse a landing grant of a decode rank with
+    ``decode_layout`` (None: it may write into it). The region recomputed from the grant must be
+    exactly ``nbytes``, lie clear of every registered decode buffer (the landing pool is separate
+    memory), and the pair's transfers must leave no buffer out (both sides lay the region out over
+    the whole decode layout)."""
+    if transfer_view(source_layout, decode_layout).leaves_out:
+        return "a landing grant for a pair of ranks whose transfers leave draft buffers out"
+    try:
+        region = source_region(decode_layout, source_layout, base=address, slots=slots)
+    except (LayoutMismatchError, MappingError) as exc:
+        return f"landing grant: {exc}"
+    need = region_bytes(region)
+    if need != nbytes:
+        return f"landing grant of {nbytes} bytes, but {slots} slots of this rank's items need {need}"
+    end = address + nbytes
+    for b in decode_layout.buffers:
+        if b.length and address < b.base_ptr + b.length and b.base_ptr < end:
+            return (
+                f"landing grant [{address:#x}, {end:#x}) overlaps the decode's {b.model.value} "
+                f"{b.kind.value} layer {b.layer_id} buffer"
+            )
+    return None
 
 
 def region_bytes(region: BufferLayout) -> int:
