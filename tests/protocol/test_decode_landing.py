@@ -14,6 +14,7 @@ from __future__ import annotations
 from pdkv.protocol.config import Timeouts
 from pdkv.protocol.decode import DecodeEndpoint
 from pdkv.protocol.effects import (
+    DecodeEffect,
     FailureCause,
     LeaseLanding,
     ReleaseKind,
@@ -41,7 +42,7 @@ KEY = (PREFILL.instance, PREFILL.rank)
 GRANT = LandingGrant(address=1 << 40, nbytes=3 * 1024, first_position=1, slots=3)
 
 
-def opened(d: DecodeEndpoint, *, verify: bool = False) -> list[object]:
+def opened(d: DecodeEndpoint, *, verify: bool = False) -> list[DecodeEffect]:
     return list(
         d.open_room(
             ROOM,
