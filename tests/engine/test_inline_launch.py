@@ -253,6 +253,7 @@ def test_a_busy_completer_keeps_the_launch_order_of_completions() -> None:
 def test_close_waits_for_a_completion_a_waiter_claimed() -> None:
     backend = GatedBackend(bound_s=1.0)
     _warm(backend)
+    backend.inline_hold_s = 5.0  # the completer leaves it to the waiter, however slow it is to start
     handle = backend.submit_write("peer", _batch())
     waiter = threading.Thread(target=lambda: backend.wait([handle], 10))
     waiter.start()

@@ -291,6 +291,24 @@ class Stats:
         return sum(int(r[key]) for r in self.reports(kind))
 
 
+def settled(
+    read: Callable[[], dict[str, dict[str, Any]]], idle: Callable[[dict[str, dict[str, Any]]], bool]
+) -> dict[str, dict[str, Any]]:
+    """``read()`` once ``idle`` holds for it and two reads 0.3 s apart agree: counts read before or
+    after a test's requests must not miss a room of a request still ending (the dumps refresh every
+    0.1 s; a start-up request the fixture retried may end late)."""
+    seen: list[dict[str, dict[str, Any]]] = []
+
+    def quiet() -> bool:
+        now = read()
+        same = bool(seen) and seen[-1] == now
+        seen.append(now)
+        return idle(now) and same
+
+    wait_for(quiet, 30, "no open room and steady counts on both sides", interval_s=0.3)
+    return seen[-1]
+
+
 def wait_for(condition: Callable[[], bool], timeout_s: float, what: str, interval_s: float = 0.05) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():

@@ -92,8 +92,16 @@ def _routed_once(cluster: Cluster) -> bool:
     return True
 
 
+def _settled(cluster: Cluster) -> dict[str, dict[str, Any]]:
+    """Both servers' reports once neither holds an open room and the counts are steady."""
+    return harness.settled(
+        lambda: {name: cluster.stats.one(f"sglang-{name}") for name in ("prefill", "decode")},
+        lambda r: r["prefill"]["rooms_open"] == 0 and r["decode"]["rooms_open"] == 0,
+    )
+
+
 def test_decode_tokens_equal_a_plain_server_and_the_kv_is_what_the_decode_uses(cluster: Cluster) -> None:
-    before = cluster.stats.one("sglang-decode")["rooms_succeeded"]
+    before = _settled(cluster)["decode"]["rooms_succeeded"]
     harness.check_tokens_and_controls(
         cluster.workdir,
         cluster.stats,
@@ -103,7 +111,8 @@ def test_decode_tokens_equal_a_plain_server_and_the_kv_is_what_the_decode_uses(c
         prompts=PROMPTS,
         control_prompts=CONTROL_PROMPTS,
     )
-    prefill, decode = cluster.stats.one("sglang-prefill"), cluster.stats.one("sglang-decode")
+    after = _settled(cluster)
+    prefill, decode = after["prefill"], after["decode"]
     # every prompt's KV came through pdkv, none failed
     assert decode["rooms_succeeded"] - before == len(PROMPTS) + len(CONTROL_PROMPTS)
     assert decode["rooms_failed"] == 0 and prefill["rooms_failed"] == 0
@@ -111,7 +120,7 @@ def test_decode_tokens_equal_a_plain_server_and_the_kv_is_what_the_decode_uses(c
 
 def test_a_client_disconnecting_mid_transfer_leaves_nothing_behind(cluster: Cluster) -> None:
     harness.write_control(cluster.workdir, None)
-    before = {name: cluster.stats.one(f"sglang-{name}") for name in ("prefill", "decode")}
+    before = _settled(cluster)
     # 0.2 s per prefill forward: the 16 chunks of the prompt take seconds to compute and send
     post_json(cluster.ports["prefill"], "/slow_down", {"forward_sleep_time": 0.2})
     try:

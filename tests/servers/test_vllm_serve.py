@@ -77,20 +77,11 @@ class Cluster:
         return {role: self.stats.one(f"vllm-worker-{role}") for role in ("prefill", "decode")}
 
     def settled_reports(self) -> dict[str, dict[str, Any]]:
-        """``reports()`` once no room is open on either side and two reads 0.3 s apart agree: a count
-        read before a test's requests must not miss a room of an earlier request still ending (the
-        dumps refresh every 0.1 s; a start-up request retried by the fixture may end late)."""
-        seen: list[dict[str, dict[str, Any]]] = []
-
-        def quiet() -> bool:
-            now = self.reports()
-            idle = now["decode"]["decode_rooms_open"] == 0 and now["prefill"]["prefill_rooms_open"] == 0
-            same = bool(seen) and seen[-1] == now
-            seen.append(now)
-            return idle and same
-
-        harness.wait_for(quiet, 30, "no open room and steady counts on both sides", interval_s=0.3)
-        return seen[-1]
+        """``reports()`` once no room is open on either side and the counts are steady."""
+        return harness.settled(
+            self.reports,
+            lambda r: r["decode"]["decode_rooms_open"] == 0 and r["prefill"]["prefill_rooms_open"] == 0,
+        )
 
 
 def _argv(argv: list[str]) -> list[str]:
