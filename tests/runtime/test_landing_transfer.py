@@ -15,10 +15,11 @@ import numpy as np
 import pytest
 
 from pdkv.mapping import AttentionKind
+from pdkv.metrics import TransportCounter, TransportGauge
 from pdkv.protocol.ids import RoomId
 from pdkv.protocol.messages import StateIndices
 from pdkv.protocol.poll import KVPoll
-from pdkv.runtime.decode import KVReceiver
+from pdkv.runtime.decode import DecodeTransport, KVReceiver
 from pdkv.runtime.landing import LandingConfig, LandingPool
 from pdkv.runtime.prefill import KVSender
 from pdkv.testing.synthetic import ModelSpec, verify_room
@@ -129,6 +130,10 @@ def pools(rig: Rig) -> list[LandingPool]:
     return [d.landing for d in rig.decodes]
 
 
+def gauge(decode: DecodeTransport, which: TransportGauge) -> int:
+    return decode.metrics.snapshot().gauges[which]
+
+
 @pytest.mark.parametrize(
     ("spec", "prefill_tp", "decode_tp"), [(HEADS8, 4, 2), (GQA2, 4, 1)], ids=["mha-tp4-to-2", "gqa2-tp4-to-1"]
 )
@@ -212,12 +217,18 @@ def test_a_pool_smaller_than_two_rooms_makes_the_second_wait(rig_factory: Callab
     wait_for(lambda: all(r.poll() is KVPoll.WaitingForInput for r in first.receivers))
     assert all(r.poll() is KVPoll.Bootstrapping for r in second.receivers)  # waits for space
     assert all(p.statistics().waiting == 1 for p in pools(rig))
+    # What an operator sees meanwhile: one room waiting, the first room's lease in use.
+    wait_for(lambda: all(gauge(d, TransportGauge.ROOMS_WAITING_FOR_LANDING) == 1 for d in rig.decodes))
+    assert all(gauge(d, TransportGauge.LANDING_BYTES_IN_USE) == one_room for d in rig.decodes)
     first.send()
     first.wait_success()
     second.send()  # its requests went once the first room's lease came back
     second.wait_success()
     assert first.mismatches() == [] and second.mismatches() == []
     assert all(p.statistics().waits == 1 and p.statistics().in_use_bytes == 0 for p in pools(rig))
+    assert all(d.metrics.value(TransportCounter.ROOMS_LANDED) == 2 for d in rig.decodes)
+    wait_for(lambda: all(gauge(d, TransportGauge.ROOMS_WAITING_FOR_LANDING) == 0 for d in rig.decodes))
+    wait_for(lambda: all(gauge(d, TransportGauge.LANDING_BYTES_IN_USE) == 0 for d in rig.decodes))
 
 
 def test_a_room_larger_than_the_pool_goes_grant_less(rig_factory: Callable[..., Rig]) -> None:

@@ -121,7 +121,8 @@ class DecodeConfig:
     (``STRICT``: such a registration is refused). Target buffers must match under either."""
     landing: LandingConfig = attrs.field(factory=LandingConfig, validator=config.instance_of(LandingConfig))
     """The landing pool (``PDKV_LANDING_BYTES``) for prefill instances of a larger TP: allocated and
-    registered by the first room that needs it (``checksum_device``: where it lives)."""
+    registered by ``connect()`` to a prefill instance whose rooms land in it (``checksum_device``: where
+    it lives)."""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **fields: Any) -> DecodeConfig:
@@ -267,6 +268,7 @@ class DecodeTransport(EndpointHost[DecodeEndpoint, DecodeEffect]):
         with self._lock:
             self._check_open("connect()")
             self._routes[instance] = table
+            self._prepare_landing(instance)
             self._apply(self._endpoint.connect(table, self._clock()))
         if table.layout_digest != self.config.layout.digest():
             # The digest says only "different"; the prefill ranks' refusal says how, or their acks
@@ -390,6 +392,13 @@ class DecodeTransport(EndpointHost[DecodeEndpoint, DecodeEffect]):
         self._topologies[prefill] = (topology, wanted)
         return targets, ratio
 
+    def _prepare_landing(self, prefill: InstanceId) -> None:
+        """Lock held, before the Register messages go out: when rooms from ``prefill`` land in this
+        rank's landing pool, register the pool now and republish the engine metadata, so the metadata
+        those messages carry covers it (a NIXL prefill rank writes only into regions listed there)."""
+        if self.uses_landing(prefill) and self.landing.prepare():
+            self._endpoint.set_engine_metadata(self.backend.engine_metadata)
+
     def uses_landing(self, prefill: InstanceId) -> bool:
         """Whether rooms from ``prefill`` land in this rank's landing pool (decode TP below prefill TP,
         heads from several prefill ranks per page)."""
@@ -404,6 +413,9 @@ class DecodeTransport(EndpointHost[DecodeEndpoint, DecodeEffect]):
         self.metrics.set_gauge(TransportGauge.PAGES_QUARANTINED, pages)
         skipped = self._endpoint.draft_buffers_skipped()
         self.metrics.set_gauge(TransportGauge.DRAFT_BUFFERS_SKIPPED, skipped)
+        landing = self.landing.statistics()
+        self.metrics.set_gauge(TransportGauge.LANDING_BYTES_IN_USE, landing.in_use_bytes)
+        self.metrics.set_gauge(TransportGauge.ROOMS_WAITING_FOR_LANDING, landing.waiting)
         for counter, total in (
             (TransportCounter.QUARANTINES, quarantines),
             (TransportCounter.QUARANTINES_RELEASED, released),
@@ -507,6 +519,8 @@ class DecodeTransport(EndpointHost[DecodeEndpoint, DecodeEffect]):
         except Exception as exc:
             log.exception("room %s: landing scatter failed", effect.room)
             error = f"{type(exc).__name__}: {exc}"
+        else:
+            self.metrics.increment(TransportCounter.ROOMS_LANDED)
         self._landed.append((effect.room, None, error, True))
 
     def _request_verification(self, effect: VerifyChecksums) -> None:

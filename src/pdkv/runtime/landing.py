@@ -12,8 +12,10 @@ succeeds; the decode transport (``pdkv.runtime.decode``) carries out their ``Lea
 Rules the pool keeps (specs/mapping.md section 15.3):
 
 - Bounded and registered once: one tensor of ``capacity_bytes``, allocated and registered with the
-  backend by the first room that needs it (a deployment of equal TP never pays for it), unregistered
-  by ``close()`` once no lease is out.
+  backend when the decode connects to a prefill instance whose rooms will land (``prepare``, before
+  its Register messages carry the engine metadata: NIXL's prefill ranks write only into regions listed
+  there), so a deployment of equal TP never pays for it; unregistered by ``close()`` once no lease is
+  out.
 - Back-pressure, never a failure for space: a room that finds no room in the pool waits (first come,
   first served: a later, smaller room does not overtake it), and is served as leases come back. A room
   larger than the whole pool is answered at once with no lease (its requests go grant-less).
@@ -161,7 +163,7 @@ class LandingPool:
     def _try(
         self, effect: LeaseLanding, topology: Topology, nbytes: int
     ) -> dict[PeerKey, LandingGrant] | None:
-        self._ensure_memory()
+        self.prepare()
         size = _aligned(nbytes)
         offset = self._free.take(size)
         if offset is None:
@@ -246,13 +248,16 @@ class LandingPool:
 
     # ------------------------------------------------------------------ lifecycle
 
-    def _ensure_memory(self) -> None:
+    def prepare(self) -> bool:
+        """Allocate and register the memory now (before the registration that tells prefill engines
+        about this rank's regions); True when this call registered it, False when it already was."""
         if self._tensor is not None:
-            return
+            return False
         tensor = torch.zeros(self.config.capacity_bytes, dtype=torch.uint8, device=self._device)
         self._registration = self._backend.register(tensor)
         self._tensor = tensor
         self.address = int(tensor.data_ptr())
+        return True
 
     def statistics(self) -> LandingStatistics:
         return LandingStatistics(
