@@ -4,10 +4,14 @@ is as planned, and an unplanned room that any decode rank failed is not."""
 
 from __future__ import annotations
 
+from typing import Any
+
+import attrs
+
 from pdkv.demo.cluster import summarize
 from pdkv.protocol.ids import RoomId
 from pdkv.protocol.poll import KVPoll
-from pdkv.testing.cluster import AbortPlan, RequestPlan, RoomOutcome
+from pdkv.testing.cluster import AbortPlan, RankReport, RequestPlan, RoomOutcome
 
 
 def outcome(room: int, rank: str, poll: KVPoll, checked: int = 0) -> RoomOutcome:
@@ -41,3 +45,27 @@ def test_a_planned_abort_that_one_decode_rank_outran_is_as_planned() -> None:
     ]
     assert (summary.succeeded, summary.failed, summary.unexpected) == (1, 2, 1)
     assert not summary.ok
+
+
+def report(side: str, **counts: Any) -> RankReport:
+    base = RankReport(
+        side=side,
+        rank=f"{side} tp0",
+        rooms=1,
+        canary_violations=0,
+        unsafe_releases=0,
+        bytes_written=0,
+        worker_errors=0,
+    )
+    return attrs.evolve(base, **counts)
+
+
+def test_staging_or_landing_memory_still_held_at_the_end_fails_the_demo() -> None:
+    plans = [plan(1, aborted=False)]
+    outcomes = [outcome(1, "decode tp0", KVPoll.Success, checked=100)]
+    returned = [report("prefill", staged_writes=3), report("decode", rooms_landed=1)]
+    summary, _ = summarize(plans, outcomes, returned, 1.0)
+    assert summary.ok and (summary.staged_writes, summary.rooms_landed, summary.leased_at_end) == (3, 1, 0)
+    for held in (report("prefill", staging_leased_at_end=4096), report("decode", landing_leased_at_end=1)):
+        summary, _ = summarize(plans, outcomes, [*returned, held], 1.0)
+        assert not summary.ok and summary.leased_at_end > 0

@@ -70,7 +70,9 @@ def test_prefill_tp2_merges_eight_heads_into_decode_tp1_and_one_rank_writes_extr
     """P > D, per layer: both prefill TP ranks are real (4 heads each); only tp0 writes state and aux.
 
     Both write the same KV bytes (half the heads each), so tp0 reports exactly the extras more: the
-    state slots of every state kind and layer, and one aux row.
+    state slots of every state kind and layer, and one aux row. The KV lands whole in the decode's
+    landing pool and is scattered into its pages before Success (every room), the leases all back at
+    the end.
     """
     model = gqa(8)
     spec = ClusterSpec(
@@ -93,10 +95,15 @@ def test_prefill_tp2_merges_eight_heads_into_decode_tp1_and_one_rank_writes_extr
         assert all(second[room] > 0 for room in second)
         assert {room: first[room] - second[room] for room in first} == dict.fromkeys(first, extras)
         check(outcomes, cluster)
+        reports = cluster.close()
+    (decode,) = [r for r in reports if r.side == "decode"]
+    assert decode.rooms_landed == len(first)
+    assert decode.landing_leased_at_end == 0
 
 
 def test_gqa_replica_prefill_tp2_of_one_head_to_decode_tp1_uses_a_dummy() -> None:
-    """P > D with one KV head held by both prefill ranks: tp1 is a replica, a dummy that writes nothing."""
+    """P > D with one KV head held by both prefill ranks: tp1 is a replica, a dummy that writes nothing,
+    and tp0's pages are the decode's whole: no landing zone."""
     spec = ClusterSpec(
         model=gqa(1), prefill_tp=2, prefill_capacity=CAPACITY, state_slots_per_room=STATE_SLOTS_PER_ROOM
     )
@@ -105,3 +112,5 @@ def test_gqa_replica_prefill_tp2_of_one_head_to_decode_tp1_uses_a_dummy() -> Non
         assert set(prefill_bytes(outcomes, "prefill tp1/cp0").values()) == {0}
         assert all(b > 0 for b in prefill_bytes(outcomes, "prefill tp0/cp0").values())
         check(outcomes, cluster)
+        reports = cluster.close()
+    assert [r.rooms_landed for r in reports if r.side == "decode"] == [0]  # whole pages: nothing to land

@@ -28,7 +28,16 @@ from pdkv.mapping import (
     kv_blocks,
     map_chunk,
 )
-from pdkv.mapping.landing import LandingPlan, ScatterPlan, landing_slots, plan_landing, plan_scatter
+from pdkv.mapping.landing import (
+    LandingPlan,
+    ScatterPlan,
+    grant_problem,
+    landing_slots,
+    landing_wanted,
+    plan_landing,
+    plan_scatter,
+    source_region,
+)
 from pdkv.mapping.staging import StagingSources
 from tests.mapping.test_mapping_heads import Rank, Scenario, chunk_bounds, make_world, mha, scenarios
 from tests.mapping.test_mapping_staging import one_region
@@ -126,10 +135,20 @@ def test_landing_then_scatter_writes_every_decode_head_byte_once_from_the_right_
                     policy=policy,
                 )
                 source = prefill[(target.tp, target.cp)]
-                region = plans[d].region_of(target.tp)
+                index = int(np.flatnonzero(plans[d].source_tp_rank == target.tp)[0])
+                # The prefill rank lays its region out from the grant and its own layout alone: the
+                # same region the decode planned, and a grant it accepts.
+                base, size = LANDING + int(plans[d].offset[index]), int(plans[d].nbytes[index])
+                region = source_region(decode[d].layout, source.layout, base=base, slots=n - prefix)
+                assert region == plans[d].region_of(target.tp)
+                assert (
+                    grant_problem(
+                        decode[d].layout, source.layout, address=base, nbytes=size, slots=n - prefix
+                    )
+                    is None
+                )
                 slots = landing_slots(mapped.positions, plans[d])
                 blocks = kv_blocks(coalesce(mapped.src, slots), source.layout, region)
-                index = int(np.flatnonzero(plans[d].source_tp_rank == target.tp)[0])
                 landings[d].write(blocks, source, index)
     for d, rank in decode.items():
         landing = landings[d]
@@ -199,3 +218,39 @@ def test_gqa_replicas_get_no_landing_region_and_layouts_need_heads() -> None:
 
     with pytest.raises(LayoutMismatchError, match="K and V buffers all describe their heads"):
         plan_landing(_strip_heads(decode.layout), topology, 0, first_position=0, slots=2, base=LANDING)
+
+
+def test_a_prefill_rank_refuses_a_grant_that_does_not_fit_it() -> None:
+    # E32's shapes: prefill TP 4 (2 of 8 heads a rank) -> decode TP 2 (4 heads); a region of 3 slots of
+    # 4 K/V buffers of 4 tokens x 2 heads x 2 bytes = 192 bytes.
+    world = make_world(0, kv_heads=8, head_bytes=2, page_size=4, layers=2, positions=1)
+    decode = Rank(world, 2, 1, pages=8, item_layout=ItemLayout.TOKEN_HEAD)
+    source = Rank(world, 4, 2, pages=8, item_layout=ItemLayout.TOKEN_HEAD)
+    assert grant_problem(decode.layout, source.layout, address=LANDING, nbytes=192, slots=3) is None
+    assert grant_problem(decode.layout, source.layout, address=LANDING, nbytes=256, slots=3) == (
+        "landing grant of 256 bytes, but 3 slots of this rank's items need 192"
+    )
+    inside = decode.layout.buffers[1].base_ptr + 8  # the grant would overwrite the decode's own pages
+    problem = grant_problem(decode.layout, source.layout, address=inside, nbytes=192, slots=3)
+    assert problem is not None and "overlaps the decode's" in problem
+    topology = Topology(prefill_tp=4, decode_tp=2, attention=AttentionKind.MHA, kv_heads=8)
+    assert landing_wanted(decode.layout, topology, 1)
+    # Equal TP, decode TP above prefill TP and GQA replicas (one real source a decode rank) need none.
+    assert not landing_wanted(
+        decode.layout, Topology(prefill_tp=2, decode_tp=2, attention=AttentionKind.MHA, kv_heads=8), 1
+    )
+    assert not landing_wanted(
+        decode.layout, Topology(prefill_tp=1, decode_tp=2, attention=AttentionKind.MHA, kv_heads=8), 1
+    )
+    replicas = Topology(prefill_tp=4, decode_tp=2, attention=AttentionKind.MHA, kv_heads=2)
+    gqa = Rank(
+        make_world(0, kv_heads=2, head_bytes=2, page_size=4, layers=1, positions=1),
+        2,
+        0,
+        pages=4,
+        item_layout=ItemLayout.TOKEN_HEAD,
+    )
+    assert not landing_wanted(gqa.layout, replicas, 0)
+    # Head-major decode pages: each source's share is one stretch per page already.
+    head_major = Rank(world, 2, 1, pages=8, item_layout=ItemLayout.HEAD_TOKEN)
+    assert not landing_wanted(head_major.layout, topology, 1)

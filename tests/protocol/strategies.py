@@ -30,6 +30,7 @@ from pdkv.protocol.messages import (
     Heartbeat,
     HeartbeatAck,
     IntArray,
+    LandingGrant,
     Message,
     Origin,
     Outcome,
@@ -262,6 +263,16 @@ def transfer_requests(draw: st.DrawFn) -> TransferRequest:
         )
     kinds = draw(st.lists(st.sampled_from(STATE_KINDS), unique=True, max_size=len(STATE_KINDS)))
     dst_pages = draw(index_arrays())
+    prefix = draw(st.integers(0, int(dst_pages.size)))
+    landing = None
+    if prefix < dst_pages.size and draw(st.booleans()):  # a grant covers the positions after the prefix
+        address = st.sampled_from([1, 2**31 - 1, 2**31, 2**63 - 1]) | st.integers(1, 2**63 - 1)
+        landing = LandingGrant(
+            address=draw(address),
+            nbytes=draw(address),
+            first_position=prefix,
+            slots=int(dst_pages.size) - prefix,
+        )
     return TransferRequest(
         origin=origin,
         room=room,
@@ -270,7 +281,8 @@ def transfer_requests(draw: st.DrawFn) -> TransferRequest:
         dst_state=tuple(draw(state_indices(kind)) for kind in kinds),
         required_dst_info_num=required,
         dummy=False,
-        prefix_pages=draw(st.integers(0, int(dst_pages.size))),
+        prefix_pages=prefix,
+        landing=landing,
     )
 
 

@@ -9,7 +9,8 @@ Generated decode inputs in the default run (the issue asks for at least 10,000 a
   test_mutated_head_layouts_decode_or_raise_remote_error  60 x 40 = 2,400 (version 2 heads)
   test_mutated_engine_metadata_decode_or_raise_remote_error 60 x 40 = 2,400 (version 5 metadata)
   test_mutated_register_acks_decode_or_raise_remote_error   60 x 40 = 2,400 (version 6 left-out lists)
-  total                                                20,700
+  test_mutated_landing_grants_decode_or_raise_remote_error  60 x 40 = 2,400 (version 8 landing grants)
+  total                                                23,100
 plus 780 round-trip examples (60 per class, 60 for the buffer types) and every prefix and extension of
 every frame of one message. Every fuzz input must decode to a message that survives re-encoding, or
 raise RemoteProtocolError whose reason is not the decoder's catch-all (UNEXPECTED_FAILURE).
@@ -61,6 +62,7 @@ from pdkv.protocol.messages import (
     AbortAck,
     Heartbeat,
     HeartbeatAck,
+    LandingGrant,
     Message,
     Origin,
     Outcome,
@@ -164,9 +166,9 @@ def test_type_codes_are_the_documented_stable_numbers() -> None:
 
 def test_golden_transfer_request_bytes() -> None:
     """Written by hand from the codec docstring; a change here is a change of the wire format."""
-    header = b"PDKV" + b"\x07\x00" + b"\x07\x00" + b"\x02\x00"  # version 7, type 7, two array frames
+    header = b"PDKV" + b"\x08\x00" + b"\x07\x00" + b"\x02\x00"  # version 8, type 7, two array frames
     body = (
-        b"\x88"  # map of 8, keys in the documented order
+        b"\x89"  # map of 9, keys in the documented order
         + b"\xa6origin"
         + (b"\x83" + b"\xa8instance" + b"\xa2d0" + b"\xa5epoch" + b"\x03")
         + (b"\xa4rank" + b"\x82" + b"\xa2tp" + b"\x01" + b"\xa2cp" + b"\x00")
@@ -181,6 +183,7 @@ def test_golden_transfer_request_bytes() -> None:
         + (b"\xb5required_dst_info_num" + b"\x02")
         + (b"\xa5dummy" + b"\xc2")
         + (b"\xacprefix_pages" + b"\x00")
+        + (b"\xa7landing" + b"\xc0")
     )
     pages = b"\x05\x00\x00\x00" + b"\x06\x00\x00\x00" + b"\x07\x00\x00\x00"
     swa = b"\x01\x00\x00\x00" + b"\x02\x00\x00\x00"
@@ -190,11 +193,66 @@ def test_golden_transfer_request_bytes() -> None:
     assert decode(golden) == golden_request()
 
 
+def granted_request() -> TransferRequest:
+    return attrs.evolve(
+        golden_request(),
+        prefix_pages=1,
+        landing=LandingGrant(address=0x10000, nbytes=4096, first_position=1, slots=2),
+    )
+
+
+def test_golden_transfer_request_with_landing_bytes() -> None:
+    """Version 8's landing grant, written by hand from the codec docstring."""
+    frames = encode(granted_request())
+    body = frames[1]
+    tail = (
+        (b"\xacprefix_pages" + b"\x01")
+        + b"\xa7landing"
+        + b"\x84"
+        + (b"\xa7address" + b"\xce\x00\x01\x00\x00")  # uint32 65536
+        + (b"\xa5bytes" + b"\xcd\x10\x00")  # uint16 4096
+        + (b"\xaefirst_position" + b"\x01")
+        + (b"\xa5slots" + b"\x02")
+    )
+    assert body.endswith(tail)
+    assert body[:1] == b"\x89"
+    assert frames[0] == b"PDKV\x08\x00\x07\x00\x02\x00"
+    assert decode(frames) == granted_request()
+
+
+def test_landing_grant_errors() -> None:
+    good = encode(granted_request())
+
+    def reason_with(**landing: object) -> str:
+        body = body_of(good)
+        grant = dict(body["landing"])  # type: ignore[call-overload]  # a dict: the body read back
+        grant.update(landing)
+        body["landing"] = grant
+        return rejection(with_body(good, body))
+
+    assert "invalid Landing: address must be an int in [1," in reason_with(address=0)
+    assert "invalid Landing: slots must be an int in [1," in reason_with(slots=0)
+    assert "body.landing has missing keys ['slots']" in rejection(
+        with_body(good, {**body_of(good), "landing": {"address": 1, "bytes": 1, "first_position": 1}})
+    )
+    # A window that is not the request's positions after its prefix is refused as a whole request.
+    assert "invalid TransferRequest: the landing window 1+1 is not the request's positions 1..2" in (
+        reason_with(slots=1)
+    )
+    # A dummy carries no grant.
+    dummy = body_of(good)
+    dummy.update(dummy=True, dst_pages=[4, 0], dst_aux_row=None, dst_state=[], prefix_pages=0)
+    dummy["landing"] = {"address": 1, "bytes": 1, "first_position": 0, "slots": 1}
+    assert "invalid TransferRequest: a dummy TransferRequest carries no destination" in rejection(
+        [good[0][:-2] + b"\x01\x00", msgpack.packb(dummy), b""]
+    )
+
+
 def test_header_layout() -> None:
     frames = encode(Heartbeat(origin=ORIGIN, seq=1))
     assert len(frames) == 2
-    assert frames[0] == b"PDKV\x07\x00\x0b\x00\x00\x00"
-    assert HEADER.size == 10 and MAGIC == b"PDKV" and PROTOCOL_VERSION == 7
+    assert frames[0] == b"PDKV\x08\x00\x0b\x00\x00\x00"
+    assert HEADER.size == 10 and MAGIC == b"PDKV" and PROTOCOL_VERSION == 8
 
 
 @pytest.mark.parametrize(
@@ -265,9 +323,9 @@ def test_header_errors() -> None:
 
 def test_other_version_is_reported_before_the_header_size() -> None:
     """A later version may lengthen the header: the peer still learns it is a version mismatch."""
-    v8_header = MAGIC + struct.pack("<H", 8) + bytes(30)
-    reason = rejection([v8_header, b"whatever v8 sends"])
-    assert reason == "peer speaks protocol version 8, this side speaks version 7"
+    v9_header = MAGIC + struct.pack("<H", 9) + bytes(30)
+    reason = rejection([v9_header, b"whatever v9 sends"])
+    assert reason == "peer speaks protocol version 9, this side speaks version 8"
 
 
 def test_body_msgpack_errors() -> None:
@@ -416,7 +474,7 @@ def golden_status() -> TransferStatus:
 def test_golden_status_with_checksums_bytes() -> None:
     """Version 7's field, written by hand from the codec docstring: raw uint32 frames, in the order
     positions, kv, state sums, aux."""
-    header = b"PDKV" + b"\x07\x00" + b"\x08\x00" + b"\x04\x00"  # version 7, type 8, four array frames
+    header = b"PDKV" + b"\x08\x00" + b"\x08\x00" + b"\x04\x00"  # version 8, type 8, four array frames
     body = (
         b"\x86"
         + b"\xa6origin"
@@ -672,7 +730,7 @@ def _mutate_header(header: bytes, rng: random.Random) -> bytes:
     elif field == 1:
         arrays = rng.randint(0, 5)
     else:
-        version = rng.choice([0, 1, 2, 3, 4, 6, 65535])
+        version = rng.choice([0, 1, 2, 3, 4, 6, 7, 65535])
     return HEADER.pack(magic, version, code, arrays)
 
 
@@ -833,7 +891,7 @@ def test_random_msgpack_bodies_raise_only_remote_error(
 def test_any_other_version_is_named_with_ours(message: Message, version: int) -> None:
     frames = encode(message)
     frames[0] = MAGIC + struct.pack("<H", version) + frames[0][6:]
-    assert rejection(frames) == f"peer speaks protocol version {version}, this side speaks version 7"
+    assert rejection(frames) == f"peer speaks protocol version {version}, this side speaks version 8"
 
 
 @settings(max_examples=100)
@@ -1083,7 +1141,7 @@ def test_golden_register_ack_bytes() -> None:
     """A RegisterAck naming one prefill buffer left out, as written by hand from the codec docstring."""
     ack = RegisterAck(origin=ORIGIN, prefill_left_out=[_DRAFT_INDEX_K])
     frames = encode(ack)
-    assert frames[0] == HEADER.pack(b"PDKV", 7, 5, 0)
+    assert frames[0] == HEADER.pack(b"PDKV", 8, 5, 0)
     golden = (
         b"\xb0prefill_left_out"
         + b"\x91\x83"
@@ -1147,3 +1205,26 @@ def test_mutated_register_acks_decode_or_raise_remote_error(seed: int) -> None:
         for _ in range(rng.choice([1, 1, 2, 3])):
             frames = _mutate(frames, rng)
         decode_or_reject(frames)
+
+
+# ================================================================ version 8: the landing grant
+
+
+@settings(max_examples=60)
+@given(seed=st.integers(0, 2**32 - 1))
+def test_mutated_landing_grants_decode_or_raise_remote_error(seed: int) -> None:
+    """60 x 40 more mutation chains on TransferRequests with a landing grant (the version 8 schema)."""
+    rng = random.Random(seed)
+    original: list[object] = list(encode(granted_request()))
+    for _ in range(MUTATIONS_PER_MESSAGE):
+        frames = original
+        for _ in range(rng.choice([1, 1, 2, 3])):
+            frames = _mutate(frames, rng)
+        decode_or_reject(frames)
+
+
+def test_version_7_request_without_landing_key_is_refused_by_name() -> None:
+    frames = encode(golden_request())
+    body = body_of(frames)
+    del body["landing"]
+    assert "has missing keys ['landing']" in rejection(with_body(frames, body))

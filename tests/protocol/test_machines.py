@@ -82,7 +82,7 @@ DR, DRI, F, FI = DecodeRankState, DecodeRankInput, FenceState, FenceInput
 _S_LIVE = (S.BOOTSTRAPPING, S.WAITING_FOR_INPUT, S.TRANSFERRING, S.COMPLETING)
 _S_END = (S.SUCCESS, S.FAILED)
 _DR_OFF = (DR.NEW, DR.FORGOTTEN, DR.REJECTED)
-_R_LIVE = (RS.BOOTSTRAPPING, RS.WAITING_FOR_INPUT, RS.TRANSFERRING, RS.VERIFYING)
+_R_LIVE = (RS.BOOTSTRAPPING, RS.WAITING_FOR_INPUT, RS.TRANSFERRING, RS.SCATTERING, RS.VERIFYING)
 _R_END = (RS.SUCCESS, RS.FAILED)
 MOVES: dict[str, dict[tuple[Any, Any], set[Any]]] = {
     # Completing: every chunk Done, Success waits for per-layer writes of a chunk never sent, or fences.
@@ -144,11 +144,18 @@ MOVES: dict[str, dict[tuple[Any, Any], set[Any]]] = {
         (F.RUNNING, FI.FAILED): {F.OWED},
     },
     "ReceiverRoom": {
-        (RS.BOOTSTRAPPING, RI.TARGETS_READY): {RS.WAITING_FOR_INPUT},
-        **{(s, RI.SUCCESS): {None} for s in (*_R_END, RS.BOOTSTRAPPING, RS.VERIFYING)},
-        # The last required Success: Success, or (checksums on) the check of the pages first.
-        (RS.WAITING_FOR_INPUT, RI.SUCCESS): {None, RS.SUCCESS, RS.VERIFYING, RS.TRANSFERRING},
-        (RS.TRANSFERRING, RI.SUCCESS): {None, RS.SUCCESS, RS.VERIFYING},
+        # A landing room's requests wait for its lease as well as for its ranks.
+        (RS.BOOTSTRAPPING, RI.TARGETS_READY): {None, RS.WAITING_FOR_INPUT},
+        (RS.BOOTSTRAPPING, RI.LANDING_GRANTED): {None, RS.WAITING_FOR_INPUT},
+        (RS.FAILED, RI.LANDING_GRANTED): {None},
+        **{(s, RI.SUCCESS): {None} for s in (*_R_END, RS.BOOTSTRAPPING, RS.SCATTERING, RS.VERIFYING)},
+        # The last required Success: Success, or the scatter of a landing lease first, or (checksums
+        # on) the check of the pages first.
+        (RS.WAITING_FOR_INPUT, RI.SUCCESS): {None, RS.SUCCESS, RS.SCATTERING, RS.VERIFYING, RS.TRANSFERRING},
+        (RS.TRANSFERRING, RI.SUCCESS): {None, RS.SUCCESS, RS.SCATTERING, RS.VERIFYING},
+        (RS.SCATTERING, RI.SCATTERED): {RS.SUCCESS, RS.VERIFYING},
+        (RS.SCATTERING, RI.SCATTER_FAILED): {RS.FAILED},
+        **{(RS.FAILED, i): {None} for i in (RI.SCATTERED, RI.SCATTER_FAILED)},  # after an abort
         (RS.VERIFYING, RI.VERIFIED): {RS.SUCCESS},
         (RS.VERIFYING, RI.CORRUPT): {RS.FAILED},
         **{(RS.FAILED, i): {None} for i in (RI.VERIFIED, RI.CORRUPT)},  # a verdict after an abort

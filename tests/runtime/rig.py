@@ -17,6 +17,7 @@ from pdkv.protocol.config import Timeouts
 from pdkv.protocol.ids import InstanceId
 from pdkv.protocol.messages import Message
 from pdkv.runtime import ExecutorConfig, PerLayerConfig
+from pdkv.runtime.landing import LandingConfig
 from pdkv.runtime.staging import StagingConfig
 from pdkv.testing.synthetic import Capacity, ModelSpec
 from pdkv.testing.transport_pair import TransportPair
@@ -49,6 +50,8 @@ class Rig(TransportPair):
         decode_spec: ModelSpec | None = None,
         cp: int = 1,
         decode_tp: int = 1,
+        prefill_tp: int = 1,
+        landing: LandingConfig | None = None,
         finish_timeout_s: float = 20.0,
         faults: LoopbackFaults | None = None,
         executor: ExecutorConfig | None = None,
@@ -67,6 +70,8 @@ class Rig(TransportPair):
             decode_model=decode_spec,
             cp=cp,
             decode_tp=decode_tp,
+            prefill_tp=prefill_tp,
+            landing=landing,
             prefill_capacity=Capacity(kv_pages=PREFILL_PAGES, state_slots=8, aux_rows=8),
             decode_capacity=Capacity(kv_pages=DECODE_PAGES, state_slots=8, aux_rows=8),
             timeouts=TIMEOUTS,

@@ -752,7 +752,7 @@ def mha_main(args: argparse.Namespace, topology: Topology) -> int:
             ],
             [
                 "landing path",
-                "engine + scatter (estimate: not wired yet)",
+                "engine, then scatter (a room runs them in sequence)",
                 best["landing path"],
                 gbps["landing path"],
             ],
@@ -827,7 +827,8 @@ def mha_main(args: argparse.Namespace, topology: Topology) -> int:
         said.append("not staged (the destination is strided: staging would merge nothing)")
     if "landing_path_vs_homogeneous" in ratios:
         said.append(
-            f"landing path (estimate) {ratios['landing_path_vs_homogeneous']:.2f}x the homogeneous path"
+            f"landing path {ratios['landing_path_vs_homogeneous']:.2f}x the homogeneous path "
+            "(engine, then scatter)"
         )
     if "direct" in best:
         said.append(f"direct (unstaged) {ratios['direct_vs_homogeneous']:.3f}x")
@@ -858,10 +859,11 @@ def landing_methods(
     expected: str,
     best: dict[str, float],
 ) -> bool:
-    """Decode TP below prefill TP: the landing-zone path, in its two halves (not wired into the
-    transports yet, so measured apart): the engine writing prefill rank 0's whole pages into decode
-    rank 0's landing zone, and the decode's scatter of them into its pages, timed here on a copy of the
-    decode memory (the peer is another process). Both verified; returns whether both were."""
+    """Decode TP below prefill TP: the landing-zone path in the two halves a room runs one after the
+    other (``pdkv.runtime.landing``): the engine writing prefill rank 0's whole pages into decode rank
+    0's landing zone, then the decode's scatter of them into its pages (the kernel ``LandingPool``
+    runs after the room's last Success), timed here on a copy of the decode memory (the peer is
+    another process). Both verified; returns whether both were."""
     topology = Topology(
         prefill_tp=args.tp, decode_tp=args.decode_tp, attention=AttentionKind.MHA, kv_heads=args.kv_heads
     )

@@ -13,8 +13,10 @@ pages of aborted rooms get a canary after their safe release, checked at the end
 ``--mha``: K and V buffers split by KV heads over TP (``--kv-heads``, GQA: fewer heads than ranks
 replicate), heads described in the layout, so ``--tp`` and ``--decode-tp`` may differ in either
 direction; each decode rank checks its heads against the model's full layout, whichever prefill
-ranks wrote them. Prefill ranks gather head slices into a staging pool (``--no-staging``: off), so a
-decode rank of a higher TP receives whole pages as few large blocks.
+ranks wrote them. Head slices move as few large blocks (``--no-staging``: one engine entry each): a
+prefill rank gathers them into a staging pool for a decode rank of a higher TP, and a decode rank of a
+lower TP leases a landing zone the prefill ranks write whole pages into, and scatters it into its pages
+before Success.
 ``--decode-without-draft-state`` (``--prefill-without-draft-state``): a rolling deployment, where the
 prefill ranks register the draft model's NSA-style index state and the decode ranks do not (or the
 reverse): under ``--layout-policy degrade_draft`` (the default) every room is served without it and
@@ -50,6 +52,7 @@ from pdkv.mapping import DEFAULT_LAYOUT_POLICY, AttentionKind, LayoutPolicy, Top
 from pdkv.protocol.ids import RoomId
 from pdkv.protocol.poll import KVPoll
 from pdkv.runtime import json_log
+from pdkv.runtime.landing import LandingConfig
 from pdkv.runtime.staging import StagingConfig
 from pdkv.testing.cluster import (
     AbortPlan,
@@ -129,6 +132,12 @@ class Summary:
     """Successful rooms served without some draft-model state (a rolling deployment)."""
     draft_unreported: int = 0
     """Successful rooms of a rolling deployment that did not report the draft state they missed."""
+    staged_writes: int = 0
+    """Prefill writes gathered through a staging pool (decode TP above prefill TP)."""
+    rooms_landed: int = 0
+    """Decode rooms whose heads landed in a landing pool and were scattered (decode TP below prefill TP)."""
+    leased_at_end: int = 0
+    """Staging and landing bytes (and rooms waiting for landing) still held when the ranks stopped."""
 
     @property
     def ok(self) -> bool:
@@ -142,6 +151,7 @@ class Summary:
             or self.checksum_failures
             or unverified
             or self.draft_unreported
+            or self.leased_at_end
         )
 
 
@@ -219,6 +229,9 @@ def summarize(
         checksum_failures=sum(r.checksum_failures for r in reports),
         draft_skipped=skipped,
         draft_unreported=unreported,
+        staged_writes=sum(r.staged_writes for r in reports),
+        rooms_landed=sum(r.rooms_landed for r in reports),
+        leased_at_end=sum(r.staging_leased_at_end + r.landing_leased_at_end for r in reports),
     )
     return summary, rows
 
@@ -271,6 +284,16 @@ def _kv_description(model: ModelSpec, prefill_tp: int, decode_tp: int) -> str:
         f"{model.rank_kv_item_bytes(prefill_tp)} B per prefill rank, "
         f"{model.rank_kv_item_bytes(decode_tp)} B per decode rank"
     )
+
+
+def _heads_path(args: argparse.Namespace) -> str:
+    if not args.staging:
+        return ", head slices unstaged"
+    if args.decode_tp > args.tp:
+        return ", head slices staged on the prefill"
+    if args.decode_tp < args.tp:
+        return ", heads landed and scattered on the decode"
+    return ""
 
 
 def _layout_policy(text: str) -> LayoutPolicy:
@@ -352,9 +375,10 @@ def main(argv: Sequence[str] = ()) -> int:
         "--staging",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="--mha: prefill ranks gather head slices into a registered staging pool and send them as "
-        "few large blocks (default; PDKV_STAGING_* set its shape; --no-staging: one engine entry per "
-        "token and head slice)",
+        help="--mha: head slices move as few large blocks: prefill ranks gather them into a registered "
+        "staging pool (decode TP above prefill TP; PDKV_STAGING_* set its shape) and decode ranks "
+        "lease a landing zone and scatter from it (decode TP below; PDKV_LANDING_BYTES); default on; "
+        "--no-staging: one engine entry per token and head slice",
     )
     rollout = parser.add_mutually_exclusive_group()
     rollout.add_argument(
@@ -459,6 +483,7 @@ def main(argv: Sequence[str] = ()) -> int:
         backend=backend.value,
         ucx_tls=args.ucx_tls,
         staging=StagingConfig.from_env() if args.mha and args.staging else None,
+        landing=LandingConfig.from_env() if args.staging else LandingConfig(capacity_bytes=0),
     )
     engine = f"NIXL (UCX_TLS={args.ucx_tls or 'all'})" if backend is BackendKind.NIXL else "Mooncake TCP"
     print(
@@ -468,7 +493,7 @@ def main(argv: Sequence[str] = ()) -> int:
         f"{_kv_description(model, args.tp, args.decode_tp)}; "
         f"{'per-layer' if args.per_layer else 'monolithic'} transfer, {args.layer_ms:g} ms compute per layer"
         f"{', checksums verified before Success' if args.checksum else ''}"
-        f"{', staged head slices' if spec.staging is not None else ''}",
+        f"{_heads_path(args) if args.mha else ''}",
         file=sys.stderr,
     )
     if rollout:
@@ -549,6 +574,12 @@ def _print_table(summary: Summary, rows: list[dict[str, object]], *, startup_s: 
         print(
             f"checksums           {s.rooms_verified} of {s.decode_successes} decode Successes verified first, "
             f"{s.checksum_failures} checksum failures"
+        )
+    if s.staged_writes or s.rooms_landed or s.leased_at_end:
+        print(
+            f"head slices         {s.staged_writes} prefill writes staged, {s.rooms_landed} rooms landed "
+            f"and scattered on decode ranks, "
+            f"{'nothing' if not s.leased_at_end else s.leased_at_end} held at the end"
         )
     if s.draft_skipped or s.draft_unreported:
         print(

@@ -17,7 +17,7 @@ Pure, vectorised numpy functions from "pages the scheduler knows" to "bytes the 
 - ``staging``: the staged gather (decode TP above prefill TP): scattered blocks whose destinations
   are contiguous, cut into staging pieces, each a gather plan and a few large blocks;
 - ``landing``: the landing zone (decode TP below prefill TP): a decode's landing lease per source
-  rank and the scatter plan from it into the decode's pages (not wired into the transports yet).
+  rank and the scatter plan from it into the decode's pages (``pdkv.runtime.landing`` runs them).
 
 Inputs may be numpy arrays, integer sequences or CPU torch tensors; a tensor on an accelerator is a
 ``MappingError`` (never a hidden device-to-host copy). Every contract violation is a typed error

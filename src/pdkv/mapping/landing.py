@@ -2,11 +2,13 @@
 
 Owns: ``LandingPlan`` / ``plan_landing`` (one decode rank's landing space for one room: a region per
 real source TP rank, each laid out as that rank's own K/V page items, one slot per position),
+``source_region`` (the same region as the prefill rank computes it from a grant: its own head
+geometry, no topology), ``landing_wanted`` (whether a decode rank needs a landing zone at all),
 ``landing_slots`` (positions -> slots), and ``ScatterPlan`` / ``plan_scatter`` (the copy from one
 source's landing region into the decode's pages). Pure and vectorised (numpy over blocks; a loop over
 buffers or source ranks only where a layout is built). Must not allocate, copy, or know rooms and
-messages: the protocol design that would carry a landing grant is specs/mapping.md section 15, and
-none of it is wired into the transports yet.
+messages: the grant travels in ``TransferRequest.landing`` (specs/mapping.md section 15), the decode
+runtime leases and scatters (``pdkv.runtime.landing``), the prefill's ``plan_chunk`` writes into it.
 
 Why: with decode TP below prefill TP (``--tp 4 --decode-tp 2``), decode rank ``d`` holds the heads of
 several prefill ranks, so in a token-major decode page each prefill rank's heads are one slice per
@@ -41,6 +43,7 @@ from pdkv.mapping.blocks import TransferBlocks
 from pdkv.mapping.fanout import Topology
 from pdkv.mapping.heads import head_blocks, head_plan, rank_heads
 from pdkv.mapping.layout import BufferKind, BufferLayout, BufferSpec, ItemLayout
+from pdkv.mapping.layout_policy import transfer_view
 from pdkv.mapping.runs import PageRuns, coalesce
 from pdkv.mapping.staging import StagingSources, non_empty, stageable
 
@@ -158,6 +161,83 @@ def plan_landing(
         slots=slots,
         total_bytes=cursor,
     )
+
+
+def landing_wanted(decode_layout: BufferLayout, topology: Topology, decode_tp_rank: int) -> bool:
+    """Whether decode rank ``decode_tp_rank`` needs a landing zone: its K/V buffers describe heads in
+    token-major items and its heads come from more than one real prefill TP rank (each share would
+    be one slice per token). Equal TP, GQA replicas (one real source), MLA, head-major pages and
+    decode TP above prefill TP (the staged gather's case) need none."""
+    kv = [b for b in decode_layout.buffers if b.kind in (BufferKind.K, BufferKind.V)]
+    if not kv or any(b.heads is None or b.heads.item_layout is not ItemLayout.TOKEN_HEAD for b in kv):
+        return False
+    if topology.kv_heads is None or topology.decode_tp >= topology.prefill_tp:
+        return False
+    plan = head_plan(topology)
+    mine = (plan.decode_tp_rank == decode_tp_rank) & ~plan.dummy
+    return int(mine.sum()) > 1
+
+
+def source_region(
+    decode_layout: BufferLayout, source_layout: BufferLayout, *, base: int, slots: int
+) -> BufferLayout:
+    """The landing region at ``base`` for ``slots`` positions as the prefill rank with ``source_layout``
+    computes it from its grant: the decode layout's K/V buffers in canonical order, each holding
+    ``slots`` items of the source's own buffer of that (model, kind, layer) (its head geometry and
+    item bytes), the other buffers listed with no items. Equal to ``plan_landing(...).region_of(p)``
+    for that source at ``base = lease + offset(p)`` (tested). LayoutMismatchError when a decode K/V
+    buffer has no counterpart with heads in ``source_layout``."""
+    slots = check_int(slots, "slots", minimum=1)
+    base = check_int(base, "base", minimum=0)
+    kv = _kv_with_heads(decode_layout)
+    own = {(b.model, b.kind, b.layer_id): b for b in source_layout.buffers}
+    specs = [attrs.evolve(b, base_ptr=base, length=0) for b in decode_layout.buffers if b not in kv]
+    at = base
+    for spec in kv:
+        mine = own.get((spec.model, spec.kind, spec.layer_id))
+        if mine is None or mine.heads is None:
+            raise LayoutMismatchError(
+                f"the landing region needs the source's {spec.model.value} {spec.kind.value} layer "
+                f"{spec.layer_id} with its heads described"
+            )
+        item = mine.heads.item_bytes(decode_layout.page_size)
+        specs.append(attrs.evolve(spec, base_ptr=at, length=slots * item, item_bytes=item, heads=mine.heads))
+        at += slots * item
+    return BufferLayout.build(
+        attention=decode_layout.attention, page_size=decode_layout.page_size, buffers=specs
+    )
+
+
+def grant_problem(
+    decode_layout: BufferLayout, source_layout: BufferLayout, *, address: int, nbytes: int, slots: int
+) -> str | None:
+    """Why a prefill rank with ``source_layout`` must refuse a landing grant of a decode rank with
+    ``decode_layout`` (None: it may write into it). The region recomputed from the grant must be
+    exactly ``nbytes``, lie clear of every registered decode buffer (the landing pool is separate
+    memory), and the pair's transfers must leave no buffer out (both sides lay the region out over
+    the whole decode layout)."""
+    if transfer_view(source_layout, decode_layout).leaves_out:
+        return "a landing grant for a pair of ranks whose transfers leave draft buffers out"
+    try:
+        region = source_region(decode_layout, source_layout, base=address, slots=slots)
+    except (LayoutMismatchError, MappingError) as exc:
+        return f"landing grant: {exc}"
+    need = region_bytes(region)
+    if need != nbytes:
+        return f"landing grant of {nbytes} bytes, but {slots} slots of this rank's items need {need}"
+    end = address + nbytes
+    for b in decode_layout.buffers:
+        if b.length and address < b.base_ptr + b.length and b.base_ptr < end:
+            return (
+                f"landing grant [{address:#x}, {end:#x}) overlaps the decode's {b.model.value} "
+                f"{b.kind.value} layer {b.layer_id} buffer"
+            )
+    return None
+
+
+def region_bytes(region: BufferLayout) -> int:
+    """Bytes of a landing region (its K/V buffers' lengths)."""
+    return sum(b.length for b in region.buffers)
 
 
 def landing_slots(positions: object, plan: LandingPlan) -> IntArray:

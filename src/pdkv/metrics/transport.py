@@ -57,6 +57,7 @@ class TransportCounter(enum.Enum):
     ROOMS_VERIFIED = "rooms_verified"
     CHECKSUM_FAILURES = "checksum_failures"
     ROOMS_DRAFT_SKIPPED = "rooms_draft_skipped"
+    ROOMS_LANDED = "rooms_landed"
 
     @property
     def description(self) -> str:
@@ -70,6 +71,8 @@ class TransportGauge(enum.Enum):
     ROOMS_QUARANTINED = "rooms_quarantined"
     PAGES_QUARANTINED = "pages_quarantined"
     DRAFT_BUFFERS_SKIPPED = "draft_buffers_skipped"
+    LANDING_BYTES_IN_USE = "landing_bytes_in_use"
+    ROOMS_WAITING_FOR_LANDING = "rooms_waiting_for_landing"
 
     @property
     def description(self) -> str:
@@ -85,6 +88,13 @@ GAUGE_DESCRIPTIONS: Final[Mapping[TransportGauge, str]] = {
         "Draft-model buffers left out of the transfers (only one side of the pair registers them, "
         "a rolling deployment under PDKV_LAYOUT_POLICY=degrade_draft), both sides' counted, summed "
         "over the peer ranks registered now."
+    ),
+    TransportGauge.LANDING_BYTES_IN_USE: (
+        "Decode: landing-pool bytes leased now to rooms from prefill ranks of a larger TP "
+        "(PDKV_LANDING_BYTES)."
+    ),
+    TransportGauge.ROOMS_WAITING_FOR_LANDING: (
+        "Decode: rooms held in Bootstrapping now because the landing pool has no space for them yet."
     ),
 }
 
@@ -149,6 +159,9 @@ COUNTER_DESCRIPTIONS: Final[Mapping[TransportCounter, str]] = {
         "Decode: rooms that succeeded without some draft-model state (receiver.draft_skipped()): the "
         "scheduler should not speculate from it."
     ),
+    TransportCounter.ROOMS_LANDED: (
+        "Decode: rooms whose KV landed in the landing pool and was scattered into their pages before Success."
+    ),
 }
 
 
@@ -186,6 +199,7 @@ class CounterValues:
     rooms_verified: int = 0
     checksum_failures: int = 0
     rooms_draft_skipped: int = 0
+    rooms_landed: int = 0
 
     def __getitem__(self, counter: TransportCounter) -> int:
         value: int = getattr(self, counter.value)

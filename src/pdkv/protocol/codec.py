@@ -1,4 +1,4 @@
-"""The pdkv wire format (protocol version 5): messages <-> ZMQ multipart frames.
+"""The pdkv wire format (protocol version 8): messages <-> ZMQ multipart frames.
 
 Owns: every byte of the control protocol: the header, the type-code table, the msgpack body schema of
 each message, and the raw array frames. Must not import zmq, do I/O, or know any message's meaning
@@ -6,10 +6,14 @@ beyond its fields: ``encode`` takes a validated message, ``decode`` returns one 
 ``messages`` validate themselves). ``decode`` is the trust boundary: for ANY input it returns a
 message or raises ``RemoteProtocolError``, never anything else.
 
-Wire format, version 7 (normative; another implementation can be written from this text)
+Wire format, version 8 (normative; another implementation can be written from this text)
 =========================================================================================
 
-Changes from version 6: ``TransferStatus`` gains the key ``checksums`` (``Checksums | nil``): with
+Changes from version 7: ``TransferRequest`` gains the key ``landing`` (``Landing | nil``): a decode rank
+whose TP is below the prefill's leases a landing region per prefill TP rank and room, the prefill rank
+writes its KV page items whole into it, and the decode scatters them into its pages before Success
+(specs/mapping.md section 15); nil: write into ``dst_pages`` as before.
+Changes from version 6 to 7: ``TransferStatus`` gains the key ``checksums`` (``Checksums | nil``): with
 ``PDKV_KV_CHECKSUM`` a Success status says, per (buffer, page), what the prefill rank wrote, and the
 decode rank verifies its pages against it before it reports Success (``SUMS`` array slots).
 Changes from version 5 to 6: ``RegisterAck`` gains the keys ``prefill_left_out`` and ``decode_left_out``
@@ -32,7 +36,7 @@ A message is a sequence of ``2 + n`` byte frames (one ZMQ multipart message)::
 
     frame 0        header, exactly 10 bytes, little-endian, struct "<4sHHH":
                      magic    4 bytes   b"PDKV"
-                     version  u16       5
+                     version  u16       8
                      type     u16       message type code (table below)
                      arrays   u16       n, the number of array frames after the body
     frame 1        body: exactly one msgpack map (at most 1 MiB)
@@ -77,6 +81,9 @@ any value outside them. Nested records::
                                         positions strictly increasing; kv: KV buffers x positions,
                                         buffer-major; aux: one per aux buffer (empty: none written)
     StateSums   {"kind": str, "count": int, "sums": SUMS}
+    Landing     {"address": int, "bytes": int, "first_position": int, "slots": int}
+                                        first_position = prefix_pages, first_position + slots = the
+                                        request's page count; address, bytes, slots at least 1
                                         kind: index_k index_scale swa; sums: buffers x count
 
 ``ARRAY`` is an array slot ``[width, count]`` (a msgpack array of two ints) describing the next array
@@ -105,7 +112,7 @@ Bodies by type (key order as written)::
     6 RegisterReject  {"origin": Origin, "reason": str, "retry": bool}
     7 TransferRequest {"origin": Origin, "room": int, "dst_pages": ARRAY, "dst_aux_row": int | nil,
                        "dst_state": [StateSlot, ...], "required_dst_info_num": int, "dummy": bool,
-                       "prefix_pages": int}
+                       "prefix_pages": int, "landing": Landing | nil}     a dummy's landing is nil
     8 TransferStatus  {"origin": Origin, "room": int, "outcome": str, "reason": str, "metric": Metric,
                        "checksums": Checksums | nil}
                                                     outcome: success failed; checksums: success only
@@ -154,6 +161,7 @@ from pdkv.protocol.messages import (
     Heartbeat,
     HeartbeatAck,
     IntArray,
+    LandingGrant,
     Message,
     Origin,
     Outcome,
@@ -174,7 +182,7 @@ from pdkv.protocol.messages import (
     TransferStatus,
 )
 
-PROTOCOL_VERSION: Final = 7
+PROTOCOL_VERSION: Final = 8
 MAGIC: Final = b"PDKV"
 HEADER: Final = struct.Struct("<4sHHH")  # magic, version, type code, number of array frames
 _MAGIC_AND_VERSION_BYTES: Final = 6  # the only header bytes whose position no future version may move
@@ -364,6 +372,14 @@ def _message_body(msg: Message, arrays: list[bytes]) -> dict[str, object]:
                 "required_dst_info_num": msg.required_dst_info_num,
                 "dummy": msg.dummy,
                 "prefix_pages": msg.prefix_pages,
+                "landing": None
+                if msg.landing is None
+                else {
+                    "address": msg.landing.address,
+                    "bytes": msg.landing.nbytes,
+                    "first_position": msg.landing.first_position,
+                    "slots": msg.landing.slots,
+                },
             }
         case TransferStatus():
             return {
@@ -590,6 +606,7 @@ _BUFFER_REF_KEYS: Final = frozenset({"kind", "model", "layer_id"})
 _METRIC_KEYS: Final = frozenset({"pages", "bytes", "seconds"})
 _CHECKSUMS_KEYS: Final = frozenset({"positions", "kv", "state", "aux"})
 _STATE_SUMS_KEYS: Final = frozenset({"kind", "count", "sums"})
+_LANDING_KEYS: Final = frozenset({"address", "bytes", "first_position", "slots"})
 
 
 def _items(body: _Fields, key: str, keys: frozenset[str]) -> list[_Fields]:
@@ -788,10 +805,25 @@ def _decode_register_reject(body: _Fields, _: _ArrayFrames) -> RegisterReject:
     )
 
 
+def _landing(fields: _Fields | None) -> LandingGrant | None:
+    if fields is None:
+        return None
+    return _validated(
+        "Landing",
+        lambda: LandingGrant(
+            address=fields.read_int("address"),
+            nbytes=fields.read_int("bytes"),
+            first_position=fields.read_int("first_position"),
+            slots=fields.read_int("slots"),
+        ),
+    )
+
+
 def _decode_transfer_request(body: _Fields, arrays: _ArrayFrames) -> TransferRequest:
     # Claim order is frame order: dst_pages, then each dst_state entry in list order.
     dst_pages = arrays.claim(body, "dst_pages")
     dst_state = tuple(_state_slot(item, arrays) for item in _items(body, "dst_state", _STATE_KEYS))
+    landing = _landing(body.read_optional_map("landing", _LANDING_KEYS))
     return _validated(
         "TransferRequest",
         lambda: TransferRequest(
@@ -803,6 +835,7 @@ def _decode_transfer_request(body: _Fields, arrays: _ArrayFrames) -> TransferReq
             required_dst_info_num=body.read_int("required_dst_info_num"),
             dummy=body.read_bool("dummy"),
             prefix_pages=body.read_int("prefix_pages"),
+            landing=landing,
         ),
     )
 
@@ -894,7 +927,14 @@ _WIRE_TYPES: Final = (
         7,
         TransferRequest,
         _keys(
-            "room", "dst_pages", "dst_aux_row", "dst_state", "required_dst_info_num", "dummy", "prefix_pages"
+            "room",
+            "dst_pages",
+            "dst_aux_row",
+            "dst_state",
+            "required_dst_info_num",
+            "dummy",
+            "prefix_pages",
+            "landing",
         ),
         _decode_transfer_request,
     ),

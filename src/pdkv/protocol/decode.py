@@ -33,7 +33,7 @@ Safety rules these rows enforce (DESIGN section 8):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import attrs
 
@@ -50,6 +50,7 @@ from pdkv.protocol.effects import (
     Failure,
     FailureCause,
     ForgetPeer,
+    LeaseLanding,
     Notice,
     NoticeLevel,
     PeerKey,
@@ -80,6 +81,7 @@ from pdkv.protocol.messages import (
     Heartbeat,
     HeartbeatAck,
     IntArray,
+    LandingGrant,
     Message,
     Origin,
     Outcome,
@@ -99,6 +101,7 @@ _POLL = {
     ReceiverRoomState.BOOTSTRAPPING: KVPoll.Bootstrapping,
     ReceiverRoomState.WAITING_FOR_INPUT: KVPoll.WaitingForInput,
     ReceiverRoomState.TRANSFERRING: KVPoll.Transferring,
+    ReceiverRoomState.SCATTERING: KVPoll.Transferring,
     ReceiverRoomState.VERIFYING: KVPoll.Transferring,
     ReceiverRoomState.SUCCESS: KVPoll.Success,
     ReceiverRoomState.FAILED: KVPoll.Failed,
@@ -155,6 +158,11 @@ class DecodeStatistics:
     """Rooms failed because a page differed from what a prefill rank sent (``FailureCause.CHECKSUM``)."""
     registrations_degraded: int = 0
     """RegisterAcks accepted that leave draft-model buffers out (once per pair of ranks)."""
+    rooms_landed: int = 0
+    """Rooms whose KV pages landed in a landing lease and were scattered into the pages before Success
+    (decode TP below prefill TP)."""
+    landing_fallbacks: int = 0
+    """Landing rooms larger than the whole landing pool: their requests went grant-less (strided)."""
     rooms_draft_skipped: int = 0
     """Rooms that succeeded without some draft-model buffers (``receiver.draft_skipped()``)."""
     draft_buffers_skipped: int = 0
@@ -437,11 +445,14 @@ class DecodeEndpoint(RoomKeeper[ReceiverRoom]):
         required_dst_info_num: int = 1,
         prefix_pages: int = 0,
         verify_checksums: bool = False,
+        landing: bool = False,
         now: float,
     ) -> list[DecodeEffect]:
         """``receiver.init``: the room's destinations (by position) and the prefill ranks it needs;
         ``prefix_pages``: the first positions this rank already holds (no prefill rank writes them);
-        ``verify_checksums``: Success waits for the driver's verdict on the pages (``VerifyChecksums``).
+        ``verify_checksums``: Success waits for the driver's verdict on the pages (``VerifyChecksums``);
+        ``landing``: the KV pages land in a landing lease first (decode TP below prefill TP): the
+        driver is asked for one (``LeaseLanding``) and the requests wait for ``landing_granted``.
 
         Every argument is checked against this rank's own buffers first (``InvalidArgumentError``,
         or ``MappingError`` for repeated pages); a bad call creates nothing.
@@ -495,6 +506,7 @@ class DecodeEndpoint(RoomKeeper[ReceiverRoom]):
         )
         r.verify = bool(verify_checksums)
         self._set_deadline(r, now + self.timeouts.bootstrap)
+        wants_landing = bool(landing) and r.prefix_pages < r.dst_pages.size
         if not r.required:
             why = "every target prefill rank is a dummy" if r.targets else "no target prefill rank was given"
             self._fail(r, f"room has no transfer destination: {why}", FailureCause.NO_DESTINATION, now)
@@ -511,6 +523,12 @@ class DecodeEndpoint(RoomKeeper[ReceiverRoom]):
                 )
                 self._fail(r, reason, FailureCause.INVALID, now)
                 return self._effects()
+        if wants_landing:
+            r.landing = True
+            sources = tuple(t.key for t in r.targets if not t.dummy)
+            self.emit(
+                LeaseLanding(room=room, dst_pages=r.dst_pages, prefix_pages=r.prefix_pages, sources=sources)
+            )
         if all(self.peer_ready(t) for t in r.targets):
             r.machine.step(ReceiverRoomInput.TARGETS_READY, RoomStep(self, r, now))
         return self._effects()
@@ -644,6 +662,7 @@ class DecodeEndpoint(RoomKeeper[ReceiverRoom]):
                 ReceiverRoomState.BOOTSTRAPPING: ("bootstrap", self.timeouts.bootstrap),
                 ReceiverRoomState.WAITING_FOR_INPUT: ("waiting", self.timeouts.waiting),
                 ReceiverRoomState.TRANSFERRING: ("transfer", self.timeouts.transfer),
+                ReceiverRoomState.SCATTERING: ("transfer", self.timeouts.transfer),
                 ReceiverRoomState.VERIFYING: ("transfer", self.timeouts.transfer),
             }[r.machine.state]
             reason = f"{limit[0]} timeout: still {r.machine.state.name} after {limit[1]:g} s"
@@ -702,6 +721,40 @@ class DecodeEndpoint(RoomKeeper[ReceiverRoom]):
             )
             r.machine.step(ReceiverRoomInput.CORRUPT, step)
         return self._effects()
+
+    def landing_granted(
+        self, room: RoomId, grants: Mapping[PeerKey, LandingGrant] | None, now: float
+    ) -> list[DecodeEffect]:
+        """The driver's answer to ``LeaseLanding``: the region of each source (None or empty: no lease,
+        the room is larger than the pool and its requests go grant-less). The requests go once every
+        target is registered too. For a room no longer waiting (failed, gone) it changes nothing: the
+        driver releases the lease with the room (``ReleasePages``), or at once when it is gone."""
+        r = self._rooms.get(room)
+        if r is None or not r.landing or r.grants is not None:
+            return []
+        r.machine.step(ReceiverRoomInput.LANDING_GRANTED, RoomStep(self, r, now, grants=dict(grants or {})))
+        return self._effects()
+
+    def landing_scattered(self, room: RoomId, error: str | None, now: float) -> list[DecodeEffect]:
+        """The driver's answer to ``ScatterLanding``: None, the landed heads are in the pages (the room
+        moves on to Verifying or Success); else why not (the room fails, ``FailureCause.ENGINE``, and
+        its pages and lease follow the abort handshake). A room that failed meanwhile stays failed."""
+        r = self._rooms.get(room)
+        if r is None:
+            return []
+        if error is None:
+            r.machine.step(ReceiverRoomInput.SCATTERED, RoomStep(self, r, now))
+        else:
+            reason = _clip(f"landing scatter failed: {error}")
+            r.machine.step(
+                ReceiverRoomInput.SCATTER_FAILED, RoomStep(self, r, now, None, reason, FailureCause.ENGINE)
+            )
+        return self._effects()
+
+    def wants_landing(self, room: RoomId) -> bool:
+        """Whether the room waits for (or holds) a landing lease."""
+        r = self._rooms.get(room)
+        return r is not None and r.landing
 
     # ------------------------------------------------------------------ statistics
 

@@ -18,6 +18,7 @@ from pdkv.mapping.layout_policy import BufferKey
 from pdkv.protocol.ids import Endpoint, Epoch, InstanceId, RoomId, SessionId
 from pdkv.protocol.messages import (
     IntArray,
+    LandingGrant,
     Message,
     PageChecksums,
     RankCoord,
@@ -297,6 +298,33 @@ class VerifyChecksums:
 
 
 @attrs.frozen(kw_only=True)
+class LeaseLanding:
+    """Decode: lease landing space for ``room`` (decode TP below prefill TP: one region per real source
+    TP rank in ``sources``, for the positions from ``prefix_pages`` to the end of ``dst_pages``) and
+    answer ``landing_granted`` with a grant per source, or with none (the room is larger than the
+    whole pool: its requests go grant-less). No space now: answer later, when space came back; the
+    room waits in Bootstrapping meanwhile, bounded by its bootstrap deadline. Released by the room's
+    ``RoomFinished`` Success or its ``ReleasePages`` (the same rules as its pages)."""
+
+    room: RoomId
+    dst_pages: IntArray = attrs.field(eq=attrs.cmp_using(eq=np.array_equal))
+    prefix_pages: int
+    sources: tuple[PeerKey, ...]
+
+
+@attrs.frozen(kw_only=True)
+class ScatterLanding:
+    """Decode: every required prefill rank reported Success for ``room``, whose KV pages landed in its
+    landing lease (``grants``: the region of each source); copy them into ``dst_pages`` (positions
+    from ``prefix_pages`` on) on the buffers' device, synchronised, and answer ``landing_scattered``."""
+
+    room: RoomId
+    dst_pages: IntArray = attrs.field(eq=attrs.cmp_using(eq=np.array_equal))
+    prefix_pages: int
+    grants: tuple[tuple[PeerKey, LandingGrant], ...]
+
+
+@attrs.frozen(kw_only=True)
 class CutConnections:
     """Decode: end every engine connection from ``host`` (a prefill rank's engine host) and report
     ``connections_cut``; emitted before releasing a quarantined room whose ranks all acknowledged
@@ -310,7 +338,15 @@ PrefillEffect: TypeAlias = Send | SubmitChunk | RoomFinished | Notice | ForgetPe
 """What a prefill endpoint asks its driver to do."""
 
 DecodeEffect: TypeAlias = (
-    Send | RoomFinished | ReleasePages | Notice | ForgetPeer | CutConnections | VerifyChecksums
+    Send
+    | RoomFinished
+    | ReleasePages
+    | Notice
+    | ForgetPeer
+    | CutConnections
+    | VerifyChecksums
+    | LeaseLanding
+    | ScatterLanding
 )
 """What a decode endpoint asks its driver to do."""
 

@@ -418,13 +418,30 @@ class RegisterReject:
 
 
 @attrs.frozen(kw_only=True)
+class LandingGrant:
+    """The landing region a decode rank leased for one prefill TP rank and one room (decode TP below
+    prefill TP, specs/mapping.md section 15): ``nbytes`` of registered memory at ``address`` holding
+    ``slots`` page items per K/V buffer of the prefill rank's own head geometry, slot ``j`` for
+    position ``first_position + j``. The layout inside is recomputed from the grant and the two
+    registered layouts on both sides: nothing else travels."""
+
+    address: int = attrs.field(validator=_int_in(1, 2**63 - 1))
+    nbytes: int = attrs.field(validator=_int_in(1, 2**63 - 1))
+    first_position: int = attrs.field(validator=_int_in(0, MAX_INDEX - 1))
+    slots: int = attrs.field(validator=_int_in(1, MAX_INDEX - 1))
+
+
+@attrs.frozen(kw_only=True)
 class TransferRequest:
     """Decode rank -> prefill rank, one per room: where the room's bytes must land.
 
     ``dst_pages`` covers the whole request by position (position i -> dst_pages[i]). The decode rank
     already holds positions ``0 .. prefix_pages-1`` (its own prefix cache): the prefill writes none of
     them (its first chunk starts at ``prefix_pages`` or later). A dummy request carries no destination:
-    it only lets a replica rank's room advance.
+    it only lets a replica rank's room advance. ``landing``: the KV pages go whole into this landing
+    region instead of into ``dst_pages`` (the decode scatters them before Success); its window is the
+    request's positions from ``prefix_pages`` on. None: write into the pages (state and aux rows go
+    to the decode's own buffers either way).
     """
 
     origin: Origin = attrs.field(validator=_origin)
@@ -439,10 +456,23 @@ class TransferRequest:
     required_dst_info_num: int = attrs.field(default=1, validator=_int_in(1, MAX_RANKS))
     dummy: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
     prefix_pages: int = attrs.field(default=0, validator=_int_in(0, MAX_INDEX - 1))
+    landing: LandingGrant | None = attrs.field(
+        default=None, validator=attrs.validators.optional(attrs.validators.instance_of(LandingGrant))
+    )
 
     def __attrs_post_init__(self) -> None:
-        if self.dummy and (self.dst_pages.size or self.dst_aux_row is not None or self.dst_state):
+        if self.dummy and (
+            self.dst_pages.size or self.dst_aux_row is not None or self.dst_state or self.landing is not None
+        ):
             raise ValueError("a dummy TransferRequest carries no destination")
+        if self.landing is not None and (
+            self.landing.first_position != self.prefix_pages
+            or self.landing.first_position + self.landing.slots != self.dst_pages.size
+        ):
+            raise ValueError(
+                f"the landing window {self.landing.first_position}+{self.landing.slots} is not the "
+                f"request's positions {self.prefix_pages}..{self.dst_pages.size - 1}"
+            )
         if self.prefix_pages > self.dst_pages.size and not self.dummy:
             raise ValueError(
                 f"prefix_pages {self.prefix_pages} exceeds the request's {self.dst_pages.size} pages"

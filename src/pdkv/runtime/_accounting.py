@@ -18,10 +18,12 @@ from pdkv.protocol.effects import (
     Effect,
     FailureCause,
     ForgetPeer,
+    LeaseLanding,
     Notice,
     ReleaseKind,
     ReleasePages,
     RoomFinished,
+    ScatterLanding,
     Send,
     SubmitChunk,
     SubmitFence,
@@ -86,6 +88,8 @@ class Accounting:
                     | SubmitFence()
                     | CutConnections()
                     | VerifyChecksums()
+                    | LeaseLanding()
+                    | ScatterLanding()
                 ):
                     pass  # counted where they are carried out, or not at all
                 case _:

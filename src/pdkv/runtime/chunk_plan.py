@@ -8,7 +8,9 @@ and destination:
   + ``cp_owned`` + the exact position -> destination contract), coalesced into runs, then blocks in
   every KV buffer (target and draft models) of the two layouts, paired by (model, kind, layer)
   (``kv_blocks``: whole page items, or, for MHA/GQA layouts that describe heads, the heads this
-  rank shares with the destination rank, which may run another TP size);
+  rank shares with the destination rank, which may run another TP size). A request with a landing
+  grant (decode TP below prefill TP) takes the KV pages whole into the grant's region instead, slot
+  by position (``pdkv.mapping.landing.source_region``), the decode scattering them before Success;
 - on the last chunk, and only on the rank that writes the room's extras, the state slots of each
   state kind (clipped to the common length when the two sides disagree, and reported) and the aux
   row. State and aux rows are replicated across CP ranks and not split by heads, so one writer per
@@ -42,6 +44,7 @@ from pdkv.mapping import (
     state_blocks,
     transfer_view,
 )
+from pdkv.mapping.landing import source_region
 from pdkv.protocol.effects import ChunkSpec, Destination, FenceWrite
 from pdkv.protocol.ids import RoomId, SessionId
 from pdkv.protocol.messages import IntArray
@@ -144,7 +147,20 @@ def plan_chunk(
         cp_rank=cp_rank,
         policy=policy,
     )
-    parts = [kv_blocks(coalesce(mapped.src, mapped.dst), view.src, view.dst)]
+    grant = request.landing
+    if grant is None:
+        parts = [kv_blocks(coalesce(mapped.src, mapped.dst), view.src, view.dst)]
+    else:
+        # Decode TP below prefill TP: this rank's page items go whole into its landing region (slot
+        # = position - first_position), a run of pages one block; the decode scatters them into its
+        # pages before Success (specs/mapping.md section 15). Validated with the request.
+        region = source_region(destination.peer.layout, src_layout, base=grant.address, slots=grant.slots)
+        slots = mapped.positions - grant.first_position
+        if slots.size and (int(slots.min()) < 0 or int(slots.max()) >= grant.slots):
+            raise MappingError(
+                f"room {room}: chunk positions outside the landing window of {grant.slots} slots"
+            )
+        parts = [kv_blocks(coalesce(mapped.src, slots), view.src, region)]
     notes: list[str] = []
     state_slots = aux_rows = 0
     state_src: list[tuple[BufferKind, IntArray]] = []

@@ -9,6 +9,10 @@ to say when pages are safe to reuse (``release_ready``: after every AbortAck, or
 With ``kv_checksum`` (``PDKV_KV_CHECKSUM``) it also checks the bytes before Success: the endpoint
 asks (``VerifyChecksums``), a verifier thread computes the checksums of the room's pages on their
 device (``pdkv.runtime.checksum``) off the control thread and the lock, and feeds the verdict back.
+With decode TP below the prefill's (MHA/GQA heads from several prefill ranks per decode rank) it leases
+each room's landing space from its ``LandingPool`` at ``receiver.init`` (the room waits in
+Bootstrapping for space), and scatters the landed page items into the room's pages before Success
+(``pdkv.runtime.landing``; specs/mapping.md section 15).
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from pdkv.mapping import (
     head_range,
     layout_kv_heads,
 )
+from pdkv.mapping.landing import landing_wanted
 from pdkv.metrics import KVTransferMetric, TransportCounter, TransportGauge, TransportMetricsSnapshot
 from pdkv.protocol import arguments
 from pdkv.protocol.config import Timeouts
@@ -48,11 +53,13 @@ from pdkv.protocol.effects import (
     CutConnections,
     DecodeEffect,
     ForgetPeer,
+    LeaseLanding,
     Notice,
     PeerKey,
     ReleaseKind,
     ReleasePages,
     RoomFinished,
+    ScatterLanding,
     Send,
     Target,
     VerifyChecksums,
@@ -60,6 +67,7 @@ from pdkv.protocol.effects import (
 from pdkv.protocol.ids import Endpoint, Epoch, InstanceId, RoomId, SessionId
 from pdkv.protocol.messages import (
     IntArray,
+    LandingGrant,
     Origin,
     RankCoord,
     RouteQuery,
@@ -74,6 +82,7 @@ from pdkv.runtime._layout_policy import LAYOUT_POLICY_ENV
 from pdkv.runtime._loop import ChannelFactory
 from pdkv.runtime.channels import query_registry, zmq_channel_factory
 from pdkv.runtime.checksum import Checksummer, RoomPages, checksums_from_env, verify_room
+from pdkv.runtime.landing import LandingConfig, LandingPool
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +119,10 @@ class DecodeConfig:
     """Whether a prefill rank may serve this rank with draft-model buffers left out (``DEGRADE_DRAFT``,
     the default: a rolling deployment keeps serving, rooms report ``draft_skipped()``) or not
     (``STRICT``: such a registration is refused). Target buffers must match under either."""
+    landing: LandingConfig = attrs.field(factory=LandingConfig, validator=config.instance_of(LandingConfig))
+    """The landing pool (``PDKV_LANDING_BYTES``) for prefill instances of a larger TP: allocated and
+    registered by ``connect()`` to a prefill instance whose rooms land in it (``checksum_device``: where
+    it lives)."""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **fields: Any) -> DecodeConfig:
@@ -117,6 +130,7 @@ class DecodeConfig:
         not given, come from the ``PDKV_*`` variables set in ``env`` (``os.environ`` by default)."""
         fields.setdefault("timeouts", Timeouts.from_env(env))
         fields.setdefault("kv_checksum", checksums_from_env(env))
+        fields.setdefault("landing", LandingConfig.from_env(env))
         return config.from_env(cls, env, **fields)
 
     def __attrs_post_init__(self) -> None:
@@ -189,6 +203,11 @@ class DecodeTransport(EndpointHost[DecodeEndpoint, DecodeEffect]):
         self._verifier: threading.Thread | None = None  # started by the first large room to verify
         self._verdicts: list[tuple[RoomId, ChecksumMismatch | None]] = []  # checked inline, not yet applied
         self._kv_bytes_per_page = sum(b.item_bytes for b in config.layout.kv_buffers)
+        self.landing = LandingPool(
+            backend, config.layout, config.rank.tp, config.landing, device=config.checksum_device
+        )
+        self._topologies: dict[InstanceId, tuple[Topology, bool]] = {}  # per prefill instance: landing?
+        self._landed: list[tuple[RoomId, Mapping[PeerKey, LandingGrant] | None, str | None, bool]] = []
 
     def start(self) -> None:
         """Register buffers and start the control thread. Idempotent once it succeeded; a failed start
@@ -249,6 +268,7 @@ class DecodeTransport(EndpointHost[DecodeEndpoint, DecodeEffect]):
         with self._lock:
             self._check_open("connect()")
             self._routes[instance] = table
+            self._prepare_landing(instance)
             self._apply(self._endpoint.connect(table, self._clock()))
         if table.layout_digest != self.config.layout.digest():
             # The digest says only "different"; the prefill ranks' refusal says how, or their acks
@@ -321,6 +341,8 @@ class DecodeTransport(EndpointHost[DecodeEndpoint, DecodeEffect]):
                 f"acknowledge within {wait:g} s (e.g. {unsafe[:5]})"
             )
         self._stop_verifier()  # it reads the registered memory: it ends before that is unregistered
+        if not unsafe:
+            self.landing.close()
         self._finish_close(stuck)
 
     def receiver(self, room: RoomId | int, prefill: InstanceId) -> KVReceiver:
@@ -364,7 +386,24 @@ class DecodeTransport(EndpointHost[DecodeEndpoint, DecodeEffect]):
         # Every prefill rank of one room waits for the same number of decode requests.
         ratio = topology.ratio if topology.decode_tp > topology.prefill_tp else 1
         self._fanouts[prefill] = (table, targets, ratio)
+        wanted = self.config.landing.capacity_bytes > 0 and landing_wanted(
+            self.config.layout, topology, self.config.rank.tp
+        )
+        self._topologies[prefill] = (topology, wanted)
         return targets, ratio
+
+    def _prepare_landing(self, prefill: InstanceId) -> None:
+        """Lock held, before the Register messages go out: when rooms from ``prefill`` land in this
+        rank's landing pool, register the pool now and republish the engine metadata, so the metadata
+        those messages carry covers it (a NIXL prefill rank writes only into regions listed there)."""
+        if self.uses_landing(prefill) and self.landing.prepare():
+            self._endpoint.set_engine_metadata(self.backend.engine_metadata)
+
+    def uses_landing(self, prefill: InstanceId) -> bool:
+        """Whether rooms from ``prefill`` land in this rank's landing pool (decode TP below prefill TP,
+        heads from several prefill ranks per page)."""
+        self.fanout_targets(prefill)
+        return self._topologies[prefill][1]
 
     # ------------------------------------------------------------------ internals
 
@@ -374,6 +413,9 @@ class DecodeTransport(EndpointHost[DecodeEndpoint, DecodeEffect]):
         self.metrics.set_gauge(TransportGauge.PAGES_QUARANTINED, pages)
         skipped = self._endpoint.draft_buffers_skipped()
         self.metrics.set_gauge(TransportGauge.DRAFT_BUFFERS_SKIPPED, skipped)
+        landing = self.landing.statistics()
+        self.metrics.set_gauge(TransportGauge.LANDING_BYTES_IN_USE, landing.in_use_bytes)
+        self.metrics.set_gauge(TransportGauge.ROOMS_WAITING_FOR_LANDING, landing.waiting)
         for counter, total in (
             (TransportCounter.QUARANTINES, quarantines),
             (TransportCounter.QUARANTINES_RELEASED, released),
@@ -389,12 +431,14 @@ class DecodeTransport(EndpointHost[DecodeEndpoint, DecodeEffect]):
             case Send():
                 self._loop.post(effect.to, effect.message)
             case ReleasePages():
+                self._release_landing(effect.room)
                 self._released += 1
                 if not effect.safe:
                     self._unsafe += 1
                     log.warning("room %s: pages released UNSAFELY: %s", effect.room, effect.reason)
             case RoomFinished():
                 if effect.poll is KVPoll.Success:
+                    self._release_landing(effect.room)
                     log.debug("room %s succeeded on decode %s", effect.room, self.config.rank)
                     for (instance, rank), data in self._endpoint.metric(effect.room).items():
                         self._accounting.reported(effect.room, peer_name(instance, rank), data)
@@ -407,6 +451,10 @@ class DecodeTransport(EndpointHost[DecodeEndpoint, DecodeEffect]):
                 self._cutter.request(effect)
             case VerifyChecksums():
                 self._request_verification(effect)
+            case LeaseLanding():
+                self._lease(effect)
+            case ScatterLanding():
+                self._scatter(effect)
             case Notice():
                 self._log_notice(effect)
             case ForgetPeer():
@@ -424,9 +472,56 @@ class DecodeTransport(EndpointHost[DecodeEndpoint, DecodeEffect]):
         """The endpoint's effects in order, then the verdicts of rooms checked inline among them
         (each verdict's own effects after every effect of the batch that asked for it)."""
         super()._apply(effects, progressed=progressed)
-        while self._verdicts:
+        while self._verdicts or self._landed:
+            if self._landed:
+                room, grants, error, scattered = self._landed.pop(0)
+                if scattered:
+                    super()._apply(self._endpoint.landing_scattered(room, error, self._clock()))
+                else:
+                    super()._apply(self._endpoint.landing_granted(room, grants, self._clock()))
+                continue
             room, mismatch = self._verdicts.pop(0)
             super()._apply(self._endpoint.checksums_verified(room, mismatch, self._clock()))
+
+    # ------------------------------------------------------------------ the landing zone
+
+    def _lease(self, effect: LeaseLanding) -> None:
+        """Lock held: lease the room's landing space now, or queue it (the room waits in Bootstrapping)."""
+        instance = effect.sources[0][0] if effect.sources else None
+        known = self._topologies.get(instance) if instance is not None else None
+        if known is None:
+            self._landed.append((effect.room, {}, None, False))  # nothing to lay out: grant-less
+            return
+        try:
+            grants = self.landing.request(effect, known[0])
+        except Exception as exc:  # a layout the pool cannot serve: the room goes grant-less, logged
+            log.warning(
+                "room %s: no landing lease (%s: %s): sent grant-less", effect.room, type(exc).__name__, exc
+            )
+            grants = {}
+        if grants is not None:
+            self._landed.append((effect.room, grants, None, False))
+        else:
+            log.debug("room %s waits for landing space on decode %s", effect.room, self.config.rank)
+
+    def _release_landing(self, room: RoomId) -> None:
+        """Lock held: the room's pages are released, and with them its lease; waiting rooms served."""
+        if not self.landing.holds(room):
+            return
+        for served, grants in self.landing.release(room):
+            self._landed.append((served, grants, None, False))
+
+    def _scatter(self, effect: ScatterLanding) -> None:
+        """Lock held: copy the landed heads into the room's pages (on the buffers' device, synchronised)."""
+        error: str | None = None
+        try:
+            self.landing.scatter(effect)
+        except Exception as exc:
+            log.exception("room %s: landing scatter failed", effect.room)
+            error = f"{type(exc).__name__}: {exc}"
+        else:
+            self.metrics.increment(TransportCounter.ROOMS_LANDED)
+        self._landed.append((effect.room, None, error, True))
 
     def _request_verification(self, effect: VerifyChecksums) -> None:
         """Lock held: a small room is checked here, at once (a hand-off to another thread costs more
@@ -542,6 +637,7 @@ class KVReceiver(RoomHandle[DecodeEndpoint, DecodeEffect]):
         """
         self.transport._check_open(f"receiver.init of room {self.room}")
         targets, required = self.transport.fanout_targets(self.prefill)
+        landing = self.transport.uses_landing(self.prefill)
         self.transport._call(
             lambda e, now: e.open_room(
                 self.room,
@@ -552,6 +648,7 @@ class KVReceiver(RoomHandle[DecodeEndpoint, DecodeEffect]):
                 required_dst_info_num=required,
                 prefix_pages=prefix_pages,
                 verify_checksums=self.transport._checksum_on,
+                landing=landing,
                 now=now,
             ),
             what=f"receiver.init of room {self.room}",

@@ -29,10 +29,12 @@ from pdkv.protocol.effects import (
     DropLayers,
     Effect,
     ForgetPeer,
+    LeaseLanding,
     Notice,
     NoticeLevel,
     ReleasePages,
     RoomFinished,
+    ScatterLanding,
     Send,
     SubmitChunk,
     SubmitFence,
@@ -303,6 +305,16 @@ class MessageTrace:
                 detail = f"{effect.dst_pages.size} pages, {len(effect.reports)} prefill rank(s)"
                 extra = self._fields(event="verify", room=effect.room, detail=detail)
                 _trace.debug("room %s: verify checksums of %s", effect.room, detail, extra=extra)
+            case LeaseLanding():
+                detail = (
+                    f"{effect.dst_pages.size - effect.prefix_pages} slots, {len(effect.sources)} source(s)"
+                )
+                extra = self._fields(event="lease_landing", room=effect.room, detail=detail)
+                _trace.debug("room %s: lease landing space for %s", effect.room, detail, extra=extra)
+            case ScatterLanding():
+                detail = f"{len(effect.grants)} source(s)"
+                extra = self._fields(event="scatter", room=effect.room, detail=detail)
+                _trace.debug("room %s: scatter the landing lease of %s", effect.room, detail, extra=extra)
             case _:
                 assert_never(effect)
 

@@ -50,8 +50,8 @@ Rules the pool keeps:
   an unstaged write: the engine would read them directly).
 
 ``LandingRegions.scatter`` is the other direction's copy (decode TP below prefill TP): the decode's
-scatter from a landing zone into its pages (``pdkv.mapping.landing``), the same kind of kernel; it is
-not wired into the transports yet.
+scatter from a landing zone into its pages (``pdkv.mapping.landing``), the same kind of kernel, run by
+the decode's ``pdkv.runtime.landing.LandingPool``.
 
 Thread-safety: one lock (a condition) guards the allocator, the leases and the counters; gathers run
 outside it, each into its own lease. Any number of jobs on any threads may share one pool.

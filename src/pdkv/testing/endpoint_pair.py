@@ -49,10 +49,12 @@ from pdkv.protocol.effects import (
     FailureCause,
     FenceWrite,
     ForgetPeer,
+    LeaseLanding,
     Notice,
     PeerKey,
     ReleasePages,
     RoomFinished,
+    ScatterLanding,
     Send,
     SubmitChunk,
     SubmitFence,
@@ -817,6 +819,8 @@ class EndpointPair:
                     self._cuts.append(_CutInFlight(room=e.room, hosts=e.hosts, done_at=now + self.cut_time))
                 case VerifyChecksums():
                     self.verifications.append(e)  # answered by the test (decode.checksums_verified)
+                case LeaseLanding() | ScatterLanding():
+                    pass  # the pair opens no landing rooms (the transports' tests cover them)
                 case Notice():
                     self.notices_seen += 1
                     if self._notice_limit is None or len(self.notices) < self._notice_limit:

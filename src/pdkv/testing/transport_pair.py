@@ -48,6 +48,7 @@ from pdkv.runtime._loop import MessageChannel
 from pdkv.runtime.channels import start_registry
 from pdkv.runtime.decode import DecodeConfig, DecodeTransport
 from pdkv.runtime.executor import ExecutorConfig
+from pdkv.runtime.landing import LandingConfig
 from pdkv.runtime.per_layer import PerLayerConfig
 from pdkv.runtime.prefill import PrefillConfig, PrefillTransport
 from pdkv.runtime.staging import StagingConfig, StagingPool
@@ -212,6 +213,10 @@ class TransportPair:
     (``staging`` lists the pools). With a model that describes KV heads, each decode rank holds its TP share
     of the heads (the one prefill TP rank holds them all), so ``decode_tp`` > 1 slices every page.
 
+    ``prefill_tp``: prefill TP ranks (each with ``cp`` CP ranks; ``prefills`` lists them TP-major); with a
+    model that describes KV heads each holds its TP share. ``landing``: the decode ranks' landing pools
+    (decode TP below prefill TP).
+
     ``kv_checksum``: both sides compute and verify checksums per (buffer, page) (``PDKV_KV_CHECKSUM``);
     ``decode_checksum`` sets the decode ranks' switch apart (None: the same).
 
@@ -226,6 +231,8 @@ class TransportPair:
         model: ModelSpec | None = None,
         cp: int = 1,
         decode_tp: int = 1,
+        prefill_tp: int = 1,
+        landing: LandingConfig | None = None,
         prefill_capacity: Capacity | None = None,
         decode_capacity: Capacity | None = None,
         timeouts: Timeouts = PAIR_TIMEOUTS,
@@ -254,27 +261,34 @@ class TransportPair:
         announce: Callable[[str, RankAnnounce, float], object] | None
         query: Callable[[str, RouteQuery, float], RouteTable | None] | None
         if sockets:
-            self._registry_service = start_registry(instance=self.prefill_instance, tp_size=1, cp_size=cp)
+            self._registry_service = start_registry(
+                instance=self.prefill_instance, tp_size=prefill_tp, cp_size=cp
+            )
             self.registry_address = self._registry_service.address
             factory = announce = query = None  # the transports' defaults: zmq and the registry protocol
         else:
-            registry = MemoryRegistry(self.prefill_instance, tp_size=1, cp_size=cp)
+            registry = MemoryRegistry(self.prefill_instance, tp_size=prefill_tp, cp_size=cp)
             self.registry_address = registry.address
             factory, announce, query = self.hub.channel, registry.announce, registry.query
         self.prefill_memory: list[RankMemory] = []
         self.staging: list[StagingPool] = []  # one per prefill rank when ``staging`` is given
         self.prefill_backends: list[LoopbackBackend] = []
         self.prefills: list[PrefillTransport] = []
-        for rank in range(cp):
+        heads = self.model.kv_heads is not None
+        for ptp, rank in ((t, c) for t in range(prefill_tp) for c in range(cp)):
             memory = RankMemory(
-                self.model, prefill_capacity or Capacity(kv_pages=64, state_slots=8, aux_rows=8)
+                self.model,
+                prefill_capacity or Capacity(kv_pages=64, state_slots=8, aux_rows=8),
+                # heads described: each prefill TP rank holds its share of them
+                tp_size=prefill_tp if heads else 1,
+                tp_rank=ptp if heads else 0,
             )
             memory.fill_prefill(cp_rank=rank, policy=self.policy)
             backend = LoopbackBackend(loopback or LoopbackConfig(), fabric=self.fabric)
             config = PrefillConfig(
                 instance=self.prefill_instance,
-                rank=RankCoord(tp=0, cp=rank),
-                tp_size=1,
+                rank=RankCoord(tp=ptp, cp=rank),
+                tp_size=prefill_tp,
                 cp_size=cp,
                 layout=memory.layout,
                 registry=self.registry_address,
@@ -315,6 +329,7 @@ class TransportPair:
                 timeouts=timeouts,
                 kv_checksum=kv_checksum if decode_checksum is None else decode_checksum,
                 layout_policy=decode_policy,
+                landing=landing or LandingConfig(),
             )
             self.decode_memory.append(memory)
             self.decode_backends.append(backend)

@@ -26,6 +26,7 @@ from pdkv.protocol.ids import Endpoint, Epoch, RoomId, SessionId
 from pdkv.protocol.machines._base import StateMachine
 from pdkv.protocol.messages import (
     IntArray,
+    LandingGrant,
     Origin,
     PageChecksums,
     Register,
@@ -54,6 +55,7 @@ class ReceiverRoomState(enum.Enum):
     BOOTSTRAPPING = "bootstrapping"
     WAITING_FOR_INPUT = "waiting_for_input"
     TRANSFERRING = "transferring"
+    SCATTERING = "scattering"
     VERIFYING = "verifying"
     SUCCESS = "success"
     FAILED = "failed"
@@ -68,6 +70,9 @@ class ReceiverRoomInput(enum.Enum):
     FAIL = "fail"  # decided here: a deadline, a lost or refusing rank, no destination
     VERIFIED = "verified"  # the runtime's verdict: every page matches the prefill ranks' checksums
     CORRUPT = "corrupt"  # ... or one does not (the mismatch says where)
+    LANDING_GRANTED = "landing_granted"  # the runtime leased the room's landing space (or refused: too large)
+    SCATTERED = "scattered"  # the runtime copied the landed heads into the pages
+    SCATTER_FAILED = "scatter_failed"  # ... or could not
 
 
 class DecodeAbortState(enum.Enum):
@@ -188,6 +193,8 @@ class ReceiverRoom:
     metric: dict[PeerKey, TransferMetricData] = attrs.Factory(dict)
     reports: dict[PeerKey, PageChecksums | None] = attrs.Factory(dict)  # each Success's checksums (verify)
     mismatch: ChecksumMismatch | None = None  # where the pages differ (FailureCause.CHECKSUM)
+    landing: bool = False  # decode TP below prefill TP: its requests wait for a landing lease
+    grants: dict[PeerKey, LandingGrant] | None = None  # the lease per target (empty: grant-less)
     failure: str | None = None
     cause: FailureCause | None = None
     failure_peer: PeerKey | None = None
@@ -236,6 +243,7 @@ class RoomStep:
     tell_now: PeerKey | None = None  # a silent rank being registered with again: told at once
     checksums: PageChecksums | None = None  # a Success status's
     mismatch: ChecksumMismatch | None = None  # the runtime's verdict (``corrupt``)
+    grants: dict[PeerKey, LandingGrant] | None = None  # ``landing_granted``'s lease
 
 
 @attrs.define(eq=False, slots=True)

@@ -6,6 +6,8 @@ the row. A failed room's pages are then the business of its abort handshake (``d
     BOOTSTRAPPING      waiting for registration with every target prefill rank (deadline: bootstrap)
     WAITING_FOR_INPUT  TransferRequests sent, no status yet (deadline: waiting)
     TRANSFERRING       some required prefill ranks reported Success, not all (deadline: transfer)
+    SCATTERING         (landing zone) every required rank reported Success into the room's landing lease;
+                       the runtime copies the landed heads into the pages (deadline: transfer)
     VERIFYING          (checksums on) every required rank reported Success; the runtime compares the
                        pages with the checksums they sent (deadline: transfer)
     SUCCESS            every required prefill rank reported Success (and, checksums on, the pages match)
@@ -14,7 +16,15 @@ the row. A failed room's pages are then the business of its abort handshake (``d
 Inputs: ``targets_ready`` (every target rank registered), ``success`` / ``failed`` (a TransferStatus),
 ``peer_abort`` (an Abort from a prefill rank), ``abort`` (the scheduler's), ``fail`` (decided by the
 endpoint: a deadline, a lost, restarted or refusing rank, no destination), ``verified`` /
-``corrupt`` (the runtime's verdict on the checksums, after ``VerifyChecksums``). A status is only
+``corrupt`` (the runtime's verdict on the checksums, after ``VerifyChecksums``), ``landing_granted``
+(the runtime's answer to ``LeaseLanding``) and ``scattered`` / ``scatter_failed`` (its answer to
+``ScatterLanding``). A room opened with ``landing`` (decode TP below prefill TP, specs/mapping.md
+section 15) stays Bootstrapping, its requests unsent, until its lease is granted (back-pressure: it
+never fails for space; its bootstrap deadline bounds the wait); an empty grant (a room larger than
+the whole pool) sends them grant-less. Its last required Success enters Scattering, the scatter's
+success moves it on to Verifying (checksums on: the pages are checked after the scatter) or
+Success; the lease is released by the runtime with the room's pages (Success, or ``ReleasePages``
+after every AbortAck or the quarantine). A status is only
 heard from a rank that was sent the request (the others' are late, counted); only required
 (non-dummy) ranks' successes count. A verifying room is live: an abort or a lost rank fails it, and
 a verdict that comes after that changes nothing; a mismatch fails it with ``FailureCause.CHECKSUM``
@@ -25,8 +35,18 @@ reads it after Success); a room that succeeds so is counted (``rooms_draft_skipp
 
 from __future__ import annotations
 
+import attrs
+
 from pdkv.mapping.layout_policy import BufferKey
-from pdkv.protocol.effects import FailureCause, Notice, NoticeLevel, RoomFinished, Send, VerifyChecksums
+from pdkv.protocol.effects import (
+    FailureCause,
+    Notice,
+    NoticeLevel,
+    RoomFinished,
+    ScatterLanding,
+    Send,
+    VerifyChecksums,
+)
 from pdkv.protocol.machines._base import MachineSpec, StateMachine, row
 from pdkv.protocol.machines._decode_side import (
     AbortRecord,
@@ -45,7 +65,7 @@ from pdkv.protocol.registration import DraftSkipped
 
 _S = ReceiverRoomState
 _I = ReceiverRoomInput
-_LIVE = (_S.BOOTSTRAPPING, _S.WAITING_FOR_INPUT, _S.TRANSFERRING, _S.VERIFYING)
+_LIVE = (_S.BOOTSTRAPPING, _S.WAITING_FOR_INPUT, _S.TRANSFERRING, _S.SCATTERING, _S.VERIFYING)
 _ASKED = (_S.WAITING_FOR_INPUT, _S.TRANSFERRING)
 _ENDED = (_S.SUCCESS, _S.FAILED)
 
@@ -77,6 +97,29 @@ def last_required_to_verify(s: RoomStep) -> bool:
     return s.room.verify and last_required(s)
 
 
+def last_required_to_scatter(s: RoomStep) -> bool:
+    """This success completes a room whose KV pages landed in its landing lease: scattered first."""
+    return bool(s.room.grants) and last_required(s)
+
+
+def awaiting_landing(s: RoomStep) -> bool:
+    """The room's requests wait for its landing lease (back-pressure: not failed for space)."""
+    return s.room.landing and s.room.grants is None
+
+
+def targets_registered(s: RoomStep) -> bool:
+    """Every target prefill rank is registered (READY): the requests can go once the lease is in."""
+    for t in s.room.targets:
+        rank = s.side.rank(t.key)
+        if rank is None or rank.machine.state is not PrefillRankState.READY:
+            return False
+    return True
+
+
+def verifies(s: RoomStep) -> bool:
+    return s.room.verify
+
+
 # ------------------------------------------------------------------------------------------ effects
 
 
@@ -102,10 +145,20 @@ def count_without_draft(s: RoomStep) -> None:
         s.side.count("rooms_draft_skipped")
 
 
+def record_grants(s: RoomStep) -> None:
+    """The lease the runtime granted (empty: the room is larger than the pool, its requests go
+    grant-less, counted)."""
+    s.room.grants = dict(s.grants or {})
+    if not s.room.grants:
+        s.side.count("landing_fallbacks")
+
+
 def send_requests(s: RoomStep) -> None:
     """Every required rank gets the same request, every dummy the same dummy (which says the prefix
-    too: a replica's scheduler starts where the others do), built once; then the waiting deadline."""
+    too: a replica's scheduler starts where the others do), built once; a rank with a landing grant
+    gets the request with its grant. Then the waiting deadline."""
     r = s.room
+    grants = r.grants or {}
     request = TransferRequest(
         origin=s.side.origin,
         room=r.room,
@@ -131,6 +184,8 @@ def send_requests(s: RoomStep) -> None:
                     prefix_pages=r.prefix_pages,
                 )
             message = dummy
+        elif t.key in grants:
+            message = attrs.evolve(request, landing=grants[t.key])
         r.armed.add(t.key)
         s.side.emit(Send(to=rank.endpoint, message=message))
     s.side.set_deadline(r, s.now + s.side.timeouts.waiting)
@@ -166,6 +221,26 @@ def request_verification(s: RoomStep) -> None:
             left_out=tuple(left_out),
         )
     )
+
+
+def request_scatter(s: RoomStep) -> None:
+    """Every required rank's writes into the landing lease completed: the runtime copies the landed
+    heads into the pages, bounded by ``transfer``."""
+    r = s.room
+    s.side.set_deadline(r, s.now + s.side.timeouts.transfer)
+    grants = r.grants or {}
+    s.side.emit(
+        ScatterLanding(
+            room=r.room,
+            dst_pages=r.dst_pages,
+            prefix_pages=r.prefix_pages,
+            grants=tuple((t.key, grants[t.key]) for t in r.targets if t.key in grants),
+        )
+    )
+
+
+def count_scattered(s: RoomStep) -> None:
+    s.side.count("rooms_landed")
 
 
 def count_verified(s: RoomStep) -> None:
@@ -255,14 +330,31 @@ RECEIVER_ROOM = MachineSpec(
     triggers=ReceiverRoomInput,
     initial=_S.BOOTSTRAPPING,
     edges=(
+        row(_I.TARGETS_READY, _S.BOOTSTRAPPING, None, when=awaiting_landing),  # waits for its lease
         row(
             _I.TARGETS_READY, _S.BOOTSTRAPPING, _S.WAITING_FOR_INPUT, then=[note_draft_skipped, send_requests]
         ),
+        row(
+            _I.LANDING_GRANTED,
+            _S.BOOTSTRAPPING,
+            _S.WAITING_FOR_INPUT,
+            when=targets_registered,
+            then=[record_grants, note_draft_skipped, send_requests],
+        ),
+        row(_I.LANDING_GRANTED, _S.BOOTSTRAPPING, None, then=[record_grants]),  # ranks still registering
+        row(_I.LANDING_GRANTED, _S.FAILED, None),  # failed while it waited: the runtime releases it
         row(_I.SUCCESS, _ENDED, None, then=[count_late]),
         row(_I.SUCCESS, _S.BOOTSTRAPPING, None, then=[count_late]),  # nobody was asked yet
         row(_I.SUCCESS, _ASKED, None, when=not_asked, then=[count_late]),
         row(_I.SUCCESS, _ASKED, None, when=from_dummy, then=[note_dummy_success]),
         row(_I.SUCCESS, _ASKED, None, when=already_succeeded),
+        row(
+            _I.SUCCESS,
+            _ASKED,
+            _S.SCATTERING,
+            when=last_required_to_scatter,
+            then=[record_success, request_scatter],
+        ),
         row(
             _I.SUCCESS,
             _ASKED,
@@ -279,7 +371,7 @@ RECEIVER_ROOM = MachineSpec(
         ),
         row(_I.SUCCESS, _S.WAITING_FOR_INPUT, _S.TRANSFERRING, then=[record_success, arm_transfer_deadline]),
         row(_I.SUCCESS, _S.TRANSFERRING, None, then=[record_success]),
-        row(_I.SUCCESS, _S.VERIFYING, None, then=[count_late]),  # every required rank reported already
+        row(_I.SUCCESS, (_S.SCATTERING, _S.VERIFYING), None, then=[count_late]),  # every rank reported
         row(_I.FAILED, _ENDED, None, then=[count_late]),
         row(_I.FAILED, _LIVE, None, when=not_asked, then=[count_late]),
         row(_I.FAILED, _LIVE, _S.FAILED, then=[fail_room]),
@@ -295,6 +387,22 @@ RECEIVER_ROOM = MachineSpec(
         row(_I.VERIFIED, _S.FAILED, None),  # the room failed while it was checked (an abort)
         row(_I.CORRUPT, _S.VERIFYING, _S.FAILED, then=[record_mismatch, fail_room]),
         row(_I.CORRUPT, _S.FAILED, None),
+        row(
+            _I.SCATTERED,
+            _S.SCATTERING,
+            _S.VERIFYING,
+            when=verifies,
+            then=[count_scattered, request_verification],
+        ),
+        row(
+            _I.SCATTERED,
+            _S.SCATTERING,
+            _S.SUCCESS,
+            then=[count_scattered, finish_success, count_without_draft],
+        ),
+        row(_I.SCATTERED, _S.FAILED, None),  # the room failed while it was scattered (an abort)
+        row(_I.SCATTER_FAILED, _S.SCATTERING, _S.FAILED, then=[fail_room]),
+        row(_I.SCATTER_FAILED, _S.FAILED, None),
     ),
 )
 

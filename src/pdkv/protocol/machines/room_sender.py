@@ -25,7 +25,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from pdkv.mapping._arrays import summarize
-from pdkv.mapping.layout import BufferKind
+from pdkv.mapping.landing import grant_problem
+from pdkv.mapping.layout import BufferKind, BufferLayout
 from pdkv.protocol import arguments
 from pdkv.protocol.effects import (
     DecodePeer,
@@ -93,8 +94,18 @@ def request_invalid(s: RoomStep) -> bool:
     assert s.request is not None and s.sender is not None
     peer = s.side.registered(s.sender)
     assert peer is not None  # the endpoint routes requests of registered ranks only
-    s.problem = _destination_problem(s.request, peer, s.room)
+    s.problem = _destination_problem(s.request, peer, s.room) or _grant_problem(
+        s.request, peer, s.side.layout
+    )
     return s.problem is not None
+
+
+def _grant_problem(msg: TransferRequest, peer: DecodePeer, layout: BufferLayout) -> str | None:
+    """A landing grant (decode TP below prefill TP) is checked like pages (``mapping.landing``)."""
+    grant = msg.landing
+    if grant is None:
+        return None
+    return grant_problem(peer.layout, layout, address=grant.address, nbytes=grant.nbytes, slots=grant.slots)
 
 
 def requests_disagree(s: RoomStep) -> bool:

@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 
 def _decode_rank(args: _RankArgs, conn: Connection) -> None:
     from pdkv.runtime.decode import DecodeConfig, DecodeTransport
+    from pdkv.runtime.landing import LandingConfig
 
     spec = args.spec
     cap = spec.decode_capacity
@@ -54,6 +55,7 @@ def _decode_rank(args: _RankArgs, conn: Connection) -> None:
         timeouts=spec.timeouts,
         kv_checksum=spec.kv_checksum,
         layout_policy=spec.decode_layout_policy,
+        landing=spec.landing or LandingConfig(),
     )
     transport = DecodeTransport(config, backend, channel_factory=wiring.channel_factory)
     name = f"decode tp{args.tp}"
@@ -168,6 +170,7 @@ def _decode_rank(args: _RankArgs, conn: Connection) -> None:
                     unsafe_canary_violations += 1
             pages.free(dst)
         stats = transport.statistics()
+        landing = transport.landing.statistics()
         cpu = cpu_since(cpu_at_start)
         conn.send(
             RankFinal(
@@ -189,6 +192,8 @@ def _decode_rank(args: _RankArgs, conn: Connection) -> None:
                     quarantines_proven=stats.endpoint.quarantines_proven,
                     rooms_verified=stats.endpoint.rooms_verified,
                     checksum_failures=stats.endpoint.checksum_failures,
+                    rooms_landed=stats.endpoint.rooms_landed,
+                    landing_leased_at_end=landing.in_use_bytes + landing.waiting,
                     faults=wiring.fault_counts(),
                     pages_in_use=(pages.total_pages - pages.free_pages)
                     + (state_slots.total_pages - state_slots.free_pages)

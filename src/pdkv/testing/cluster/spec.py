@@ -24,6 +24,7 @@ from pdkv.mapping import (
 from pdkv.protocol.config import Timeouts
 from pdkv.protocol.ids import RoomId
 from pdkv.protocol.messages import Side
+from pdkv.runtime.landing import LandingConfig
 from pdkv.runtime.staging import StagingConfig
 from pdkv.testing.faults import (
     FaultCounts,
@@ -91,6 +92,10 @@ class ClusterSpec:
     staging: StagingConfig | None = None
     """Each prefill rank's executor gathers scattered writes (MHA/GQA head slices towards a decode rank
     of a higher TP) into a staging pool of this shape (``pdkv.runtime.staging``); None: no pool."""
+    landing: LandingConfig | None = None
+    """Each decode rank's landing pool (MHA/GQA heads from prefill ranks of a larger TP land whole and
+    are scattered into the pages, ``pdkv.runtime.landing``); None: ``DecodeConfig``'s default pool;
+    ``capacity_bytes=0``: off (the head slices are written into the pages one by one)."""
     netns: NetnsLayout | None = None
     """Run prefill ranks (and the registry) in one network namespace and decode ranks in another,
     joined by a veth pair, so a test can partition them (``NetnsLayout.partition``)."""
@@ -239,6 +244,11 @@ class RankReport:
     """Prefill: writes its staging pool gathered (``ClusterSpec.staging``); 0 without a pool."""
     staging_leased_at_end: int = 0
     """Prefill: staging bytes still leased or quarantined at its final report (must be 0)."""
+    rooms_landed: int = 0
+    """Decode: rooms whose KV landed in its landing pool and was scattered before Success."""
+    landing_leased_at_end: int = 0
+    """Decode: landing bytes still leased (or rooms still waiting for a lease) at its final report
+    (must be 0)."""
     cpu_s: dict[str, float] = attrs.Factory(dict)
     """CPU seconds from the end of the rank's start-up to its final report, by thread group
     (``_rank.thread_cpu``)."""
