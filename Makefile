@@ -79,7 +79,7 @@ lint-imports: venv
 pytest: venv $(SGLANG) $(VLLM_STAMPS)
 	$(PY) -m pytest
 
-test: typecheck lint-imports $(SGLANG) $(VLLM_STAMPS)
+test: typecheck lint-imports lint $(SGLANG) $(VLLM_STAMPS)
 	$(PY) -m pytest
 
 bench: venv $(SGLANG)
@@ -93,3 +93,4 @@ clean:
 
 lint: venv
 	$(VENV)/bin/ruff check src tests
+	$(VENV)/bin/ruff format --check src tests

@@ -96,11 +96,18 @@ def test_edges_carry_guard_and_effects() -> None:
     """A row's edge reads ``input [guard] / effects`` with the names of the functions that run."""
     by_name = {spec.name: spec for spec in ALL_MACHINES}
     sender = render(by_name["SenderRoom"], "mermaid")
-    assert "  TRANSFERRING --> SUCCESS: chunk_done<br/>[complete]<br/>/ account, succeed, after_write\n" in sender
-    assert "  TRANSFERRING --> COMPLETING: chunk_done<br/>[layers_still_writing]<br/>/ account, drop_layers" in sender
+    assert (
+        "  TRANSFERRING --> SUCCESS: chunk_done<br/>[complete]<br/>/ account, succeed, after_write\n"
+        in sender
+    )
+    assert (
+        "  TRANSFERRING --> COMPLETING: chunk_done<br/>[layers_still_writing]<br/>/ account, drop_layers"
+        in sender
+    )
     prefill_abort = render(by_name["PrefillAbort"], "graphviz")
     assert (
-        '  DRAINING -> ACKED [label="writes_ended\\l/ answer_every_asker, forget_if_idle\\l"];' in prefill_abort
+        '  DRAINING -> ACKED [label="writes_ended\\l/ answer_every_asker, forget_if_idle\\l"];'
+        in prefill_abort
     )
 
 

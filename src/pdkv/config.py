@@ -136,10 +136,7 @@ def instance_of(*types: type) -> Callable[[object, attrs.Attribute[Any], object]
     names = " or ".join(t.__name__ for t in types)
 
     def check(_: object, attribute: attrs.Attribute[Any], value: object) -> None:
-        if isinstance(value, bool) and bool not in types:
-            ok = False
-        else:
-            ok = isinstance(value, types)
+        ok = not (isinstance(value, bool) and bool not in types) and isinstance(value, types)
         if not ok:
             raise ConfigError(f"{attribute.name} must be {names}, got {type(value).__name__} {value!r:.60}")
 

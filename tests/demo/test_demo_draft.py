@@ -19,8 +19,14 @@ PLANS = [RequestPlan(room=RoomId(r), tokens=32, chunk_tokens=(32,)) for r in (1,
 
 def outcome(room: int, skipped: str) -> RoomOutcome:
     return RoomOutcome(
-        room=room, side="decode", rank="decode tp0", poll=int(KVPoll.Success), failure="", seconds=0.1,
-        bytes_checked=64, draft_skipped=skipped,
+        room=room,
+        side="decode",
+        rank="decode tp0",
+        poll=int(KVPoll.Success),
+        failure="",
+        seconds=0.1,
+        bytes_checked=64,
+        draft_skipped=skipped,
     )
 
 
@@ -42,8 +48,19 @@ def test_a_rolling_deployment_must_report_the_draft_state_each_room_missed() -> 
 @pytest.mark.slow
 def test_the_demo_serves_a_decode_without_draft_state(tmp_path: Path) -> None:
     demo = run(
-        ["demo", "--decode-without-draft-state", "--rooms", "4", "--cp", "1", "--aborts", "0", "--json",
-         "--log-dir", str(tmp_path)],
+        [
+            "demo",
+            "--decode-without-draft-state",
+            "--rooms",
+            "4",
+            "--cp",
+            "1",
+            "--aborts",
+            "0",
+            "--json",
+            "--log-dir",
+            str(tmp_path),
+        ],
         timeout=240,
     )
     assert demo.returncode == 0, demo.stderr[-3000:]

@@ -85,7 +85,9 @@ def test_cut_ends_only_the_named_port_connections_and_their_readers_see_an_abort
 
 
 @needs_cut
-def test_a_cut_is_no_proof_while_the_owner_can_still_read_queued_bytes(listeners: list[socket.socket]) -> None:
+def test_a_cut_is_no_proof_while_the_owner_can_still_read_queued_bytes(
+    listeners: list[socket.socket],
+) -> None:
     # Seams issue, item 4: a destroyed socket leaves the kernel's table at once, but the bytes in its
     # receive queue stay readable by the owner. The cut used to "prove" itself there; the owner then
     # read every queued byte (the engine would have copied them into pages released as proven).
@@ -99,7 +101,7 @@ def test_a_cut_is_no_proof_while_the_owner_can_still_read_queued_bytes(listeners
             if _rqueue_of(accepted) >= 65536:
                 break
             pause.wait(0.01)
-        with pytest.raises(TransferError, match="still open in this process .* may still be read"):
+        with pytest.raises(TransferError, match=r"still open in this process .* may still be read"):
             sockets.cut_connections({"127.0.0.1"}, {_port(v4)}, timeout_s=0.3)
         assert sockets.connections_from({"127.0.0.1"}, {_port(v4)}) == []  # gone from the table ...
         accepted.setblocking(False)

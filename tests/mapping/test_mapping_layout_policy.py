@@ -41,8 +41,13 @@ ITEMS = 8
 Groups = Mapping[tuple[ModelRole, BufferKind], list[int]]
 
 
-def build(groups: Groups, *, item_bytes: Mapping[tuple[ModelRole, BufferKind], int] | None = None,
-          base: int = 1 << 20, page_size: int = 16) -> BufferLayout:
+def build(
+    groups: Groups,
+    *,
+    item_bytes: Mapping[tuple[ModelRole, BufferKind], int] | None = None,
+    base: int = 1 << 20,
+    page_size: int = 16,
+) -> BufferLayout:
     """An MLA layout with the given layer ids per (model, kind), buffers laid out one after another."""
     sizes = item_bytes or {}
     specs: list[BufferSpec] = []
@@ -51,8 +56,14 @@ def build(groups: Groups, *, item_bytes: Mapping[tuple[ModelRole, BufferKind], i
         item = sizes.get((model, kind), 64 if kind is KV else 32)
         for layer in layers:
             specs.append(
-                BufferSpec(kind=kind, model=model, layer_id=layer, base_ptr=address, length=ITEMS * item,
-                           item_bytes=item)
+                BufferSpec(
+                    kind=kind,
+                    model=model,
+                    layer_id=layer,
+                    base_ptr=address,
+                    length=ITEMS * item,
+                    item_bytes=item,
+                )
             )
             address += ITEMS * item
     return BufferLayout.build(attention=AttentionKind.MLA, page_size=page_size, buffers=specs)
@@ -67,8 +78,9 @@ layer_lists = st.lists(st.integers(0, 9), max_size=4, unique=True).map(sorted)
 
 @st.composite
 def target_groups(draw: st.DrawFn) -> dict[tuple[ModelRole, BufferKind], list[int]]:
-    groups: dict[tuple[ModelRole, BufferKind], list[int]] = {(T, KV): sorted(draw(
-        st.lists(st.integers(0, 9), min_size=1, max_size=4, unique=True)))}
+    groups: dict[tuple[ModelRole, BufferKind], list[int]] = {
+        (T, KV): sorted(draw(st.lists(st.integers(0, 9), min_size=1, max_size=4, unique=True)))
+    }
     for kind in STATE_KINDS:
         groups[(T, kind)] = draw(layer_lists)
     groups[(T, AUX)] = [0]
@@ -96,8 +108,12 @@ def rollout_pairs(draw: st.DrawFn) -> tuple[Groups, Groups, dict[BufferKind, tup
 
 
 def draft_keys(tails: Mapping[BufferKind, tuple[list[int], list[int]]], side: int) -> tuple[BufferKey, ...]:
-    out = [BufferKey(model=D, kind=kind, layer_id=layer) for kind in BufferKind if kind in tails
-           for layer in tails[kind][side]]
+    out = [
+        BufferKey(model=D, kind=kind, layer_id=layer)
+        for kind in BufferKind
+        if kind in tails
+        for layer in tails[kind][side]
+    ]
     return tuple(out)
 
 

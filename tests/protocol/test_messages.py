@@ -341,7 +341,9 @@ def test_register_ack_names_each_left_out_buffer_once() -> None:
     ack = RegisterAck(origin=ORIGIN, decode_left_out=[key])
     assert ack.decode_left_out == (key,) and ack.prefill_left_out == () and ack.leaves_out
     assert not RegisterAck(origin=ORIGIN).leaves_out
-    with pytest.raises(ValueError, match=r"prefill_left_out lists a buffer twice: \[draft swa layer 3, draft swa"):
+    with pytest.raises(
+        ValueError, match=r"prefill_left_out lists a buffer twice: \[draft swa layer 3, draft swa"
+    ):
         RegisterAck(origin=ORIGIN, prefill_left_out=[key, key])
     with pytest.raises(TypeError, match="decode_left_out holds BufferKey, got tuple"):
         RegisterAck(origin=ORIGIN, decode_left_out=[("draft", "swa", 3)])  # type: ignore[list-item]  # on purpose

@@ -69,7 +69,11 @@ DECODE_GOOD = {k: v for k, v in GOOD.items() if k != "registry"}
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [(f, v) for f, v in PREFILL_ROWS if f in ("tp_size", "instance", "rank", "layout", "host", "timeouts", "epoch")],
+    [
+        (f, v)
+        for f, v in PREFILL_ROWS
+        if f in ("tp_size", "instance", "rank", "layout", "host", "timeouts", "epoch")
+    ],
 )
 def test_a_bad_decode_config_field_is_a_config_error_naming_it(field: str, value: object) -> None:
     with pytest.raises(ConfigError, match=field):

@@ -184,8 +184,9 @@ def expected_bytes(spec: ModelSpec, pages: int, slots: int) -> int:
     return kv + state + spec.aux_item_bytes
 
 
-@pytest.mark.parametrize(("prefill", "decode"), [(WITH_DRAFT_STATE, WITHOUT_DRAFT_STATE),
-                                                 (WITHOUT_DRAFT_STATE, WITH_DRAFT_STATE)])
+@pytest.mark.parametrize(
+    ("prefill", "decode"), [(WITH_DRAFT_STATE, WITHOUT_DRAFT_STATE), (WITHOUT_DRAFT_STATE, WITH_DRAFT_STATE)]
+)
 @pytest.mark.parametrize("cp", [1, 2])
 def test_draft_state_only_one_side_registers_is_left_out(
     prefill: ModelSpec, decode: ModelSpec, cp: int
@@ -194,8 +195,14 @@ def test_draft_state_only_one_side_registers_is_left_out(
     and the prefill lacks stay zero; the bytes planned are those of the buffers both sides have."""
     planned: list[int] = []
     checked, mismatches = run_request(
-        prefill, cp=cp, tokens=100, prefix_tokens=16, chunk_tokens=[32, 52], seed=3,
-        decode_spec=decode, planned_bytes=planned,
+        prefill,
+        cp=cp,
+        tokens=100,
+        prefix_tokens=16,
+        chunk_tokens=[32, 52],
+        seed=3,
+        decode_spec=decode,
+        planned_bytes=planned,
     )
     assert mismatches == [] and checked > 0
     assert sum(planned) == expected_bytes(WITHOUT_DRAFT_STATE, pages=7 - 1, slots=2)
@@ -208,9 +215,15 @@ def test_the_left_out_check_catches_a_write_into_a_draft_buffer() -> None:
     key = (ModelRole.DRAFT, BufferKind.INDEX_K, 0)
     decode.view(key)[7] = 1
     _, mismatches = verify_room(
-        decode, logical_ids=np.zeros(0, dtype=np.int64), dst_pages=np.zeros(0, dtype=np.int64),
-        prefix_pages=0, state_src={}, state_dst={BufferKind.INDEX_K: np.array([7])}, aux_src=None,
-        aux_dst=None, left_out=[key],
+        decode,
+        logical_ids=np.zeros(0, dtype=np.int64),
+        dst_pages=np.zeros(0, dtype=np.int64),
+        prefix_pages=0,
+        state_src={},
+        state_dst={BufferKind.INDEX_K: np.array([7])},
+        aux_src=None,
+        aux_dst=None,
+        left_out=[key],
     )
     assert [m.what for m in mismatches] == ["draft/index_k/L0 left out, written at"]
 

@@ -41,7 +41,6 @@ DRAFT_STATE = tuple(
 )
 
 
-
 def draft_state_keys(memory: RankMemory) -> list[tuple[ModelRole, BufferKind, int]]:
     return [k for k in memory.tensors if k[0] is ModelRole.DRAFT and k[1].is_state]
 
@@ -146,10 +145,15 @@ def test_the_absence_check_fails_when_draft_state_is_written(rig_factory: Callab
     memory = rig.decode_memory[0]
     assert all(memory.view(key)[r.dst_slots].any() for key in draft_state_keys(memory))
     _, mismatches = verify_room(
-        memory, logical_ids=r.logical, dst_pages=r.dst, prefix_pages=1,
+        memory,
+        logical_ids=r.logical,
+        dst_pages=r.dst,
+        prefix_pages=1,
         state_src={k: r.src_slots for k in WITH_DRAFT_STATE.state_kinds},
         state_dst={k: r.dst_slots for k in WITH_DRAFT_STATE.state_kinds},
-        aux_src=2, aux_dst=r.dst_aux, left_out=draft_state_keys(memory),
+        aux_src=2,
+        aux_dst=r.dst_aux,
+        left_out=draft_state_keys(memory),
     )
     assert mismatches and all("left out, written at" in m.what for m in mismatches)
 

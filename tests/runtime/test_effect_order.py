@@ -81,7 +81,11 @@ def test_a_socket_is_dropped_before_the_messages_emitted_after_it_are_sent() -> 
         wait_for(lambda: sum(1 for call in channel.calls if call[0] == "send RegisterAck") == 2)
         with channel._lock:
             calls = [call for call in channel.calls if call[1] == DECODE_EP]
-        assert calls == [("send RegisterAck", DECODE_EP), ("forget", DECODE_EP), ("send RegisterAck", DECODE_EP)]
+        assert calls == [
+            ("send RegisterAck", DECODE_EP),
+            ("forget", DECODE_EP),
+            ("send RegisterAck", DECODE_EP),
+        ]
     finally:
         transport.close(timeout_s=5)
         backend.close()

@@ -599,7 +599,9 @@ def test_layers_and_resident_pages_are_exactly_the_monolithic_plan(
 
 
 def always(destination: Destination) -> LayerDestinationsOf:
-    def ruling(room: RoomId, pages: np.ndarray, start_token: int, *, first: bool = False) -> tuple[Destination]:
+    def ruling(
+        room: RoomId, pages: np.ndarray, start_token: int, *, first: bool = False
+    ) -> tuple[Destination]:
         return (destination,)
 
     return ruling

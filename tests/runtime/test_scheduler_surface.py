@@ -233,7 +233,9 @@ def test_every_duration_argument_is_checked_before_anything_changes(
         ("timeout_s", lambda: s.decode.wait_progress(0, bad)),  # type: ignore[arg-type]  # the same
     ]
     for argument, call in calls:
-        with pytest.raises(InvalidArgumentError, match=f"{argument} must be a finite number of seconds") as info:
+        with pytest.raises(
+            InvalidArgumentError, match=f"{argument} must be a finite number of seconds"
+        ) as info:
             call()
         assert info.value.argument == argument
     sender, receiver = _ready_room(s, prefill, ROOM, 2)  # nothing was closed or broken by them
@@ -241,7 +243,9 @@ def test_every_duration_argument_is_checked_before_anything_changes(
     wait_for(lambda: receiver.poll() is KVPoll.Success)
 
 
-@pytest.mark.parametrize("registry", ["not a url", 8998, "tcp://127.0.0.1", "tcp://127.0.0.1:0", "http://h:1"])
+@pytest.mark.parametrize(
+    "registry", ["not a url", 8998, "tcp://127.0.0.1", "tcp://127.0.0.1:0", "http://h:1"]
+)
 def test_a_registry_that_is_not_an_address_is_refused_at_once(
     rig_factory: Callable[..., Rig], registry: object
 ) -> None:

@@ -1,4 +1,5 @@
-"""Checksum kernel: per-(buffer, page) checksums of one request on a device (CPU or CUDA), against a gather copy.
+"""Checksum kernel: per-(buffer, page) checksums of one request on a device (CPU or CUDA), against a
+gather copy.
 
 The request of issue 15 by default: ``--layers`` 61 MLA layers (one buffer each) of ``--pages`` 128
 pages of 64 tokens x 1,152 B (576 MB), ``--run-fraction`` of the pages in runs, the rest scattered

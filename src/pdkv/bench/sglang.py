@@ -58,8 +58,8 @@ import numpy as np
 from pdkv.bench._report import emit, table
 from pdkv.bench._sglang_ranks import (
     AUX_ROWS,
-    PAGE_BYTES,
     BACKEND_NAMES,
+    PAGE_BYTES,
     Arm,
     Case,
     Check,

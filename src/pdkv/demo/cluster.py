@@ -572,8 +572,8 @@ def _print_table(summary: Summary, rows: list[dict[str, object]], *, startup_s: 
     print(f"abort safety        {s.canary_violations} canary violations, {s.unsafe_releases} unsafe releases")
     if s.checksums:
         print(
-            f"checksums           {s.rooms_verified} of {s.decode_successes} decode Successes verified first, "
-            f"{s.checksum_failures} checksum failures"
+            f"checksums           {s.rooms_verified} of {s.decode_successes} decode Successes verified "
+            f"first, {s.checksum_failures} checksum failures"
         )
     if s.staged_writes or s.rooms_landed or s.leased_at_end:
         print(

@@ -17,8 +17,9 @@ with the machine otherwise idle (1.6-1.9 ms at the 90th percentile) and about 1.
 in flight, all of it spun through by the waiting thread: about a quarter of the prefill's CPU per
 room in ``pdkv bench control``. Their expected time is the lane's floor: the shortest recent time of
 a small piece launched on an idle lane (a decaying minimum). On an idle lane that floor is under
-``min_sleep_s`` and nothing changes; under load it is not, and the waits sleep first. A small piece launched while another was in flight is
-not slept for (the engine may be running both at once) and teaches nothing. A piece slept for may
+``min_sleep_s`` and nothing changes; under load it is not, and the waits sleep first. A small piece
+launched while another was in flight is not slept for (the engine may be running both at once) and
+teaches nothing. A piece slept for may
 have ended during the sleep, so its time only bounds the floor from above: it can lower the floor,
 never raise it (if it could, each wake-up later than the piece's end would raise the floor a little
 more, and the sleeps with it).

@@ -3,12 +3,12 @@
 Owns: ``LoopbackBackend``, ``LoopbackFabric`` (the registry that maps session ids to live loopback
 backends: one per process by default, or an explicit one shared by the backends of a test) and
 ``LoopbackFaults`` (fail the Nth batch, delay batches, fail only some peers, and damage the bytes a
-write landed: ``Corruption``, what a checksum must catch while the engine reports success). Must not pretend to be
-faster or more forgiving than a real engine: completion is asynchronous on worker threads (a delayed
-batch is really still in flight), the destination is checked against the peer's registrations as a
-real peer would, and more than ``max_entries_in_flight`` entries towards one peer fail the batch,
-as Mooncake's TCP lane does, so the splitting in ``pdkv.engine._threaded`` is exercised for real.
-Copies run on a small pool (``worker_threads``), so delayed batches overlap as a real engine's do.
+write landed: ``Corruption``, what a checksum must catch while the engine reports success). Must not
+pretend to be faster or more forgiving than a real engine: completion is asynchronous on worker threads
+(a delayed batch is really still in flight), the destination is checked against the peer's registrations
+as a real peer would, and more than ``max_entries_in_flight`` entries towards one peer fail the batch,
+as Mooncake's TCP lane does, so the splitting in ``pdkv.engine._threaded`` is exercised for real. Copies
+run on a small pool (``worker_threads``), so delayed batches overlap as a real engine's do.
 
 Memory safety is the caller's: the destination check and the copy are not atomic with respect to
 the peer unregistering (and freeing) memory, exactly the rule every backend states (never

@@ -92,12 +92,16 @@ _MAX = 2**63 - 1  # addresses and sizes are signed 64-bit on the wire and in num
 
 def _non_negative(_: object, attribute: attrs.Attribute[int], value: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= _MAX:
-        raise LayoutError(f"{attribute.name} must be an int in [0, 2**63), got {value!r}", field=attribute.name)
+        raise LayoutError(
+            f"{attribute.name} must be an int in [0, 2**63), got {value!r}", field=attribute.name
+        )
 
 
 def _positive(_: object, attribute: attrs.Attribute[int], value: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= _MAX:
-        raise LayoutError(f"{attribute.name} must be an int in [1, 2**63), got {value!r}", field=attribute.name)
+        raise LayoutError(
+            f"{attribute.name} must be an int in [1, 2**63), got {value!r}", field=attribute.name
+        )
 
 
 @attrs.frozen(kw_only=True)
@@ -206,8 +210,12 @@ class BufferLayout:
     def __attrs_post_init__(self) -> None:
         keys = [(b.model, b.kind, b.layer_id) for b in self.buffers]
         if len(set(keys)) != len(keys):
-            twice = sorted({f"{m.value} {k.value} layer {i}" for m, k, i in keys if keys.count((m, k, i)) > 1})
-            raise LayoutError(f"a layout lists the same (model, kind, layer) twice: {', '.join(twice)}", field="buffers")
+            twice = sorted(
+                {f"{m.value} {k.value} layer {i}" for m, k, i in keys if keys.count((m, k, i)) > 1}
+            )
+            raise LayoutError(
+                f"a layout lists the same (model, kind, layer) twice: {', '.join(twice)}", field="buffers"
+            )
         if keys != sorted(keys, key=_canonical_key):
             raise LayoutError("buffers must be in canonical order (use BufferLayout.build)", field="buffers")
         for b in self.buffers:
@@ -411,7 +419,9 @@ def _check_tensor(name: str, kind: BufferKind, t: LayoutTensor, item_bytes: int,
     if length == 0:
         raise LayoutError(f"{name}: the tensor (shape {shape}) holds no bytes", field="tensors")
     if isinstance(item_bytes, bool) or not isinstance(item_bytes, int) or item_bytes <= 0:
-        raise LayoutError(f"{name}: item_bytes must be a positive int, got {item_bytes!r}", field="item_bytes")
+        raise LayoutError(
+            f"{name}: item_bytes must be a positive int, got {item_bytes!r}", field="item_bytes"
+        )
     if length % item_bytes:
         raise LayoutError(
             f"{name}: the tensor holds {length} bytes (shape {shape} x {t.element_size()} B), not a whole "

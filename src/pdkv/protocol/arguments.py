@@ -58,7 +58,12 @@ def seconds(value: object, *, argument: str, positive: bool = False) -> float:
     )
     if bad:
         bound = "> 0" if positive else ">= 0"
-        raise _bad(f"{argument} must be a finite number of seconds {bound}, got {describe(value)}", None, argument, value)
+        raise _bad(
+            f"{argument} must be a finite number of seconds {bound}, got {describe(value)}",
+            None,
+            argument,
+            value,
+        )
     return float(value)  # type: ignore[arg-type]  # checked above: a real number
 
 

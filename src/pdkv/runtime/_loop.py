@@ -2,17 +2,18 @@
 
 Owns: ``ControlLoop`` (receive -> endpoint, outbox -> sockets, deadlines -> ``tick``) and the
 ``MessageChannel`` protocol it drives (implemented by ``pdkv.control``). Messages leave through the
-outbox, in the order posted; so does a peer's socket being dropped (``post_forget``): a message
-posted after it goes out on a fresh socket, one posted before it on the old one (dropped with it). A thread that posts inside ``sending()`` (the transports wrap their
-locked sections in it) sends what it posted itself when the block ends, after its locks are
-released, if the loop is waiting then: one hand-off less on the latency of a status or a request.
-When the loop is busy (it will flush soon, and what piles up meanwhile leaves in fewer frame sets),
-when a flush is already under way on another thread, or outside ``sending()``, the loop is woken to
-send instead. Sends never block (the channel drops what a full peer queue cannot take), so a slow or
-dead peer can delay no thread. Messages posted for one peer between two flushes leave together when
-the channel can send several in one frame set (``SendsMany``). The loop never dies on an exception
-from a handler: it logs it with the traceback and goes on (a handler bug must not wedge every room
-of the rank), and one message whose handler failed never costs the other messages received with it.
+outbox, in the order posted; so does a peer's socket being dropped (``post_forget``): a message posted
+after it goes out on a fresh socket, one posted before it on the old one (dropped with it). A thread
+that posts inside ``sending()`` (the transports wrap their locked sections in it) sends what it posted
+itself when the block ends, after its locks are released, if the loop is waiting then: one hand-off less
+on the latency of a status or a request. When the loop is busy (it will flush soon, and what piles up
+meanwhile leaves in fewer frame sets), when a flush is already under way on another thread, or outside
+``sending()``, the loop is woken to send instead. Sends never block (the channel drops what a full peer
+queue cannot take), so a slow or dead peer can delay no thread. Messages posted for one peer between two
+flushes leave together when the channel can send several in one frame set (``SendsMany``). The loop
+never dies on an exception from a handler: it logs it with the traceback and goes on (a handler bug must
+not wedge every room of the rank), and one message whose handler failed never costs the other messages
+received with it.
 """
 
 from __future__ import annotations

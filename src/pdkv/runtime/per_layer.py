@@ -163,6 +163,7 @@ ReadyWait: TypeAlias = Callable[[], object] | SupportsSynchronize
 """What ``on_layer_end`` waits on before submitting a layer: a callable (``threading.Event.wait``) or a
 device event. CPU callers pass nothing: the write is complete when ``on_layer_end`` is called."""
 
+
 class LayerDestinationsOf(Protocol):
     """The endpoint's ruling on a chunk registered for per-layer transfer (called with ``guard`` held):
     its destinations, or why it goes monolithic (``PrefillEndpoint.layer_destinations``). ``first``:
@@ -171,6 +172,7 @@ class LayerDestinationsOf(Protocol):
     def __call__(
         self, room: RoomId, pages: np.ndarray, start_token: int, *, first: bool = False
     ) -> tuple[Destination, ...] | str: ...
+
 
 WritesStarted: TypeAlias = Callable[[RoomId, int], bool]
 """Before a context's first write: may the room still be written? (takes ``guard``)"""

@@ -132,7 +132,8 @@ def _ownership_policy(_: object, attribute: attrs.Attribute[Any], value: Any) ->
         getattr(value, "cp_size", None), int
     ):
         raise ConfigError(
-            f"{attribute.name} must be an OwnershipPolicy (PageInterleaved, BlockCyclic ...), got {value!r:.60}"
+            f"{attribute.name} must be an OwnershipPolicy (PageInterleaved, BlockCyclic ...), "
+            f"got {value!r:.60}"
         )
 
 

@@ -361,8 +361,11 @@ def verify_room(
         got = memory.view(key)[rows]
         checked += got.nbytes
         mismatches += [
-            Mismatch(what=f"{model.value}/{kind.value}/L{layer} left out, written at", index=int(i),
-                     expected_zero=True)
+            Mismatch(
+                what=f"{model.value}/{kind.value}/L{layer} left out, written at",
+                index=int(i),
+                expected_zero=True,
+            )
             for i in np.flatnonzero(got.any(axis=1))[:limit]
         ]
     for key in spec.kv_keys():

@@ -221,7 +221,11 @@ DECODE_RANK = MachineSpec(
     edges=(
         row(_I.REGISTER, tuple(DecodeRankState), None, when=older_epoch, then=[count_stale]),
         row(
-            _I.REGISTER, tuple(DecodeRankState), _S.REJECTED, when=registration_refused, then=[refuse_registration]
+            _I.REGISTER,
+            tuple(DecodeRankState),
+            _S.REJECTED,
+            when=registration_refused,
+            then=[refuse_registration],
         ),
         row(_I.REGISTER, _S.DRAINING, None, then=[register_peer]),  # the ack stays held
         row(
