@@ -14,6 +14,7 @@ import attrs
 import numpy as np
 import pytest
 
+from pdkv.engine.loopback import LoopbackFaults
 from pdkv.mapping import AttentionKind
 from pdkv.metrics import TransportCounter, TransportGauge
 from pdkv.protocol.ids import RoomId
@@ -205,6 +206,33 @@ def test_abort_mid_room_releases_the_lease_after_the_acks(rig_factory: Callable[
     again.send()
     again.wait_success()
     assert again.mismatches() == []
+
+
+def test_an_engine_failure_fails_the_room_and_the_lease_comes_back_with_its_pages(
+    rig_factory: Callable[..., Rig],
+) -> None:
+    """Every prefill rank's first batch fails (half of its blocks landed first, as a real engine may):
+    the room fails on every decode rank without a scatter, and its lease returns only with its pages."""
+    rig = landing_rig(rig_factory, HEADS8, 4, 2, faults=LoopbackFaults(fail_batches={1}))
+    request = Request(rig, 10)
+    wait_for(lambda: all(s.poll() is KVPoll.WaitingForInput for s in request.senders))
+    state = [StateIndices(kind=k, indices=request.src_slots) for k in rig.spec.state_kinds]
+    for sender in request.senders:  # one chunk: nothing is sent after the failure
+        sender.send(
+            request.logical[PREFIX:], start_token=PREFIX * rig.spec.page_size, last=True, state_indices=state
+        )
+    wait_for(lambda: all(r.poll() is KVPoll.Failed for r in request.receivers))
+    for r in request.receivers:
+        wait_for(r.release_ready)
+        assert r.release_was_safe()
+    assert all(p.statistics().scatters == 0 and p.statistics().in_use_bytes == 0 for p in pools(rig))
+    assert all(d.metrics.value(TransportCounter.ROOMS_LANDED) == 0 for d in rig.decodes)
+    request.clear()
+    again = Request(rig, 11)  # the faults were for the first batches only: the pool serves it
+    again.send()
+    again.wait_success()
+    assert again.mismatches() == []
+    assert all(p.statistics().leases == 2 and p.statistics().scatters == 1 for p in pools(rig))
 
 
 def test_a_pool_smaller_than_two_rooms_makes_the_second_wait(rig_factory: Callable[..., Rig]) -> None:
