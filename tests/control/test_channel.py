@@ -449,6 +449,10 @@ def test_close_drops_queued_messages_unless_asked_to_flush(make_channel: MakeCha
     dropping.send(f"tcp://127.0.0.1:{dropped_port}", heartbeat(2))
     flushing.close(flush_s=10.0)
     dropping.close()
+    # zmq carries out a close on its I/O thread after close() returned; a peer that binds within that
+    # moment may still get the message (seen once in a full run on a loaded machine). What the test
+    # shows is the default against flush_s: queued messages are not sent on after the close.
+    time.sleep(0.5)
     late_flushed, late_dropped = make_channel(port=flushed_port), make_channel(port=dropped_port)
     assert late_flushed.recv(10.0) == heartbeat(1)
     assert late_dropped.recv(0.5) is None
