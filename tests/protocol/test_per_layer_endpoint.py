@@ -8,9 +8,21 @@ import numpy as np
 import pytest
 
 from pdkv.errors import MappingError
+from pdkv.mapping import LayerKey, ModelRole
 from pdkv.protocol.config import Timeouts
-from pdkv.protocol.effects import ChunkSpec, DropLayers, FenceWrite, SubmitChunk, SubmitFence
+from pdkv.protocol.effects import (
+    ChunkSpec,
+    DropLayers,
+    FenceWrite,
+    PeerKey,
+    PrefillEffect,
+    SubmitChunk,
+    SubmitFence,
+)
 from pdkv.protocol.ids import Epoch, RoomId, SessionId
+from pdkv.protocol.layers import LayerContext, Verdict
+from pdkv.protocol.machines import PerLayerState, PerLayerTrigger
+from pdkv.protocol.machines._prefill_side import SenderRoom
 from pdkv.protocol.messages import (
     Abort,
     AbortAck,
@@ -27,53 +39,98 @@ from pdkv.testing.endpoint_pair import EndpointPair, RoomPlan
 from tests.protocol.helpers import DECODE, ROOM, prefill, register, request, sent
 
 PAGE = 16
+LAYER = LayerKey(model=ModelRole.TARGET, layer_id=0)
 
 
-def _writing(pages: int = 2) -> PrefillEndpoint:
+def _context(p: PrefillEndpoint, start_token: int, pages: int, now: float) -> LayerContext[object]:
+    """A per-layer context of ROOM for ``pages`` pages at ``start_token``, ruled and registered by
+    the endpoint (one layer expected), not writing yet."""
+    src = np.arange(start_token // PAGE, start_token // PAGE + pages, dtype=np.int64)
+    ruling = p.layer_destinations(ROOM, src, start_token)
+    assert not isinstance(ruling, str), ruling
+    context = p.layer_register(
+        ROOM, start_token, pages=src, destinations=ruling, expected=frozenset({LAYER}), work=None, now=now
+    )
+    assert isinstance(context, LayerContext), context
+    return context
+
+
+def _started(p: PrefillEndpoint, start_token: int, pages: int, now: float) -> LayerContext[object]:
+    """As ``_context``, and its first write consented: it counts as in flight from now on."""
+    context = _context(p, start_token, pages, now)
+    assert p.layer_first_write(context, now)
+    return context
+
+
+def _ended(
+    p: PrefillEndpoint,
+    context: LayerContext[object],
+    now: float,
+    *,
+    fences: dict[PeerKey, FenceWrite] | None = None,
+) -> list[PrefillEffect]:
+    """Every write of ``context`` ended: a stopped one is dropped, a live one had its layer submitted
+    to every destination and finished by send() (COMPLETE), as the runtime's finisher does."""
+    if context.state in (PerLayerState.CANCELLING, PerLayerState.FAILING):
+        return p.layer_ended(context, PerLayerTrigger.DROP, now, fences=fences)
+    for peer in context.peers:
+        p.layers.submitted(context, LAYER, peer)
+    assert p.layers.begin_finish(context, context.pages, now) is Verdict.COMPLETE
+    return p.layer_ended(context, PerLayerTrigger.COMPLETE, now, fences=fences)
+
+
+def _writing(pages: int = 2) -> tuple[PrefillEndpoint, LayerContext[object]]:
     """ROOM open and requested, with the per-layer context of its first chunk writing."""
     p = prefill()
     p.receive(register(), 0.0)
     p.open_room(ROOM, num_pages=pages, aux_row=None, now=0.0)
     p.receive(request(list(range(5, 5 + pages))), 0.0)
-    assert p.layer_writes_started(ROOM, 0, 0.1)
-    return p
+    return p, _started(p, 0, 1, 0.1)
 
 
 def test_a_restarted_decode_rank_gets_its_register_ack_only_after_layer_writes_ended() -> None:
-    p = _writing()
+    p, context = _writing()
     assert p.in_flight(ROOM) == 1 and p.may_write(ROOM)
     reborn = Origin(instance=DECODE.instance, epoch=Epoch(2), rank=DECODE.rank)
     effects = p.receive(register(origin=reborn), 1.0)
     assert sent(effects, RegisterAck) == []  # its old incarnation's memory may still be written
     assert p.poll(ROOM) is KVPoll.Failed
-    effects = p.layer_writes_ended(ROOM, 0, 2.0)
+    assert context.state is PerLayerState.CANCELLING  # the failed room stopped it: drained next
+    assert [e for e in effects if isinstance(e, DropLayers)] == [
+        DropLayers(room=ROOM, reason=p.failure(ROOM) or "")
+    ]
+    effects = _ended(p, context, 2.0)
     assert sent(effects, RegisterAck) == [RegisterAck(origin=p.origin)]
 
 
 def test_abort_ack_waits_for_the_layer_writes_of_the_room() -> None:
-    p = _writing()
+    p, context = _writing()
+    later = _context(p, PAGE, 1, 0.5)  # registered, not writing yet
     effects = p.receive(Abort(origin=DECODE, room=ROOM, reason="client left"), 1.0)
     assert sent(effects, AbortAck) == [] and p.may_write(ROOM)
-    assert not p.layer_writes_started(ROOM, 32, 1.1)  # a failed room starts no new context
-    effects = p.layer_writes_ended(ROOM, 0, 2.0)
+    assert not p.layer_first_write(later, 1.1)  # a failed room starts no new context
+    assert later.state is PerLayerState.CANCELLING and p.in_flight(ROOM) == 1
+    assert p.layer_ended(later, PerLayerTrigger.DROP, 1.2) == []  # it never wrote: nothing to tell
+    effects = _ended(p, context, 2.0)
     assert sent(effects, AbortAck) == [AbortAck(origin=p.origin, room=ROOM)]
     assert not p.may_write(ROOM)
 
 
 def test_success_waits_for_a_context_whose_chunk_was_never_sent() -> None:
-    p = _writing(2)
-    assert p.layer_writes_started(ROOM, PAGE, 0.2)  # an orphan: chunk@16 is never sent
+    p, own = _writing(2)
+    orphan = _started(p, PAGE, 1, 0.2)  # an orphan: chunk@16 is never sent
     [submit] = p.queue_chunk(ROOM, ChunkSpec(pages=[0, 1], start_token=0, last=True), 0.3)
     assert isinstance(submit, SubmitChunk)
     assert p.start_chunk(ROOM, 0, 0.4)
-    assert p.layer_writes_ended(ROOM, 0, 0.45) == []  # the sent chunk's own context
+    assert _ended(p, own, 0.45) == []  # the sent chunk's own context
     effects = p.chunk_done(ROOM, 0, TransferMetricData(pages=2, bytes=200), 0.5)
     assert sent(effects, TransferStatus) == []
     assert [e for e in effects if isinstance(e, DropLayers)] == [
         DropLayers(room=ROOM, reason="room complete; per-layer chunk(s) @[16] were never sent")
     ]
     assert p.poll(ROOM) is KVPoll.Transferring and p.may_write(ROOM)
-    effects = p.layer_writes_ended(ROOM, PAGE, 0.6)
+    assert orphan.state is PerLayerState.CANCELLING
+    effects = _ended(p, orphan, 0.6)
     [status] = sent(effects, TransferStatus)
     assert isinstance(status, TransferStatus) and status.outcome is Outcome.SUCCESS
     assert p.poll(ROOM) is KVPoll.Success and not p.may_write(ROOM)
@@ -117,10 +174,10 @@ def test_the_pair_checker_sees_per_layer_writes_and_the_real_endpoint_waits_for_
 
 
 def test_a_planted_bug_acking_before_the_layers_drained_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
-    def forgetful(self: PrefillEndpoint, room: RoomId, start_token: int, now: float) -> bool:
-        return True  # the bug: a context's writes are not counted in flight
+    def forgetful(self: PrefillEndpoint, room: SenderRoom) -> int:
+        return room.chunks_in_flight  # the bug: a context's writes are not counted in flight
 
-    monkeypatch.setattr(PrefillEndpoint, "layer_writes_started", forgetful)
+    monkeypatch.setattr(PrefillEndpoint, "writes_in_flight", forgetful)
     pair = EndpointPair(timeouts=Timeouts(abort_ack=5), transfer_time=0.05)
     _aborted_per_layer_room(pair)
     assert pair.violations, "an AbortAck sent while layer writes ran must show as a violation"
@@ -136,6 +193,7 @@ def test_the_endpoint_rules_which_chunks_go_per_layer() -> None:
     p.receive(request([10, 11, 12, 13]), 0.1)
     ruling = p.layer_destinations(ROOM, pages, 0)
     assert not isinstance(ruling, str) and [d.peer.key for d in ruling] == [(DECODE.instance, DECODE.rank)]
+    _context(p, 0, 2, 0.15)  # the room's first context, at the decode's prefix
     with pytest.raises(MappingError, match="runs past the request's last page"):
         p.layer_destinations(ROOM, np.array([1, 2, 3]), 2 * PAGE)
     p.queue_chunk(ROOM, ChunkSpec(pages=[7, 8], start_token=0, last=False), 0.2)
@@ -153,9 +211,9 @@ def test_a_first_per_layer_chunk_must_start_at_the_decode_prefix() -> None:
     p.open_room(ROOM, num_pages=8, aux_row=None, now=0.0)
     p.receive(request(list(range(10, 18))), 0.1)
     with pytest.raises(MappingError, match=r"first chunk .* past the decode's prefix .* 0\.\.3 would never"):
-        p.layer_destinations(ROOM, np.arange(4, 8), 4 * PAGE, first=True)
-    assert not isinstance(p.layer_destinations(ROOM, np.arange(0, 4), 0, first=True), str)
-    assert not isinstance(p.layer_destinations(ROOM, np.arange(4, 8), 4 * PAGE, first=False), str)
+        p.layer_destinations(ROOM, np.arange(4, 8), 4 * PAGE)
+    _context(p, 0, 4, 0.2)  # the room's first context starts at the prefix
+    assert not isinstance(p.layer_destinations(ROOM, np.arange(4, 8), 4 * PAGE), str)
 
 
 def test_a_dummy_rank_goes_monolithic_and_several_destinations_are_each_named() -> None:
@@ -190,7 +248,7 @@ def test_the_pairs_per_layer_rooms_go_through_the_layer_book_and_its_writes_are_
     assert pair.violations == []
     assert pair.decode.poll(RoomId(4)) is KVPoll.Success
     assert pair.prefills[0].poll(RoomId(4)) is KVPoll.Success
-    stats = pair.layer_books[0].statistics()
+    stats = pair.prefills[0].layers.statistics()
     layers = len(pair.layout.kv_buffers)
     assert (stats.registered, stats.finished, stats.failed, stats.dropped) == (2, 2, 0, 0)
     assert stats.layers_submitted == 2 * layers
@@ -205,15 +263,17 @@ def test_success_waits_for_the_fence_of_an_orphan_context_whose_write_failed() -
     p.receive(register(), 0.0)
     p.open_room(ROOM, num_pages=2, aux_row=None, now=0.0)
     p.receive(request([5, 6]), 0.0)
-    assert p.layer_writes_started(ROOM, PAGE, 0.1)  # registered for a chunk at position 1, never sent
+    own = _context(p, 0, 1, 0.05)  # the first chunk's context, which never writes
+    orphan = _started(p, PAGE, 1, 0.1)  # registered for a chunk at position 1, never sent
     queued = p.queue_chunk(ROOM, ChunkSpec(pages=[3, 4], start_token=0, last=True), 0.2)
     [submit] = [e for e in queued if isinstance(e, SubmitChunk)]
     assert p.start_chunk(ROOM, submit.chunk, 0.3)
     effects = p.chunk_done(ROOM, submit.chunk, TransferMetricData(pages=2), 0.4)
     assert any(isinstance(e, DropLayers) for e in effects) and p.poll(ROOM) is KVPoll.Transferring
+    assert own.state is orphan.state is PerLayerState.CANCELLING
     key = (DECODE.instance, DECODE.rank)
     fence = FenceWrite(session=SessionId("d:1"), src=0x1000, dst=0x2000, length=64)
-    effects = p.layer_writes_ended(ROOM, PAGE, 0.5, fences={key: fence})
+    effects = _ended(p, orphan, 0.5, fences={key: fence})
     owed = SubmitFence(room=ROOM, peer=key, fence=fence)
     assert [e for e in effects if isinstance(e, SubmitFence)] == [owed]
     assert p.poll(ROOM) is KVPoll.Transferring and sent(effects, TransferStatus) == []
@@ -240,7 +300,8 @@ def test_a_fence_success_waited_for_sends_no_abort_ack_once_the_room_failed_here
     p.receive(register(), 0.0)
     p.open_room(ROOM, num_pages=2, aux_row=None, now=0.0)
     p.receive(request([5, 6]), 0.0)
-    assert p.layer_writes_started(ROOM, PAGE, 0.1)
+    own = _context(p, 0, 1, 0.05)
+    orphan = _started(p, PAGE, 1, 0.1)
     [submit] = [
         e
         for e in p.queue_chunk(ROOM, ChunkSpec(pages=[3, 4], start_token=0, last=True), 0.2)
@@ -250,12 +311,13 @@ def test_a_fence_success_waited_for_sends_no_abort_ack_once_the_room_failed_here
     p.chunk_done(ROOM, submit.chunk, TransferMetricData(pages=2), 0.4)
     key = (DECODE.instance, DECODE.rank)
     fence = FenceWrite(session=SessionId("d:1"), src=0x1000, dst=0x2000, length=64)
-    effects = p.layer_writes_ended(ROOM, PAGE, 0.5, fences={key: fence})
+    effects = _ended(p, orphan, 0.5, fences={key: fence})
     assert [e for e in effects if isinstance(e, SubmitFence)] == [
         SubmitFence(room=ROOM, peer=key, fence=fence)
     ]
     assert p.room_history(ROOM)[-1].name == "COMPLETING"
-    assert not p.layer_writes_started(ROOM, 2 * PAGE, 0.55)  # no new context once every chunk is done
+    assert not p.layer_first_write(own, 0.55)  # no context writes once every chunk is done
+    assert own.state is PerLayerState.CANCELLING
     p.abort_room(ROOM, "operator", 0.6)
     effects = p.fence_done(ROOM, key, True, "", 0.7)
     assert sent(effects, AbortAck) == [] and p.poll(ROOM) is KVPoll.Failed

@@ -33,16 +33,16 @@ from pdkv.mapping import (
     TransferBlocks,
     cp_owned,
 )
-from pdkv.protocol.effects import ChunkSpec, DecodePeer, Destination
+from pdkv.protocol.effects import ChunkSpec, Destination, PrefillEffect
 from pdkv.protocol.ids import Endpoint, Epoch, InstanceId, RoomId, SessionId
 from pdkv.protocol.machines import PerLayerState
-from pdkv.protocol.messages import Origin, RankCoord, StateIndices, TransferRequest
+from pdkv.protocol.messages import Origin, RankCoord, Register, StateIndices, TransferRequest
 from pdkv.protocol.poll import KVPoll
+from pdkv.protocol.prefill import PrefillEndpoint
 from pdkv.runtime.chunk_plan import plan_chunk
 from pdkv.runtime.decode import KVReceiver
 from pdkv.runtime.executor import ExecutorConfig, TransferExecutor
 from pdkv.runtime.per_layer import (
-    LayerDestinationsOf,
     PerLayerMode,
     PerLayerTransferManager,
     UnknownLayerError,
@@ -552,18 +552,25 @@ def test_layers_and_resident_pages_are_exactly_the_monolithic_plan(
                 receiver.register_range(buffer.base_ptr, buffer.length)
             for buffer in source.layout.buffers:
                 sender.register_range(buffer.base_ptr, buffer.length)
-            destination = Destination(
-                peer=DecodePeer(
-                    instance=DECODE_ORIGIN.instance,
-                    epoch=DECODE_ORIGIN.epoch,
-                    rank=DECODE_ORIGIN.rank,
-                    tp_size=1,
-                    endpoint=Endpoint("e"),
-                    session=SessionId(receiver.session_id),
-                    layout=got.layout,
-                ),
-                request=TransferRequest(origin=DECODE_ORIGIN, room=RoomId(1), dst_pages=dst_pages),
+            # A real endpoint rules the chunk: the decode rank registered, the room requested with
+            # the decode holding the first start_page positions (so the chunk starts there).
+            endpoint = PrefillEndpoint(
+                origin=Origin(instance=InstanceId("p"), epoch=Epoch(1), rank=RankCoord(tp=0, cp=rank)),
+                layout=source.layout,
+                policy=policy,
             )
+            session = SessionId(receiver.session_id)
+            register = Register(
+                origin=DECODE_ORIGIN, tp_size=1, endpoint=Endpoint("e"), session=session, layout=got.layout
+            )
+            endpoint.receive(register, 0.0)
+            endpoint.open_room(RoomId(1), num_pages=total, aux_row=None, now=0.0)
+            request = TransferRequest(
+                origin=DECODE_ORIGIN, room=RoomId(1), dst_pages=dst_pages, prefix_pages=start_page
+            )
+            endpoint.receive(request, 0.0)
+            [destination] = endpoint.destinations(RoomId(1)) or ()
+            assert destination.peer.session == session
             chunk = logical[start_page:]
             # The reference: the monolithic plan of the same chunk for the expected memory's layout.
             reference = plan_chunk(
@@ -577,10 +584,15 @@ def test_layers_and_resident_pages_are_exactly_the_monolithic_plan(
                 writes_extras=False,
             )
             _apply(reference.blocks)
+            lock = threading.Lock()
+            effects: list[PrefillEffect] = []
             with PerLayerTransferManager(
                 TransferExecutor(sender),
+                endpoint=endpoint,
+                lock=lock,
+                locked=lambda: lock,  # noqa: B023 (called inside this iteration only)
+                apply=effects.extend,
                 layout=source.layout,
-                layer_destinations=always(destination),
                 cp_rank=rank,
                 policy=policy,
             ) as manager:
@@ -596,15 +608,6 @@ def test_layers_and_resident_pages_are_exactly_the_monolithic_plan(
             assert result.bytes_written == reference.blocks.total_bytes
         for key in SPEC.kv_keys():
             assert np.array_equal(got.view(key), expected.view(key)), (rank, key)
-
-
-def always(destination: Destination) -> LayerDestinationsOf:
-    def ruling(
-        room: RoomId, pages: np.ndarray, start_token: int, *, first: bool = False
-    ) -> tuple[Destination]:
-        return (destination,)
-
-    return ruling
 
 
 def attrs_evolve_layout(destination: Destination, layout: BufferLayout) -> Destination:

@@ -195,8 +195,8 @@ def main(argv: Sequence[str]) -> int:
     leaked_decode = pair.decode.rooms()
     leaked_prefill = sorted({r for p in pair.prefills for r in p.rooms()})
     pages_leaked = sum(pages_of.get(r, 0) for r in leaked_decode)
-    layer_books = [book.statistics() for book in pair.layer_books]
-    contexts_leaked = sum(len(book.rooms()) for book in pair.layer_books)
+    layer_books = [p.layers.statistics() for p in pair.prefills]
+    contexts_leaked = sum(len(p.layers.rooms()) for p in pair.prefills)
     stats = pair.decode.statistics()
     link = pair.link.statistics()
     record: dict[str, object] = {

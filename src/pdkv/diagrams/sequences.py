@@ -34,7 +34,7 @@ from pdkv.protocol.messages import AbortAck, Heartbeat, HeartbeatAck, Message
 from pdkv.protocol.poll import KVPoll
 from pdkv.protocol.prefill import PrefillEndpoint
 from pdkv.runtime.json_log import describe
-from pdkv.testing.endpoint_pair import EndpointPair, LinkFaults, RoomPlan
+from pdkv.testing.endpoint_pair import EndpointPair, LinkFaults, RoomPlan, context_chunk
 
 ROOM = RoomId(7)
 """The one room every scenario follows."""
@@ -214,8 +214,8 @@ class Recorder(EndpointPair):
         view = _room_view(p.room_history(ROOM), p.failure_cause(ROOM))
         # This incarnation's per-layer contexts (the real LayerBook): their state, and their layer
         # writes while they land. A per-layer chunk has no write of its own.
-        contexts = self.layer_books[self.prefills.index(p)].contexts(ROOM) if p in self.prefills else []
-        self._layered.update((id(p), c.work.chunk) for c in contexts)
+        contexts = p.layers.contexts(ROOM) if p in self.prefills else []
+        self._layered.update((id(p), context_chunk(c)) for c in contexts)
         for i, chunk in enumerate(p.chunk_states(ROOM)):
             view.append(f"C{i} {chunk.name}")
             if chunk.name not in ("REGISTERED", "SKIPPED") and (id(p), i) not in self._layered:

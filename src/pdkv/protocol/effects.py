@@ -244,10 +244,10 @@ class ForgetPeer:
 
 @attrs.frozen(kw_only=True)
 class DropLayers:
-    """Prefill: stop the room's per-layer contexts (none may start writing again) and report
-    ``layer_writes_ended`` for each one that wrote, once its writes ended. Emitted when every chunk
-    of a room is Done while a context that no sent chunk finished (an orphan) may still write:
-    the room's Success waits for those writes."""
+    """Prefill: drain the room's per-layer contexts, which the endpoint has stopped (none may start
+    writing again): wait for the writes each submitted, then ``layer_ended``. Emitted when the room
+    ends (Success: contexts that never wrote; Failed) or every chunk of it is Done while a context
+    that no sent chunk finished (an orphan) may still write: the room's Success waits for those."""
 
     room: RoomId
     reason: str

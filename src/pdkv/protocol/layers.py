@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterator
-from typing import Generic, TypeVar
+from typing import Final, Generic, TypeVar
 
 import attrs
 import numpy as np
@@ -46,6 +46,10 @@ from pdkv.protocol.ids import RoomId
 from pdkv.protocol.machines import PerLayerMachine, PerLayerState, PerLayerTrigger
 from pdkv.protocol.machines.per_layer import SUBMITTING
 from pdkv.protocol.messages import IntArray
+
+DEFAULT_FINISH_TIMEOUT_S: Final = 60.0
+"""From ``send()`` of a per-layer chunk until every layer was submitted and written
+(``PDKV_PER_LAYER_FINISH_TIMEOUT``)."""
 
 W = TypeVar("W")
 """What the runtime keeps beside a context (its engine job, planned blocks ...): opaque here."""
@@ -160,6 +164,14 @@ class LayerBook(Generic[W]):
 
     def rooms(self) -> list[RoomId]:
         return list(self._rooms)
+
+    def writing(self, room: RoomId) -> list[int]:
+        """Start tokens of the room's contexts whose writes may still land: the first write was
+        consented and the end of the writes not reported yet."""
+        r = self._rooms.get(room)
+        if r is None:
+            return []
+        return [c.start_token for c in r.contexts.values() if c.writing and not c.end_reported]
 
     def is_registered(self, room: RoomId, start_token: int) -> bool:
         return self.context(room, start_token) is not None
@@ -384,4 +396,4 @@ class LayerBook(Generic[W]):
             del self._rooms[room]
 
 
-__all__ = ["LayerBook", "LayerBookStatistics", "LayerContext", "Verdict"]
+__all__ = ["DEFAULT_FINISH_TIMEOUT_S", "LayerBook", "LayerBookStatistics", "LayerContext", "Verdict"]

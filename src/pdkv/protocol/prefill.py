@@ -17,10 +17,12 @@ Inputs come from three places:
 - the scheduler: ``open_room`` (``sender.init``), ``queue_chunk`` (``sender.send``), ``abort_room``,
   ``close_room``, and the queries ``poll`` / ``failure`` / ``metric``;
 - transfer workers: ``start_chunk`` (may answer "skip"), ``chunk_done``, ``chunk_failed``;
-- per-layer transfer: ``layer_writes_started`` (may answer "skip") before a per-layer context's
-  first write, ``layer_writes_ended`` once every write it submitted ended. A context writing counts
-  as a chunk in flight: AbortAck, the RegisterAck of a restarted decode rank, Success and
-  ``may_write`` all wait for it.
+- per-layer transfer: the rank's ``LayerBook`` (``layers``) is the endpoint's; a chunk's context is
+  ruled and registered here (``layer_destinations``, ``layer_register``), asks the room before its
+  first write (``layer_first_write``, may answer "skip") and reports the end of its writes
+  (``layer_ended``). A context writing counts as a chunk in flight: AbortAck, the RegisterAck of a
+  restarted decode rank, Success and ``may_write`` all wait for it. When the room ends or completes
+  without a context, the endpoint stops it and asks the runtime to drain it (``DropLayers``).
 
 Safety rules these rows enforce (DESIGN section 8):
 - Success only when the room's positions were all submitted and written: after the first chunk's
@@ -53,7 +55,7 @@ import attrs
 import numpy as np
 
 from pdkv.errors import LocalProtocolError
-from pdkv.mapping import DEFAULT_LAYOUT_POLICY, LayoutPolicy, OwnershipPolicy
+from pdkv.mapping import DEFAULT_LAYOUT_POLICY, LayerKey, LayoutPolicy, OwnershipPolicy
 from pdkv.mapping.layout import BufferKind, BufferLayout
 from pdkv.protocol import _contract, arguments
 from pdkv.protocol._deadlines import DeadlineQueue, Tombstones
@@ -63,6 +65,7 @@ from pdkv.protocol.effects import (
     ChunkSpec,
     DecodePeer,
     Destination,
+    DropLayers,
     Failure,
     FailureCause,
     FenceWrite,
@@ -73,6 +76,8 @@ from pdkv.protocol.effects import (
     Send,
 )
 from pdkv.protocol.ids import RoomId
+from pdkv.protocol.layers import DEFAULT_FINISH_TIMEOUT_S, LayerBook, LayerContext
+from pdkv.protocol.machines import PerLayerTrigger
 from pdkv.protocol.machines._prefill_side import (
     AbortStep,
     Chunk,
@@ -186,11 +191,13 @@ class PrefillEndpoint(RoomKeeper[SenderRoom]):
         timeouts: Timeouts | None = None,
         policy: OwnershipPolicy | None = None,
         layout_policy: LayoutPolicy = DEFAULT_LAYOUT_POLICY,
+        layer_finish_timeout_s: float = DEFAULT_FINISH_TIMEOUT_S,
     ) -> None:
         """``policy``: CP shared-KV ownership of this rank's instance (None: every page is this
         rank's, physical == logical), to check a chunk's source pages against this rank's own pool.
         ``layout_policy``: what a decode rank's layout may differ in (``degrade_draft``: draft buffers
-        only one side registers are left out for that pair; ``strict``: nothing)."""
+        only one side registers are left out for that pair; ``strict``: nothing).
+        ``layer_finish_timeout_s``: how long ``send()`` of a per-layer chunk waits for its layers."""
         self.origin = origin
         self.layout = layout
         self.policy = policy
@@ -206,6 +213,10 @@ class PrefillEndpoint(RoomKeeper[SenderRoom]):
         self._unopened_failed: list[RoomId] = []  # freed at the end of the input that failed them
         self._status_resends: DeadlineQueue[RoomId] = DeadlineQueue()
         self._counts = Counts(PrefillStatistics, levels=_LEVELS)
+        self.layers: LayerBook[object] = LayerBook(finish_timeout_s=layer_finish_timeout_s)
+        """The rank's per-layer contexts (``pdkv.protocol.layers``): the runtime reads them and feeds
+        them the outcomes of its lanes (layer routed, submitted, broken, finish verdicts) under the
+        same lock as every other input; what reaches a room goes through ``layer_*`` below."""
         self._out: list[PrefillEffect] = []
         # What each message type does: its handler, given the sender's key.
         self._handlers: dict[type[Message], Callable[[PeerKey, Message, float], None]] = {
@@ -278,10 +289,20 @@ class PrefillEndpoint(RoomKeeper[SenderRoom]):
     def forget_if_idle(self, room: SenderRoom) -> None:
         if (
             room.closed
-            and not room.in_flight
+            and not self.writes_in_flight(room)
             and (room.abort is None or room.abort.state is PrefillAbortState.ACKED)
         ):
             self._rooms.pop(room.room, None)
+
+    def layer_writes(self, room: RoomId) -> list[int]:
+        return self.layers.writing(room)
+
+    def writes_in_flight(self, room: SenderRoom) -> int:
+        return room.chunks_in_flight + len(self.layers.writing(room.room))
+
+    def stop_layers(self, room: RoomId, reason: str) -> None:
+        if any(not c.terminal for c in self.layers.cancel(room, reason)):
+            self.emit(DropLayers(room=room, reason=reason))
 
     def arm_heartbeats(self, now: float) -> None:
         self._heartbeats.arm(now)
@@ -523,9 +544,11 @@ class PrefillEndpoint(RoomKeeper[SenderRoom]):
         """``sender.clear``: the scheduler is done with a terminal room; its id becomes a tombstone."""
         r = self._rooms.get(room)
         if r is None:
+            self.layers.forget(room)
             return
         if not r.terminal:
             raise LocalProtocolError(f"room {room} closed in state {r.machine.state.name}; abort it first")
+        self.layers.forget(room)  # its contexts that ended go now, the others once they end
         r.closed = True
         self._tombstone(
             room,
@@ -576,16 +599,19 @@ class PrefillEndpoint(RoomKeeper[SenderRoom]):
             return TransferMetricData()
         return TransferMetricData(pages=r.pages, bytes=r.bytes, seconds=r.seconds)
 
+    # ------------------------------------------------------------------ per-layer input
+
     def layer_destinations(
-        self, room: RoomId, pages: np.ndarray, start_token: int, *, first: bool = False
+        self, room: RoomId, pages: np.ndarray, start_token: int
     ) -> tuple[Destination, ...] | str:
         """Per-layer registration of a chunk before its forward: the destinations its layers go to
         (several when decode TP > prefill TP: each layer goes to every one), or why the chunk goes
         the monolithic way (no destination yet, a dummy rank). A chunk that breaks the room's page
         contract as far as it is known before ``send()`` (inside the decode's prefix, past
-        ``num_pages``, over chunks already queued; ``first``: no chunk of the room was queued or
-        registered before, so it must start at the decode's prefix) is refused with
-        ``MappingError``: its layers would write wrong positions."""
+        ``num_pages``, over chunks already queued; the room's first chunk, queued or registered,
+        must start at the decode's prefix) is refused with ``MappingError``: its layers would write
+        wrong positions."""
+        first = not self.layers.contexts(room)
         dests = self.destinations(room)
         if dests is None:
             return "the room has no destinations yet (register once the sender polls WaitingForInput)"
@@ -602,6 +628,76 @@ class PrefillEndpoint(RoomKeeper[SenderRoom]):
             first=first and r.next_position is None,
         )
         return dests
+
+    def layer_register(
+        self,
+        room: RoomId,
+        start_token: int,
+        *,
+        pages: np.ndarray,
+        destinations: tuple[Destination, ...],
+        expected: frozenset[LayerKey],
+        work: object,
+        now: float,
+    ) -> LayerContext[object] | str | None:
+        """A chunk planned for ``destinations`` (``layer_destinations``' ruling) takes a context, now
+        that its layers may be routed to it. None: (room, start token) has one already (a duplicate,
+        counted); a reason: the room's ruling changed while the chunk was planned (it failed, a
+        destination went), and the chunk goes the monolithic way. ``MappingError`` as for
+        ``layer_destinations``."""
+        if self.layers.is_registered(room, start_token):
+            self.layers.duplicate()
+            return None
+        if self.layer_destinations(room, pages, start_token) != destinations:
+            return "the room changed while the chunk was planned"
+        peers = tuple(d.peer.session for d in destinations)
+        context = self.layers.register(
+            room, start_token, pages=pages, peers=peers, expected=expected, work=work, now=now
+        )
+        assert context is not None  # not registered: checked above
+        return context
+
+    def layer_first_write(self, context: LayerContext[object], now: float) -> bool:
+        """Before the context submits a write: True to submit it. Its first asks the room
+        (LAYER_WRITES_STARTED): consented, the context counts as a write of the room in flight from
+        now on (AbortAck, the RegisterAck of a restarted decode rank, Success and ``may_write`` wait
+        for it); refused (the room failed, was aborted, or is complete without it), the context is
+        cancelled before any byte of it moves."""
+        if not context.submitting:
+            return False
+        if context.writing:
+            return True
+        r = self._rooms.get(context.room)
+        consented = False
+        if r is not None:
+            step = RoomStep(self, r, now, start_token=context.start_token)
+            r.machine.step(SenderRoomInput.LAYER_WRITES_STARTED, step)
+            consented = step.consented
+        return self.layers.first_write(context, consented, now)
+
+    def layer_ended(
+        self,
+        context: LayerContext[object],
+        trigger: PerLayerTrigger,
+        now: float,
+        *,
+        fences: Mapping[PeerKey, FenceWrite] | None = None,
+    ) -> list[PrefillEffect]:
+        """Every write the context submitted has ended (``trigger``: COMPLETE, FAIL or DROP); for a
+        context that wrote, the room hears it once (LAYER_WRITES_ENDED: it may release an AbortAck,
+        a RegisterAck or the room's Success). ``fences`` as for ``chunk_failed``."""
+        self._owe_fences(context.room, fences)
+        if self.layers.ended(context, trigger):
+            r = self._rooms.get(context.room)
+            if r is not None:
+                step = RoomStep(self, r, now, start_token=context.start_token)
+                r.machine.step(SenderRoomInput.LAYER_WRITES_ENDED, step)
+        return self._effects()
+
+    def layer_cancel(self, room: RoomId, reason: str) -> list[LayerContext[object]]:
+        """The runtime drops the room's contexts (it closes): every one still submitting stops.
+        Returns those not ended (their writes must be awaited, then ``layer_ended``)."""
+        return self.layers.cancel(room, reason)
 
     def decode_prefix(self, room: RoomId) -> int | None:
         """Positions the decode side already holds (its prefix cache), once its requests are in (the
@@ -691,33 +787,6 @@ class PrefillEndpoint(RoomKeeper[SenderRoom]):
         c.machine.step(ChunkInput.FAIL, ChunkStep(self, r, c, now))
         r.machine.step(SenderRoomInput.CHUNK_FAILED, RoomStep(self, r, now, chunk=chunk, reason=reason))
         self._free_unopened(now)
-        return self._effects()
-
-    def layer_writes_started(self, room: RoomId, start_token: int, now: float) -> bool:
-        """A per-layer context of ``room`` is about to submit its first write: True to go ahead,
-        False when the room can no longer be written (failed, aborted, or complete without it)."""
-        r = self._rooms.get(room)
-        if r is None:
-            return False
-        r.machine.step(SenderRoomInput.LAYER_WRITES_STARTED, RoomStep(self, r, now, start_token=start_token))
-        return start_token in r.layer_writes
-
-    def layer_writes_ended(
-        self,
-        room: RoomId,
-        start_token: int,
-        now: float,
-        *,
-        fences: Mapping[PeerKey, FenceWrite] | None = None,
-    ) -> list[PrefillEffect]:
-        """Every write the per-layer context ``start_token`` of ``room`` submitted has ended
-        (``fences`` as for ``chunk_failed``, when one of them failed)."""
-        self._owe_fences(room, fences)
-        r = self._rooms.get(room)
-        if r is None or start_token not in r.layer_writes:
-            return []
-        r.layer_writes.discard(start_token)
-        r.machine.step(SenderRoomInput.LAYER_WRITES_ENDED, RoomStep(self, r, now, start_token=start_token))
         return self._effects()
 
     def fence_done(
@@ -845,16 +914,16 @@ class PrefillEndpoint(RoomKeeper[SenderRoom]):
         return [rank.peer for rank in self._ranks.values() if rank.peer is not None]
 
     def in_flight(self, room: RoomId) -> int:
-        """Chunks of ``room`` whose writes may still land (0 for unknown rooms)."""
+        """Chunks and per-layer contexts of ``room`` whose writes may still land (0 for unknown rooms)."""
         r = self._rooms.get(room)
-        return 0 if r is None else r.in_flight
+        return 0 if r is None else self.writes_in_flight(r)
 
     def may_write(self, room: RoomId) -> bool:
         """Could a write for ``room`` still land or start? (What abort safety is checked against.)"""
         r = self._rooms.get(room)
         if r is None:
             return False
-        if r.in_flight:
+        if self.writes_in_flight(r):
             return True
         return not r.terminal and any(c.machine.state is ChunkState.REGISTERED for c in r.chunks)
 
@@ -882,7 +951,7 @@ class PrefillEndpoint(RoomKeeper[SenderRoom]):
         while self._unopened_failed:
             room = self._unopened_failed.pop()
             r = self._rooms.get(room)
-            if r is None or r.opened or r.in_flight or not r.terminal:
+            if r is None or r.opened or self.writes_in_flight(r) or not r.terminal:
                 continue
             if r.abort is not None and r.abort.state is not PrefillAbortState.ACKED:
                 continue

@@ -1,15 +1,16 @@
 """Per-layer transfer: layer L's KV moves while layers L+1.. still compute (DESIGN section 7).
 
 Owns: ``PerLayerTransferManager`` (one per prefill transport, ``transport.per_layer``), its
-configuration, results and statistics, the submission lanes, and each context's engine job and
-blocks. Every rule on the per-(room, chunk) contexts (dedup, the FIFO of a room's chunks, when a
-context may write, finish with its deadline, cancel, the end of its writes) is the sans-IO
-``pdkv.protocol.layers.LayerBook``'s, which the manager holds under its lock, feeds every input
-and outcome, and obeys; the manager decides nothing about a context itself. Must not touch room state: the
-transport reports a finished context to its endpoint (``chunk_done`` / ``chunk_failed``) as for any
-chunk; the manager only moves KV bytes and says what landed. Must not map pages itself either: a
-context's blocks are ``plan_chunk``'s blocks for the same chunk and destination, split by layer, so
-the bytes are those of the monolithic path by construction.
+configuration, results and statistics, the submission lanes, the ready waits, and each context's
+engine job and blocks. Every rule on the per-(room, chunk) contexts (dedup, the FIFO of a room's
+chunks, when a context may write, finish with its deadline, cancel, the end of its writes) is the
+prefill endpoint's: its ``LayerBook`` (``PrefillEndpoint.layers``) and its ``layer_*`` inputs, which
+the manager calls under the transport's lock (the one lock of every endpoint input) and obeys; the
+manager decides nothing about a context itself, and never maps an engine session to a decode rank.
+Must not touch room state: the transport reports a finished context to its endpoint (``chunk_done``
+/ ``chunk_failed``) as for any chunk; the manager only moves KV bytes and says what landed. Must not
+map pages itself either: a context's blocks are ``plan_chunk``'s blocks for the same chunk and
+destination, split by layer, so the bytes are those of the monolithic path by construction.
 
 How a scheduler uses it, per chunk of a room whose sender polls WaitingForInput or Transferring:
 
@@ -44,17 +45,19 @@ How a scheduler uses it, per chunk of a room whose sender polls WaitingForInput 
   of being sent whole.
 
 What decides messages is the endpoint's: before a context's first write the manager asks
-``writes_started(room, start_token)`` (the endpoint's ``layer_writes_started``: False when the room
-can no longer be written, and the context is then cancelled), and once every write a context
-submitted has ended it reports ``writes_ended(room, start_token)``. So the endpoint counts a
-per-layer context in flight from its first write: AbortAck, the RegisterAck of a restarted decode
-rank, Success and ``may_write`` wait for it; nothing is held back here.
+``layer_first_write`` (False when the room can no longer be written, and the context is then
+cancelled), and once every write a context submitted has ended it reports ``layer_ended`` (with the
+fences owed, keyed by the decode rank the context was registered for) and applies the effects. So
+the endpoint counts a per-layer context in flight from its first write: AbortAck, the RegisterAck of
+a restarted decode rank, Success and ``may_write`` wait for it; nothing is held back here. When a
+room ends or completes without a context, the endpoint stops its contexts itself and asks for the
+drain (``DropLayers``: ``drain``).
 
-Locks: the manager's lock guards the book (every context's state); a context's job lock serialises the calls
-on its ``TransferJob`` (one thread at a time, as the executor requires), taken before the manager's
-lock and never held while waiting on the manager's conditions. The ``guard`` (the transport's lock)
-is taken before the manager's lock, and the manager never calls the transport (``writes_started``,
-``writes_ended``) while holding its own.
+Locks: one, the transport's (``lock``; ``locked()`` takes it and sends what was posted once it is
+released, ``apply`` carries out effects with it held): it guards the endpoint with its book and the
+lanes' queues. A context's job lock serialises the calls on its ``TransferJob`` (one thread at a
+time, as the executor requires): taken before the transport's lock, and never held while waiting on
+its conditions.
 """
 
 from __future__ import annotations
@@ -66,7 +69,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
-from typing import Final, Protocol, TypeAlias
+from typing import TYPE_CHECKING, Final, Protocol, TypeAlias, cast
 
 import attrs
 import numpy as np
@@ -85,17 +88,19 @@ from pdkv.mapping import (
     TransferBlocks,
 )
 from pdkv.protocol import arguments
-from pdkv.protocol.effects import ChunkSpec, Destination, FenceWrite, PeerKey
+from pdkv.protocol.effects import ChunkSpec, Destination, FenceWrite, PeerKey, PrefillEffect
 from pdkv.protocol.ids import RoomId
-from pdkv.protocol.layers import LayerBook, LayerBookStatistics, LayerContext, Verdict
+from pdkv.protocol.layers import DEFAULT_FINISH_TIMEOUT_S, LayerBookStatistics, LayerContext, Verdict
 from pdkv.protocol.machines import PerLayerState, PerLayerTrigger
 from pdkv.protocol.messages import IntArray
 from pdkv.runtime.chunk_plan import fence_of, plan_chunk
 from pdkv.runtime.executor import JobStatus, TransferExecutor, TransferJob, TransferResult
 
+if TYPE_CHECKING:
+    from pdkv.protocol.prefill import PrefillEndpoint
+
 log = logging.getLogger(__name__)
 
-DEFAULT_FINISH_TIMEOUT_S: Final = 60.0
 DEFAULT_MAX_PENDING_EVENTS: Final = 65536
 # Per-layer with several destinations (decode TP > prefill TP) costs a batch per layer and destination,
 # each with a fixed cost (submit, completion, status: about 0.2-0.4 ms per Mooncake TCP batch on this
@@ -164,23 +169,8 @@ ReadyWait: TypeAlias = Callable[[], object] | SupportsSynchronize
 device event. CPU callers pass nothing: the write is complete when ``on_layer_end`` is called."""
 
 
-class LayerDestinationsOf(Protocol):
-    """The endpoint's ruling on a chunk registered for per-layer transfer (called with ``guard`` held):
-    its destinations, or why it goes monolithic (``PrefillEndpoint.layer_destinations``). ``first``:
-    the room has no other context, so the chunk must start where the room's coverage starts."""
-
-    def __call__(
-        self, room: RoomId, pages: np.ndarray, start_token: int, *, first: bool = False
-    ) -> tuple[Destination, ...] | str: ...
-
-
-WritesStarted: TypeAlias = Callable[[RoomId, int], bool]
-"""Before a context's first write: may the room still be written? (takes ``guard``)"""
-
-WritesEnded: TypeAlias = Callable[[RoomId, int, Mapping[PeerKey, FenceWrite]], None]
-"""Every write a context submitted has ended (takes ``guard``); with the fence owed to each decode rank
-(by the key the endpoint owes fences under, fixed when the context registered) whose write failed
-(empty when none did)."""
+Apply: TypeAlias = Callable[[Sequence[PrefillEffect]], None]
+"""The transport's ``_apply``: carries out the endpoint's effects in order (its lock held)."""
 
 LANE_IDLE_S: Final = 30.0  # a peer's submission lane stops after this long without work
 
@@ -254,7 +244,12 @@ class _Work:
         return any(t.job.failed for t in self.targets.values())
 
 
-_Context: TypeAlias = LayerContext[_Work]
+_Context: TypeAlias = LayerContext[object]
+
+
+def _work(context: _Context) -> _Work:
+    """What the manager keeps beside a context of the endpoint's book (the book holds it opaque)."""
+    return cast(_Work, context.work)
 
 
 @attrs.frozen
@@ -332,25 +327,28 @@ class PerLayerTransferManager:
         self,
         executor: TransferExecutor,
         *,
+        endpoint: PrefillEndpoint,
+        lock: threading.Lock,
+        locked: Callable[[], AbstractContextManager[object]],
+        apply: Apply,
         layout: BufferLayout,
-        layer_destinations: LayerDestinationsOf,
-        writes_started: WritesStarted | None = None,
-        writes_ended: WritesEnded | None = None,
         cp_rank: int = 0,
         policy: OwnershipPolicy | None = None,
-        guard: AbstractContextManager[object] | None = None,
         config: PerLayerConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
         name: str = "",
     ) -> None:
+        """``endpoint``: the prefill endpoint whose book holds the contexts; ``lock``: the lock every
+        input of it takes (the transport's), ``locked()`` the same taken so that the messages posted
+        meanwhile leave when it is released, ``apply`` what carries out its effects (lock held)."""
         self._executor = executor
+        self._endpoint = endpoint
+        self._book = endpoint.layers
+        self._locked = locked
+        self._apply = apply
         self._layout = layout
-        self._layer_destinations = layer_destinations
-        self._writes_started: WritesStarted = writes_started or (lambda room, start_token: True)
-        self._writes_ended: WritesEnded = writes_ended or (lambda room, start_token, fences: None)
         self._cp_rank = cp_rank
         self._policy = policy
-        self._guard: AbstractContextManager[object] = guard if guard is not None else threading.Lock()
         self.config = config if config is not None else PerLayerConfig()
         self._clock = clock
         self._name = name
@@ -366,12 +364,10 @@ class PerLayerTransferManager:
             ],
             dtype=np.int64,
         )
-        self._lock = threading.Lock()
-        self._changed = threading.Condition(self._lock)  # context states (finish, drop wait on it)
+        self._lock = lock
+        self._changed = threading.Condition(lock)  # context states (finish, drop wait on it)
         self._lanes: dict[str, _Lane] = {}  # destination peer session -> its submission lane
         self._pending_events = 0
-        # Every context's state and every rule on it (guarded by self._lock).
-        self._book: LayerBook[_Work] = LayerBook(finish_timeout_s=self.config.finish_timeout_s)
         self._started = False
         self._closed = False
 
@@ -457,10 +453,8 @@ class PerLayerTransferManager:
             return self._fallback(room, start_token, "the manager is closed")
         if self._unsupported is not None:
             return self._fallback(room, start_token, self._unsupported)
-        with self._guard:
-            with self._lock:
-                first = not self._book.contexts(room)
-            ruling = self._layer_destinations(room, pages, start_token, first=first)  # MappingError: refused
+        with self._lock:
+            ruling = self._endpoint.layer_destinations(room, pages, start_token)  # MappingError: refused
         if isinstance(ruling, str):
             return self._fallback(room, start_token, ruling)
         destinations = ruling
@@ -478,44 +472,41 @@ class PerLayerTransferManager:
                     f"{self.config.fan_out_min_layer_bytes} bytes per layer and destination, a batch per "
                     "layer and destination costs more than overlapping the forward saves",
                 )
-        with self._guard:
-            # The room may have failed (and been cancelled) while we planned: only a room that still
-            # has the same destinations gets a context, atomically with the transport's failure path.
-            with self._lock:
-                first = not self._book.contexts(room)
-            if self._layer_destinations(room, pages, start_token, first=first) != destinations:
-                return self._fallback(room, start_token, "the room changed while the chunk was planned")
-            with self._lock:
-                if self._book.is_registered(room, start_token):
-                    self._book.duplicate()
-                    return PerLayerMode.DUPLICATE
-                if self.is_closed():  # close() may have dropped every room while we planned
-                    self._book.fallback()
-                    return PerLayerMode.MONOLITHIC
-                work = _Work(
-                    targets={
-                        d.peer.session: _Target(
-                            destination=d,
-                            job=self._executor.start(d.peer.session),
-                            resident=plan.resident,
-                            layers=plan.layers,
-                            kv_pages=plan.kv_pages,
-                        )
-                        for d, plan in zip(destinations, planned, strict=True)
-                    }
-                )
-                context = self._book.register(
-                    room,
-                    start_token,
-                    pages=pages,
-                    peers=tuple(work.targets),
-                    expected=self._known_keys,
-                    work=work,
-                    now=self._clock(),
-                )
-                assert context is not None  # checked under the same lock just above
-                if any(len(t.resident) for t in work.targets.values()):
-                    self._enqueue(_SubmitLayer((context,), None, None))
+        with self._lock:
+            if self.is_closed():  # close() may have dropped every room while we planned
+                self._book.fallback()
+                return PerLayerMode.MONOLITHIC
+            work = _Work(
+                targets={
+                    d.peer.session: _Target(
+                        destination=d,
+                        job=self._executor.start(d.peer.session),
+                        resident=plan.resident,
+                        layers=plan.layers,
+                        kv_pages=plan.kv_pages,
+                    )
+                    for d, plan in zip(destinations, planned, strict=True)
+                }
+            )
+            # The room may have failed (and its contexts stopped) while we planned: only a room that
+            # still has the same destinations gets a context, atomically with its failure path.
+            context = self._endpoint.layer_register(
+                room,
+                start_token,
+                pages=pages,
+                destinations=destinations,
+                expected=self._known_keys,
+                work=work,
+                now=self._clock(),
+            )
+            if context is None:
+                return PerLayerMode.DUPLICATE
+            if isinstance(context, str):
+                self._book.fallback()
+                log.debug("room %s chunk@%d: monolithic path: %s", room, start_token, context)
+                return PerLayerMode.MONOLITHIC
+            if any(len(t.resident) for t in work.targets.values()):
+                self._enqueue(_SubmitLayer((context,), None, None))
         kv_pages = planned[0].kv_pages
         log.debug(
             "room %s chunk@%d: per-layer (%d KV pages, %d resident)",
@@ -562,22 +553,22 @@ class PerLayerTransferManager:
             context = self._book.context(room, start_token)
             if context is None:
                 return None
-            while context.work.owner is _Owner.DRAINER:
+            while _work(context).owner is _Owner.DRAINER:
                 self._changed.wait()
-            if context.work.owner is _Owner.FINISHER:
+            if _work(context).owner is _Owner.FINISHER:
                 raise LocalProtocolError(f"room {room} chunk@{start_token}: finished twice")
             verdict = self._book.begin_finish(context, sent, self._clock())
             if verdict is Verdict.DROPPED:
                 return self._result(context, f"dropped before send(): {context.stop_reason}")
-            context.work.owner = _Owner.FINISHER
+            _work(context).owner = _Owner.FINISHER
             while verdict is Verdict.WAIT:
                 assert context.finish_deadline is not None  # begin_finish set it
                 self._changed.wait(max(0.0, context.finish_deadline - self._clock()))
                 verdict = self._book.finish_check(
-                    context, self._clock(), job_failed=context.work.job_failed()
+                    context, self._clock(), job_failed=_work(context).job_failed()
                 )
             self._changed.notify_all()  # a context that broke here stops its lane's submissions
-        targets = list(context.work.targets.values())
+        targets = list(_work(context).targets.values())
         try:
             if verdict is not Verdict.COMPLETE:
                 for target in targets:
@@ -602,21 +593,20 @@ class PerLayerTransferManager:
         first = failed[0]
         return self._end(context, PerLayerTrigger.FAIL, first.reason if first is not None else "failed")
 
-    def cancel(self, room: RoomId, reason: str) -> bool:
-        """The room failed (or completed without these chunks): stop its contexts now, drop them once
-        their writes ended (non-blocking; each context that wrote reports ``writes_ended`` then).
-        True when something was outstanding."""
-        with self._lock:
-            live = self._book.cancel(room, reason)
-            self._changed.notify_all()
-            unclaimed = any(c.work.owner is None for c in live)
-            if not unclaimed and self._book.pending_drains(room) == 0:
-                return False
-            peers = {peer for c in self._book.contexts(room) for peer in c.peers}
-            self._book.drain_queued(room, len(peers))
-            for peer in sorted(peers):
-                self._lane_enqueue(peer, _DrainRoom(room))
-            return True
+    def drain(self, room: RoomId) -> bool:
+        """The endpoint stopped the room's contexts (``DropLayers``; the transport's lock held): drain
+        those nobody holds on their lanes and drop them once their writes ended (non-blocking; each
+        context that wrote reports ``layer_ended`` then). True when something was outstanding."""
+        live = [c for c in self._book.contexts(room) if not c.terminal]
+        self._changed.notify_all()
+        unclaimed = any(_work(c).owner is None for c in live)
+        if not unclaimed and self._book.pending_drains(room) == 0:
+            return False
+        peers = {peer for c in self._book.contexts(room) for peer in c.peers}
+        self._book.drain_queued(room, len(peers))
+        for peer in sorted(peers):
+            self._lane_enqueue(peer, _DrainRoom(room))
+        return True
 
     def drop(self, room: RoomId, reason: str = "dropped") -> int:
         """Stop every context of ``room``, wait for its outstanding writes, discard it; returns the
@@ -624,19 +614,14 @@ class PerLayerTransferManager:
         with self._lock:
             if not self._book.contexts(room):
                 return 0
-            self._book.cancel(room, reason)
+            self._endpoint.layer_cancel(room, reason)
             self._changed.notify_all()
         dropped = self._drain_unclaimed(room, reason)
         with self._lock:
             # Contexts a finisher or another drainer holds end on their own (drained first).
-            while any(c.work.owner is not None and not c.terminal for c in self._book.contexts(room)):
+            while any(_work(c).owner is not None and not c.terminal for c in self._book.contexts(room)):
                 self._changed.wait()
         return dropped
-
-    def forget(self, room: RoomId) -> None:
-        """The scheduler cleared the room: discard its finished contexts (the rest go once drained)."""
-        with self._lock:
-            self._book.forget(room)
 
     def holds(self, room: RoomId) -> bool:
         """Does a per-layer context of ``room`` exist (its chunks' ``send()`` may wait for a forward)?"""
@@ -737,16 +722,11 @@ class PerLayerTransferManager:
                     self._changed.notify_all()
                 return
         for context in task.contexts:
-            target = context.work.targets[peer]
+            target = _work(context).targets[peer]
             with target.job_lock:
                 with self._lock:
-                    live = context.submitting
-                    first = live and not context.writing
-                if first:
                     # The endpoint counts the context in flight before any byte of it can land.
-                    allowed = self._writes_started(context.room, context.start_token)
-                    with self._lock:
-                        live = self._book.first_write(context, allowed, self._clock())
+                    live = self._endpoint.layer_first_write(context, self._clock())
                 if live:
                     blocks = target.resident if task.layer is None else target.layers[task.layer]
                     if target.fence is None:
@@ -765,25 +745,23 @@ class PerLayerTransferManager:
     def _drain_unclaimed(self, room: RoomId, reason: str) -> int:
         """Drain and drop the room's live contexts nobody holds; returns how many."""
         with self._lock:
-            self._book.cancel(room, reason)  # any registered since the cancel stops too
-            mine = [c for c in self._book.contexts(room) if c.work.owner is None and not c.terminal]
+            self._endpoint.layer_cancel(room, reason)  # any registered since the cancel stops too
+            mine = [c for c in self._book.contexts(room) if _work(c).owner is None and not c.terminal]
             for context in mine:
-                context.work.owner = _Owner.DRAINER
+                _work(context).owner = _Owner.DRAINER
         for context in mine:
-            for target in context.work.targets.values():
+            for target in _work(context).targets.values():
                 try:
                     with target.job_lock:
                         target.result = target.job.drain()
                 except Exception:  # a bug below us; nobody may wait forever for this context
                     log.exception("per-layer: draining room %s chunk@%d failed", room, context.start_token)
-            with self._lock:
-                context.work.owner = None
-                report = self._book.ended(context, PerLayerTrigger.DROP)
-                for target in context.work.targets.values():
+            with self._locked():
+                _work(context).owner = None
+                self._report_end(context, PerLayerTrigger.DROP)
+                for target in _work(context).targets.values():
                     _release_blocks(target)
                 self._changed.notify_all()
-            if report:
-                self._writes_ended(context.room, context.start_token, _fences(context.work))
             log.debug(
                 "room %s chunk@%d: per-layer context dropped (%s)",
                 room,
@@ -833,17 +811,20 @@ class PerLayerTransferManager:
 
     def _end(self, context: _Context, trigger: PerLayerTrigger, reason: str) -> LayerTransferResult:
         """A finisher is done with ``context``: its writes ended (takes the lock)."""
-        with self._lock:
-            report = self._book.ended(context, trigger)
-            context.work.owner = None
+        with self._locked():
+            self._report_end(context, trigger)
+            _work(context).owner = None
             self._changed.notify_all()
-            result = self._result(context, reason)
-        if report:
-            self._writes_ended(context.room, context.start_token, _fences(context.work))
-        return result
+            return self._result(context, reason)
+
+    def _report_end(self, context: _Context, trigger: PerLayerTrigger) -> None:
+        """Every write of ``context`` ended: the endpoint hears it (it may release an AbortAck, a
+        RegisterAck or the room's Success) with the fences owed where a write did not complete."""
+        fences = _fences(_work(context))
+        self._apply(self._endpoint.layer_ended(context, trigger, self._clock(), fences=fences or None))
 
     def _result(self, context: _Context, reason: str) -> LayerTransferResult:
-        targets = context.work.targets.values()
+        targets = _work(context).targets.values()
         outcomes = [t.result for t in targets]
         now = self._clock()
         ok = context.state is PerLayerState.DONE and all(o is not None and o.ok for o in outcomes)

@@ -10,10 +10,11 @@ Owns: the threads and queues of one prefill rank around its sans-IO ``PrefillEnd
   never wait on the network;
 - the per-layer path (``transport.per_layer``, a ``PerLayerTransferManager``): a chunk registered
   before its forward is sent layer by layer while the forward runs; the worker that picks the chunk
-  up after ``send()`` finishes that context instead of sending the chunk again. A context's writes
-  are in flight for the endpoint from its first write (``layer_writes_started`` /
-  ``layer_writes_ended``), so AbortAck, RegisterAck and Success wait for them there. When a room
-  fails (or completes without a registered chunk: ``DropLayers``), its contexts are cancelled.
+  up after ``send()`` finishes that context instead of sending the chunk again. The contexts are the
+  endpoint's (its ``LayerBook``), in flight for it from their first write (``layer_first_write`` /
+  ``layer_ended``), so AbortAck, RegisterAck and Success wait for them there. When a room fails (or
+  completes without a registered chunk), the endpoint stops its contexts and the manager drains
+  them (``DropLayers``).
 
 All room state lives in the endpoint, behind one lock. Effects are carried out in the order the
 endpoint produced them. A worker never dies on an exception: the chunk (and so the room) fails with
@@ -258,6 +259,7 @@ class PrefillTransport(EndpointHost[PrefillEndpoint, PrefillEffect]):
                 timeouts=config.timeouts,
                 policy=config.policy,
                 layout_policy=config.layout_policy,
+                layer_finish_timeout_s=config.per_layer.finish_timeout_s,
             ),
             factory(config.host),
             thread_name=f"pdkv-prefill-{config.rank}",
@@ -274,13 +276,13 @@ class PrefillTransport(EndpointHost[PrefillEndpoint, PrefillEffect]):
         self._workers: list[threading.Thread] = []  # started by start(), new ones on a retried start
         self.per_layer = PerLayerTransferManager(
             self._executor,
+            endpoint=self._endpoint,
+            lock=self._lock,
+            locked=self._locked,
+            apply=self._apply,
             layout=config.layout,
-            layer_destinations=self._endpoint.layer_destinations,  # called with the lock held
-            writes_started=self._layer_writes_started,
-            writes_ended=self._layer_writes_ended,
             cp_rank=config.rank.cp,
             policy=config.policy,
-            guard=self._lock,
             config=config.per_layer,
             clock=clock,
             name=str(config.rank),
@@ -443,13 +445,10 @@ class PrefillTransport(EndpointHost[PrefillEndpoint, PrefillEffect]):
             case RoomFinished():
                 if effect.poll is KVPoll.Success:
                     log.debug("room %s succeeded on prefill %s", effect.room, self.config.rank)
-                    # Contexts that never wrote (none that wrote can be left: Success waited for them).
-                    self.per_layer.cancel(effect.room, "room succeeded without this chunk")
                 else:
-                    self.per_layer.cancel(effect.room, effect.reason or "room failed")
                     self.checksums.forget(effect.room)
             case DropLayers():
-                self.per_layer.cancel(effect.room, effect.reason)
+                self.per_layer.drain(effect.room)
             case SubmitFence():
                 try:
                     self._work.put_nowait(effect)
@@ -610,21 +609,6 @@ class PrefillTransport(EndpointHost[PrefillEndpoint, PrefillEffect]):
                     log.exception(
                         "transfer worker: could not fail chunk %s of room %s", item.chunk, item.room
                     )
-
-    def _layer_writes_started(self, room: RoomId, start_token: int) -> bool:
-        """Per-layer manager, before a context's first write: may the room still be written?"""
-        with self._lock:
-            return self._endpoint.layer_writes_started(room, start_token, self._clock())
-
-    def _layer_writes_ended(
-        self, room: RoomId, start_token: int, fences: Mapping[PeerKey, FenceWrite]
-    ) -> None:
-        """Per-layer manager: every write of a context ended (it may release an AbortAck, a
-        RegisterAck or the room's Success); ``fences`` by decode rank where one failed."""
-        with self._locked():
-            self._apply(
-                self._endpoint.layer_writes_ended(room, start_token, self._clock(), fences=fences or None)
-            )
 
     def _run_fence(self, fence: SubmitFence) -> None:
         """Write the fence through the engine's queue to that decode rank; report it (AbortAck)."""
@@ -979,7 +963,6 @@ class KVSender(RoomHandle[PrefillEndpoint, PrefillEffect]):
     def clear(self) -> None:
         """Forget a terminal room (its id is remembered as a tombstone for late messages)."""
         self.transport._call(lambda e, now: _close(e, self.room, now))
-        self.transport.per_layer.forget(self.room)
         self.transport.checksums.forget(self.room)
 
 

@@ -12,12 +12,12 @@ with a higher epoch behind the same address (the old process and its in-flight w
 ``stale_messages`` / ``deliver`` replay what retired incarnations sent. ``close_settled`` plays
 the schedulers' ``clear()`` so long runs keep only live rooms.
 
-Per-layer rooms go through the real per-layer rules: each prefill rank holds a
-``pdkv.protocol.layers.LayerBook``; a per-layer chunk registers there (with the endpoint's ruling on
-its destinations) when it is queued, the rank's forward reports its layers over ``layer_time``, each
-routed layer becomes a write (asking the endpoint before a context's first one), the chunk's
-``SubmitChunk`` finishes the context instead of writing the chunk, and cancels and drains follow
-the effects, as ``pdkv.runtime.per_layer`` does with threads.
+Per-layer rooms go through the real per-layer rules: a per-layer chunk registers in its prefill
+endpoint's book (``layer_destinations``, ``layer_register``) when it is queued, the rank's forward
+reports its layers over ``layer_time``, each routed layer becomes a write (the endpoint asked before a
+context's first one: ``layer_first_write``), the chunk's ``SubmitChunk`` finishes the context
+instead of writing the chunk, and contexts the endpoint stopped are drained once their writes ended
+(``layer_ended``), as ``pdkv.runtime.per_layer`` does with threads.
 
 Shipped with the library (like ``trio.testing``) so embedders can test their own integration
 against the same harness. Deterministic: all randomness comes from one seeded ``random.Random``.
@@ -31,7 +31,7 @@ import itertools
 import random
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import assert_never
+from typing import assert_never, cast
 
 import attrs
 import numpy as np
@@ -62,7 +62,7 @@ from pdkv.protocol.effects import (
     VerifyChecksums,
 )
 from pdkv.protocol.ids import Endpoint, Epoch, InstanceId, RoomId, SessionId
-from pdkv.protocol.layers import LayerBook, LayerContext, Verdict
+from pdkv.protocol.layers import LayerContext, Verdict
 from pdkv.protocol.machines import PerLayerState, PerLayerTrigger
 from pdkv.protocol.messages import (
     Message,
@@ -253,6 +253,16 @@ class _Layers:
     failed: bool = False
 
 
+def _layers(context: LayerContext[object]) -> _Layers:
+    """What the pair keeps beside a context of an endpoint's book (the book holds it opaque)."""
+    return cast(_Layers, context.work)
+
+
+def context_chunk(context: LayerContext[object]) -> int:
+    """The index of the chunk a per-layer context of the pair was registered for."""
+    return _layers(context).chunk
+
+
 @attrs.define(eq=False)
 class _LayerWrite:
     """One layer of one context being written (a restart of its rank ends it)."""
@@ -260,7 +270,7 @@ class _LayerWrite:
     room: RoomId
     prefill: int
     endpoint: PrefillEndpoint
-    context: LayerContext[_Layers]
+    context: LayerContext[object]
     done_at: float
     fail: bool
 
@@ -292,7 +302,7 @@ class _Finisher:
 
     prefill: int
     endpoint: PrefillEndpoint
-    context: LayerContext[_Layers]
+    context: LayerContext[object]
     verdict: Verdict
 
 
@@ -380,6 +390,7 @@ class EndpointPair:
                 layout=self.layout,
                 timeouts=self.timeouts,
                 policy=PageInterleaved(cp_size=cp_size),
+                layer_finish_timeout_s=self.timeouts.transfer,
             )
             for cp in range(cp_size)
         ]
@@ -413,10 +424,6 @@ class EndpointPair:
         self._layer_keys = tuple(
             sorted({LayerKey(model=b.model, layer_id=b.layer_id) for b in self.layout.kv_buffers}, key=str)
         )
-        self.layer_books: list[LayerBook[_Layers]] = [
-            LayerBook(finish_timeout_s=self.timeouts.transfer) for _ in range(cp_size)
-        ]
-        """The per-layer contexts of each CP rank (a restarted rank starts with an empty book)."""
         self.late_write_s = late_write_s
         self._decode_key: PeerKey = (self.decode_instance, self.decode.origin.rank)
         self._residues: list[_Residue] = []
@@ -556,13 +563,13 @@ class EndpointPair:
         for event in [e for e in self._layer_events if e.at <= now]:
             self._layer_events.remove(event)
             if self.prefills[event.prefill] is event.endpoint:
-                for context in self.layer_books[event.prefill].layer_ready(event.key):
+                for context in self.prefills[event.prefill].layers.layer_ready(event.key):
                     self._write_layer(event.prefill, context, event.key, now)
         for lw in [w for w in self._layer_writes if w.done_at <= now]:
             self._layer_writes.remove(lw)
-            lw.context.work.in_flight -= 1
+            _layers(lw.context).in_flight -= 1
             if lw.fail:
-                lw.context.work.failed = True
+                _layers(lw.context).failed = True
                 self._residues.append(
                     _Residue(room=lw.room, prefill=lw.prefill, lands_at=now + self.late_write_s)
                 )
@@ -668,10 +675,8 @@ class EndpointPair:
                 prefill_polls.append(opener.poll(room) if live and opener.has_room(room) else None)
                 prefill_finished = self.finished.pop((f"prefill{i}", room), None)
                 prefill_causes.append(None if prefill_finished is None else prefill_finished.cause)
-            for p, book in zip(self.prefills, self.layer_books, strict=True):
-                if p.has_room(room):
-                    p.close_room(room, now)
-                book.forget(room)  # the scheduler's clear(): its per-layer contexts go too
+            for p in self.prefills:
+                p.close_room(room, now)  # the scheduler's clear(): its per-layer contexts go too
             if self.decode.has_room(room):
                 self.decode.close_room(room, now)
             decode_finished = self.finished.pop(("decode", room), None)
@@ -714,6 +719,7 @@ class EndpointPair:
             layout=self.layout,
             timeouts=self.timeouts,
             policy=old.policy,
+            layer_finish_timeout_s=self.timeouts.transfer,
         )
         self.retired.append(old)
         self.prefills[cp] = new
@@ -731,7 +737,6 @@ class EndpointPair:
         self._layer_events = [e for e in self._layer_events if e.prefill != cp]
         self._finishers = {k: f for k, f in self._finishers.items() if f.prefill != cp}
         self._pending_sends = [x for x in self._pending_sends if x.prefill != cp]
-        self.layer_books[cp] = LayerBook(finish_timeout_s=self.timeouts.transfer)
         # Its engine's queue dies with the process; bytes already in kernel sockets stay.
         self._residues = [x for x in self._residues if x.prefill != cp or not x.in_engine]
         self._fences = [f for f in self._fences if f.prefill != cp]
@@ -794,17 +799,13 @@ class EndpointPair:
                     self._start_write(int(who.removeprefix("prefill")), e, now)
                 case RoomFinished():
                     self.finished[(who, e.room)] = e
-                    if who != "decode":  # contexts of the room stop (those that never wrote, on Success)
-                        self.layer_books[int(who.removeprefix("prefill"))].cancel(
-                            e.room, e.reason or "room ended"
-                        )
                 case ReleasePages():
                     self._on_release(e, now)
                 case ForgetPeer():
                     self.forgotten.append((who, e))
                     self.link.drop_queued(e.endpoint, sender, now)
                 case DropLayers():
-                    self.layer_books[int(who.removeprefix("prefill"))].cancel(e.room, e.reason)
+                    pass  # the endpoint stopped them; _end_layer_contexts drains them
                 case SubmitFence():
                     cp = int(who.removeprefix("prefill"))
                     fence = _FenceInFlight(
@@ -831,9 +832,9 @@ class EndpointPair:
     def _start_write(self, prefill: int, e: SubmitChunk, now: float) -> None:
         if not self.prefills[prefill].start_chunk(e.room, e.chunk, now):
             return
-        context = self.layer_books[prefill].context(e.room, e.spec.start_token)
+        context = self.prefills[prefill].layers.context(e.room, e.spec.start_token)
         if context is not None:  # a per-layer chunk: send() finishes its context
-            verdict = self.layer_books[prefill].begin_finish(context, np.asarray(e.spec.pages), now)
+            verdict = self.prefills[prefill].layers.begin_finish(context, np.asarray(e.spec.pages), now)
             if verdict is Verdict.DROPPED:
                 reason = f"dropped before send(): {context.stop_reason}"
                 self._apply(
@@ -946,45 +947,40 @@ class EndpointPair:
         the rank reports its layers one by one over ``layer_time``."""
         p = self.prefills[prefill]
         pages = np.asarray(spec.pages, dtype=np.int64)
-        first = not self.layer_books[prefill].contexts(room)
-        ruling = p.layer_destinations(room, pages, spec.start_token, first=first)
+        ruling = p.layer_destinations(room, pages, spec.start_token)
         if isinstance(ruling, str):
             return
-        self.layer_books[prefill].register(
+        context = p.layer_register(
             room,
             spec.start_token,
             pages=pages,
-            peers=tuple(d.peer.session for d in ruling),
+            destinations=ruling,
             expected=frozenset(self._layer_keys),
             work=_Layers(chunk=chunk),
             now=now,
         )
+        assert isinstance(context, LayerContext), context  # ruled under the same "lock" just above
         step = self.layer_time / len(self._layer_keys)
         for k, key in enumerate(self._layer_keys):
             self._layer_events.append(
                 _LayerEvent(prefill=prefill, endpoint=p, key=key, at=now + (k + 1) * step)
             )
 
-    def _write_layer(self, prefill: int, context: LayerContext[_Layers], key: LayerKey, now: float) -> None:
+    def _write_layer(self, prefill: int, context: LayerContext[object], key: LayerKey, now: float) -> None:
         """A layer routed to ``context``: the endpoint is asked before its first write, then each of
         its destinations gets the layer (written ``transfer_time`` later, failing if injected)."""
-        book, p = self.layer_books[prefill], self.prefills[prefill]
-        live = context.submitting
-        if live and not context.writing:
-            live = book.first_write(
-                context, p.layer_writes_started(context.room, context.start_token, now), now
-            )
-        if not live:
+        p = self.prefills[prefill]
+        if not p.layer_first_write(context, now):
             return
         self.writes_started += 1
         if context.room in self._released_safe:
             self.violations.append(
                 SafetyViolation(room=context.room, time=now, what="layer writes started after safe release")
             )
-        fail = self.fail_write is not None and self.fail_write(context.room, context.work.chunk, prefill)
+        fail = self.fail_write is not None and self.fail_write(context.room, _layers(context).chunk, prefill)
         for peer in context.peers:
-            book.submitted(context, key, peer)
-            context.work.in_flight += 1
+            p.layers.submitted(context, key, peer)
+            _layers(context).in_flight += 1
             self._layer_writes.append(
                 _LayerWrite(
                     room=context.room,
@@ -998,17 +994,17 @@ class EndpointPair:
 
     def _end_layer_contexts(self, now: float) -> None:
         """Contexts whose writes all ended: a finisher's ends the chunk, a stopped one is drained."""
-        for prefill, book in enumerate(self.layer_books):
-            p = self.prefills[prefill]
+        for prefill, p in enumerate(self.prefills):
+            book = p.layers
             for context in [c for c in book.all_contexts() if not c.terminal]:
                 finisher = self._finishers.get(id(context))
                 if finisher is not None:
                     if finisher.verdict is Verdict.WAIT:
-                        finisher.verdict = book.finish_check(context, now, job_failed=context.work.failed)
-                    if finisher.verdict is Verdict.WAIT or context.work.in_flight:
+                        finisher.verdict = book.finish_check(context, now, job_failed=_layers(context).failed)
+                    if finisher.verdict is Verdict.WAIT or _layers(context).in_flight:
                         continue
                     del self._finishers[id(context)]
-                    if finisher.verdict is Verdict.COMPLETE and not context.work.failed:
+                    if finisher.verdict is Verdict.COMPLETE and not _layers(context).failed:
                         trigger = PerLayerTrigger.COMPLETE
                     else:
                         trigger = (
@@ -1018,7 +1014,7 @@ class EndpointPair:
                         )
                 elif (
                     context.state in (PerLayerState.CANCELLING, PerLayerState.FAILING)
-                    and not context.work.in_flight
+                    and not _layers(context).in_flight
                 ):
                     trigger = PerLayerTrigger.DROP
                 else:
@@ -1029,25 +1025,24 @@ class EndpointPair:
         self,
         prefill: int,
         p: PrefillEndpoint,
-        context: LayerContext[_Layers],
+        context: LayerContext[object],
         trigger: PerLayerTrigger,
         finisher: _Finisher | None,
         now: float,
     ) -> None:
         who = f"prefill{prefill}"
-        if self.layer_books[prefill].ended(context, trigger):
-            fences = None
-            if context.work.failed:
-                fences = {self._decode_key: FenceWrite(session=self._decode_session, src=0, dst=0, length=1)}
-            self._apply(who, p.layer_writes_ended(context.room, context.start_token, now, fences=fences))
+        fences = None
+        if _layers(context).failed:
+            fences = {self._decode_key: FenceWrite(session=self._decode_session, src=0, dst=0, length=1)}
+        self._apply(who, p.layer_ended(context, trigger, now, fences=fences))
         if finisher is None:
             return
         if trigger is PerLayerTrigger.COMPLETE:
             metric = TransferMetricData(pages=1, bytes=4096, seconds=self.transfer_time)
-            self._apply(who, p.chunk_done(context.room, context.work.chunk, metric, now))
+            self._apply(who, p.chunk_done(context.room, _layers(context).chunk, metric, now))
         else:
-            reason = "injected engine failure" if context.work.failed else context.stop_reason
-            self._apply(who, p.chunk_failed(context.room, context.work.chunk, reason or "failed", now))
+            reason = "injected engine failure" if _layers(context).failed else context.stop_reason
+            self._apply(who, p.chunk_failed(context.room, _layers(context).chunk, reason or "failed", now))
 
 
 def default_layout(*, layers: int = 2, pages: int = 4096, page_size: int = 16) -> BufferLayout:

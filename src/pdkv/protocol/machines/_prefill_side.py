@@ -169,6 +169,20 @@ class PrefillSide(Protocol):
 
     def forget_if_idle(self, room: SenderRoom) -> None: ...
 
+    def layer_writes(self, room: RoomId) -> list[int]:
+        """The room's per-layer contexts (by start token) whose writes may still land: those that
+        started writing and have not ended (the endpoint's ``LayerBook`` holds them)."""
+        ...
+
+    def writes_in_flight(self, room: SenderRoom) -> int:
+        """Chunks and per-layer contexts of ``room`` whose writes may still land."""
+        ...
+
+    def stop_layers(self, room: RoomId, reason: str) -> None:
+        """Every per-layer context of ``room`` still submitting stops; those not ended yet are
+        drained by the runtime (``DropLayers``)."""
+        ...
+
     def arm_heartbeats(self, now: float) -> None: ...
 
     def heartbeats_done_if_alone(self) -> None: ...
@@ -235,7 +249,6 @@ class SenderRoom:
     abort: AbortMachine | None = None  # the abort handshake, from the first Abort of a decode rank
     ack_to: set[PeerKey] = attrs.Factory(set)  # decode ranks whose Abort asks for an AbortAck
     closed: bool = False  # the scheduler cleared it: forgotten once nothing of it can land
-    layer_writes: set[int] = attrs.Factory(set)  # per-layer contexts (by start token) writing now
     peer_metric: dict[PeerKey, TransferMetricData] = attrs.Factory(dict)  # what each decode rank got
     unanswered: set[PeerKey] = attrs.Factory(set)  # told Failed, no Abort back yet (resent)
     status_resend_at: float | None = None
@@ -246,10 +259,10 @@ class SenderRoom:
         return self.machine.is_terminal
 
     @property
-    def in_flight(self) -> int:
-        """Chunks and per-layer contexts whose writes may still land."""
-        chunks = sum(1 for c in self.chunks if c.machine.state is ChunkState.TRANSFERRING)
-        return chunks + len(self.layer_writes)
+    def chunks_in_flight(self) -> int:
+        """Chunks whose writes may still land (the endpoint adds the per-layer contexts that write:
+        ``PrefillSide.writes_in_flight``)."""
+        return sum(1 for c in self.chunks if c.machine.state is ChunkState.TRANSFERRING)
 
     @property
     def real_requests(self) -> list[TransferRequest]:
@@ -293,7 +306,8 @@ class RoomStep:
     chunk: int = -1  # CHUNK_DONE / CHUNK_FAILED: which
     metric: TransferMetricData | None = None
     per_peer: Mapping[PeerKey, TransferMetricData] | None = None
-    start_token: int = -1  # LAYER_WRITES_ENDED: which context
+    start_token: int = -1  # LAYER_WRITES_STARTED / LAYER_WRITES_ENDED: which context
+    consented: bool = False  # LAYER_WRITES_STARTED: the row let the context write
     problem: str | None = None  # what a guard found (why a request is invalid), for the effects
 
 

@@ -21,7 +21,7 @@ _I = PrefillAbortInput
 
 def writes_in_flight(s: AbortStep) -> bool:
     """A write of the room may still land (a chunk transferring, a per-layer context writing)."""
-    return s.room.in_flight > 0
+    return s.side.writes_in_flight(s.room) > 0
 
 
 def asked_by_sender(s: AbortStep) -> bool:

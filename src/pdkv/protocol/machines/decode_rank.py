@@ -183,7 +183,9 @@ def fail_rooms_restarted(s: RankStep) -> None:
 def note_draining(s: RankStep) -> None:
     """Remember the rooms with writes in flight to it as it is forgotten: a new registration is
     acknowledged only once they ended."""
-    s.rank.draining.update(r.room for r in s.side.room_records() if r.in_flight and s.rank.key in r.requests)
+    s.rank.draining.update(
+        r.room for r in s.side.room_records() if s.side.writes_in_flight(r) and s.rank.key in r.requests
+    )
     if s.rank.draining:
         s.side.watch_drain(s.rank.key)
 

@@ -104,7 +104,7 @@ PER_LAYER_NOTES = EdgeNotes(
             guard="submitted writes ended (one failed, or broken)", effects=("chunk_failed",)
         ),
         (_T.DROP, _S.DROPPED): EdgeNote(
-            guard="submitted writes ended, no send() holds it", effects=("layer_writes_ended",)
+            guard="submitted writes ended, no send() holds it", effects=("layer_ended",)
         ),
     },
 )

@@ -15,7 +15,8 @@ record an input is about first (a chunk, a per-layer context, a fence) and then 
 Inputs: ``request`` (a TransferRequest from a registered decode rank), ``open`` (``sender.init``),
 ``queue_chunk`` (``sender.send``, the chunk checked against the page contract already),
 ``chunk_done`` / ``chunk_failed`` (a worker's answer, the chunk stepped first), ``layer_writes_started``
-/ ``layer_writes_ended`` (a per-layer context), ``fence_done`` (a fence Success waited for completed),
+/ ``layer_writes_ended`` (a per-layer context of the endpoint's book: its first write, the end of its
+writes), ``fence_done`` (a fence Success waited for completed),
 ``peer_abort`` (an Abort from a decode rank), ``abort`` (the scheduler's), ``fail`` (decided by the
 endpoint: a deadline, a lost or restarted rank), ``status_resend_due`` (a Failed status unanswered).
 """
@@ -31,7 +32,6 @@ from pdkv.protocol import arguments
 from pdkv.protocol.effects import (
     DecodePeer,
     Destination,
-    DropLayers,
     FailureCause,
     Notice,
     NoticeLevel,
@@ -171,23 +171,23 @@ def opened(s: RoomStep) -> bool:
 def complete(s: RoomStep) -> bool:
     """The last chunk is queued, every chunk Done, no per-layer write can still land, and no fence is
     owed: the room's bytes are all where they belong."""
-    return _chunks_done(s.room) and not s.room.layer_writes and not _fences_pending(s)
+    return _chunks_done(s.room) and not s.side.layer_writes(s.room.room) and not _fences_pending(s)
 
 
 def layers_still_writing(s: RoomStep) -> bool:
     """Every chunk is Done, but a per-layer context (whose chunk was never sent) still writes."""
-    return _chunks_done(s.room) and bool(s.room.layer_writes)
+    return _chunks_done(s.room) and bool(s.side.layer_writes(s.room.room))
 
 
 def fences_owed(s: RoomStep) -> bool:
     """Every chunk is Done and no per-layer write runs, but a write of the room failed: its bytes may
     still be queued in the engine, so Success waits for a fence to each such rank."""
-    return _chunks_done(s.room) and not s.room.layer_writes and _fences_pending(s)
+    return _chunks_done(s.room) and not s.side.layer_writes(s.room.room) and _fences_pending(s)
 
 
 def quiet_with_fences_owed(s: RoomStep) -> bool:
     """No per-layer write runs any more and a fence Success waits for is owed."""
-    return not s.room.layer_writes and _fences_pending(s)
+    return not s.side.layer_writes(s.room.room) and _fences_pending(s)
 
 
 def registered_sender(s: RoomStep) -> bool:
@@ -352,16 +352,15 @@ def succeed(s: RoomStep) -> None:
     for key, q in r.requests.items():
         if not q.dummy:
             _status_to(s, key)
+    s.side.stop_layers(r.room, "room succeeded without this chunk")  # only contexts that never wrote
     s.side.emit(RoomFinished(room=r.room, poll=KVPoll.Success))
 
 
 def drop_layers(s: RoomStep) -> None:
-    """Per-layer contexts whose chunk was never sent: the runtime stops them; Success waits for the
-    writes they submitted."""
-    held = sorted(s.room.layer_writes)
-    s.side.emit(
-        DropLayers(room=s.room.room, reason=f"room complete; per-layer chunk(s) @{held} were never sent")
-    )
+    """Per-layer contexts whose chunk was never sent stop; Success waits for the writes they
+    submitted (the runtime drains them)."""
+    held = s.side.layer_writes(s.room.room)
+    s.side.stop_layers(s.room.room, f"room complete; per-layer chunk(s) @{held} were never sent")
     s.side.emit(
         Notice(
             level=NoticeLevel.WARNING,
@@ -380,8 +379,9 @@ def submit_owed_fences(s: RoomStep) -> None:
             fence.machine.step(FenceInput.SUBMIT, FenceStep(s.side, fence, s.room.room, key, s.now))
 
 
-def note_layer_context(s: RoomStep) -> None:
-    s.room.layer_writes.add(s.start_token)
+def consent_layer_writes(s: RoomStep) -> None:
+    """The context may write: from its first write on it counts as a write in flight of the room."""
+    s.consented = True
 
 
 def name_chunk_failure(s: RoomStep) -> None:
@@ -406,6 +406,7 @@ def fail_room(s: RoomStep) -> None:
     for chunk in r.chunks:
         if chunk.machine.state is ChunkState.REGISTERED:
             chunk.machine.step(ChunkInput.SKIP, ChunkStep(s.side, r, chunk, s.now))
+    s.side.stop_layers(r.room, s.reason or "room failed")
     s.side.emit(RoomFinished(room=r.room, poll=KVPoll.Failed, reason=s.reason, cause=s.cause))
     s.side.emit(
         Notice(
@@ -456,7 +457,7 @@ def after_write(s: RoomStep) -> None:
     a decode rank registered again while writes to its previous incarnation drained gets its
     RegisterAck, and a cleared room is forgotten."""
     r = s.room
-    if r.in_flight:
+    if s.side.writes_in_flight(r):
         return
     if r.abort is not None:
         r.abort.step(PrefillAbortInput.WRITES_ENDED, AbortStep(s.side, r, s.now))
@@ -570,7 +571,11 @@ SENDER_ROOM = MachineSpec(
         row(_I.CHUNK_FAILED, _LIVE, _S.FAILED, then=[name_chunk_failure, fail_room, after_write]),
         row(_I.CHUNK_FAILED, _S.FAILED, None, then=[after_write]),
         row(
-            _I.LAYER_WRITES_STARTED, (_S.BOOTSTRAPPING, *_ASKED), None, when=opened, then=[note_layer_context]
+            _I.LAYER_WRITES_STARTED,
+            (_S.BOOTSTRAPPING, *_ASKED),
+            None,
+            when=opened,
+            then=[consent_layer_writes],
         ),
         row(_I.LAYER_WRITES_STARTED, tuple(SenderRoomState), None),  # refused: the context writes nothing
         *_completion_rows(_I.LAYER_WRITES_ENDED),
