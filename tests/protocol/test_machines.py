@@ -14,6 +14,7 @@ from pdkv.protocol.machines import (
     CHUNK,
     DECODE_ABORT,
     DECODE_RANK,
+    FAILURE_NOTICE,
     FENCE,
     PER_LAYER,
     PREFILL_ABORT,
@@ -28,6 +29,8 @@ from pdkv.protocol.machines import (
     DecodeAbortTrigger,
     DecodeRankInput,
     DecodeRankState,
+    FailureNoticeInput,
+    FailureNoticeState,
     FenceInput,
     FenceState,
     MachineSpec,
@@ -133,6 +136,13 @@ MOVES: dict[str, dict[tuple[Any, Any], set[Any]]] = {
         **{(s, DRI.DRAINED): {None} for s in (*_DR_OFF, DR.READY)},
         **{(s, DRI.HEARTBEAT): {None} for s in DecodeRankState},
     },
+    # A Failed status goes again until every decode rank told has answered with an Abort.
+    "FailureNotice": {
+        (FailureNoticeState.TELLING, FailureNoticeInput.HEARD): {None, FailureNoticeState.ANSWERED},
+        (FailureNoticeState.ANSWERED, FailureNoticeInput.HEARD): {None},
+        (FailureNoticeState.TELLING, FailureNoticeInput.RESEND_DUE): {None},
+        (FailureNoticeState.ANSWERED, FailureNoticeInput.RESEND_DUE): {None},
+    },
     "Fence": {
         (F.OWED, FI.SUBMIT): {F.RUNNING},
         (F.RUNNING, FI.SUBMIT): {None},
@@ -201,6 +211,7 @@ TERMINAL: dict[str, set[Any]] = {
     "PerLayer": {PL.DONE, PL.FAILED, PL.DROPPED},
     "DecodeRank": set(),  # a decode rank can always register again
     "Fence": {F.DONE},  # a later failed write owes a new fence
+    "FailureNotice": {FailureNoticeState.ANSWERED},
 }
 
 
@@ -321,6 +332,7 @@ def test_all_machines_are_listed() -> None:
     assert {s.name for s in ALL_MACHINES} == set(EXPECTED) | set(MOVES)
     listed = (
         SENDER_ROOM,
+        FAILURE_NOTICE,
         RECEIVER_ROOM,
         CHUNK,
         DECODE_ABORT,

@@ -3,6 +3,7 @@ errors at the call with nothing changed, remote inputs that never raise, honest 
 
 from __future__ import annotations
 
+import attrs
 import numpy as np
 import pytest
 
@@ -10,8 +11,9 @@ from pdkv.errors import InvalidArgumentError, LocalProtocolError, MappingError
 from pdkv.mapping import PageInterleaved
 from pdkv.mapping.layout import BufferKind
 from pdkv.protocol.config import Timeouts
-from pdkv.protocol.effects import ChunkSpec, FailureCause, SubmitChunk, Target
-from pdkv.protocol.ids import Epoch, RoomId
+from pdkv.protocol.effects import ChunkSpec, FailureCause, Send, SubmitChunk, Target
+from pdkv.protocol.ids import Endpoint, Epoch, RoomId
+from pdkv.protocol.machines import FailureNoticeState
 from pdkv.protocol.messages import (
     Abort,
     AbortAck,
@@ -409,6 +411,30 @@ def test_a_failed_status_is_resent_until_the_decode_answers_with_its_abort() -> 
     p.receive(Abort(origin=DECODE, room=ROOM, reason="prefill failed"), 4.5)
     assert sent(p.tick(8.0), TransferStatus) == [] and p.next_deadline() != 8.0
     assert p.statistics().statuses_resent == 2
+
+
+def test_a_failed_status_goes_again_only_to_the_ranks_whose_abort_has_not_answered_it() -> None:
+    """Rules as rows: the resends are the room's FailureNotice machine (TELLING until every rank told
+    answered, then ANSWERED), not flags on the room."""
+    p = prefill(Timeouts(abort_resend=1.0))
+    second = Origin(instance=DECODE.instance, epoch=DECODE.epoch, rank=RankCoord(tp=1))
+    second_ep = Endpoint("inproc://d2")
+    p.receive(register(), 0.0)
+    p.receive(attrs.evolve(register(origin=second), endpoint=second_ep), 0.0)
+    p.open_room(ROOM, num_pages=2, aux_row=None, now=0.0)
+    p.receive(request([5, 6], required=2), 0.0)
+    p.receive(request([5, 6], required=2, origin=second), 0.0)
+    assert p.notice_state(ROOM) is None  # nothing told yet
+    told = [e.to for e in p.abort_room(ROOM, "scheduler gave up", 1.0) if isinstance(e, Send)]
+    assert sorted(told) == sorted([DECODE_EP, second_ep])
+    assert p.notice_state(ROOM) is FailureNoticeState.TELLING
+    p.receive(Abort(origin=DECODE, room=ROOM, reason="prefill failed"), 1.5)
+    assert p.notice_state(ROOM) is FailureNoticeState.TELLING  # the second rank has not answered
+    again = [e.to for e in p.tick(2.0) if isinstance(e, Send) and isinstance(e.message, TransferStatus)]
+    assert again == [second_ep] and p.statistics().statuses_resent == 1
+    p.receive(Abort(origin=second, room=ROOM, reason="prefill failed"), 2.5)
+    assert p.notice_state(ROOM) is FailureNoticeState.ANSWERED
+    assert sent(p.tick(4.0), TransferStatus) == [] and p.statistics().statuses_resent == 1
 
 
 def test_a_prefill_that_forgot_a_decode_rank_tells_it_at_its_next_heartbeat() -> None:

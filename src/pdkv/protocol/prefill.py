@@ -86,6 +86,7 @@ from pdkv.protocol.machines._prefill_side import (
     ChunkStep,
     DecodeRank,
     DecodeRankInput,
+    FailureNoticeState,
     Fence,
     FenceInput,
     FenceState,
@@ -254,9 +255,11 @@ class PrefillEndpoint(RoomKeeper[SenderRoom]):
 
     def schedule_status_resend(self, room: SenderRoom, now: float) -> None:
         """A Failed status may be lost: resent (backoff) until the decode rank's Abort answers."""
-        room.status_resend_at = self.timeouts.resend_at(now, room.status_resends)
-        if room.status_resend_at is not None:
-            self._status_resends.push(room.room, room.status_resend_at)
+        notice = room.notice
+        assert notice is not None  # scheduled for a room that told its ranks
+        notice.resend_at = self.timeouts.resend_at(now, notice.resends)
+        if notice.resend_at is not None:
+            self._status_resends.push(room.room, notice.resend_at)
 
     def fences_of(self, room: RoomId) -> list[tuple[PeerKey, Fence]]:
         owed = self._fences.get(room)
@@ -735,6 +738,11 @@ class PrefillEndpoint(RoomKeeper[SenderRoom]):
         r = self._room(room)
         return None if r.abort is None else r.abort.state
 
+    def notice_state(self, room: RoomId) -> FailureNoticeState | None:
+        """The room's Failed status to its decode ranks (None: it told none)."""
+        r = self._room(room)
+        return None if r.notice is None else r.notice.machine.state
+
     def _deadline_of(self, r: SenderRoom) -> float | None:
         return None if r.terminal else r.deadline
 
@@ -883,9 +891,12 @@ class PrefillEndpoint(RoomKeeper[SenderRoom]):
         r = self._rooms.get(room)
         if r is None or r.machine.state is not SenderRoomState.FAILED:
             return None
-        if not any(self.registered(key) is not None for key in r.unanswered):
+        notice = r.notice
+        if notice is None or notice.machine.state is not FailureNoticeState.TELLING:
+            return None
+        if not any(self.registered(key) is not None for key in notice.unanswered):
             return None  # nobody registered to tell (a forgotten rank hears of it when it registers)
-        return r.status_resend_at
+        return notice.resend_at
 
     def _fence_retry_deadline(self, key: tuple[RoomId, PeerKey]) -> float | None:
         fence = self._fences.get(key[0], {}).get(key[1])

@@ -42,7 +42,11 @@ from pdkv.protocol.machines.room_receiver import (
     ReceiverRoomTrigger,
 )
 from pdkv.protocol.machines.room_sender import (
+    FAILURE_NOTICE,
     SENDER_ROOM,
+    FailureNoticeInput,
+    FailureNoticeMachine,
+    FailureNoticeState,
     SenderRoomInput,
     SenderRoomMachine,
     SenderRoomState,
@@ -53,6 +57,7 @@ from pdkv.protocol.poll import KVPoll, consensus, consensus_columns
 # Heterogeneous specs: each has its own state and trigger enums.
 ALL_MACHINES: tuple[MachineSpec[Any, Any], ...] = (
     SENDER_ROOM,
+    FAILURE_NOTICE,
     RECEIVER_ROOM,
     CHUNK,
     DECODE_ABORT,
@@ -68,6 +73,7 @@ __all__ = [
     "CHUNK",
     "DECODE_ABORT",
     "DECODE_RANK",
+    "FAILURE_NOTICE",
     "FENCE",
     "PER_LAYER",
     "PREFILL_ABORT",
@@ -86,6 +92,9 @@ __all__ = [
     "DecodeRankMachine",
     "DecodeRankState",
     "Edge",
+    "FailureNoticeInput",
+    "FailureNoticeMachine",
+    "FailureNoticeState",
     "FenceInput",
     "FenceMachine",
     "FenceState",

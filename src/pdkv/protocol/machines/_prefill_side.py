@@ -102,6 +102,16 @@ class PrefillAbortInput(enum.Enum):
     FENCED = "fenced"  # a fence of the room to a rank that asked completed
 
 
+class FailureNoticeState(enum.Enum):
+    TELLING = "telling"  # told Failed: resent (backoff) to the ranks whose Abort has not answered it
+    ANSWERED = "answered"  # every decode rank told has answered with an Abort: nothing more is resent
+
+
+class FailureNoticeInput(enum.Enum):
+    HEARD = "heard"  # an Abort from a decode rank of the room: it knows of the failure
+    RESEND_DUE = "resend_due"  # the resend interval (doubling) passed
+
+
 class FenceState(enum.Enum):
     OWED = "owed"  # not written yet (or written and failed: retried at ``retry_at`` or the next Abort)
     RUNNING = "running"  # the fence write is on its way
@@ -116,6 +126,7 @@ class FenceInput(enum.Enum):
 
 
 RankMachine = StateMachine[DecodeRankState, DecodeRankInput]
+NoticeMachine = StateMachine[FailureNoticeState, FailureNoticeInput]
 RoomMachine = StateMachine[SenderRoomState, SenderRoomInput]
 ChunkRecordMachine = StateMachine[ChunkState, ChunkInput]
 AbortMachine = StateMachine[PrefillAbortState, PrefillAbortInput]
@@ -228,6 +239,18 @@ class Fence:
 
 
 @attrs.define(eq=False)
+class FailureNotice:
+    """A failed room's Failed status to its decode ranks, until each answers with an Abort (a status
+    may be lost): its machine (``room_sender.FAILURE_NOTICE``), the ranks told that have not
+    answered, and when it goes again (``resend_at``, the ``resends``-th backoff)."""
+
+    machine: NoticeMachine
+    unanswered: set[PeerKey]
+    resends: int = 0
+    resend_at: float | None = None
+
+
+@attrs.define(eq=False)
 class SenderRoom:
     room: RoomId
     machine: RoomMachine
@@ -250,9 +273,7 @@ class SenderRoom:
     ack_to: set[PeerKey] = attrs.Factory(set)  # decode ranks whose Abort asks for an AbortAck
     closed: bool = False  # the scheduler cleared it: forgotten once nothing of it can land
     peer_metric: dict[PeerKey, TransferMetricData] = attrs.Factory(dict)  # what each decode rank got
-    unanswered: set[PeerKey] = attrs.Factory(set)  # told Failed, no Abort back yet (resent)
-    status_resend_at: float | None = None
-    status_resends: int = 0
+    notice: FailureNotice | None = None  # the Failed status told to its decode ranks, until answered
 
     @property
     def terminal(self) -> bool:
@@ -360,11 +381,15 @@ __all__ = [
     "DecodeRank",
     "DecodeRankInput",
     "DecodeRankState",
+    "FailureNotice",
+    "FailureNoticeInput",
+    "FailureNoticeState",
     "Fence",
     "FenceInput",
     "FenceRecordMachine",
     "FenceState",
     "FenceStep",
+    "NoticeMachine",
     "PrefillAbortInput",
     "PrefillAbortState",
     "PrefillSide",

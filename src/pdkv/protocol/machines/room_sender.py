@@ -19,6 +19,14 @@ Inputs: ``request`` (a TransferRequest from a registered decode rank), ``open`` 
 writes), ``fence_done`` (a fence Success waited for completed),
 ``peer_abort`` (an Abort from a decode rank), ``abort`` (the scheduler's), ``fail`` (decided by the
 endpoint: a deadline, a lost or restarted rank), ``status_resend_due`` (a Failed status unanswered).
+
+A failed room's Failed status to its decode ranks has its own rows (``FAILURE_NOTICE``, one per room
+that told a rank; a status may be lost, so it goes again until that rank's Abort answers it):
+
+    TELLING            told Failed; resent (backoff) to the ranks that have not answered
+    ANSWERED           every rank told has answered with an Abort: nothing more is resent
+
+Inputs: ``heard`` (an Abort from a decode rank of the room), ``resend_due`` (the interval passed).
 """
 
 from __future__ import annotations
@@ -47,6 +55,9 @@ from pdkv.protocol.machines._prefill_side import (
     ChunkInput,
     ChunkState,
     ChunkStep,
+    FailureNotice,
+    FailureNoticeInput,
+    FailureNoticeState,
     FenceInput,
     FenceState,
     FenceStep,
@@ -417,11 +428,13 @@ def fail_room(s: RoomStep) -> None:
     )
     if not s.notify:
         return
+    told = set()
     for key in r.requests:
         if s.side.registered(key) is not None:
             _status_to(s, key)
-            r.unanswered.add(key)
-    if r.unanswered:
+            told.add(key)
+    if told:
+        r.notice = FailureNotice(machine=FailureNoticeMachine(f"room {r.room}"), unanswered=told)
         s.side.schedule_status_resend(r, s.now)
 
 
@@ -429,7 +442,8 @@ def hear_abort(s: RoomStep) -> None:
     """The decode rank heard of the failure (or failed first): its status is not resent; the room's
     failure is not told back to it."""
     assert s.sender is not None
-    s.room.unanswered.discard(s.sender)
+    if s.room.notice is not None:
+        s.room.notice.machine.step(FailureNoticeInput.HEARD, s)
     s.notify = False
 
 
@@ -443,13 +457,8 @@ def answer_abort(s: RoomStep) -> None:
 
 
 def resend_status(s: RoomStep) -> None:
-    r = s.room
-    for key in sorted(r.unanswered, key=peer_order):
-        if s.side.registered(key) is not None:
-            s.side.count("statuses_resent")
-            _status_to(s, key)
-    r.status_resends += 1
-    s.side.schedule_status_resend(r, s.now)
+    if s.room.notice is not None:
+        s.room.notice.machine.step(FailureNoticeInput.RESEND_DUE, s)
 
 
 def after_write(s: RoomStep) -> None:
@@ -608,6 +617,59 @@ class SenderRoomMachine(StateMachine[SenderRoomState, SenderRoomInput]):
         super().__init__(SENDER_ROOM, label)
 
 
+# ------------------------------------------------------------------------------------------ failure notice
+
+
+def _told(s: RoomStep) -> FailureNotice:
+    assert s.room.notice is not None  # its rows run only on the room's notice
+    return s.room.notice
+
+
+def last_to_answer(s: RoomStep) -> bool:
+    """The Abort comes from the only rank told that had not answered yet."""
+    return _told(s).unanswered <= {s.sender}
+
+
+def drop_answered(s: RoomStep) -> None:
+    assert s.sender is not None
+    _told(s).unanswered.discard(s.sender)
+
+
+def tell_again(s: RoomStep) -> None:
+    """The Failed status again to each rank told that has not answered and is registered (a
+    forgotten one hears of it when it registers and asks), and the next resend, twice as late."""
+    notice = _told(s)
+    for key in sorted(notice.unanswered, key=peer_order):
+        if s.side.registered(key) is not None:
+            s.side.count("statuses_resent")
+            _status_to(s, key)
+    notice.resends += 1
+    s.side.schedule_status_resend(s.room, s.now)
+
+
+_N = FailureNoticeState
+_NI = FailureNoticeInput
+
+FAILURE_NOTICE = MachineSpec(
+    name="FailureNotice",
+    states=FailureNoticeState,
+    triggers=FailureNoticeInput,
+    initial=_N.TELLING,
+    edges=(
+        row(_NI.HEARD, _N.TELLING, _N.ANSWERED, when=last_to_answer, then=[drop_answered]),
+        row(_NI.HEARD, _N.TELLING, None, then=[drop_answered]),
+        row(_NI.HEARD, _N.ANSWERED, None),
+        row(_NI.RESEND_DUE, _N.TELLING, None, then=[tell_again]),
+        row(_NI.RESEND_DUE, _N.ANSWERED, None),  # a resend queued before the last Abort came
+    ),
+)
+
+
+class FailureNoticeMachine(StateMachine[FailureNoticeState, FailureNoticeInput]):
+    def __init__(self, label: str) -> None:
+        super().__init__(FAILURE_NOTICE, label)
+
+
 SenderRoomTrigger = SenderRoomInput  # the name earlier code used
 
 # ------------------------------------------------------------------------------------------ helpers
@@ -684,4 +746,14 @@ def _clip(text: str) -> str:
     return text if len(text) <= MAX_REASON_CHARS else text[: MAX_REASON_CHARS - 3] + "..."
 
 
-__all__ = ["SENDER_ROOM", "SenderRoomInput", "SenderRoomMachine", "SenderRoomState", "SenderRoomTrigger"]
+__all__ = [
+    "FAILURE_NOTICE",
+    "SENDER_ROOM",
+    "FailureNoticeInput",
+    "FailureNoticeMachine",
+    "FailureNoticeState",
+    "SenderRoomInput",
+    "SenderRoomMachine",
+    "SenderRoomState",
+    "SenderRoomTrigger",
+]
