@@ -77,10 +77,14 @@ class LayerContext(Generic[W]):
     seen: set[LayerKey] = attrs.Factory(set)  # layer events routed to this context
     submitted_to: dict[str, set[LayerKey]] = attrs.Factory(dict)  # per peer: layers handed to the engine
     stop_reason: str = ""  # why it is CANCELLING/FAILING (or ended so)
-    writing: bool = False  # the endpoint counts its writes in flight (first write consented)
-    end_reported: bool = False
-    first_submit_at: float | None = None
+    first_submit_at: float | None = None  # when its first write was consented (None: it never wrote)
     finish_deadline: float | None = None  # set by send(): the finisher gives up at this time
+
+    @property
+    def writing(self) -> bool:
+        """Has the endpoint consented to its first write? From then on the context counts as a write
+        of the room in flight until it ends (terminal)."""
+        return self.first_submit_at is not None
 
     @property
     def state(self) -> PerLayerState:
@@ -171,7 +175,7 @@ class LayerBook(Generic[W]):
         r = self._rooms.get(room)
         if r is None:
             return []
-        return [c.start_token for c in r.contexts.values() if c.writing and not c.end_reported]
+        return [c.start_token for c in r.contexts.values() if c.writing and not c.terminal]
 
     def is_registered(self, room: RoomId, start_token: int) -> bool:
         return self.context(room, start_token) is not None
@@ -251,7 +255,6 @@ class LayerBook(Generic[W]):
                 if context.submitting:
                     self._stop(context, _T.CANCEL, "the room can no longer be written")
                 return False
-            context.writing = True
             context.first_submit_at = now
         return context.submitting
 
@@ -349,8 +352,9 @@ class LayerBook(Generic[W]):
         raise LocalProtocolError(f"{context.machine.label}: finish in state {state.value}")
 
     def ended(self, context: LayerContext[W], trigger: PerLayerTrigger) -> bool:
-        """Every write the context submitted has ended; ``trigger`` is COMPLETE, FAIL or DROP. True when
-        the endpoint is owed ``layer_writes_ended`` for it (once, and only for a context that wrote)."""
+        """Every write the context submitted has ended; ``trigger`` is COMPLETE, FAIL or DROP (the
+        context is terminal after it, so this comes once). True when the room is owed the end of its
+        writes (``layer_writes_ended``): only for a context that wrote."""
         if trigger is _T.FAIL and context.submitting:
             self._stop(context, _T.BREAK, context.stop_reason or "failed")
         context.machine.fire(trigger)
@@ -363,10 +367,7 @@ class LayerBook(Generic[W]):
         r = self._rooms.get(context.room)
         if context.finish_deadline is not None or (r is not None and r.forgotten):
             self._remove(context)  # a finisher had it, or nobody will ask any more
-        if not context.writing or context.end_reported:
-            return False
-        context.end_reported = True
-        return True
+        return context.writing
 
     def forget(self, room: RoomId) -> None:
         """The scheduler cleared the room: discard its ended contexts (the rest go once they end)."""
