@@ -33,7 +33,13 @@ from pdkv.control.auth import Authenticator
 from pdkv.control.channel import ChannelStatistics
 from pdkv.control.errors import ControlError
 from pdkv.engine.backend import TransferBackend
-from pdkv.errors import ConfigError, InvalidArgumentError, LayoutMismatchError, RouteUnavailableError
+from pdkv.errors import (
+    ConfigError,
+    InvalidArgumentError,
+    LayoutMismatchError,
+    PdkvError,
+    RouteUnavailableError,
+)
 from pdkv.mapping import (
     DEFAULT_LAYOUT_POLICY,
     BufferLayout,
@@ -142,6 +148,23 @@ class DecodeConfig:
         return Origin(instance=self.instance, epoch=self.epoch, rank=self.rank)
 
 
+@attrs.frozen
+class _Granted:
+    """A room's landing lease (``{}``: grant-less), for ``landing_granted`` after the effects' batch."""
+
+    room: RoomId
+    grants: Mapping[PeerKey, LandingGrant]
+
+
+@attrs.frozen
+class _Scattered:
+    """A room's landed heads were copied into its pages (``error``: the copy failed), for
+    ``landing_scattered`` after the effects' batch."""
+
+    room: RoomId
+    error: str | None
+
+
 @attrs.frozen(kw_only=True)
 class DecodeTransportStatistics:
     """Protocol counters, what prefill ranks reported writing (per peer latency), and the sockets."""
@@ -207,7 +230,7 @@ class DecodeTransport(EndpointHost[DecodeEndpoint, DecodeEffect]):
             backend, config.layout, config.rank.tp, config.landing, device=config.checksum_device
         )
         self._topologies: dict[InstanceId, tuple[Topology, bool]] = {}  # per prefill instance: landing?
-        self._landed: list[tuple[RoomId, Mapping[PeerKey, LandingGrant] | None, str | None, bool]] = []
+        self._landed: list[_Granted | _Scattered] = []  # landing answers, applied after the batch
 
     def start(self) -> None:
         """Register buffers and start the control thread. Idempotent once it succeeded; a failed start
@@ -474,11 +497,11 @@ class DecodeTransport(EndpointHost[DecodeEndpoint, DecodeEffect]):
         super()._apply(effects, progressed=progressed)
         while self._verdicts or self._landed:
             if self._landed:
-                room, grants, error, scattered = self._landed.pop(0)
-                if scattered:
-                    super()._apply(self._endpoint.landing_scattered(room, error, self._clock()))
-                else:
-                    super()._apply(self._endpoint.landing_granted(room, grants, self._clock()))
+                match self._landed.pop(0):
+                    case _Granted(room=room, grants=grants):
+                        super()._apply(self._endpoint.landing_granted(room, grants, self._clock()))
+                    case _Scattered(room=room, error=error):
+                        super()._apply(self._endpoint.landing_scattered(room, error, self._clock()))
                 continue
             room, mismatch = self._verdicts.pop(0)
             super()._apply(self._endpoint.checksums_verified(room, mismatch, self._clock()))
@@ -490,17 +513,20 @@ class DecodeTransport(EndpointHost[DecodeEndpoint, DecodeEffect]):
         instance = effect.sources[0][0] if effect.sources else None
         known = self._topologies.get(instance) if instance is not None else None
         if known is None:
-            self._landed.append((effect.room, {}, None, False))  # nothing to lay out: grant-less
+            self._landed.append(_Granted(effect.room, {}))  # nothing to lay out: grant-less
             return
         try:
             grants = self.landing.request(effect, known[0])
-        except Exception as exc:  # a layout the pool cannot serve: the room goes grant-less, logged
+        except PdkvError as exc:  # a layout the pool cannot serve: the room goes grant-less, logged
             log.warning(
                 "room %s: no landing lease (%s: %s): sent grant-less", effect.room, type(exc).__name__, exc
             )
             grants = {}
+        except Exception:  # a bug below: never wedge the room (it goes grant-less), but say it loudly
+            log.exception("room %s: leasing landing space failed unexpectedly: sent grant-less", effect.room)
+            grants = {}
         if grants is not None:
-            self._landed.append((effect.room, grants, None, False))
+            self._landed.append(_Granted(effect.room, grants))
         else:
             log.debug("room %s waits for landing space on decode %s", effect.room, self.config.rank)
 
@@ -509,7 +535,7 @@ class DecodeTransport(EndpointHost[DecodeEndpoint, DecodeEffect]):
         if not self.landing.holds(room):
             return
         for served, grants in self.landing.release(room):
-            self._landed.append((served, grants, None, False))
+            self._landed.append(_Granted(served, grants))
 
     def _scatter(self, effect: ScatterLanding) -> None:
         """Lock held: copy the landed heads into the room's pages (on the buffers' device, synchronised)."""
@@ -521,7 +547,7 @@ class DecodeTransport(EndpointHost[DecodeEndpoint, DecodeEffect]):
             error = f"{type(exc).__name__}: {exc}"
         else:
             self.metrics.increment(TransportCounter.ROOMS_LANDED)
-        self._landed.append((effect.room, None, error, True))
+        self._landed.append(_Scattered(effect.room, error))
 
     def _request_verification(self, effect: VerifyChecksums) -> None:
         """Lock held: a small room is checked here, at once (a hand-off to another thread costs more

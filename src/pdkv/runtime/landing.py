@@ -49,7 +49,7 @@ from pdkv.protocol.effects import LeaseLanding, PeerKey, ScatterLanding
 from pdkv.protocol.ids import RoomId
 from pdkv.protocol.messages import LandingGrant
 from pdkv.runtime.checksum import BufferViews
-from pdkv.runtime.staging import DEFAULT_COPY_THREADS, LandingRegions, _FreeList
+from pdkv.runtime.staging import DEFAULT_COPY_THREADS, FreeList, LandingRegions
 
 log = logging.getLogger(__name__)
 
@@ -122,9 +122,10 @@ class LandingPool:
         self._registration: Registration | None = None
         self._targets: LandingRegions | None = None
         self.address = 0
-        self._free = _FreeList(self.config.capacity_bytes)
+        self._free = FreeList(self.config.capacity_bytes)
         self._leases: dict[RoomId, _Lease] = {}
-        self._waiting: collections.OrderedDict[RoomId, tuple[LeaseLanding, Topology]] = (
+        # Rooms waiting for space, in arrival order, with the bytes their lease needs.
+        self._waiting: collections.OrderedDict[RoomId, tuple[LeaseLanding, Topology, int]] = (
             collections.OrderedDict()
         )
         self._in_use = 0
@@ -157,7 +158,7 @@ class LandingPool:
             if grants is not None:
                 return grants
         self._counts["waits"] += 1
-        self._waiting[effect.room] = (effect, topology)
+        self._waiting[effect.room] = (effect, topology, sizing.total_bytes)
         return None
 
     def _try(
@@ -203,11 +204,7 @@ class LandingPool:
         self._in_use -= lease.nbytes
         served: list[tuple[RoomId, dict[PeerKey, LandingGrant]]] = []
         while self._waiting:
-            waiting_room, (effect, topology) = next(iter(self._waiting.items()))
-            slots = int(effect.dst_pages.size) - effect.prefix_pages
-            nbytes = plan_landing(
-                self._layout, topology, self._rank, first_position=effect.prefix_pages, slots=slots, base=0
-            ).total_bytes
+            waiting_room, (effect, topology, nbytes) = next(iter(self._waiting.items()))
             grants = self._try(effect, topology, nbytes)
             if grants is None:
                 break

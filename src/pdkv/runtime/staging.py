@@ -206,8 +206,9 @@ class StagingLease:
         return f"StagingLease({self.offset}+{self.nbytes} -> {self.peer}, pending {self.pending})"
 
 
-class _FreeList:
-    """Free byte ranges of the pool, sorted by start and never adjacent (first-fit allocation)."""
+class FreeList:
+    """Free byte ranges of a pool (the staging pool's, the landing pool's), sorted by start and never
+    adjacent (first-fit allocation)."""
 
     def __init__(self, capacity: int) -> None:
         self.starts: list[int] = [0]
@@ -322,7 +323,7 @@ class StagingPool:
             self._stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]  # unannotated in torch
         self._registration: Registration | None = backend.register(self._tensor)
         self._cond = threading.Condition()
-        self._free = _FreeList(self.config.capacity_bytes)
+        self._free = FreeList(self.config.capacity_bytes)
         self._in_use = 0
         self._quarantine: list[StagingLease] = []
         self._closed = False
