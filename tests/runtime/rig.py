@@ -77,7 +77,9 @@ class Rig(TransportPair):
             timeouts=TIMEOUTS,
             executor=executor if executor is not None else ExecutorConfig.from_env(),
             per_layer=per_layer,
-            loopback=LoopbackConfig(faults=faults or LoopbackFaults(), worker_threads=loopback_workers),
+            loopback=LoopbackConfig(
+                faults=faults or LoopbackFaults(), worker_threads=loopback_workers, announced_regions=True
+            ),
             prefill_instance="p",
             decode_instance="d",
             sockets=True,

@@ -176,6 +176,23 @@ def test_control_a_skipped_scatter_is_caught(
     assert bad and all("k/L" in m or "v/L" in m for m in bad), bad
 
 
+def test_control_a_pool_registered_after_the_register_went_out_fails_its_rooms(
+    rig_factory: Callable[..., Rig], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The rig's loopback engine writes only into the regions the decode's Register announced (as
+    NIXL's does): the first landing zone, registered lazily by the first room after the Register had
+    gone out, passed every loopback test and failed every landing write over NIXL. Put back, the
+    rooms fail here too, naming the region; registered at connect() (the test above), they land."""
+    monkeypatch.setattr(DecodeTransport, "_prepare_landing", lambda self, prefill: None)
+    rig = landing_rig(rig_factory, HEADS8, 4, 2)
+    request = Request(rig, 4)
+    request.send()
+    wait_for(lambda: all(r.poll() is KVPoll.Failed for r in request.receivers))
+    reasons = [str(r.failure()) for r in request.receivers]
+    assert all("not inside a region" in reason and "announced" in reason for reason in reasons), reasons
+    assert all(pool.statistics().leases == 1 for pool in pools(rig))  # the lease was granted, lazily
+
+
 def test_with_checksums_the_pages_are_verified_after_the_scatter(rig_factory: Callable[..., Rig]) -> None:
     rig = landing_rig(rig_factory, HEADS8, 4, 2, kv_checksum=True)
     request = Request(rig, 4)

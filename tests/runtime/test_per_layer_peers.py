@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from pdkv.engine.loopback import LoopbackBackend, LoopbackFaults
+from pdkv.engine.loopback import LoopbackBackend, LoopbackConfig, LoopbackFaults
 from pdkv.protocol.ids import InstanceId, RoomId
 from pdkv.protocol.machines import PerLayerState
 from pdkv.protocol.messages import RankCoord
@@ -31,7 +31,7 @@ def test_a_slow_peer_never_delays_another_peers_per_layer_rooms(rig_factory: Cal
     )
     prefill = s.start_registered()
     memory = RankMemory(SPEC, Capacity(kv_pages=DECODE_PAGES, state_slots=8, aux_rows=8))
-    slow_backend = LoopbackBackend(fabric=s.fabric)
+    slow_backend = LoopbackBackend(LoopbackConfig(announced_regions=True), fabric=s.fabric)
     assert slow_backend.session_id == SLOW_PEER
     slow_decode = DecodeTransport(
         DecodeConfig(

@@ -33,7 +33,7 @@ import abc
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from types import TracebackType
@@ -62,9 +62,37 @@ from pdkv.mapping.layout import TensorLike
 
 
 @attrs.frozen
-class _RegionSnapshot:
+class RegionSnapshot:
+    """Non-overlapping byte ranges ``[starts[i], ends[i])``, sorted by start: what a block array is
+    checked against (this backend's registrations, or the regions a peer announced)."""
+
     starts: IntArray
     ends: IntArray
+
+    @classmethod
+    def of(cls, ranges: Iterable[tuple[int, int]]) -> RegionSnapshot:
+        """From (start, end) pairs, in any order (they must not overlap)."""
+        ordered = sorted(ranges)
+        return cls(
+            starts=np.array([start for start, _ in ordered], dtype=np.int64),
+            ends=np.array([end for _, end in ordered], dtype=np.int64),
+        )
+
+    def first_outside(self, addresses: IntArray, lengths: IntArray) -> int:
+        """Index of the first block not inside one range (-1: all inside). Zero-length blocks touch no
+        memory and are never outside."""
+        if addresses.size == 0:
+            return -1
+        if self.starts.size == 0:
+            nonzero = np.flatnonzero(lengths > 0)
+            return int(nonzero[0]) if nonzero.size else -1
+        # Ranges do not overlap, so the only candidate is the last one starting at or before addr.
+        slot = np.searchsorted(self.starts, addresses, side="right") - 1
+        inside = (slot >= 0) & (addresses + lengths <= self.ends[np.maximum(slot, 0)])
+        if inside.all():  # the usual answer: no need to look at zero-length blocks
+            return -1
+        bad = np.flatnonzero(~inside & (lengths > 0))
+        return int(bad[0]) if bad.size else -1
 
 
 class RegionTable:
@@ -76,8 +104,7 @@ class RegionTable:
 
     def __init__(self) -> None:
         self._by_address: dict[int, Registration] = {}
-        empty = np.zeros(0, dtype=np.int64)
-        self._snapshot = _RegionSnapshot(starts=empty, ends=empty)
+        self._snapshot = RegionSnapshot.of(())
 
     def __len__(self) -> int:
         return len(self._by_address)
@@ -103,29 +130,16 @@ class RegionTable:
             self._rebuild()
 
     def first_outside(self, addresses: IntArray, lengths: IntArray) -> int:
-        """Index of the first block not inside one registered region (-1: all inside).
+        """Index of the first block not inside one registered region (-1: all inside)."""
+        return self._snapshot.first_outside(addresses, lengths)
 
-        Zero-length blocks touch no memory and are never outside.
-        """
-        if addresses.size == 0:
-            return -1
-        snap = self._snapshot
-        if snap.starts.size == 0:
-            nonzero = np.flatnonzero(lengths > 0)
-            return int(nonzero[0]) if nonzero.size else -1
-        # Regions do not overlap, so the only candidate is the last one starting at or before addr.
-        slot = np.searchsorted(snap.starts, addresses, side="right") - 1
-        inside = (slot >= 0) & (addresses + lengths <= snap.ends[np.maximum(slot, 0)])
-        if inside.all():  # the usual answer: no need to look at zero-length blocks
-            return -1
-        bad = np.flatnonzero(~inside & (lengths > 0))
-        return int(bad[0]) if bad.size else -1
+    def snapshot(self) -> RegionSnapshot:
+        """The registered regions now (replaced, never mutated, on each change)."""
+        return self._snapshot
 
     def _rebuild(self) -> None:
-        regions = sorted((r.region for r in self._by_address.values()), key=lambda r: r.address)
-        self._snapshot = _RegionSnapshot(
-            starts=np.array([r.address for r in regions], dtype=np.int64),
-            ends=np.array([r.end for r in regions], dtype=np.int64),
+        self._snapshot = RegionSnapshot.of(
+            (r.region.address, r.region.end) for r in self._by_address.values()
         )
 
 

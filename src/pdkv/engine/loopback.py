@@ -10,6 +10,11 @@ as a real peer would, and more than ``max_entries_in_flight`` entries towards on
 as Mooncake's TCP lane does, so the splitting in ``pdkv.engine._threaded`` is exercised for real. Copies
 run on a small pool (``worker_threads``), so delayed batches overlap as a real engine's do.
 
+With ``announced_regions`` a sender reaches a peer only inside the regions the peer's
+``engine_metadata`` listed when it reached ``add_peer`` (NIXL's rule: a region the peer registered
+after its metadata went out is not writable until newer metadata arrives), so the transports' tests
+see what the announcement carries, not only what the peer process has registered.
+
 Memory safety is the caller's: the destination check and the copy are not atomic with respect to
 the peer unregistering (and freeing) memory, exactly the rule every backend states (never
 unregister memory a batch in flight may touch).
@@ -20,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import enum
 import itertools
+import json
 import threading
 import time
 from collections.abc import Iterable
@@ -28,8 +34,9 @@ from typing import ClassVar
 
 import attrs
 
-from pdkv.engine._threaded import PieceFailed, PieceJob, WorkerThreadBackend
+from pdkv.engine._threaded import PieceFailed, PieceJob, RegionSnapshot, WorkerThreadBackend
 from pdkv.engine.backend import MemoryRegion
+from pdkv.errors.engine import PeerMetadataError
 from pdkv.mapping.blocks import TransferBlocks
 
 
@@ -130,6 +137,12 @@ class LoopbackConfig:
     max_entries_in_flight: int = attrs.field(default=2048, validator=_positive_int)
     worker_threads: int = attrs.field(default=4, validator=_positive_int)
     faults: LoopbackFaults = LoopbackFaults()
+    announced_regions: bool = False
+    """Writes reach a peer only inside the regions its ``engine_metadata`` announced (``add_peer``), as
+    NIXL's do; off, a peer is reached by its session id alone and checked against what it registered."""
+
+
+_METADATA_TAG = b"pdkv-loopback-regions:"
 
 
 class LoopbackFabric:
@@ -181,6 +194,7 @@ class LoopbackBackend(WorkerThreadBackend["Future[None]"]):
         )
         self._lane_lock = threading.Lock()
         self._lane_entries: dict[str, int] = {}
+        self._announced: dict[str, RegionSnapshot] = {}  # peer session -> the regions it announced
         self._session_id = self._fabric.attach(self)
 
     @property
@@ -198,6 +212,31 @@ class LoopbackBackend(WorkerThreadBackend["Future[None]"]):
     def destination_outside(self, batch: TransferBlocks) -> int:
         """Index of the first block whose destination is not registered here (-1: none)."""
         return self._regions.first_outside(batch.dst, batch.length)
+
+    @property
+    def engine_metadata(self) -> bytes:
+        """With ``announced_regions``: the regions registered now, which a sender may write into once
+        this reached its ``add_peer``; else nothing (a peer is reached by its session id)."""
+        if not self.config.announced_regions:
+            return b""
+        snap = self._regions.snapshot()
+        ranges = [[int(a), int(b)] for a, b in zip(snap.starts.tolist(), snap.ends.tolist(), strict=True)]
+        return _METADATA_TAG + json.dumps(ranges).encode()
+
+    def add_peer(self, session: str, metadata: bytes) -> None:
+        """With ``announced_regions``: the regions ``session`` announced replace those it announced
+        before. ``PeerMetadataError`` for metadata that is not a loopback announcement."""
+        if not self.config.announced_regions:
+            return
+        if not metadata.startswith(_METADATA_TAG):
+            raise PeerMetadataError(f"peer engine metadata of {session!r} is not a loopback region list")
+        try:
+            ranges = json.loads(metadata[len(_METADATA_TAG) :])
+            table = RegionSnapshot.of((int(start), int(end)) for start, end in ranges)
+        except (ValueError, TypeError) as exc:
+            raise PeerMetadataError(f"peer engine metadata of {session!r}: {exc}") from None
+        with self._lane_lock:
+            self._announced[session] = table
 
     # ---------------------------------------------------------------------------- engine hooks
 
@@ -219,6 +258,19 @@ class LoopbackBackend(WorkerThreadBackend["Future[None]"]):
         target = self._fabric.lookup(peer)
         if target is None:
             raise PieceFailed(f"no loopback backend with session id {peer!r} in fabric {self._fabric.name!r}")
+        if self.config.announced_regions:
+            with self._lane_lock:
+                announced = self._announced.get(peer)
+            if announced is None:
+                raise PieceFailed(
+                    f"peer {peer} announced no regions (its engine metadata never reached add_peer)"
+                )
+            outside = announced.first_outside(piece.dst, piece.length)
+            if outside >= 0:
+                raise PieceFailed(
+                    f"destination {int(piece.dst[outside]):#x}+{int(piece.length[outside])} is not inside a "
+                    f"region {peer} announced"
+                )
         with self._lane_lock:
             queued = self._lane_entries.get(peer, 0) + len(piece)
             limit = self.config.max_entries_in_flight

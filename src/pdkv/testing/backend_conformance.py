@@ -488,12 +488,20 @@ def _loopback_delay(backend: TransferBackend) -> Iterator[None]:
 
 @contextlib.contextmanager
 def loopback_pair(config: LoopbackConfig | None = None) -> Iterator[BackendPair]:
-    """Two loopback backends on a private fabric."""
+    """Two loopback backends on a private fabric; with ``announced_regions``, every sender hears of
+    the peer's regions as a decode's ``Register`` would carry them (``MetadataSyncedPeer``)."""
+    cfg = config or LoopbackConfig()
     fabric = LoopbackFabric("conformance")
-    make = functools.partial(LoopbackBackend, config or LoopbackConfig(), fabric=fabric)
+    make = functools.partial(LoopbackBackend, cfg, fabric=fabric)
+    inner = InProcessPeer(make())
+    peer: InProcessPeer | MetadataSyncedPeer = inner
+    new_sender: Callable[[], TransferBackend] = make
+    if cfg.announced_regions:
+        synced = MetadataSyncedPeer(inner)
+        peer, new_sender = synced, lambda: synced.attach(make())
     pair = BackendPair(
-        new_sender=make,
-        peer=InProcessPeer(make()),
+        new_sender=new_sender,
+        peer=peer,
         unreachable_peer="loopback:conformance:nobody",
         slow_bytes=1 << 20,
         slow_down=_loopback_delay,
@@ -528,7 +536,7 @@ class MetadataSyncedPeer:
     peer's current ``engine_metadata`` (for engines that need metadata to reach a peer, as NIXL does).
     The cases see an ordinary ``PeerMemory``."""
 
-    def __init__(self, peer: SpawnedPeer) -> None:
+    def __init__(self, peer: SpawnedPeer | InProcessPeer) -> None:
         self._peer = peer
         self._senders: list[TransferBackend] = []
 

@@ -270,6 +270,9 @@ class TransportPair:
             registry = MemoryRegistry(self.prefill_instance, tp_size=prefill_tp, cp_size=cp)
             self.registry_address = registry.address
             factory, announce, query = self.hub.channel, registry.announce, registry.query
+        # Writes reach a decode rank only inside the regions its Register announced (unless told
+        # otherwise), so a region registered too late shows here as over NIXL.
+        engine = loopback if loopback is not None else LoopbackConfig(announced_regions=True)
         self.prefill_memory: list[RankMemory] = []
         self.staging: list[StagingPool] = []  # one per prefill rank when ``staging`` is given
         self.prefill_backends: list[LoopbackBackend] = []
@@ -284,7 +287,7 @@ class TransportPair:
                 tp_rank=ptp if heads else 0,
             )
             memory.fill_prefill(cp_rank=rank, policy=self.policy)
-            backend = LoopbackBackend(loopback or LoopbackConfig(), fabric=self.fabric)
+            backend = LoopbackBackend(engine, fabric=self.fabric)
             config = PrefillConfig(
                 instance=self.prefill_instance,
                 rank=RankCoord(tp=ptp, cp=rank),
@@ -320,7 +323,10 @@ class TransportPair:
                 tp_size=decode_tp if decode_spec.kv_heads is not None else 1,
                 tp_rank=tp if decode_spec.kv_heads is not None else 0,
             )
-            backend = LoopbackBackend(fabric=self.fabric)
+            # The decode's engine announces its regions in its Register, as NIXL's does.
+            backend = LoopbackBackend(
+                LoopbackConfig(announced_regions=engine.announced_regions), fabric=self.fabric
+            )
             config_d = DecodeConfig(
                 instance=self.decode_instance,
                 rank=RankCoord(tp=tp),
