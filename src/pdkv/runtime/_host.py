@@ -120,6 +120,7 @@ class EndpointHost(Generic[E, F]):
             on_message=self._on_message,
             on_tick=self._on_tick,
             next_deadline=self._after_messages,
+            settled=self._settled,
             clock=clock,
         )
         self._trace = MessageTrace(endpoint, lambda: self._loop.channel.address)  # PDKV_LOG_JSON
@@ -237,13 +238,14 @@ class EndpointHost(Generic[E, F]):
         for progress is woken after that send, not before: woken first, it would take the
         interpreter from this thread in the middle of sending (a status would wait for the poll)."""
         local = self._local  # never nested: the endpoint lock is not reentrant
+        outer = getattr(local, "deferring", False)  # the control thread: it notifies when settled
         local.deferring = True
         try:
             with self._loop.sending(), self._lock:
                 yield
         finally:
-            local.deferring = False
-            if getattr(local, "owed", False):
+            local.deferring = outer
+            if not outer and getattr(local, "owed", False):
                 local.owed = False
                 self._notify_progress()
 
@@ -283,6 +285,7 @@ class EndpointHost(Generic[E, F]):
 
     def _on_message(self, message: Message, now: float) -> None:
         self._before_receive(message)
+        self._local.deferring = True  # the control thread wakes waiters once settled (_settled)
         with self._lock:
             self._accounting.received(message)
             self._trace.received(message)
@@ -291,11 +294,22 @@ class EndpointHost(Generic[E, F]):
 
     def _on_tick(self, now: float) -> float | None:
         channel = self._loop.channel.statistics()
+        self._local.deferring = True  # as in _on_message
         with self._lock:
             self._accounting.channel(malformed=channel.malformed, unauthenticated=channel.unauthenticated)
             self._apply(self._endpoint.tick(now))
             self._after_tick()
             return self._endpoint.next_deadline()
+
+    def _settled(self) -> None:
+        """Control thread, after a batch of messages or a tick, its messages sent and no lock held: the
+        schedulers waiting in ``wait_progress`` are woken now, once for the whole batch. Woken from
+        inside a handler they would find the endpoint lock held (each handler holds it) and sleep
+        on it again until the handler ended."""
+        local = self._local
+        if getattr(local, "owed", False):
+            local.owed = False
+            self._notify_progress()
 
     def _after_messages(self) -> float | None:
         """After a batch of messages (control thread): the next deadline; the counters and gauges of
