@@ -207,7 +207,6 @@ class ControlLoop:
                 for message in messages:
                     self._handle(message)
                 self._flush()
-                self._settle()  # the batch's changes, once its replies left
                 # A message may have created an earlier deadline: recompute next round.
                 if self._next_deadline is None:
                     next_deadline = self._on_tick(self._clock())
@@ -216,6 +215,9 @@ class ControlLoop:
                     if due is not None and (next_deadline is None or due < next_deadline):
                         next_deadline = due
                 self._flush()
+                # The batch's changes, once its replies left and this thread is done with the
+                # handlers' lock (next_deadline takes it): the woken scheduler finds it free.
+                self._settle()
             except Exception:
                 self.handler_errors += 1
                 log.exception("control loop %s: handler failed; continuing", self._name)
