@@ -38,6 +38,12 @@ timestamps come from a subclass of the Mooncake backend, a wrapper of its engine
 control channels, and a wrapper of ``plan_chunk`` in this process (instrumentation only: a few
 microseconds each). ``time.monotonic`` is one clock for every process of the host.
 
+The hand-offs of each room, ``send()`` to the decode's poll seeing Success, are counted and printed
+with one room's path (``HandOffs``): the thread that ran each step (the same timeline marks, each with
+its process and thread; the decode reports the thread that took the status off its channel and its
+scheduler's), Mooncake's transfer threads and zmq's I/O threads by construction, and the acquisitions
+of either transport's lock that found it held.
+
 ``--checksum``: each round also runs a pdkv room with ``PDKV_KV_CHECKSUM`` on both transports
 (``pdkv+checksum``: the prefill computes a checksum per (buffer, page) of what it sends, the decode
 checks its pages before Success), right before or after the plain room (the order turns each

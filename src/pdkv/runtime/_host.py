@@ -8,7 +8,10 @@ surface goes through. Each transport adds the effects of its side in ``_apply_ef
 All room state lives in the endpoint; every access holds ``_lock`` (never a lock per room: one lock
 is cheaper than a transitions LockedMachine per room, and the endpoint is fast). Effects are carried
 out in the order the endpoint produced them, with the lock held, so they never interleave with
-another caller's.
+another caller's. A scheduler blocked in ``wait_progress`` is woken once the thread that made the
+progress released the lock and sent what it posted (a ``_locked()`` block's end; the control
+thread's ``settled`` after a batch of messages): woken earlier, its poll would find the lock held
+and sleep on it again, one hand-off more on the path of a request or a status.
 """
 
 from __future__ import annotations
