@@ -50,6 +50,21 @@ def test_latency_bench_quick(capsys: pytest.CaptureFixture[str]) -> None:
         assert set(r["phases_ms"]) == set(r["phase_means_ms"]) == set(latency.PHASES)
         # Every phase was observed (none missing), and none is negative.
         assert all(math.isfinite(v) and v >= 0 for v in r["phases_ms"].values())
+    # The hand-offs of every size and variant were counted along the whole path: the scheduler's
+    # send() first, the decode scheduler last, the engine's and zmq's threads between (5 crossings).
+    hand_offs = [r for r in records if r["kind"] == "hand_offs"]
+    assert sorted((r["pages"], r["variant"]) for r in hand_offs) == sorted(
+        (r["pages"], r["variant"]) for r in sizes
+    )
+    for r in hand_offs:
+        assert r["rooms"] == 2 and r["native_p50"] == 5
+        assert (
+            r["total_min"] <= r["total_p50"] <= r["total_max"] and r["total_p50"] >= r["to_decode_p50"] >= 5
+        )
+        steps = [step for step, _ in r["path"]]
+        assert steps[0] == "send()" and steps[-1] == "decode poll sees Success"
+        assert r["path"][0][1].endswith("/MainThread") and r["path"][-1][1].endswith("/MainThread")
+        assert r["path"][0][1] != r["path"][-1][1]  # two processes
 
 
 def test_pages_are_placed_in_runs_on_both_sides() -> None:

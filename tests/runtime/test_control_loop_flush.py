@@ -149,3 +149,48 @@ def test_while_the_loop_is_busy_posts_are_left_to_it_so_they_can_share_a_frame_s
             assert channel.senders == ["loop"]
         finally:
             release.set()
+
+
+# ---------------------------------------------------------------- settled(): after a batch, once
+
+
+def test_settled_runs_once_per_batch_after_the_batch_and_its_replies() -> None:
+    """The transports wake their schedulers in ``settled``: after every message of the batch was
+    handled, what the handlers posted left and the next deadline was asked (the transports take
+    their endpoint lock for it: a scheduler woken before would find it held), once for the batch."""
+    channel = StubChannel([_heartbeat(1), _heartbeat(2), _heartbeat(3)])
+    events: list[str] = []
+    loop: ControlLoop | None = None
+
+    def on_message(message: Message, now: float) -> None:
+        assert isinstance(message, Heartbeat) and loop is not None
+        events.append(f"handled {message.seq}")
+        loop.post("peer", _heartbeat(10 + message.seq))
+
+    def settled() -> None:
+        events.append(f"settled after {sum(len(m) for _, m in channel.calls)} sent")
+
+    def next_deadline() -> None:
+        events.append("deadline asked")
+
+    loop = ControlLoop(
+        channel,
+        name="t",
+        on_message=on_message,
+        on_tick=lambda now: None,
+        next_deadline=next_deadline,
+        settled=settled,
+    )
+    loop.start()
+    try:
+        wait_for(lambda: "handled 3" in events and events[-1].startswith("settled"))
+    finally:
+        loop.stop()
+    first = events.index("handled 1")
+    assert events[first : first + 5] == [
+        "handled 1",
+        "handled 2",
+        "handled 3",
+        "deadline asked",
+        "settled after 3 sent",
+    ]

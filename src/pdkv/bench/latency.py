@@ -38,6 +38,12 @@ timestamps come from a subclass of the Mooncake backend, a wrapper of its engine
 control channels, and a wrapper of ``plan_chunk`` in this process (instrumentation only: a few
 microseconds each). ``time.monotonic`` is one clock for every process of the host.
 
+The hand-offs of each room, ``send()`` to the decode's poll seeing Success, are counted and printed
+with one room's path (``HandOffs``): the thread that ran each step (the same timeline marks, each with
+its process and thread; the decode reports the thread that took the status off its channel and its
+scheduler's), Mooncake's transfer threads and zmq's I/O threads by construction, and the acquisitions
+of either transport's lock that found it held.
+
 ``--checksum``: each round also runs a pdkv room with ``PDKV_KV_CHECKSUM`` on both transports
 (``pdkv+checksum``: the prefill computes a checksum per (buffer, page) of what it sends, the decode
 checks its pages before Success), right before or after the plain room (the order turns each
@@ -54,6 +60,7 @@ import argparse
 import contextlib
 import functools
 import gc
+import itertools
 import multiprocessing as mp
 import os
 import statistics
@@ -167,18 +174,24 @@ def run_blocks(
 class TimedLock:
     """The prefill transport's lock, wrapped: how long each thread group waited for it and held it
     (while ``recording``). Every room's state is behind this one lock, so its hold times bound how
-    fast rooms can go through a rank, and its waits are time a thread spent behind another."""
+    fast rooms can go through a rank, and its waits are time a thread spent behind another.
+    ``contended`` counts the acquisitions that found it held (always, recording or not): each is one
+    more hand-off, the thread sleeps until the holder's release wakes it."""
 
     def __init__(self, inner: threading.Lock) -> None:
         self._inner = inner
         self.recording = False
+        self.contended = 0
         self.holds: dict[str, list[float]] = {}
         self.waits: dict[str, list[float]] = {}
         self._since = threading.local()
 
     def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
         asked = time.perf_counter()
-        got = self._inner.acquire(blocking, timeout)
+        got = self._inner.acquire(False)
+        if not got and blocking:
+            self.contended += 1
+            got = self._inner.acquire(True, timeout)
         if got:
             self._since.at = now = time.perf_counter()
             if self.recording and blocking:
@@ -218,12 +231,18 @@ def time_lock(transport: Any) -> TimedLock:
     return lock
 
 
+def thread_id() -> str:
+    """Who runs a step, for the hand-off count: this process and thread (``pid/name``)."""
+    return f"{os.getpid()}/{threading.current_thread().name}"
+
+
 class Timeline:
-    """Named timestamps (``time.monotonic``) of the room in progress; any thread may mark."""
+    """Named timestamps (``time.monotonic``) of the room in progress, each with the thread that marked
+    it (``thread_id``); any thread may mark."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._marks: dict[str, list[float]] = {}
+        self._marks: dict[str, list[tuple[float, str]]] = {}
 
     def reset(self) -> None:
         with self._lock:
@@ -231,19 +250,26 @@ class Timeline:
 
     def mark(self, name: str, at: float | None = None) -> None:
         when = time.monotonic() if at is None else at
+        who = thread_id()
         with self._lock:
-            self._marks.setdefault(name, []).append(when)
+            self._marks.setdefault(name, []).append((when, who))
 
     def first(self, name: str) -> float | None:
         with self._lock:
             marks = self._marks.get(name)
-            return marks[0] if marks else None
+            return marks[0][0] if marks else None
 
     def last(self, name: str, before: float | None = None) -> float | None:
         """The latest mark ``name`` (at or before ``before`` if given)."""
         with self._lock:
-            marks = [m for m in self._marks.get(name, ()) if before is None or m <= before]
+            marks = [m for m, _ in self._marks.get(name, ()) if before is None or m <= before]
             return marks[-1] if marks else None
+
+    def thread(self, name: str, *, first: bool = False) -> str | None:
+        """The thread that made the last (or ``first``) mark ``name``."""
+        with self._lock:
+            marks = self._marks.get(name)
+            return None if not marks else marks[0 if first else -1][1]
 
 
 class TimedEngine:
@@ -330,7 +356,8 @@ class TimedChannel:
     def __init__(self, inner: Any, timeline: Timeline) -> None:
         self._inner = inner
         self._timeline = timeline
-        self.received_status: dict[int, float] = {}
+        self.received_status: dict[int, tuple[float, str]] = {}
+        """Room -> when its TransferStatus came out of the channel, and the thread that took it."""
 
     @property
     def address(self) -> str:
@@ -346,7 +373,7 @@ class TimedChannel:
         now = time.monotonic()
         for message in messages:
             if isinstance(message, TransferStatus):
-                self.received_status[int(message.room)] = now
+                self.received_status[int(message.room)] = (now, thread_id())
         return messages
 
     def wake(self) -> None:
@@ -497,6 +524,12 @@ class DecodeRoomReport:
     verified: bool | None
     checksum_verified: bool = False
     """The decode checked the room's pages against the prefill's checksums before Success."""
+    status_thread: str = ""
+    """The thread that took the TransferStatus off the control channel (``thread_id``)."""
+    success_thread: str = ""
+    """The decode scheduler's thread, whose poll saw Success."""
+    lock_contended: int = 0
+    """Acquisitions of the decode transport's lock that found it held, from init to Success."""
 
 
 def _decode_main(args: _DecodeArgs, conn: Connection) -> None:
@@ -520,6 +553,7 @@ def _decode_rank(args: _DecodeArgs, conn: Connection) -> None:
         backend,
         channel_factory=timed_channel_factory(timeline, channels),
     )
+    lock = time_lock(transport)
     load = InterpreterLoad(args.load_threads)
     try:
         transport.start()
@@ -540,11 +574,13 @@ def _decode_rank(args: _DecodeArgs, conn: Connection) -> None:
             if verify_src is not None:
                 memory.clear_pages(dst_pages)
             receiver = transport.receiver(RoomId(room), prefill)
+            contended = lock.contended
             init_at = time.monotonic()
             receiver.init(dst_pages, aux_row)
             waits = transport if args.wake else None
             poll = wait_poll(receiver.poll, (KVPoll.Success,), args.poll_s, 120, waits)
             success_at = time.monotonic()
+            contended = lock.contended - contended
             verified: bool | None = None
             if verify_src is not None and poll is KVPoll.Success:
                 _, mismatches = verify_room(
@@ -563,7 +599,9 @@ def _decode_rank(args: _DecodeArgs, conn: Connection) -> None:
             while poll is KVPoll.Failed and not receiver.release_ready() and time.monotonic() < deadline:
                 time.sleep(args.poll_s)
             receiver.clear()
-            received = channels[0].received_status.pop(room, success_at) if channels else success_at
+            received, status_thread = (
+                channels[0].received_status.pop(room, (success_at, "")) if channels else (success_at, "")
+            )
             conn.send(
                 (
                     "done",
@@ -576,6 +614,9 @@ def _decode_rank(args: _DecodeArgs, conn: Connection) -> None:
                         status_received_at=received,
                         success_at=success_at,
                         verified=verified,
+                        status_thread=status_thread,
+                        success_thread=thread_id(),
+                        lock_contended=contended,
                     ),
                 )
             )
@@ -691,6 +732,74 @@ def _timed(run: Callable[[], None]) -> float:
 
 # ----------------------------------------------------------------------------- the bench
 
+ENGINE_THREADS = "mooncake transfer threads"
+ZMQ_SENDER = "zmq I/O thread (prefill)"
+ZMQ_RECEIVER = "zmq I/O thread (decode)"
+
+
+@attrs.frozen(kw_only=True)
+class HandOffs:
+    """The hand-offs between threads and processes on the path of one room, counted from the threads
+    that ran each step (``Timeline`` marks, the decode's report), with the native threads in between
+    by construction: Mooncake moves the bytes on its own transfer threads (launch -> its threads ->
+    the status call that returns), and zmq sends and receives on each context's I/O thread (the
+    sender's thread -> its I/O thread -> over TCP to the peer's I/O thread -> the receiving thread).
+    An acquisition of a transport lock that found it held is one more (the thread sleeps until the
+    holder's release wakes it)."""
+
+    path: tuple[tuple[str, str], ...]
+    """(step, thread) from ``send()`` to the decode scheduler seeing Success, native threads included."""
+    to_decode: int
+    """Changes of thread along ``path``."""
+    to_prefill: int
+    """Changes of thread from ``send()`` to the status sent, then to the prefill scheduler's poll."""
+    native: int
+    """Of ``to_decode``: into and out of the engine's and zmq's threads (by construction)."""
+    prefill_lock_waits: int
+    decode_lock_waits: int
+
+    @property
+    def total(self) -> int:
+        """``to_decode`` plus the lock waits of both sides: the hand-offs of a 1-page room."""
+        return self.to_decode + self.prefill_lock_waits + self.decode_lock_waits
+
+
+def _changes(threads: Sequence[str]) -> int:
+    return sum(a != b for a, b in itertools.pairwise(threads))
+
+
+def hand_offs(
+    timeline: Timeline, decode: DecodeRoomReport, *, prefill_scheduler: str, prefill_contended: int
+) -> HandOffs | None:
+    """The room's ``HandOffs`` from its marks; None when a step was not marked (an untimed engine)."""
+    steps = (
+        ("send()", timeline.thread("send_call")),
+        ("plan", timeline.thread("plan_start", first=True)),
+        ("engine launch", timeline.thread("launch", first=True)),
+        ("bytes moved", ENGINE_THREADS),
+        ("engine status returned", timeline.thread("engine_done")),
+        ("executor wait returned", timeline.thread("wait_returned")),
+        ("status sent", timeline.thread("status_sent")),
+        ("status on the wire", ZMQ_SENDER),
+        ("status off the wire", ZMQ_RECEIVER),
+        ("status received", decode.status_thread or None),
+        ("decode poll sees Success", decode.success_thread or None),
+    )
+    path = tuple((step, who) for step, who in steps if who is not None)
+    if len(path) != len(steps):
+        return None
+    threads = [who for _, who in path]
+    sent = [step for step, _ in path].index("status sent") + 1
+    native = {ENGINE_THREADS, ZMQ_SENDER, ZMQ_RECEIVER}
+    return HandOffs(
+        path=path,
+        to_decode=_changes(threads),
+        to_prefill=_changes([*threads[:sent], prefill_scheduler]),
+        native=sum(a != b and (a in native or b in native) for a, b in itertools.pairwise(threads)),
+        prefill_lock_waits=prefill_contended,
+        decode_lock_waits=decode.lock_contended,
+    )
+
 
 @attrs.frozen(kw_only=True)
 class RoomTiming:
@@ -701,6 +810,8 @@ class RoomTiming:
     phases: dict[str, float]
     verified: bool | None
     checksum_verified: bool = False
+    hand_offs: HandOffs | None = None
+    """The thread and process hand-offs of this room (None: a backend whose engine is not timed)."""
 
 
 @attrs.define
@@ -1071,12 +1182,16 @@ def _pdkv_room(
     sender.init(size.pages, aux_row)
     waits = transport if wake else None
     wait_poll(sender.poll, (KVPoll.WaitingForInput, KVPoll.Transferring), poll_s, 60, waits)
+    lock = getattr(transport, "_lock", None)
+    contended = lock.contended if isinstance(lock, TimedLock) else 0
     timeline.reset()
     sent_at = time.monotonic()
+    timeline.mark("send_call", sent_at)
     sender.send(size.src_pages, start_token=0, last=True)
     returned_at = time.monotonic()
     poll = wait_poll(sender.poll, (KVPoll.Success,), poll_s, 120, waits)
     prefill_success_at = time.monotonic()
+    contended = (lock.contended if isinstance(lock, TimedLock) else 0) - contended
     decode: DecodeRoomReport = _receive(conn, child, 120)[1]
     sender.clear()
     if poll is not KVPoll.Success or decode.poll != int(KVPoll.Success):
@@ -1092,6 +1207,7 @@ def _pdkv_room(
         phases=_phases(timeline, sent_at, returned_at, prefill_success_at, decode),
         verified=decode.verified,
         checksum_verified=decode.checksum_verified,
+        hand_offs=hand_offs(timeline, decode, prefill_scheduler=thread_id(), prefill_contended=contended),
     )
 
 
@@ -1214,8 +1330,77 @@ def _report(
         ["pages", "method", "", *PHASES],
         phase_rows,
     )
+    _report_hand_offs(runs)
     emit({"bench": "latency", "kind": "summary", "verified": verified, "failures": failures})
     return 0 if verified and not failures else 1
+
+
+def _report_hand_offs(runs: list[SizeRuns]) -> None:
+    """The hand-offs of each size's rooms (medians), and the path of one room with the median total."""
+    rows: list[list[object]] = []
+    paths: list[str] = []
+    for size in runs:
+        for variant, rooms in size.rooms.items():
+            counted = [r.hand_offs for r in rooms if r.hand_offs is not None]
+            if not counted:
+                continue
+            total = statistics.median_low([h.total for h in counted])
+            shown = next(h for h in counted if h.total == total)
+            record: dict[str, Any] = {
+                "bench": "latency",
+                "kind": "hand_offs",
+                "pages": size.pages,
+                "variant": variant,
+                "rooms": len(counted),
+                "total_p50": total,
+                "total_min": min(h.total for h in counted),
+                "total_max": max(h.total for h in counted),
+                "totals": {
+                    str(n): [h.total for h in counted].count(n) for n in sorted({h.total for h in counted})
+                },
+                "to_decode_p50": statistics.median_low([h.to_decode for h in counted]),
+                "native_p50": statistics.median_low([h.native for h in counted]),
+                "to_prefill_p50": statistics.median_low([h.to_prefill for h in counted]),
+                "prefill_lock_waits_mean": statistics.fmean(h.prefill_lock_waits for h in counted),
+                "decode_lock_waits_mean": statistics.fmean(h.decode_lock_waits for h in counted),
+                "path": [list(step) for step in shown.path],
+            }
+            emit(record)
+            rows.append(
+                [
+                    size.pages,
+                    variant,
+                    total,
+                    f"{record['total_min']}-{record['total_max']}",
+                    record["to_decode_p50"],
+                    record["native_p50"],
+                    record["to_prefill_p50"],
+                    record["prefill_lock_waits_mean"],
+                    record["decode_lock_waits_mean"],
+                ]
+            )
+            steps = " -> ".join(f"{step} [{who}]" for step, who in shown.path)
+            paths.append(f"  {size.pages} pages, {variant}: {steps}")
+    if not rows:
+        return
+    table(
+        "thread and process hand-offs per room, send() -> decode poll sees Success (medians; counted "
+        "from the threads that ran each step, the engine's and zmq's own threads by construction, plus "
+        "the acquisitions that found a transport lock held)",
+        [
+            "pages",
+            "method",
+            "total",
+            "range",
+            "->D thread changes",
+            "of which native",
+            "->P thread changes",
+            "P lock waits",
+            "D lock waits",
+        ],
+        rows,
+    )
+    print("\n".join(["a room's path (step [pid/thread]):", *paths]), file=sys.stderr, flush=True)
 
 
 # ------------------------------------------------------------------ --backend nixl: engines side by side

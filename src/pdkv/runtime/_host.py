@@ -8,7 +8,10 @@ surface goes through. Each transport adds the effects of its side in ``_apply_ef
 All room state lives in the endpoint; every access holds ``_lock`` (never a lock per room: one lock
 is cheaper than a transitions LockedMachine per room, and the endpoint is fast). Effects are carried
 out in the order the endpoint produced them, with the lock held, so they never interleave with
-another caller's.
+another caller's. A scheduler blocked in ``wait_progress`` is woken once the thread that made the
+progress released the lock and sent what it posted (a ``_locked()`` block's end; the control
+thread's ``settled`` after a batch of messages): woken earlier, its poll would find the lock held
+and sleep on it again, one hand-off more on the path of a request or a status.
 """
 
 from __future__ import annotations
@@ -120,6 +123,7 @@ class EndpointHost(Generic[E, F]):
             on_message=self._on_message,
             on_tick=self._on_tick,
             next_deadline=self._after_messages,
+            settled=self._settled,
             clock=clock,
         )
         self._trace = MessageTrace(endpoint, lambda: self._loop.channel.address)  # PDKV_LOG_JSON
@@ -237,13 +241,14 @@ class EndpointHost(Generic[E, F]):
         for progress is woken after that send, not before: woken first, it would take the
         interpreter from this thread in the middle of sending (a status would wait for the poll)."""
         local = self._local  # never nested: the endpoint lock is not reentrant
+        outer = getattr(local, "deferring", False)  # the control thread: it notifies when settled
         local.deferring = True
         try:
             with self._loop.sending(), self._lock:
                 yield
         finally:
-            local.deferring = False
-            if getattr(local, "owed", False):
+            local.deferring = outer
+            if not outer and getattr(local, "owed", False):
                 local.owed = False
                 self._notify_progress()
 
@@ -283,6 +288,7 @@ class EndpointHost(Generic[E, F]):
 
     def _on_message(self, message: Message, now: float) -> None:
         self._before_receive(message)
+        self._local.deferring = True  # the control thread wakes waiters once settled (_settled)
         with self._lock:
             self._accounting.received(message)
             self._trace.received(message)
@@ -291,11 +297,22 @@ class EndpointHost(Generic[E, F]):
 
     def _on_tick(self, now: float) -> float | None:
         channel = self._loop.channel.statistics()
+        self._local.deferring = True  # as in _on_message
         with self._lock:
             self._accounting.channel(malformed=channel.malformed, unauthenticated=channel.unauthenticated)
             self._apply(self._endpoint.tick(now))
             self._after_tick()
             return self._endpoint.next_deadline()
+
+    def _settled(self) -> None:
+        """Control thread, after a batch of messages or a tick, its messages sent and no lock held: the
+        schedulers waiting in ``wait_progress`` are woken now, once for the whole batch. Woken from
+        inside a handler they would find the endpoint lock held (each handler holds it) and sleep
+        on it again until the handler ended."""
+        local = self._local
+        if getattr(local, "owed", False):
+            local.owed = False
+            self._notify_progress()
 
     def _after_messages(self) -> float | None:
         """After a batch of messages (control thread): the next deadline; the counters and gauges of

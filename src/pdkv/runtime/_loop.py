@@ -70,6 +70,10 @@ class ControlLoop:
     ``on_tick(now)`` returns the next deadline (monotonic seconds) or None. ``next_deadline()``, when
     given, is asked after each batch of messages instead of a whole tick (a message may have set an
     earlier deadline; the tick runs when it is due): the loop is back in its wait sooner.
+    ``settled()``, when given, runs on the loop's thread once a batch of messages (or a tick) has
+    been handled and what it posted sent, with no lock of the handlers held: where the transports
+    wake their waiting schedulers (woken inside a handler, a scheduler would find the endpoint
+    lock held and sleep again until the handler released it: two hand-offs instead of one).
     """
 
     def __init__(
@@ -80,9 +84,11 @@ class ControlLoop:
         on_message: Callable[[Message, float], None],
         on_tick: Callable[[float], float | None],
         next_deadline: Callable[[], float | None] | None = None,
+        settled: Callable[[], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.channel = channel
+        self._settled = settled
         self._on_message = on_message
         self._on_tick = on_tick
         self._next_deadline = next_deadline
@@ -186,6 +192,7 @@ class ControlLoop:
                 if next_deadline is None or next_deadline <= now:
                     next_deadline = self._on_tick(now)
                 self._flush()
+                self._settle()  # a tick's changes, before the wait
                 timeout = (
                     _MAX_IDLE_S if next_deadline is None else max(0.0, min(_MAX_IDLE_S, next_deadline - now))
                 )
@@ -208,6 +215,9 @@ class ControlLoop:
                     if due is not None and (next_deadline is None or due < next_deadline):
                         next_deadline = due
                 self._flush()
+                # The batch's changes, once its replies left and this thread is done with the
+                # handlers' lock (next_deadline takes it): the woken scheduler finds it free.
+                self._settle()
             except Exception:
                 self.handler_errors += 1
                 log.exception("control loop %s: handler failed; continuing", self._name)
@@ -217,6 +227,10 @@ class ControlLoop:
             self._flush()
         except Exception:
             log.exception("control loop %s: final flush failed", self._name)
+
+    def _settle(self) -> None:
+        if self._settled is not None:
+            self._settled()
 
     def _handle(self, message: Message) -> None:
         """One received message; a failing handler costs that message only, not the batch."""
