@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pdkv.errors import MappingError
+from pdkv.errors import InvalidArgumentError, MappingError
 from pdkv.mapping import LayerKey, ModelRole
 from pdkv.protocol.config import Timeouts
 from pdkv.protocol.effects import (
@@ -36,7 +36,7 @@ from pdkv.protocol.messages import (
 from pdkv.protocol.poll import KVPoll
 from pdkv.protocol.prefill import PrefillEndpoint
 from pdkv.testing.endpoint_pair import EndpointPair, RoomPlan
-from tests.protocol.helpers import DECODE, ROOM, prefill, register, request, sent
+from tests.protocol.helpers import DECODE, PREFILL, ROOM, layout, prefill, register, request, sent
 
 PAGE = 16
 LAYER = LayerKey(model=ModelRole.TARGET, layer_id=0)
@@ -324,3 +324,11 @@ def test_a_fence_success_waited_for_sends_no_abort_ack_once_the_room_failed_here
     # The decode's Abort (it was told Failed) is answered, and says the fence drained the queue.
     effects = p.receive(Abort(origin=DECODE, room=ROOM, reason="told failed"), 0.8)
     assert sent(effects, AbortAck) == [AbortAck(origin=p.origin, room=ROOM, fenced=True)]
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, float("nan"), float("inf"), True, "60"])
+def test_a_per_layer_finish_timeout_it_cannot_honour_is_refused_by_name(bad: object) -> None:
+    """A NaN or infinite finish deadline never passes and 0 fails every context at send(): refused at
+    construction, naming the argument, before the endpoint holds any state."""
+    with pytest.raises(InvalidArgumentError, match="layer_finish_timeout_s"):
+        PrefillEndpoint(origin=PREFILL, layout=layout(), layer_finish_timeout_s=bad)  # type: ignore[arg-type]  # the bad values are the point

@@ -171,7 +171,7 @@ class LayerBook(Generic[W]):
 
     def writing(self, room: RoomId) -> list[int]:
         """Start tokens of the room's contexts whose writes may still land: the first write was
-        consented and the end of the writes not reported yet."""
+        consented and the context has not ended (it is terminal once its writes ended)."""
         r = self._rooms.get(room)
         if r is None:
             return []

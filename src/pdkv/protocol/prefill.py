@@ -214,7 +214,8 @@ class PrefillEndpoint(RoomKeeper[SenderRoom]):
         self._unopened_failed: list[RoomId] = []  # freed at the end of the input that failed them
         self._status_resends: DeadlineQueue[RoomId] = DeadlineQueue()
         self._counts = Counts(PrefillStatistics, levels=_LEVELS)
-        self.layers: LayerBook[object] = LayerBook(finish_timeout_s=layer_finish_timeout_s)
+        finish_s = arguments.seconds(layer_finish_timeout_s, argument="layer_finish_timeout_s", positive=True)
+        self.layers: LayerBook[object] = LayerBook(finish_timeout_s=finish_s)
         """The rank's per-layer contexts (``pdkv.protocol.layers``): the runtime reads them and feeds
         them the outcomes of its lanes (layer routed, submitted, broken, finish verdicts) under the
         same lock as every other input; what reaches a room goes through ``layer_*`` below."""
@@ -696,11 +697,6 @@ class PrefillEndpoint(RoomKeeper[SenderRoom]):
                 step = RoomStep(self, r, now, start_token=context.start_token)
                 r.machine.step(SenderRoomInput.LAYER_WRITES_ENDED, step)
         return self._effects()
-
-    def layer_cancel(self, room: RoomId, reason: str) -> list[LayerContext[object]]:
-        """The runtime drops the room's contexts (it closes): every one still submitting stops.
-        Returns those not ended (their writes must be awaited, then ``layer_ended``)."""
-        return self.layers.cancel(room, reason)
 
     def decode_prefix(self, room: RoomId) -> int | None:
         """Positions the decode side already holds (its prefix cache), once its requests are in (the

@@ -614,7 +614,7 @@ class PerLayerTransferManager:
         with self._lock:
             if not self._book.contexts(room):
                 return 0
-            self._endpoint.layer_cancel(room, reason)
+            self._book.cancel(room, reason)
             self._changed.notify_all()
         dropped = self._drain_unclaimed(room, reason)
         with self._lock:
@@ -745,7 +745,7 @@ class PerLayerTransferManager:
     def _drain_unclaimed(self, room: RoomId, reason: str) -> int:
         """Drain and drop the room's live contexts nobody holds; returns how many."""
         with self._lock:
-            self._endpoint.layer_cancel(room, reason)  # any registered since the cancel stops too
+            self._book.cancel(room, reason)  # any registered since the cancel stops too
             mine = [c for c in self._book.contexts(room) if _work(c).owner is None and not c.terminal]
             for context in mine:
                 _work(context).owner = _Owner.DRAINER
