@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 from pdkv.control import ControlChannel
 from pdkv.control.framing import WireCodec
+from pdkv.control.stream import StreamChannel
 from pdkv.errors import RemoteProtocolError
 from pdkv.protocol import codec
 from pdkv.protocol.ids import Endpoint, Epoch, InstanceId, SessionId
@@ -16,6 +18,16 @@ CODEC: WireCodec[Message] = WireCodec(
     encode=codec.encode, decode=codec.decode, decode_error=RemoteProtocolError
 )
 KEY = b"k" * 32
+AnyChannel = ControlChannel[Message] | StreamChannel[Message]
+"""The two channels, one promise: tests that take either run against both (``channel_kind``)."""
+
+
+class Pusher(Protocol):
+    """A raw sender of frame sets to a channel, speaking its wire without pdkv's sending side."""
+
+    def send_multipart(self, frames: list[bytes], /) -> object: ...
+
+
 OTHER_KEY = b"o" * 32
 PREFILL = InstanceId("prefill-a")
 DECODE_ORIGIN = Origin(instance=InstanceId("decode-a"), epoch=Epoch(1), rank=RankCoord(tp=0))
@@ -53,7 +65,7 @@ def route_query() -> RouteQuery:
     return RouteQuery(origin=DECODE_ORIGIN)
 
 
-def receive_all(channel: ControlChannel[Message], count: int, timeout_s: float = 5.0) -> list[Message]:
+def receive_all(channel: AnyChannel, count: int, timeout_s: float = 5.0) -> list[Message]:
     """Exactly ``count`` messages (fewer only if the time runs out)."""
     deadline = time.monotonic() + timeout_s
     got: list[Message] = []

@@ -11,16 +11,22 @@ from multiprocessing.connection import Connection
 import zmq
 
 from pdkv.control import Authenticator, ControlChannel
+from pdkv.control.stream import StreamChannel
 from pdkv.protocol.ids import Endpoint, Epoch, InstanceId, SessionId
-from pdkv.protocol.messages import Heartbeat, HeartbeatAck, Origin, RankAnnounce, RankCoord
+from pdkv.protocol.messages import Heartbeat, HeartbeatAck, Message, Origin, RankAnnounce, RankCoord
 from tests.control.helpers import CODEC
 
 PEER_ORIGIN = Origin(instance=InstanceId("peer"), epoch=Epoch(7), rank=RankCoord(tp=0))
 
 
-def echo_heartbeats(parent_address: str, key: bytes, count: int, report: Connection) -> None:
-    """Announce this process's channel to the parent, then answer ``count`` heartbeats with acks."""
-    with ControlChannel(CODEC, auth=Authenticator(key=key)) as channel:
+def echo_heartbeats(parent_address: str, key: bytes, count: int, report: Connection, kind: str) -> None:
+    """Announce this process's channel (``kind``: "zmq" or "stream", the parent's) to the parent,
+    then answer ``count`` heartbeats with acks."""
+    auth = Authenticator(key=key)
+    channel: ControlChannel[Message] | StreamChannel[Message] = (
+        ControlChannel(CODEC, auth=auth) if kind == "zmq" else StreamChannel(CODEC, auth=auth)
+    )
+    with channel:
         channel.send(
             parent_address,
             RankAnnounce(
@@ -41,8 +47,13 @@ def echo_heartbeats(parent_address: str, key: bytes, count: int, report: Connect
                     channel.send(parent_address, HeartbeatAck(origin=PEER_ORIGIN, seq=message.seq))
                     answered += 1
         stats = channel.statistics()
-        # The last acks may still be queued: the process ends with os._exit, which would kill zmq's
-        # I/O thread with them (the parent then saw 90 of 100). Close with a flush and wait for it.
+        # The last acks may still be queued: the process ends with os._exit, which would kill the
+        # channel's sending thread with them (zmq's: the parent then saw 90 of 100). Close with a
+        # flush and wait for it.
         channel.close(flush_s=10.0)
-        zmq.Context.instance().term()
+        if kind == "zmq":
+            zmq.Context.instance().term()
+        else:
+            assert isinstance(channel, StreamChannel)
+            channel.wait_closed(10.0)
         report.send((answered, stats.received, stats.unauthenticated, stats.malformed))

@@ -8,19 +8,17 @@ import struct
 from collections.abc import Callable
 
 import pytest
-import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdkv.control import AuthenticationError, Authenticator, ControlChannel
+from pdkv.control import AuthenticationError, Authenticator
 from pdkv.control.auth import TAG_BYTES, unix_ms
 from pdkv.errors import ConfigError
 from pdkv.protocol import codec
-from pdkv.protocol.messages import Message
-from tests.control.helpers import KEY, OTHER_KEY, eventually, heartbeat
+from tests.control.helpers import KEY, OTHER_KEY, AnyChannel, Pusher, eventually, heartbeat
 
-MakeChannel = Callable[..., ControlChannel[Message]]
-RawSocket = Callable[[int, str], zmq.Socket[bytes]]
+MakeChannel = Callable[..., AnyChannel]
+PushTo = Callable[[str], Pusher]
 
 NOW = 1_750_000_000_000  # a fixed unix time in ms: the tests pass time in
 AUTH = Authenticator(key=KEY)
@@ -171,9 +169,9 @@ def test_a_channel_with_a_key_rejects_and_counts_untagged_or_wrongly_tagged_mess
     assert "rejected a frame set" in caplog.text
 
 
-def test_a_stale_timestamp_is_rejected_and_counted(make_channel: MakeChannel, raw_socket: RawSocket) -> None:
+def test_a_stale_timestamp_is_rejected_and_counted(make_channel: MakeChannel, push_to: PushTo) -> None:
     receiver = make_channel(auth=AUTH)
-    replayer = raw_socket(zmq.PUSH, receiver.address)
+    replayer = push_to(receiver.address)
     replayer.send_multipart(Authenticator(key=KEY).sign(FRAMES, unix_ms() - 31_000))  # backdated
     replayer.send_multipart(AUTH.sign(codec.encode(heartbeat(2)), unix_ms()))
     assert receiver.recv(5.0) == heartbeat(2)
@@ -213,11 +211,9 @@ def test_identical_frames_signed_in_the_same_millisecond_are_not_replays() -> No
     assert AUTH.verify(first, NOW, guard) == AUTH.verify(second, NOW, guard) == FRAMES
 
 
-def test_a_channel_rejects_and_counts_a_replayed_message(
-    make_channel: MakeChannel, raw_socket: RawSocket
-) -> None:
+def test_a_channel_rejects_and_counts_a_replayed_message(make_channel: MakeChannel, push_to: PushTo) -> None:
     receiver = make_channel(auth=AUTH)
-    replayer = raw_socket(zmq.PUSH, receiver.address)
+    replayer = push_to(receiver.address)
     captured = AUTH.sign(FRAMES, unix_ms())
     replayer.send_multipart(captured)
     replayer.send_multipart(captured)  # the same bytes again, inside the window

@@ -6,19 +6,16 @@ import struct
 from collections.abc import Callable
 
 import pytest
-import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdkv.control import ControlChannel
 from pdkv.control.auth import Authenticator
 from pdkv.control.envelope import MAX_MESSAGES, EnvelopeError, is_envelope, pack, unpack
 from pdkv.protocol import codec
-from pdkv.protocol.messages import Message
-from tests.control.helpers import heartbeat, receive_all
+from tests.control.helpers import AnyChannel, Pusher, heartbeat, receive_all
 
-MakeChannel = Callable[..., ControlChannel[Message]]
-RawSocket = Callable[[int, str], zmq.Socket[bytes]]
+MakeChannel = Callable[..., AnyChannel]
+PushTo = Callable[[str], Pusher]
 
 
 # ---------------------------------------------------------------- bytes
@@ -103,10 +100,10 @@ def test_an_envelope_larger_than_a_wait_is_handed_out_over_several_waits(make_ch
 
 
 def test_a_bad_message_inside_an_envelope_costs_only_itself(
-    make_channel: MakeChannel, raw_socket: RawSocket
+    make_channel: MakeChannel, push_to: PushTo
 ) -> None:
     channel = make_channel()
-    hostile = raw_socket(zmq.PUSH, channel.address)
+    hostile = push_to(channel.address)
     good = [codec.encode(heartbeat(seq)) for seq in range(2)]
     hostile.send_multipart(pack([good[0], [b"PDKV garbage"], good[1]]))
     hostile.send_multipart([b"PDKE\x01\x00\x05\x00", b"\x01\x00", b"x"])  # counts do not add up: all of it

@@ -7,22 +7,24 @@ from collections.abc import Callable
 
 import pytest
 
-from pdkv.control import Authenticator, ControlChannel
-from pdkv.protocol.messages import Heartbeat, HeartbeatAck, Message, RankAnnounce
-from tests.control.helpers import DECODE_ORIGIN, KEY, receive_all
+from pdkv.control import Authenticator
+from pdkv.protocol.messages import Heartbeat, HeartbeatAck, RankAnnounce
+from tests.control.helpers import DECODE_ORIGIN, KEY, AnyChannel, receive_all
 from tests.control.peer_process import PEER_ORIGIN, echo_heartbeats
 
-MakeChannel = Callable[..., ControlChannel[Message]]
+MakeChannel = Callable[..., AnyChannel]
 COUNT = 100
 
 
 @pytest.mark.slow
-def test_heartbeats_round_trip_with_a_channel_in_another_process(make_channel: MakeChannel) -> None:
+def test_heartbeats_round_trip_with_a_channel_in_another_process(
+    make_channel: MakeChannel, channel_kind: str
+) -> None:
     channel = make_channel(auth=Authenticator(key=KEY))
     context = mp.get_context("spawn")
     report, child_end = context.Pipe(duplex=False)
     child = context.Process(
-        target=echo_heartbeats, args=(channel.address, KEY, COUNT, child_end), daemon=True
+        target=echo_heartbeats, args=(channel.address, KEY, COUNT, child_end, channel_kind), daemon=True
     )
     child.start()
     try:

@@ -51,15 +51,16 @@ def test_latency_bench_quick(capsys: pytest.CaptureFixture[str]) -> None:
         # Every phase was observed (none missing), and none is negative.
         assert all(math.isfinite(v) and v >= 0 for v in r["phases_ms"].values())
     # The hand-offs of every size and variant were counted along the whole path: the scheduler's
-    # send() first, the decode scheduler last, the engine's and zmq's threads between (5 crossings).
+    # send() first, the decode scheduler last, the engine's threads between (2 crossings: the
+    # default stream channel has no thread of its own on the way; zmq's added 3).
     hand_offs = [r for r in records if r["kind"] == "hand_offs"]
     assert sorted((r["pages"], r["variant"]) for r in hand_offs) == sorted(
         (r["pages"], r["variant"]) for r in sizes
     )
     for r in hand_offs:
-        assert r["rooms"] == 2 and r["native_p50"] == 5
+        assert r["rooms"] == 2 and r["native_p50"] == 2 and r["channel"] == "stream"
         assert (
-            r["total_min"] <= r["total_p50"] <= r["total_max"] and r["total_p50"] >= r["to_decode_p50"] >= 5
+            r["total_min"] <= r["total_p50"] <= r["total_max"] and r["total_p50"] >= r["to_decode_p50"] >= 3
         )
         steps = [step for step, _ in r["path"]]
         assert steps[0] == "send()" and steps[-1] == "decode poll sees Success"

@@ -18,6 +18,7 @@ from pdkv.protocol.ids import InstanceId, RoomId
 from pdkv.protocol.messages import RankCoord, StateIndices
 from pdkv.protocol.poll import KVPoll
 from pdkv.runtime.prefill import KVSender
+from pdkv.testing.faults import send_frames
 from pdkv.testing.synthetic import ModelSpec, verify_room
 from tests.runtime.rig import SPEC, Rig, wait_for
 
@@ -141,12 +142,7 @@ def test_garbage_on_every_socket_leaves_transports_serving(rig_factory: Callable
         [bytes(range(256))],
     ]
     for address in (s.prefills[0].address, s.decode.address):
-        push = ctx.socket(zmq.PUSH)
-        push.setsockopt(zmq.LINGER, 1000)
-        push.connect(address)
-        for frames in garbage:
-            push.send_multipart(frames)
-        push.close()
+        send_frames(address, garbage)  # as a peer of the transports' channel kind would
     dealer = ctx.socket(zmq.DEALER)
     dealer.setsockopt(zmq.LINGER, 1000)
     dealer.connect(s.registry.address)

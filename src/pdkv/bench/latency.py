@@ -41,8 +41,10 @@ microseconds each). ``time.monotonic`` is one clock for every process of the hos
 The hand-offs of each room, ``send()`` to the decode's poll seeing Success, are counted and printed
 with one room's path (``HandOffs``): the thread that ran each step (the same timeline marks, each with
 its process and thread; the decode reports the thread that took the status off its channel and its
-scheduler's), Mooncake's transfer threads and zmq's I/O threads by construction, and the acquisitions
-of either transport's lock that found it held.
+scheduler's), Mooncake's transfer threads and, with ``PDKV_CONTROL_CHANNEL=zmq``, zmq's I/O threads
+by construction (the default stream channel has none: the sending thread writes to the kernel and
+the receiving owner reads from it), and the acquisitions of either transport's lock that found it
+held.
 
 ``--checksum``: each round also runs a pdkv room with ``PDKV_KV_CHECKSUM`` on both transports
 (``pdkv+checksum``: the prefill computes a checksum per (buffer, page) of what it sends, the decode
@@ -391,9 +393,9 @@ class TimedChannel:
 
 
 def timed_channel_factory(timeline: Timeline, made: list[TimedChannel]) -> Callable[[str], TimedChannel]:
-    from pdkv.runtime.channels import zmq_channel_factory
+    from pdkv.runtime.channels import control_channel_factory
 
-    base = zmq_channel_factory()
+    base = control_channel_factory()
 
     def make(host: str) -> TimedChannel:
         channel = TimedChannel(base(host), timeline)
@@ -742,8 +744,9 @@ class HandOffs:
     """The hand-offs between threads and processes on the path of one room, counted from the threads
     that ran each step (``Timeline`` marks, the decode's report), with the native threads in between
     by construction: Mooncake moves the bytes on its own transfer threads (launch -> its threads ->
-    the status call that returns), and zmq sends and receives on each context's I/O thread (the
-    sender's thread -> its I/O thread -> over TCP to the peer's I/O thread -> the receiving thread).
+    the status call that returns), and a zmq channel sends and receives on each context's I/O thread
+    (the sender's thread -> its I/O thread -> over TCP to the peer's I/O thread -> the receiving
+    thread); a stream channel's sender writes to the kernel and the receiving thread reads from it.
     An acquisition of a transport lock that found it held is one more (the thread sleeps until the
     holder's release wakes it)."""
 
@@ -769,9 +772,16 @@ def _changes(threads: Sequence[str]) -> int:
 
 
 def hand_offs(
-    timeline: Timeline, decode: DecodeRoomReport, *, prefill_scheduler: str, prefill_contended: int
+    timeline: Timeline,
+    decode: DecodeRoomReport,
+    *,
+    prefill_scheduler: str,
+    prefill_contended: int,
+    channel: str = "stream",
 ) -> HandOffs | None:
-    """The room's ``HandOffs`` from its marks; None when a step was not marked (an untimed engine)."""
+    """The room's ``HandOffs`` from its marks; None when a step was not marked (an untimed engine).
+    ``channel``: the control channel's kind (zmq's adds its two I/O threads to the path)."""
+    zmq_threads = channel == "zmq"
     steps = (
         ("send()", timeline.thread("send_call")),
         ("plan", timeline.thread("plan_start", first=True)),
@@ -780,8 +790,7 @@ def hand_offs(
         ("engine status returned", timeline.thread("engine_done")),
         ("executor wait returned", timeline.thread("wait_returned")),
         ("status sent", timeline.thread("status_sent")),
-        ("status on the wire", ZMQ_SENDER),
-        ("status off the wire", ZMQ_RECEIVER),
+        *((("status on the wire", ZMQ_SENDER), ("status off the wire", ZMQ_RECEIVER)) if zmq_threads else ()),
         ("status received", decode.status_thread or None),
         ("decode poll sees Success", decode.success_thread or None),
     )
@@ -1176,6 +1185,8 @@ def _pdkv_room(
     checksum: bool = False,
 ) -> RoomTiming | None:
     """One room through both transports; None if it failed."""
+    from pdkv.runtime.channels import channel_kind
+
     aux_row = room % 4
     conn.send(("room", room, size.dst_pages, aux_row, size.src_pages if verify else None, checksum))
     sender = transport.sender(RoomId(room))
@@ -1207,7 +1218,13 @@ def _pdkv_room(
         phases=_phases(timeline, sent_at, returned_at, prefill_success_at, decode),
         verified=decode.verified,
         checksum_verified=decode.checksum_verified,
-        hand_offs=hand_offs(timeline, decode, prefill_scheduler=thread_id(), prefill_contended=contended),
+        hand_offs=hand_offs(
+            timeline,
+            decode,
+            prefill_scheduler=thread_id(),
+            prefill_contended=contended,
+            channel=channel_kind(),
+        ),
     )
 
 
@@ -1337,6 +1354,8 @@ def _report(
 
 def _report_hand_offs(runs: list[SizeRuns]) -> None:
     """The hand-offs of each size's rooms (medians), and the path of one room with the median total."""
+    from pdkv.runtime.channels import channel_kind
+
     rows: list[list[object]] = []
     paths: list[str] = []
     for size in runs:
@@ -1351,6 +1370,7 @@ def _report_hand_offs(runs: list[SizeRuns]) -> None:
                 "kind": "hand_offs",
                 "pages": size.pages,
                 "variant": variant,
+                "channel": channel_kind(),
                 "rooms": len(counted),
                 "total_p50": total,
                 "total_min": min(h.total for h in counted),
@@ -1385,8 +1405,8 @@ def _report_hand_offs(runs: list[SizeRuns]) -> None:
         return
     table(
         "thread and process hand-offs per room, send() -> decode poll sees Success (medians; counted "
-        "from the threads that ran each step, the engine's and zmq's own threads by construction, plus "
-        "the acquisitions that found a transport lock held)",
+        "from the threads that ran each step, the engine's (and a zmq channel's) own threads by "
+        "construction, plus the acquisitions that found a transport lock held)",
         [
             "pages",
             "method",

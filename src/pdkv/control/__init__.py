@@ -1,8 +1,11 @@
 """pdkv.control: the only package that imports zmq (DESIGN sections 2, 4 and 7).
 
-- ``channel``: ``ControlChannel``, one per rank: a PULL socket bound on host:port, cached PUSH
-  sockets per destination, non-blocking sends, ``recv`` / ``wait`` (woken by ``wake()`` from other
-  threads), counters; one owner thread;
+- ``stream``: ``StreamChannel``, the transports' default control channel: plain TCP, the sending
+  thread writes to the kernel itself (no I/O thread between), one upkeep thread dials and catches up;
+- ``channel``: ``ControlChannel``, the same surface over zmq: a PULL socket bound on host:port, cached
+  PUSH sockets per destination, non-blocking sends, ``recv`` / ``wait`` (woken by ``wake()`` from other
+  threads), counters; one owner thread (``_inbox`` holds what the two share: signing, verifying,
+  decoding and the one-owner rule);
 - ``auth``: optional HMAC-SHA256 tag frame with a timestamp (``Authenticator``, ``PDKV_AUTH_KEY``);
 - ``bootstrap``: ``RegistryService`` (ROUTER socket on its own thread, answering with an injected
   handler, e.g. ``pdkv.protocol.registry.RouteBook.handle``) and ``request`` (DEALER client with
@@ -26,6 +29,7 @@ from pdkv.control.errors import (
     ControlTimeoutError,
 )
 from pdkv.control.framing import Decoder, Encoder, WireCodec
+from pdkv.control.stream import StreamChannel
 
 __all__ = [
     "AuthenticationError",
@@ -42,6 +46,7 @@ __all__ = [
     "Encoder",
     "RegistryService",
     "RegistryStatistics",
+    "StreamChannel",
     "WireCodec",
     "request",
 ]

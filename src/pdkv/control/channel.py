@@ -35,7 +35,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Sequence
 from types import TracebackType
 from typing import Any, Generic
@@ -43,7 +43,7 @@ from typing import Any, Generic
 import attrs
 import zmq
 
-from pdkv.control import envelope
+from pdkv.control._inbox import Inbox, Part, ReceiverClaim, encode_parts
 from pdkv.control._sockets import (
     Waker,
     WarningLimiter,
@@ -53,8 +53,8 @@ from pdkv.control._sockets import (
     readable,
     remaining_ms,
 )
-from pdkv.control.auth import Authenticator, unix_ms
-from pdkv.control.errors import AuthenticationError, ChannelClosedError, ChannelOwnershipError
+from pdkv.control.auth import Authenticator
+from pdkv.control.errors import ChannelClosedError
 from pdkv.control.framing import M, WireCodec
 from pdkv.errors import ConfigError
 
@@ -132,7 +132,6 @@ class ControlChannel(Generic[M]):
     ) -> None:
         self._codec = codec
         self._auth = auth
-        self._replay = None if auth is None else auth.replay_guard()
         self._options = options if options is not None else ChannelOptions()
         self._context: zmq.Context[zmq.Socket[bytes]] = (
             context if context is not None else zmq.Context.instance()
@@ -151,20 +150,14 @@ class ControlChannel(Generic[M]):
         self._poller.register(self._inbound, zmq.POLLIN)
         self._poller.register(self._waker.socket, zmq.POLLIN)
         self._outbound: OrderedDict[str, zmq.Socket[bytes]] = OrderedDict()
-        self._owner: threading.Thread | None = None  # the receiving thread
-        self._claim_lock = threading.Lock()
+        self._claim = ReceiverClaim(self._address)
+        self._inbox: Inbox[M] = Inbox(codec, auth, self._address)
         self._send_lock = threading.Lock()  # the outbound sockets, their cache and the send counters
         self._closed = False
-        self._warnings = WarningLimiter(log)  # the receiving side's (a limiter is one thread's)
         self._send_warnings = WarningLimiter(log)  # the sending side's, under _send_lock
-        self._received = 0
-        self._malformed = 0
-        self._unauthenticated = 0
         self._sent = 0
         self._dropped_sends = 0
         self._envelopes_sent = 0
-        self._envelopes_received = 0
-        self._pending: deque[M] = deque()  # messages of an envelope not handed out yet
 
     # ------------------------------------------------------------------ any thread
 
@@ -182,16 +175,17 @@ class ControlChannel(Generic[M]):
         self._waker.wake()
 
     def statistics(self) -> ChannelStatistics:
+        inbox = self._inbox
         return ChannelStatistics(
-            received=self._received,
-            malformed=self._malformed,
-            unauthenticated=self._unauthenticated,
-            replayed=0 if self._replay is None else self._replay.replays,
+            received=inbox.received,
+            malformed=inbox.malformed,
+            unauthenticated=inbox.unauthenticated,
+            replayed=inbox.replayed,
             sent=self._sent,
             dropped_sends=self._dropped_sends,
             peers=len(self._outbound),
             envelopes_sent=self._envelopes_sent,
-            envelopes_received=self._envelopes_received,
+            envelopes_received=inbox.envelopes_received,
         )
 
     # ------------------------------------------------------------------ sending (any thread)
@@ -203,71 +197,44 @@ class ControlChannel(Generic[M]):
         True means queued here, not delivered: delivery is the protocol's business (acks, deadlines).
         An encoding error is the caller's bug and propagates. Any thread (serialised by a lock).
         """
-        self._check_open()
-        frames = self._codec.encode(message)
-        if self._auth is not None:
-            frames = self._auth.sign(frames, unix_ms())
-        with self._send_lock:
-            return self._send_frames(to, frames, type(message).__name__)
-
-    def _send_frames(self, to: str, frames: list[bytes], what: str) -> bool:
-        """One encoded message onto ``to``'s socket (``_send_lock`` held)."""
-        if self._closed:
-            raise ChannelClosedError(f"channel {self._address} is closed")
-        socket = self._outbound_socket(to)
-        if socket is None:
-            self._dropped_sends += 1
-            return False
-        try:
-            socket.send_multipart(frames, zmq.NOBLOCK)
-        except zmq.Again:
-            self._dropped_sends += 1
-            self._send_warnings.warning("dropped a %s to %s: its send queue is full", what, to)
-            return False
-        self._sent += 1
-        return True
+        return self.send_many(to, [message])
 
     def send_many(self, to: str, messages: Sequence[M]) -> bool:
         """Queue ``messages`` for ``to`` in one frame set (in order); False (counted) when dropped.
 
         The same promise as ``send`` for each message; one message goes as ``send`` sends it.
         """
-        if len(messages) == 1:
-            return self.send(to, messages[0])
         self._check_open()
-        parts: list[tuple[list[bytes], int]] = []  # encoded and signed outside the lock
-        for start in range(0, len(messages), envelope.MAX_MESSAGES):
-            part = messages[start : start + envelope.MAX_MESSAGES]
-            encoded = [self._codec.encode(m) for m in part]
-            frames = encoded[0] if len(part) == 1 else envelope.pack(encoded)
-            if self._auth is not None:
-                frames = self._auth.sign(frames, unix_ms())
-            parts.append((frames, len(part)))
+        parts = encode_parts(self._codec, self._auth, messages)  # outside the lock
         ok = True
         with self._send_lock:
-            for frames, count in parts:
-                if count == 1:
-                    ok = self._send_frames(to, frames, type(messages[-1]).__name__) and ok
-                    continue
-                if self._closed:
-                    raise ChannelClosedError(f"channel {self._address} is closed")
-                socket = self._outbound_socket(to)
-                if socket is None:
-                    self._dropped_sends += count
-                    ok = False
-                    continue
-                try:
-                    socket.send_multipart(frames, zmq.NOBLOCK)
-                except zmq.Again:
-                    self._dropped_sends += count
-                    self._send_warnings.warning(
-                        "dropped %d messages to %s: its send queue is full", count, to
-                    )
-                    ok = False
-                    continue
-                self._sent += count
-                self._envelopes_sent += 1
+            for part in parts:
+                ok = self._send_part(to, part) and ok
         return ok
+
+    def _send_part(self, to: str, part: Part) -> bool:
+        """One frame set onto ``to``'s socket (``_send_lock`` held)."""
+        if self._closed:
+            raise ChannelClosedError(f"channel {self._address} is closed")
+        socket = self._outbound_socket(to)
+        if socket is None:
+            self._dropped_sends += part.count
+            return False
+        try:
+            socket.send_multipart(part.frames, zmq.NOBLOCK)
+        except zmq.Again:
+            self._dropped_sends += part.count
+            if part.count == 1:
+                self._send_warnings.warning("dropped a %s to %s: its send queue is full", part.what, to)
+            else:
+                self._send_warnings.warning(
+                    "dropped %d messages to %s: its send queue is full", part.count, to
+                )
+            return False
+        self._sent += part.count
+        if part.count > 1:
+            self._envelopes_sent += 1
+        return True
 
     def forget(self, endpoint: str) -> bool:
         """Close the outbound socket to ``endpoint`` and drop its queue; False if there was none."""
@@ -289,12 +256,13 @@ class ControlChannel(Generic[M]):
         """
         self._check_owner()
         deadline = deadline_after(timeout_s)
+        pending = self._inbox.pending
         while True:
-            if self._pending:
-                return self._pending.popleft()
+            if pending:
+                return pending.popleft()
             frames = self._next_frames()
             if frames is not None:
-                self._pending.extend(self._accept(frames))
+                self._inbox.accept(frames)
                 continue
             if expired(deadline):
                 return None
@@ -334,12 +302,7 @@ class ControlChannel(Generic[M]):
         """
         if self._closed:
             return
-        owner = self._owner
-        if owner is not None and owner is not threading.current_thread() and owner.is_alive():
-            raise ChannelOwnershipError(
-                f"channel {self._address} is owned by thread {owner.name!r}, still running; "
-                f"close it there, or after that thread ended"
-            )
+        self._claim.check_close()
         if not 0 <= flush_s < math.inf:
             raise ValueError(f"flush_s must be a finite number >= 0, got {flush_s!r}")
         with self._send_lock:  # a send under way on another thread ends first; later ones raise
@@ -372,19 +335,7 @@ class ControlChannel(Generic[M]):
 
     def _check_owner(self) -> None:
         self._check_open()
-        current = threading.current_thread()
-        if self._owner is current:
-            return
-        with self._claim_lock:
-            owner = self._owner
-            if owner is None or not owner.is_alive():
-                # Unclaimed, or its owner ended (a transport whose start failed and was retried
-                # starts a new control thread on the same channel): the next receiver takes it.
-                self._owner = current
-                return
-        raise ChannelOwnershipError(
-            f"channel {self._address} is owned by thread {owner.name!r}, used from {current.name!r}"
-        )
+        self._claim.check()
 
     def _next_frames(self) -> list[bytes] | None:
         """One frame set off the inbound socket, or None when none is queued."""
@@ -395,53 +346,16 @@ class ControlChannel(Generic[M]):
         except zmq.Again:  # not expected after readable() on the owner's thread; harmless if it comes
             return None
 
-    def _accept(self, frames: list[bytes]) -> list[M]:
-        """The valid messages in ``frames`` (one, or an envelope's); those that fail authentication or
-        decoding are counted and logged instead."""
-        if self._auth is not None:
-            try:
-                frames = self._auth.verify(frames, unix_ms(), self._replay)
-            except AuthenticationError as exc:
-                self._unauthenticated += 1
-                self._warnings.warning("control channel %s rejected a frame set: %s", self._address, exc)
-                return []
-        if not envelope.is_envelope(frames):
-            message = self._decode(frames)
-            return [] if message is None else [message]
-        try:
-            inner = envelope.unpack(frames)
-        except envelope.EnvelopeError as exc:
-            self._malformed += 1
-            self._warnings.warning("control channel %s skipped a malformed envelope: %s", self._address, exc)
-            return []
-        self._envelopes_received += 1
-        return [m for m in map(self._decode, inner) if m is not None]
-
-    def _decode(self, frames: list[bytes]) -> M | None:
-        try:
-            message = self._codec.decode(frames)
-        except self._codec.decode_error as exc:
-            self._malformed += 1
-            self._warnings.warning("control channel %s skipped a malformed frame set: %s", self._address, exc)
-            return None
-        self._received += 1
-        return message
-
     def _drain(self, limit: int) -> list[M]:
         """Up to ``limit`` valid messages from what is queued now, without blocking (an envelope's
-        messages beyond the limit wait in ``_pending`` for the next call)."""
-        messages: list[M] = []
-        while self._pending and len(messages) < limit:
-            messages.append(self._pending.popleft())
-        while len(messages) < limit:
+        messages beyond the limit wait in the inbox for the next call)."""
+        inbox = self._inbox
+        while len(inbox.pending) < limit:
             frames = self._next_frames()
             if frames is None:
                 break
-            accepted = self._accept(frames)
-            room = limit - len(messages)
-            messages.extend(accepted[:room])
-            self._pending.extend(accepted[room:])
-        return messages
+            inbox.accept(frames)
+        return inbox.take(limit)
 
     def _outbound_socket(self, endpoint: str) -> zmq.Socket[bytes] | None:
         socket = self._outbound.get(endpoint)

@@ -1,7 +1,8 @@
 """Wiring of ``pdkv.control`` (sockets, registry service) to ``pdkv.protocol`` (messages, codec).
 
-Owns: the ``WireCodec`` of pdkv messages, the default channel factory of the transports (with
-optional HMAC authentication from ``PDKV_AUTH_KEY``), and the registry calls (announce, query,
+Owns: the ``WireCodec`` of pdkv messages, the channel factories of the transports (the stream
+channel by default, zmq's with ``PDKV_CONTROL_CHANNEL=zmq``; optional HMAC authentication from
+``PDKV_AUTH_KEY``), and the registry calls (announce, query,
 start a registry service for a prefill instance). ``pdkv.control`` knows frames, not messages; this
 is the one place that joins the two.
 """
@@ -9,12 +10,17 @@ is the one place that joins the two.
 from __future__ import annotations
 
 import logging
+import os
+from collections.abc import Mapping
+from typing import Final
 
+from pdkv import config
 from pdkv.control.auth import Authenticator
 from pdkv.control.bootstrap import RegistryService, request
 from pdkv.control.channel import ControlChannel
 from pdkv.control.framing import WireCodec
-from pdkv.errors import LocalProtocolError, RegistryError, RemoteProtocolError
+from pdkv.control.stream import StreamChannel
+from pdkv.errors import ConfigError, LocalProtocolError, RegistryError, RemoteProtocolError
 from pdkv.protocol import codec
 from pdkv.protocol.ids import Epoch, InstanceId
 from pdkv.protocol.messages import (
@@ -37,14 +43,49 @@ CODEC: WireCodec[Message] = WireCodec(
 )
 
 
-def zmq_channel_factory(auth: Authenticator | None = None) -> ChannelFactory:
-    """Channels bound on a free port of the given host; ``auth`` defaults to ``PDKV_AUTH_KEY``."""
+CHANNEL_KINDS: Final = ("stream", "zmq")
+_CHANNEL_VAR: Final = config.declare(
+    "PDKV_CONTROL_CHANNEL",
+    "Control channel of the transports: stream (plain TCP, default) or zmq; both sides of a pair alike",
+)
+
+
+def channel_kind(env: Mapping[str, str] | None = None) -> str:
+    """The control channel the transports build: ``PDKV_CONTROL_CHANNEL``, "stream" when unset."""
+    source = os.environ if env is None else env
+    kind = source.get(_CHANNEL_VAR.name, "stream")
+    if kind not in CHANNEL_KINDS:
+        raise ConfigError(f"{_CHANNEL_VAR.name}={kind!r} is not one of {', '.join(CHANNEL_KINDS)}")
+    return kind
+
+
+def control_channel_factory(
+    kind: str | None = None, *, auth: Authenticator | None = None, port: int = 0
+) -> ChannelFactory:
+    """Channels of ``kind`` ("stream" or "zmq"; None: ``channel_kind()``) bound on ``port`` of the
+    given host (0: a free one); ``auth`` defaults to ``PDKV_AUTH_KEY``.
+
+    The two speak different wires: every rank of a deployment uses the same kind (a stream channel
+    names a zmq peer in its log when one dials it). The stream channel is the default because it
+    takes two thread crossings off each direction of every message (``pdkv.control.stream``)."""
+    chosen = channel_kind() if kind is None else kind
+    if chosen not in CHANNEL_KINDS:
+        raise ConfigError(f"channel kind {chosen!r} is not one of {', '.join(CHANNEL_KINDS)}")
     key = auth if auth is not None else Authenticator.from_env()
 
-    def make(host: str) -> MessageChannel:
-        return ControlChannel(CODEC, host=host, auth=key)
+    def make_stream(host: str) -> MessageChannel:
+        return StreamChannel(CODEC, host=host, port=port, auth=key)
 
-    return make
+    def make_zmq(host: str) -> MessageChannel:
+        return ControlChannel(CODEC, host=host, port=port, auth=key)
+
+    return make_stream if chosen == "stream" else make_zmq
+
+
+def zmq_channel_factory(auth: Authenticator | None = None) -> ChannelFactory:
+    """zmq channels (``control_channel_factory("zmq")``), e.g. beside ranks of a release before the stream
+    channel."""
+    return control_channel_factory("zmq", auth=auth)
 
 
 def announce_to_registry(

@@ -86,7 +86,7 @@ from pdkv.runtime._cuts import HostCutter
 from pdkv.runtime._host import EndpointHost, RoomHandle, new_epoch, peer_name
 from pdkv.runtime._layout_policy import LAYOUT_POLICY_ENV
 from pdkv.runtime._loop import ChannelFactory
-from pdkv.runtime.channels import query_registry, zmq_channel_factory
+from pdkv.runtime.channels import control_channel_factory, query_registry
 from pdkv.runtime.checksum import Checksummer, RoomPages, checksums_from_env, verify_room
 from pdkv.runtime.landing import LandingConfig, LandingPool
 
@@ -195,7 +195,7 @@ class DecodeTransport(EndpointHost[DecodeEndpoint, DecodeEffect]):
     ) -> None:
         self.config = config
         self.backend = backend
-        factory = channel_factory if channel_factory is not None else zmq_channel_factory()
+        factory = channel_factory if channel_factory is not None else control_channel_factory()
         channel = factory(config.host)
         endpoint = DecodeEndpoint(
             origin=config.origin,

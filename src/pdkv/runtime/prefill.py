@@ -96,7 +96,7 @@ from pdkv.protocol.prefill import PrefillEndpoint, PrefillStatistics
 from pdkv.runtime._host import EndpointHost, RoomHandle, new_epoch, peer_name
 from pdkv.runtime._layout_policy import LAYOUT_POLICY_ENV
 from pdkv.runtime._loop import ChannelFactory
-from pdkv.runtime.channels import announce_to_registry, zmq_channel_factory
+from pdkv.runtime.channels import announce_to_registry, control_channel_factory
 from pdkv.runtime.checksum import (
     ChecksumBook,
     Checksummer,
@@ -251,7 +251,7 @@ class PrefillTransport(EndpointHost[PrefillEndpoint, PrefillEffect]):
         gathers scattered writes into (``pdkv.runtime.staging``); the caller closes it after ``close()``."""
         self.config = config
         self.backend = backend
-        factory = channel_factory if channel_factory is not None else zmq_channel_factory()
+        factory = channel_factory if channel_factory is not None else control_channel_factory()
         super().__init__(
             PrefillEndpoint(
                 origin=config.origin,

@@ -23,12 +23,14 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
+from typing import TypeVar
 
 import attrs
 
 from pdkv.control.bootstrap import request
 from pdkv.control.channel import ChannelStatistics, ControlChannel
 from pdkv.control.framing import WireCodec
+from pdkv.control.stream import StreamChannel
 from pdkv.engine.backend import (
     BackendStatistics,
     BatchHandle,
@@ -46,6 +48,8 @@ from pdkv.protocol import codec
 from pdkv.protocol.ids import Epoch, InstanceId
 from pdkv.protocol.messages import Heartbeat, Message, Origin, RankCoord
 from pdkv.runtime._loop import ChannelFactory, MessageChannel
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -215,12 +219,13 @@ class FaultyChannel:
 def faulty_channel_factory(
     faults: ChannelFaults, made: list[FaultyChannel], inner: ChannelFactory | None = None
 ) -> ChannelFactory:
-    """A channel factory whose channels are ``FaultyChannel``s over ``inner`` (default: pdkv's zmq
-    channels); each channel made is appended to ``made`` so its counts can be read later."""
+    """A channel factory whose channels are ``FaultyChannel``s over ``inner`` (default: the
+    transports' own, ``control_channel_factory()``); each channel made is appended to ``made`` so its
+    counts can be read later."""
     if inner is None:
-        from pdkv.runtime.channels import zmq_channel_factory
+        from pdkv.runtime.channels import control_channel_factory
 
-        inner = zmq_channel_factory()
+        inner = control_channel_factory()
     base = inner
 
     def make(host: str) -> MessageChannel:
@@ -232,14 +237,11 @@ def faulty_channel_factory(
 
 
 def fixed_port_channel_factory(port: int) -> ChannelFactory:
-    """pdkv's zmq channel bound on ``port``: a restarted process comes back behind the same address."""
-    from pdkv.control.auth import Authenticator
-    from pdkv.runtime.channels import CODEC
+    """The transports' channel bound on ``port``: a restarted process comes back behind the same
+    address."""
+    from pdkv.runtime.channels import control_channel_factory
 
-    def make(host: str) -> MessageChannel:
-        return ControlChannel(CODEC, host=host, port=port, auth=Authenticator.from_env())
-
-    return make
+    return control_channel_factory(port=port)
 
 
 # ------------------------------------------------------------------------------------ backend
@@ -382,15 +384,30 @@ def _raw_codec(frames: list[bytes]) -> WireCodec[object]:
     return WireCodec(encode=encode, decode=decode, decode_error=RemoteProtocolError)
 
 
+def _peer_channel(codec: WireCodec[T]) -> ControlChannel[T] | StreamChannel[T]:
+    """A channel of the kind the ranks use (``PDKV_CONTROL_CHANNEL``), to talk to them as a peer."""
+    from pdkv.runtime.channels import channel_kind
+
+    if channel_kind() == "zmq":
+        return ControlChannel(codec, host="127.0.0.1")
+    return StreamChannel(codec, host="127.0.0.1")
+
+
+def _close_flushed(channel: ControlChannel[T] | StreamChannel[T]) -> None:
+    channel.close(flush_s=1.0)
+    if isinstance(channel, StreamChannel):
+        channel.wait_closed(2.0)  # zmq's context keeps flushing after close; this one is joined
+
+
 def send_frames(address: str, frame_sets: Sequence[list[bytes]]) -> None:
     """Push each frame set to a rank's control socket at ``address`` (as a peer channel would)."""
     for frames in frame_sets:
-        channel: ControlChannel[object] = ControlChannel(_raw_codec(frames), host="127.0.0.1")
+        channel = _peer_channel(_raw_codec(frames))
         try:
             if not channel.send(address, object()):
                 raise FaultInjectionError(f"could not queue garbage for {address}")
         finally:
-            channel.close(flush_s=1.0)
+            _close_flushed(channel)
 
 
 def send_frames_to_registry(address: str, frame_sets: Sequence[list[bytes]]) -> None:
@@ -405,13 +422,13 @@ def send_messages(address: str, messages: Sequence[Message]) -> None:
     """Send valid pdkv messages to a rank's control socket (forged or replayed ones, e.g. an old epoch)."""
     from pdkv.runtime.channels import CODEC
 
-    channel: ControlChannel[Message] = ControlChannel(CODEC, host="127.0.0.1")
+    channel = _peer_channel(CODEC)
     try:
         for message in messages:
             if not channel.send(address, message):
                 raise FaultInjectionError(f"could not queue {type(message).__name__} for {address}")
     finally:
-        channel.close(flush_s=1.0)
+        _close_flushed(channel)
 
 
 def stale_heartbeat(instance: str, rank: RankCoord, seq: int = 1) -> Heartbeat:
