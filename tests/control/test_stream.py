@@ -210,3 +210,20 @@ def test_wait_closed_waits_for_the_flush_and_refuses_an_open_channel(stream_chan
     assert channel.wait_closed(10.0)
     got = receive_all(receiver, 50)
     assert [m.seq for m in got if isinstance(m, Heartbeat)] == list(range(50))
+
+
+def _has_ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _has_ipv6_loopback(), reason="no IPv6 loopback on this host")
+def test_ipv6_endpoints_bind_dial_and_advertise(stream_channel: MakeStream) -> None:
+    sender, receiver = stream_channel(host="::1"), stream_channel(host="::", advertise_host="::1")
+    assert sender.address.startswith("tcp://[::1]:") and receiver.address.startswith("tcp://[::1]:")
+    assert sender.send(receiver.address, heartbeat(6))
+    assert receiver.recv(5.0) == heartbeat(6)
