@@ -50,6 +50,22 @@ def encode_parts(codec: WireCodec[M], auth: Authenticator | None, messages: Sequ
     return parts
 
 
+class SendCounts:
+    """The sending side's counters of a channel (changed under its send lock, read from any thread)."""
+
+    __slots__ = ("dropped", "envelopes", "sent")
+
+    def __init__(self) -> None:
+        self.sent = 0
+        self.dropped = 0
+        self.envelopes = 0
+
+    def queued(self, part: Part) -> None:
+        self.sent += part.count
+        if part.count > 1:
+            self.envelopes += 1
+
+
 class Inbox(Generic[M]):
     """The receiving half of a channel: frame sets in, valid messages out, bad input counted.
 
@@ -72,6 +88,20 @@ class Inbox(Generic[M]):
     @property
     def replayed(self) -> int:
         return 0 if self._replay is None else self._replay.replays
+
+    def counters(self, sends: SendCounts, peers: int) -> dict[str, int]:
+        """The fields of ``ChannelStatistics``: this inbox's counters, ``sends``' and ``peers``."""
+        return {
+            "received": self.received,
+            "malformed": self.malformed,
+            "unauthenticated": self.unauthenticated,
+            "replayed": self.replayed,
+            "sent": sends.sent,
+            "dropped_sends": sends.dropped,
+            "peers": peers,
+            "envelopes_sent": sends.envelopes,
+            "envelopes_received": self.envelopes_received,
+        }
 
     def take(self, limit: int) -> list[M]:
         """Up to ``limit`` of the accepted messages, oldest first."""

@@ -43,7 +43,7 @@ from typing import Any, Generic
 import attrs
 import zmq
 
-from pdkv.control._inbox import Inbox, Part, ReceiverClaim, encode_parts
+from pdkv.control._inbox import Inbox, Part, ReceiverClaim, SendCounts, encode_parts
 from pdkv.control._sockets import (
     Waker,
     WarningLimiter,
@@ -155,9 +155,7 @@ class ControlChannel(Generic[M]):
         self._send_lock = threading.Lock()  # the outbound sockets, their cache and the send counters
         self._closed = False
         self._send_warnings = WarningLimiter(log)  # the sending side's, under _send_lock
-        self._sent = 0
-        self._dropped_sends = 0
-        self._envelopes_sent = 0
+        self._sends = SendCounts()
 
     # ------------------------------------------------------------------ any thread
 
@@ -175,18 +173,7 @@ class ControlChannel(Generic[M]):
         self._waker.wake()
 
     def statistics(self) -> ChannelStatistics:
-        inbox = self._inbox
-        return ChannelStatistics(
-            received=inbox.received,
-            malformed=inbox.malformed,
-            unauthenticated=inbox.unauthenticated,
-            replayed=inbox.replayed,
-            sent=self._sent,
-            dropped_sends=self._dropped_sends,
-            peers=len(self._outbound),
-            envelopes_sent=self._envelopes_sent,
-            envelopes_received=inbox.envelopes_received,
-        )
+        return ChannelStatistics(**self._inbox.counters(self._sends, len(self._outbound)))
 
     # ------------------------------------------------------------------ sending (any thread)
 
@@ -218,12 +205,12 @@ class ControlChannel(Generic[M]):
             raise ChannelClosedError(f"channel {self._address} is closed")
         socket = self._outbound_socket(to)
         if socket is None:
-            self._dropped_sends += part.count
+            self._sends.dropped += part.count
             return False
         try:
             socket.send_multipart(part.frames, zmq.NOBLOCK)
         except zmq.Again:
-            self._dropped_sends += part.count
+            self._sends.dropped += part.count
             if part.count == 1:
                 self._send_warnings.warning("dropped a %s to %s: its send queue is full", part.what, to)
             else:
@@ -231,9 +218,7 @@ class ControlChannel(Generic[M]):
                     "dropped %d messages to %s: its send queue is full", part.count, to
                 )
             return False
-        self._sent += part.count
-        if part.count > 1:
-            self._envelopes_sent += 1
+        self._sends.queued(part)
         return True
 
     def forget(self, endpoint: str) -> bool:

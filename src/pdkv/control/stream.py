@@ -54,7 +54,7 @@ from collections.abc import Sequence
 from types import TracebackType
 from typing import Final, Generic
 
-from pdkv.control._inbox import Inbox, Part, ReceiverClaim, encode_parts
+from pdkv.control._inbox import Inbox, Part, ReceiverClaim, SendCounts, encode_parts
 from pdkv.control._sockets import WarningLimiter, deadline_after, expired
 from pdkv.control.auth import Authenticator
 from pdkv.control.channel import ChannelOptions, ChannelStatistics
@@ -297,9 +297,7 @@ class StreamChannel(Generic[M]):
         self._flush_until: float | None = None  # set by close(): the upkeep thread's last moment
         self._closed = False
         self._send_warnings = WarningLimiter(log)
-        self._sent = 0
-        self._dropped_sends = 0
-        self._envelopes_sent = 0
+        self._sends = SendCounts()
 
     # ------------------------------------------------------------------ any thread
 
@@ -316,18 +314,7 @@ class StreamChannel(Generic[M]):
         self._wake.wake()
 
     def statistics(self) -> ChannelStatistics:
-        inbox = self._inbox
-        return ChannelStatistics(
-            received=inbox.received,
-            malformed=inbox.malformed,
-            unauthenticated=inbox.unauthenticated,
-            replayed=inbox.replayed,
-            sent=self._sent,
-            dropped_sends=self._dropped_sends,
-            peers=len(self._peers),
-            envelopes_sent=self._envelopes_sent,
-            envelopes_received=inbox.envelopes_received,
-        )
+        return ChannelStatistics(**self._inbox.counters(self._sends, len(self._peers)))
 
     # ------------------------------------------------------------------ sending (any thread)
 
@@ -453,18 +440,16 @@ class StreamChannel(Generic[M]):
         """Write one frame set to ``to`` or queue it (``_send_lock`` held)."""
         peer = self._peer(to)
         if peer is None:
-            self._dropped_sends += part.count
+            self._sends.dropped += part.count
             return False
         if peer.waiting + part.count > self._options.send_hwm:
-            self._dropped_sends += part.count
+            self._sends.dropped += part.count
             self._send_warnings.warning(
                 "dropped %d message(s) (%s) to %s: its send queue is full", part.count, part.what, to
             )
             return False
         data = memoryview(pack_frames(part.frames))
-        self._sent += part.count
-        if part.count > 1:
-            self._envelopes_sent += 1
+        self._sends.queued(part)
         sock = peer.socket
         if not peer.queue and peer.connected and not peer.failed and sock is not None:
             try:
