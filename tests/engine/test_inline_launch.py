@@ -3,17 +3,20 @@ submitting thread, and a waiter completes its own one-piece batch when the compl
 
 A minimal ``WorkerThreadBackend`` whose engine hooks record which thread launched and completed
 which piece and whose completions wait for the test: order, the first-contact rule, the timeout
-rule, failures and ``close``.
+rule, failures and ``close``; and how often the completer wakes up (``completer_wakes``). Every test
+runs with both kinds of completer alarm (``pdkv.engine._alarm``): the rules hold with either.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
 
 import numpy as np
+import pytest
 
-from pdkv.engine import BatchStatus
+from pdkv.engine import BatchStatus, _alarm, _threaded
 from pdkv.engine._threaded import PieceFailed, PieceJob, WorkerThreadBackend
 from pdkv.engine.backend import BatchHandle, MemoryRegion
 from pdkv.mapping import TransferBlocks
@@ -21,14 +24,31 @@ from pdkv.mapping import TransferBlocks
 BASE = 1 << 20
 
 
+@pytest.fixture(autouse=True, params=["timerfd", "condition"])
+def alarm_kind(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """The lanes made in the test sleep on this kind of alarm."""
+    if request.param == "timerfd":
+        if _alarm._timerfd is None:
+            pytest.skip("no timerfd on this platform")
+    else:
+        monkeypatch.setattr(_threaded, "new_alarm", _alarm.ConditionAlarm)
+    yield request.param
+
+
 class GatedBackend(WorkerThreadBackend[int]):
     """Launches are recorded (serial, thread); each completion waits until the test releases it."""
 
     def __init__(
-        self, *, budget: int = 64, refuse: frozenset[int] = frozenset(), bound_s: float | None = None
+        self,
+        *,
+        budget: int = 64,
+        refuse: frozenset[int] = frozenset(),
+        bound_s: float | None = None,
+        inline_max_entries: int | None = None,
     ) -> None:
         super().__init__(max_entries_in_flight=budget, thread_name="gated")
         self.bound_s = bound_s
+        self.inline_max_entries = inline_max_entries
         self.launches: list[tuple[int, str]] = []
         self.completions: list[tuple[int, str]] = []
         self.release = threading.Semaphore(0)
@@ -59,6 +79,9 @@ class GatedBackend(WorkerThreadBackend[int]):
 
     def _completion_bound_s(self, handle: BatchHandle) -> float | None:
         return self.bound_s
+
+    def _inline_launch_allowed(self, piece: TransferBlocks) -> bool:
+        return self.inline_max_entries is None or len(piece) <= self.inline_max_entries
 
     def _engine_close(self) -> None:
         pass
@@ -286,4 +309,78 @@ def test_a_submitter_that_does_not_come_to_wait_leaves_its_batch_to_the_complete
     serial, thread = backend.completions[-1]
     assert serial == handle.serial and thread.endswith("-complete")
     assert backend.wait([handle], 0).ok
+    backend.close()
+
+
+# ------------------------------------------------------------------- the completer's wake-ups
+
+
+def _warm_through_the_completer(backend: GatedBackend) -> None:
+    """First contact, completed by the completer (no wait): afterwards it sleeps with nothing to do."""
+    backend.register_range(BASE, 4096)
+    first = backend.submit_write("peer", _batch())
+    backend.release.release()
+    deadline = time.monotonic() + 5
+    while not first.verdict_future.done() and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert backend.wait([first], 0).ok
+    assert backend.completions[-1][1].endswith("-complete")
+
+
+@pytest.mark.parametrize("alarm_kind", ["timerfd"], indirect=True)
+def test_the_completer_sleeps_through_batches_their_submitters_complete() -> None:
+    backend = GatedBackend(bound_s=5.0)
+    _warm_through_the_completer(backend)
+    backend.inline_hold_s = 5.0  # every submitter comes to wait well within its hold
+    lane = backend._lanes["peer"]
+    before = lane.completer_wakes
+    main = threading.current_thread().name
+    for _ in range(20):
+        handle = backend.submit_write("peer", _batch())
+        backend.release.release()
+        assert backend.wait([handle], 10).ok
+        # This thread's other work, which lets go of the interpreter lock as engine calls do: a
+        # completer woken for the piece would run now (a notified thread waits for that lock).
+        time.sleep(0.002)
+    assert [thread for _, thread in backend.completions[1:]] == [main] * 20
+    # Neither the launch nor the claim nor a hold's end woke it: 20 pieces, no wake-up.
+    assert lane.completer_wakes == before
+    backend.close()
+
+
+@pytest.mark.parametrize("alarm_kind", ["timerfd"], indirect=True)
+def test_a_hold_that_runs_out_wakes_the_completer_once_to_take_the_piece() -> None:
+    backend = GatedBackend(bound_s=5.0)
+    _warm_through_the_completer(backend)
+    backend.inline_hold_s = 0.05
+    lane = backend._lanes["peer"]
+    before = lane.completer_wakes
+    handle = backend.submit_write("peer", _batch())
+    backend.release.release()
+    deadline = time.monotonic() + 5
+    while not handle.verdict_future.done() and time.monotonic() < deadline:
+        time.sleep(0.005)  # never calls wait
+    assert backend.completions[-1][1].endswith("-complete")
+    assert lane.completer_wakes == before + 1  # at the hold's end, not at the launch as well
+    backend.close()
+
+
+def test_a_piece_behind_a_claimed_one_is_completed_when_the_claimed_one_ends() -> None:
+    backend = GatedBackend(bound_s=5.0, inline_max_entries=1)
+    _warm(backend)
+    backend.inline_hold_s = 30.0  # the completer would otherwise take the held piece only at its end
+    held = backend.submit_write("peer", _batch())  # inline, left to this thread
+    behind = backend.submit_write("peer", _batch(2))  # too big to launch inline: the launcher's
+    deadline = time.monotonic() + 5
+    while len(backend._lanes["peer"]._launched) < 2 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    backend.release.release()
+    backend.release.release()
+    assert backend.wait([held], 10).ok
+    # The completer, woken for the later piece while the held one was next, went back to sleep until
+    # the hold's end; the claim turned that alarm off, so the end of the claimed completion must ring
+    # it (a lost wake-up would leave the later piece for the 30 s hold).
+    assert backend.wait([behind], 5).ok
+    assert backend.completions[-2] == (held.serial, threading.current_thread().name)
+    assert backend.completions[-1][0] == behind.serial
     backend.close()

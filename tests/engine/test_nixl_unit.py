@@ -355,6 +355,52 @@ def test_a_write_still_in_progress_after_the_timeout_is_released_and_failed(make
     assert agent.handles[0].released
 
 
+@attrs.define
+class ProgressingAgent(FakeAgent):
+    """Posts stay in progress until the agent made progress after them through ``get_new_notifs`` (the
+    progress thread's call), then end as ``ends_as``. In UCX any call into the agent makes progress;
+    here only the progress thread's does, as when the peer's answer arrives after the completer's
+    poll: whoever polls next sees the write end."""
+
+    ends_as: str = "DONE"
+    progressed: bool = True
+
+    def transfer(self, handle: XferHandle) -> str:
+        self.calls.append(("post",))
+        self.progressed = False
+        return "PROC"
+
+    def check_xfer_state(self, handle: XferHandle) -> str:
+        self.calls.append(("check",))
+        return self.ends_as if self.progressed else "PROC"
+
+    def get_new_notifs(self) -> Mapping[str, Sequence[bytes]]:
+        self.progressed = True
+        return {}
+
+
+@pytest.mark.parametrize("ends_as", ["DONE", "ERR"])
+def test_a_write_the_progress_thread_saw_end_is_reported_without_waiting_for_the_next_poll(
+    make: Any, ends_as: str
+) -> None:
+    agent = ProgressingAgent(ends_as=ends_as)
+    # The completer's own polls are 30 s apart: only the progress thread can bring the news in time.
+    made = make(
+        agent, completion_poll_s=30.0, completion_poll_max_s=30.0, idle_poll_s=0.001, busy_poll_s=0.001
+    )
+    made.backend.add_peer(PEER, peer_metadata([(0x1000, 4096, NixlMemory.DRAM, 0)]))
+    source = HostBuffer(64)
+    made.backend.register(source)
+    handle = made.backend.submit_write(PEER, blocks([source.data_ptr()], [0x1000], [8]))
+    (outcome,) = made.backend.wait([handle], 10).outcomes
+    if ends_as == "DONE":
+        assert outcome.ok
+    else:
+        assert outcome.status is BatchStatus.FAILED and "(ERR)" in outcome.reason
+    assert agent.handles[0].released
+    assert not made.backend._awaited  # nothing left for the progress thread to watch
+
+
 def test_a_disconnect_fails_the_batch_and_the_next_write_reconnects(make: Any) -> None:
     agent = FakeAgent(
         check_states=[nixlRemoteDisconnectError("NIXL_ERR_REMOTE_DISCONNECT")], post_states=["PROC"]

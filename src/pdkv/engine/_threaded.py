@@ -17,14 +17,17 @@ under way per lane at any time. The same on the other end: a thread that waits f
 whose piece is next in line while the completer is idle completes it itself (``wait``), when its own
 timeout is at least the engine's bound on that completion (``_completion_bound_s``), so a wait never
 outlasts the timeout it was given; the completer leaves a piece launched inline to its submitter for
-``inline_hold_s``, as that thread is usually on its way to wait for it. Completions stay in launch
-order: one at a time. One waiting thread per peer matters: Mooncake's status call spins while it
-waits, so one waiter per batch in flight would burn a core each. Pieces of a batch after a failed
-one are not launched; pieces already launched are still waited for, so no engine batch is ever left
-unwaited. Neither thread dies on an exception: it becomes the batch's FAILED reason. Lanes are
-created on first use of a peer and retire after ``lane_idle_s`` without work (a peer that went away,
-a decode rank that restarted under a new session: their threads do not pile up); a later batch to
-the same peer starts a new lane.
+``inline_hold_s``, as that thread is usually on its way to wait for it, and is not woken for it: its
+alarm is set for the end of the hold and the submitter's claim turns it off
+(``pdkv.engine._alarm``), so a piece its submitter completes costs the completer no wake-up, and one
+it does not come for is taken when the hold ends. Completions stay in launch order: one at a time.
+One waiting thread per peer matters: Mooncake's status call spins while it waits, so one waiter per
+batch in flight would burn a core each. Pieces of a batch after a failed one are not launched;
+pieces already launched are still waited for, so no engine batch is ever left unwaited. Neither
+thread dies on an exception: it becomes the batch's FAILED reason. Lanes are created on first use of
+a peer and retire after ``lane_idle_s`` without work (a peer that went away, a decode rank that
+restarted under a new session: their threads do not pile up); a later batch to the same peer starts
+a new lane.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from typing import Generic, Self, TypeVar
 import attrs
 import numpy as np
 
+from pdkv.engine._alarm import new_alarm
 from pdkv.engine.backend import (
     BackendClosedError,
     BackendStatistics,
@@ -191,18 +195,20 @@ class _PeerLane(Generic[Token]):
         self._used = 0
         self._queued: deque[PieceJob] = deque()
         self._launched: deque[tuple[PieceJob, Token]] = deque()
-        # One lock; the launcher waits on ``_changed``, the completer on ``_to_complete``. Each is
-        # woken only when it has something to do: a thread woken for nothing still takes the
-        # interpreter lock from the thread that reports a batch, in the middle of its status send.
+        # One lock; the launcher waits on ``_changed``, the completer on its alarm. Each is woken only
+        # when it has something to do: a thread woken for nothing still takes the interpreter lock
+        # from the thread that reports a batch, in the middle of its status send. The completer's
+        # alarm is set for the end of a hold without waking it (``pdkv.engine._alarm``).
         lock = threading.Lock()
         self._changed = threading.Condition(lock)
-        self._to_complete = threading.Condition(lock)
+        self._alarm = new_alarm(lock)
         self._stopping = False
         self._launcher_done = False
         self._launching = False  # a piece taken off the queue (or reserved inline) is being launched
         self._completing = False  # a launched piece is being completed (by the completer or a waiter)
         # A piece its submitter launched inline is left to that thread's wait for a moment: it is
-        # usually on its way there (see WorkerThreadBackend.inline_hold_s).
+        # usually on its way there (see WorkerThreadBackend.inline_hold_s). While ``_held`` is set
+        # the piece is still in ``_launched``: whoever takes it (a claim, the completer) clears it.
         self._held: PieceJob | None = None
         self._held_until = 0.0
         self._contacted = False  # a launch towards this peer succeeded: inline launches are allowed
@@ -246,14 +252,20 @@ class _PeerLane(Generic[Token]):
         """End both threads of an idle lane (``_changed`` held; the backend removed it from its table)."""
         self._stopping = True
         self._changed.notify_all()
-        self._to_complete.notify_all()
+        self._alarm.ring()
+
+    @property
+    def completer_wakes(self) -> int:
+        """How often the completer thread woke up so far (the needless times included)."""
+        with self._changed:
+            return self._alarm.wakes
 
     def stop(self) -> None:
         """Launch and complete everything already queued, then end both threads."""
         with self._changed:
             self._stopping = True
             self._changed.notify_all()
-            self._to_complete.notify_all()
+            self._alarm.ring()
         for thread in self._threads:
             thread.join()
 
@@ -271,7 +283,7 @@ class _PeerLane(Generic[Token]):
                     job = None
                 elif not self._queued:
                     self._launcher_done = True
-                    self._to_complete.notify_all()
+                    self._alarm.ring()
                     return
                 else:
                     job = self._queued[0]
@@ -306,9 +318,16 @@ class _PeerLane(Generic[Token]):
                 self._contacted = True
                 self._launched.append((job, token))
                 if inline and job.count == 1:
-                    self._held = job
+                    earlier, self._held = self._held, job
                     self._held_until = time.monotonic() + self._backend.inline_hold_s
-                self._to_complete.notify()
+                    if earlier is not None:
+                        self._alarm.ring()  # held no longer (one hold per lane): the completer takes it
+                    else:
+                        # Its submitter is usually on its way to complete it (``claim``): the completer
+                        # is not woken for it, unless the hold ends first.
+                        self._alarm.ring_at(self._held_until)
+                else:
+                    self._alarm.ring()
             if self._queued or self._stopping:  # else the launcher has nothing to do
                 self._changed.notify_all()
         if token is None:
@@ -320,14 +339,16 @@ class _PeerLane(Generic[Token]):
                 # A completion claimed by a waiter ends first (order), even when stopping: close()
                 # must not unregister memory under it.
                 while True:
+                    # What happened while this thread was awake needs no alarm: it is read here.
                     if self._completing or (not self._launched and not self._launcher_done):
-                        self._to_complete.wait()
+                        self._alarm.sleep()  # rung when there is a piece or the end
                         continue
                     if not self._launched:
+                        self._alarm.close()
                         return
                     left = self._held_until - time.monotonic()
                     if self._held is self._launched[0][0] and left > 0 and not self._stopping:
-                        self._to_complete.wait(left)  # its submitter may claim it meanwhile
+                        self._alarm.sleep(until=self._held_until)  # its submitter may claim it meanwhile
                         continue
                     break
                 job, token = self._launched.popleft()
@@ -347,6 +368,9 @@ class _PeerLane(Generic[Token]):
             self._launched.popleft()
             self._held = None
             self._completing = True
+            # The completer has nothing to do until this completion ends (it rings then if pieces
+            # wait): the end of the hold must not wake it.
+            self._alarm.disarm()
             return job, token
 
     def complete_claimed(self, job: PieceJob, token: Token) -> None:
@@ -365,7 +389,7 @@ class _PeerLane(Generic[Token]):
         with self._changed:
             self._completing = False
             if self._launched or self._launcher_done:  # what waited behind this one, or the end
-                self._to_complete.notify()
+                self._alarm.ring()
         self._ended(job, failure)
 
     def _ended(self, job: PieceJob, failure: str | None) -> None:
@@ -404,7 +428,8 @@ class WorkerThreadBackend(abc.ABC, Generic[Token]):
         self.inline_hold_s = 0.0005
         """How long the completer leaves a one-piece batch launched inline to its submitter, which
         usually waits for it next and then completes it itself (``wait``): past this, the completer
-        takes it (a submitter that does other work first loses no more than this)."""
+        takes it (a submitter that does other work first loses no more than this). The completer
+        sleeps through the hold; it wakes at its end only if the batch is still there."""
         self._closed = False
         self._serial = 0
         self._unwaited: dict[int, BatchHandle] = {}

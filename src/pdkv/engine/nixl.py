@@ -20,11 +20,16 @@ How the agent is driven (nixl-cu12 1.5.1, UCX 1.22 bundled; facts in ``notes/nix
 - A piece of a batch becomes one NIXL WRITE per (local kind, remote kind) group, posted on the lane's
   launcher (the submitting thread posts a small idle piece itself). With cma the post moves the bytes
   before it returns (DONE); otherwise the lane's completer polls ``check_xfer_state`` (which is what
-  drives UCX) with a bounded, doubling sleep between polls (``completion_poll_s`` up to
-  ``completion_poll_max_s``). A piece still in progress after ``transfer_timeout_s`` is released and
-  FAILED: its bytes at the peer are undefined and may still land (UCX cannot cancel a put); a later
-  write to the same peer completing (pdkv's fence) proves they ended, because every NIXL WRITE ends
-  with a UCX endpoint flush (``specs/nixl.md``, section 2).
+  drives UCX) with a bounded, doubling wait between polls (``completion_poll_s`` up to
+  ``completion_poll_max_s``), which the progress thread below cuts short: every call into the agent
+  makes progress for all its transfers, so after each of its polls it checks the transfers a
+  completer waits for and wakes that completer once they all ended. A completion made by the
+  progress thread's poll is seen then, not at the completer's next poll (up to
+  ``completion_poll_max_s`` later; the progress thread polls every ``busy_poll_s`` while a write is
+  in flight). A piece still in progress after ``transfer_timeout_s`` is released and FAILED: its
+  bytes at the peer are undefined and may still land (UCX cannot cancel a put); a later write to the
+  same peer completing (pdkv's fence) proves they ended, because every NIXL WRITE ends with a UCX
+  endpoint flush (``specs/nixl.md``, section 2).
 - Target progress: with the progress thread off nothing moves towards this agent unless it calls in
   (UCX wire-up, and every byte over ``UCX_TLS=tcp``). A thread polls the agent every ``idle_poll_s``
   (a few % of a core at 1 ms on this machine; about 1% at 2 ms), every ``busy_poll_s`` for
@@ -487,6 +492,19 @@ class LaunchedWrite:
     launched_at: float
 
 
+@attrs.define(eq=False)
+class _AwaitedWrite:
+    """The transfers of one piece a completer is waiting for: ``pending`` indexes ``token.handles``.
+    Checked by the completer and by the progress thread, both under the agent lock; ``ended`` is set
+    by the progress thread when it found the last pending one ended (DONE, ERR or an error)."""
+
+    job: PieceJob
+    token: LaunchedWrite
+    pending: list[int]
+    failure: str | None
+    ended: threading.Event = attrs.Factory(threading.Event)
+
+
 @attrs.frozen(kw_only=True)
 class ProgressStatistics:
     """What the target-progress thread did (an operator's "is it spinning?")."""
@@ -522,7 +540,9 @@ class NixlBackend(WorkerThreadBackend[LaunchedWrite]):
     """A ``TransferBackend`` over one NIXL agent (one per rank).
 
     ``agent_factory`` replaces the real agent (tests pass a fake with the same methods); ``memory_kind``
-    replaces the CUDA pointer query (tests); ``clock`` and ``sleep`` pace the completion polls.
+    replaces the CUDA pointer query (tests); ``clock`` times the completion polls and ``sleep``, if
+    given, replaces the completer's wait between two of them (a fake clock's: it cannot be cut short,
+    so a completion the progress thread saw is only seen at the completer's next poll).
     """
 
     def __init__(
@@ -532,7 +552,7 @@ class NixlBackend(WorkerThreadBackend[LaunchedWrite]):
         agent_factory: AgentFactory | None = None,
         memory_kind: MemoryOf = memory_of,
         clock: Callable[[], float] = time.monotonic,
-        sleep: Callable[[float], None] = time.sleep,
+        sleep: Callable[[float], None] | None = None,
     ) -> None:
         self.config = cfg = config or NixlConfig()
         os.environ.update(cfg.environment())
@@ -557,6 +577,7 @@ class NixlBackend(WorkerThreadBackend[LaunchedWrite]):
         self._memory_kind = memory_kind
         self._registering = threading.local()  # the memory kind of the region being registered
         self._sleep = sleep
+        self._awaited: set[_AwaitedWrite] = set()  # under the agent lock; see _finish_transfers
         self._peers: dict[str, _Peer] = {}
         self._refused: dict[str, str] = {}  # session -> why its metadata was refused (no peer then)
         self._registered: dict[int, _Region] = {}  # by address (under the registry lock)
@@ -787,49 +808,69 @@ class NixlBackend(WorkerThreadBackend[LaunchedWrite]):
         cfg = self.config
         deadline = token.launched_at + cfg.transfer_timeout_s
         delay = cfg.completion_poll_s
-        pending = [i for i, done in enumerate(token.done) if not done]
-        while pending:
-            still: list[int] = []
+        awaited = _AwaitedWrite(job, token, [i for i, done in enumerate(token.done) if not done], failure)
+        try:
+            # Nothing pending after a cma post (done inside it), or once the progress thread saw all end.
+            while awaited.pending:
+                with self._agent_lock:
+                    self._check_transfers(awaited, self._agent)
+                    if not awaited.pending:
+                        break
+                    # Watched by the progress thread from here on: under the lock of this poll, so no
+                    # completion one of its polls makes can fall between this poll and the watch.
+                    awaited.ended.clear()
+                    self._awaited.add(awaited)
+                if self._clock() >= deadline:
+                    awaited.failure = awaited.failure or (
+                        f"NIXL write of {len(job.piece)} blocks to {job.handle.peer!r} not complete after "
+                        f"{cfg.transfer_timeout_s:g} s: released; its bytes at the peer are undefined until "
+                        "a later write to that peer completes"
+                    )
+                    break
+                self._busy_until = self._clock() + cfg.busy_window_s
+                if self._sleep is None:
+                    awaited.ended.wait(delay)  # set by the progress thread once every transfer ended
+                else:
+                    self._sleep(delay)
+                delay = min(delay * 2, cfg.completion_poll_max_s)
+        finally:
             with self._agent_lock:
-                agent = self._agent
-                for i in pending:
-                    if agent is None:
-                        failure = failure or "NIXL agent released while a write was in flight"
-                        continue
+                self._awaited.discard(awaited)
+                for handle in token.handles:
                     try:
-                        state = agent.check_xfer_state(token.handles[i])
-                    except Exception as exc:
-                        if _disconnected(exc):
-                            self._forget_connection(job.handle.peer)
-                        failure = failure or f"NIXL write to {job.handle.peer!r} failed: {_nixl_error(exc)}"
-                        continue
-                    if state == "DONE":
-                        continue
-                    if state == "ERR":
-                        failure = failure or f"NIXL reported the write to {job.handle.peer!r} failed (ERR)"
-                        continue
-                    still.append(i)
-            pending = still
-            if not pending:
-                break
-            if self._clock() >= deadline:
-                failure = failure or (
-                    f"NIXL write of {len(job.piece)} blocks to {job.handle.peer!r} not complete after "
-                    f"{cfg.transfer_timeout_s:g} s: released; its bytes at the peer are undefined until a "
-                    "later write to that peer completes"
-                )
-                break
-            self._busy_until = self._clock() + cfg.busy_window_s
-            self._sleep(delay)
-            delay = min(delay * 2, cfg.completion_poll_max_s)
-        with self._agent_lock:
-            for handle in token.handles:
-                try:
-                    handle.release()
-                except Exception as exc:  # an in-flight handle that cannot be released: log, go on
-                    log.warning("releasing a NIXL write to %s failed: %s", job.handle.peer, _nixl_error(exc))
-            token.handles.clear()
-        return failure
+                        handle.release()
+                    except Exception as exc:  # an in-flight handle that cannot be released: log, go on
+                        log.warning(
+                            "releasing a NIXL write to %s failed: %s", job.handle.peer, _nixl_error(exc)
+                        )
+                token.handles.clear()
+        return awaited.failure
+
+    def _check_transfers(self, awaited: _AwaitedWrite, agent: NixlAgentApi | None) -> None:
+        """Ask NIXL about each pending transfer of ``awaited`` (agent lock held): those that ended leave
+        ``pending``, the first failure is kept. Any thread that holds the lock may ask: the call is
+        also what makes UCX progress."""
+        still: list[int] = []
+        peer = awaited.job.handle.peer
+        for i in awaited.pending:
+            if agent is None:
+                awaited.failure = awaited.failure or "NIXL agent released while a write was in flight"
+                continue
+            try:
+                state = agent.check_xfer_state(awaited.token.handles[i])
+            except Exception as exc:
+                if _disconnected(exc):
+                    self._forget_connection(peer)
+                awaited.failure = awaited.failure or f"NIXL write to {peer!r} failed: {_nixl_error(exc)}"
+                continue
+            if state == "DONE":
+                awaited.token.done[i] = True
+                continue
+            if state == "ERR":
+                awaited.failure = awaited.failure or f"NIXL reported the write to {peer!r} failed (ERR)"
+                continue
+            still.append(i)
+        awaited.pending = still
 
     def _forget_connection(self, name: str) -> None:
         """NIXL dropped ``name`` after a disconnect (agent lock held): load it again on the next write."""
@@ -855,6 +896,13 @@ class NixlBackend(WorkerThreadBackend[LaunchedWrite]):
                 except Exception as exc:  # never let the progress thread die
                     log.warning("NIXL progress of %s failed: %s", self._session_id, _nixl_error(exc))
                     notes = {}
+                # That call made progress for every transfer of the agent: a completer waiting for
+                # one it ended learns it now, not at its own next poll (up to completion_poll_max_s).
+                for awaited in self._awaited:
+                    if awaited.pending:
+                        self._check_transfers(awaited, agent)
+                        if not awaited.pending:
+                            awaited.ended.set()
             now = self._clock()
             arrived = sum(len(v) for v in notes.values())
             self._polls += 1

@@ -5,7 +5,6 @@ Mooncake wrapped by the rank's faults, and the control channel factory), and the
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any
 
 import attrs
@@ -30,20 +29,18 @@ log = logging.getLogger(__name__)
 
 
 STEP_S = 0.0005
-"""A rank's scheduler loop: its longest pause between two passes over its rooms."""
-WAKE_UP_TO_ROOMS = 4
-"""With at most this many rooms active, the loop waits for the transport's progress and passes again
-as soon as a room changed (a lone room's latency); with more, it steps every ``STEP_S`` as a serving
-engine's loop does, so the changes of many rooms are taken in one pass over them all."""
+"""A rank's scheduler loop: its longest pause between two passes over its rooms. The loop has work
+that no transport progress announces (rooms and Stop from the driver's pipe, planned aborts by age,
+consensus rounds): this bounds how late it sees that."""
 
 
-def pause(transport: Any, seen: int, active: int) -> None:
-    """The scheduler loop's pause between two passes over ``active`` rooms (see ``WAKE_UP_TO_ROOMS``);
-    ``seen``: the transport's progress read before the pass."""
-    if active <= WAKE_UP_TO_ROOMS:
-        transport.wait_progress(seen, STEP_S)
-    else:
-        time.sleep(STEP_S)
+def pause(transport: Any, seen: int) -> None:
+    """The scheduler loop's pause between two passes: until the transport's progress passes ``seen``
+    (read before the pass), at most ``STEP_S``. However many rooms are active, the loop never sleeps
+    past a change it could take: a change during the pass ends the pause at once, and the changes of
+    many rooms that come during one pass are all taken by the next (a fixed step only added its
+    pacing to every room's latency)."""
+    transport.wait_progress(seen, STEP_S)
 
 
 @attrs.frozen(kw_only=True)

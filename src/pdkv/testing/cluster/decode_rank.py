@@ -160,7 +160,7 @@ def _decode_rank(args: _RankArgs, conn: Connection) -> None:
             if ended:
                 conn.send(RoomResults(outcomes=tuple(ended)))
             if active:
-                pause(transport, seen, len(active))
+                pause(transport, seen)
         time.sleep(0.2)  # a late write, if any, would land now
         for dst, safe in quarantined:
             if not canary_intact(memory, dst):

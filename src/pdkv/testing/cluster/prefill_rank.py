@@ -171,7 +171,7 @@ def _prefill_rank(args: _RankArgs, conn: Connection) -> None:
                 if _consensus_round(consensus, name, active, order, agreed, done=stopping and not active):
                     break
             elif active:
-                pause(transport, seen, len(active))
+                pause(transport, seen)
         stats = transport.statistics()
         cpu = cpu_since(cpu_at_start)
         conn.send(
