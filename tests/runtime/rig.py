@@ -1,5 +1,6 @@
 """One in-process rig for runtime tests: prefill CP ranks and decode TP ranks as real transports,
-real zmq channels and registry on 127.0.0.1, one loopback fabric for the bytes."""
+real control channels (the transports' default kind) and registry on 127.0.0.1, one loopback fabric
+for the bytes."""
 
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ def wait_for(predicate: Callable[[], bool], timeout: float = 20.0) -> None:
 
 
 class Rig(TransportPair):
-    """A ``TransportPair`` on real sockets (zmq on 127.0.0.1, a registry thread), built stopped:
+    """A ``TransportPair`` on real sockets (127.0.0.1, a registry thread), built stopped:
     ``start()`` starts every transport and connects the decode ranks, ``start_registered()`` also
     waits for their registration."""
 
