@@ -114,6 +114,21 @@ def test_message_queued_for_a_peer_not_yet_listening_is_delivered_when_it_binds(
     assert late.recv(10.0) == heartbeat(1)
 
 
+def _heartbeats_until_one_arrives(
+    sender: AnyChannel, receiver: AnyChannel, *, first_seq: int
+) -> list[Message]:
+    """Heartbeats first_seq, first_seq + 1, ... from ``sender`` until ``receiver`` gets some (10 s at most):
+    what a connection that went down lost, the ones after its successor carries."""
+    got: list[Message] = []
+    deadline = time.monotonic() + 10.0
+    seq = first_seq
+    while not got and time.monotonic() < deadline:
+        sender.send(receiver.address, heartbeat(seq))
+        seq += 1
+        got = receiver.wait(0.1)
+    return got
+
+
 def test_a_peer_that_restarts_behind_its_address_gets_what_is_sent_once_it_is_back(
     make_channel: MakeChannel,
 ) -> None:
@@ -126,13 +141,7 @@ def test_a_peer_that_restarts_behind_its_address_gets_what_is_sent_once_it_is_ba
     first.close()
     time.sleep(0.3)  # the sender's side sees the connection end
     again = make_channel(port=port)
-    got: list[Message] = []
-    deadline = time.monotonic() + 10.0
-    seq = 1
-    while not got and time.monotonic() < deadline:
-        sender.send(again.address, heartbeat(seq))
-        seq += 1
-        got = again.wait(0.1)
+    got = _heartbeats_until_one_arrives(sender, again, first_seq=1)
     got += again.wait(0.3)
     seqs = [m.seq for m in got if isinstance(m, Heartbeat)]
     assert seqs and seqs == sorted(seqs) and seqs[0] >= 1
@@ -489,13 +498,7 @@ def test_a_frame_over_max_frame_bytes_costs_the_connection_and_the_channel_keeps
     big = TransferRequest(origin=DECODE_ORIGIN, room=RoomId(1), dst_pages=np.arange(1000, dtype=np.int64))
     assert sender.send(receiver.address, big)  # queued; zmq disconnects the sender on the big frame
     # What was in flight on that connection is lost with it; zmq reconnects and later sends arrive.
-    got: list[Message] = []
-    deadline = time.monotonic() + 10.0
-    seq = 0
-    while not got and time.monotonic() < deadline:
-        sender.send(receiver.address, heartbeat(seq))
-        seq += 1
-        got = receiver.wait(0.1)
+    got = _heartbeats_until_one_arrives(sender, receiver, first_seq=0)
     assert got and all(isinstance(m, Heartbeat) for m in got)
     # zmq drops the connection without a word; the stream channel counts (and logs) why it did
     assert receiver.statistics().malformed == (0 if channel_kind == "zmq" else 1)
