@@ -21,8 +21,8 @@ import zmq
 from pdkv.control.errors import ControlBindError
 from pdkv.errors import ConfigError
 
-_WILDCARD_HOSTS: Final = frozenset({"*", "0.0.0.0", "::", ""})
-_BIND_RETRY_S: Final = 1.0
+WILDCARD_HOSTS: Final = frozenset({"*", "0.0.0.0", "::", ""})
+BIND_RETRY_S: Final = 1.0
 
 # pyzmq's constants are Python enums (POLLIN an IntFlag, whose ``&`` runs in Python and builds a new
 # member); ``readable`` runs once per drain, so it uses the plain ints.
@@ -39,7 +39,18 @@ def readable(socket: zmq.Socket[bytes]) -> bool:
     return bool(cast(int, socket.getsockopt(_EVENTS)) & _POLLIN)  # an int option, typed int | bytes
 
 
-def _bracketed(host: str) -> str:
+def check_bind(host: str, port: int, advertise_host: str | None) -> None:
+    """``ConfigError`` for a port out of range, or a wildcard bind (all interfaces) without the address
+    peers dial: the rules of every listening socket here."""
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise ConfigError(f"port must be an int in [0, 65535], got {port!r}")
+    if host in WILDCARD_HOSTS and advertise_host is None:
+        raise ConfigError(
+            f"binding to all interfaces ({host!r}) needs advertise_host, the address peers dial"
+        )
+
+
+def bracketed(host: str) -> str:
     """zmq and URLs write IPv6 literals in brackets."""
     try:
         is_v6 = isinstance(ipaddress.ip_address(host), ipaddress.IPv6Address)
@@ -53,19 +64,14 @@ def bind_tcp(socket: zmq.Socket[bytes], host: str, port: int, advertise_host: st
 
     A wildcard bind (all interfaces) has no address a peer could dial, so it needs ``advertise_host``.
     """
-    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
-        raise ConfigError(f"port must be an int in [0, 65535], got {port!r}")
-    if host in _WILDCARD_HOSTS and advertise_host is None:
-        raise ConfigError(
-            f"binding to all interfaces ({host!r}) needs advertise_host, the address peers dial"
-        )
-    bind_host = "*" if host in _WILDCARD_HOSTS else _bracketed(host)
+    check_bind(host, port, advertise_host)
+    bind_host = "*" if host in WILDCARD_HOSTS else bracketed(host)
     if ":" in host or (advertise_host is not None and ":" in advertise_host):
         socket.setsockopt(zmq.IPV6, 1)
     endpoint = f"tcp://{bind_host}:{port if port else '*'}"
     # zmq closes sockets on its I/O thread, after close() returned: a port this process just closed
     # can look taken for a moment, so "in use" is retried briefly before it is reported.
-    deadline = time.monotonic() + _BIND_RETRY_S
+    deadline = time.monotonic() + BIND_RETRY_S
     while True:
         try:
             socket.bind(endpoint)
@@ -78,7 +84,7 @@ def bind_tcp(socket: zmq.Socket[bytes], host: str, port: int, advertise_host: st
     # of the wildcard), so only the port is taken from it.
     last = socket.getsockopt_string(zmq.LAST_ENDPOINT)
     bound_port = int(last.rsplit(":", 1)[1])
-    return f"tcp://{_bracketed(advertise_host or host)}:{bound_port}"
+    return f"tcp://{bracketed(advertise_host or host)}:{bound_port}"
 
 
 class Waker:

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import ipaddress
 import logging
 import math
 import os
@@ -54,13 +53,21 @@ from collections.abc import Sequence
 from types import TracebackType
 from typing import Final, Generic
 
+from pdkv.config import tcp_address_problem
 from pdkv.control._inbox import Inbox, Part, ReceiverClaim, SendCounts, encode_parts
-from pdkv.control._sockets import WarningLimiter, deadline_after, expired
+from pdkv.control._sockets import (
+    BIND_RETRY_S,
+    WILDCARD_HOSTS,
+    WarningLimiter,
+    bracketed,
+    check_bind,
+    deadline_after,
+    expired,
+)
 from pdkv.control.auth import Authenticator
 from pdkv.control.channel import ChannelOptions, ChannelStatistics
 from pdkv.control.errors import ChannelClosedError, ControlBindError
 from pdkv.control.framing import M, WireCodec
-from pdkv.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -69,8 +76,6 @@ MAX_FRAMES: Final = 1 << 17
 _U32: Final = struct.Struct("<I")
 _READ_BYTES: Final = 256 << 10  # one recv per readable connection per pass
 _RECONNECT_S: Final = 0.1  # zmq's default reconnect interval
-_WILDCARD_HOSTS: Final = frozenset({"*", "0.0.0.0", "::", ""})
-_BIND_RETRY_S: Final = 1.0
 _BACKLOG: Final = 512
 _IDLE_S: Final = 1.0  # the upkeep thread's longest sleep with nothing to do
 _IN: Final = select.POLLIN | select.POLLPRI
@@ -155,28 +160,12 @@ def _complete(view: memoryview, at: int, end: int, limit: int) -> int | tuple[li
 
 def split_endpoint(endpoint: str) -> tuple[str, int] | None:
     """``tcp://host:port`` (IPv6 literals in brackets) -> (host, port), or None when malformed."""
-    if not endpoint.startswith("tcp://"):
+    if tcp_address_problem(endpoint) is not None:
         return None
-    rest = endpoint[len("tcp://") :]
-    if rest.startswith("["):
-        host, sep, port_text = rest[1:].partition("]:")
-    else:
-        host, sep, port_text = rest.rpartition(":")
-    if not sep or not host or not port_text.isdigit():
-        return None
-    port = int(port_text)
-    return (host, port) if 0 < port <= 65535 else None
-
-
-def _is_v6(host: str) -> bool:
-    try:
-        return isinstance(ipaddress.ip_address(host), ipaddress.IPv6Address)
-    except ValueError:
-        return False
-
-
-def _bracketed(host: str) -> str:
-    return f"[{host}]" if _is_v6(host) else host
+    host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return (host, int(port)) if host else None
 
 
 class _Wake:
@@ -763,27 +752,21 @@ def _dial(address: tuple[str, int]) -> socket.socket | OSError:
 
 def _listen(host: str, port: int, advertise_host: str | None) -> tuple[socket.socket, str]:
     """A listening socket on host:port (0: the OS picks) and the address peers dial."""
-    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
-        raise ConfigError(f"port must be an int in [0, 65535], got {port!r}")
-    if host in _WILDCARD_HOSTS and advertise_host is None:
-        raise ConfigError(
-            f"binding to all interfaces ({host!r}) needs advertise_host, the address peers dial"
-        )
-    v6 = ":" in host or host == "::"
-    bind_host = ("::" if v6 else "0.0.0.0") if host in _WILDCARD_HOSTS else host
+    check_bind(host, port, advertise_host)
+    v6 = ":" in host
+    bind_host = ("::" if v6 else "0.0.0.0") if host in WILDCARD_HOSTS else host
     sock = socket.socket(socket.AF_INET6 if v6 else socket.AF_INET, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        deadline = time.monotonic() + _BIND_RETRY_S
+        deadline = time.monotonic() + BIND_RETRY_S
         while True:
             try:
                 sock.bind((bind_host, port))
                 break
             except OSError as exc:
                 if exc.errno != errno.EADDRINUSE or not port or time.monotonic() >= deadline:
-                    raise ControlBindError(
-                        f"cannot bind tcp://{_bracketed(bind_host)}:{port}: {exc}"
-                    ) from exc
+                    where = f"tcp://{bracketed(bind_host)}:{port}"
+                    raise ControlBindError(f"cannot bind {where}: {exc}") from exc
                 time.sleep(0.01)
         sock.listen(_BACKLOG)
         sock.setblocking(False)
@@ -791,4 +774,4 @@ def _listen(host: str, port: int, advertise_host: str | None) -> tuple[socket.so
         sock.close()
         raise
     bound_port = sock.getsockname()[1]
-    return sock, f"tcp://{_bracketed(advertise_host or host)}:{bound_port}"
+    return sock, f"tcp://{bracketed(advertise_host or host)}:{bound_port}"
