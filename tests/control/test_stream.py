@@ -7,7 +7,9 @@ import socket
 import struct
 import threading
 from collections.abc import Callable, Iterator
+from typing import Any
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -21,8 +23,9 @@ from pdkv.control.stream import (
     pack_frames,
     split_endpoint,
 )
-from pdkv.protocol.messages import Heartbeat, Message
-from tests.control.helpers import CODEC, heartbeat, receive_all
+from pdkv.protocol.ids import RoomId
+from pdkv.protocol.messages import Heartbeat, Message, TransferRequest
+from tests.control.helpers import CODEC, DECODE_ORIGIN, heartbeat, receive_all
 
 frame_sets = st.lists(st.lists(st.binary(max_size=300), min_size=1, max_size=6), max_size=8)
 
@@ -134,11 +137,23 @@ def test_a_connected_sender_writes_its_messages_itself_without_the_upkeep_thread
 
 
 def test_what_the_kernel_cannot_take_at_once_is_queued_in_order_and_flushed(
-    stream_channel: MakeStream,
+    stream_channel: MakeStream, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A receiver that does not read fills the kernel's buffers: sends neither block nor reorder."""
+    """A receiver that does not read fills the kernel's buffers (24 MB of page lists here, more than
+    loopback buffers hold): sends neither block nor reorder, and the upkeep thread writes the rest."""
     sender, receiver = stream_channel(), stream_channel()
-    big = [heartbeat(seq) for seq in range(3000)]
+    assert sender.send(receiver.address, heartbeat(0))
+    assert receive_all(receiver, 1) == [heartbeat(0)]  # connected: later sends try the kernel first
+    flushes: list[int] = []
+    flush = sender._flush  # the upkeep thread's writer, counted
+
+    def counted(peer: Any) -> None:
+        flushes.append(len(peer.queue))
+        flush(peer)
+
+    monkeypatch.setattr(sender, "_flush", counted)
+    pages = np.arange(100_000, dtype=np.int64)
+    big = [TransferRequest(origin=DECODE_ORIGIN, room=RoomId(n + 1), dst_pages=pages) for n in range(30)]
     done = threading.Event()
 
     def send_all() -> None:
@@ -150,7 +165,9 @@ def test_what_the_kernel_cannot_take_at_once_is_queued_in_order_and_flushed(
     thread.start()
     assert done.wait(30.0), "a send blocked"
     thread.join(5.0)
-    assert receive_all(receiver, len(big), timeout_s=30.0) == big
+    got = receive_all(receiver, len(big), timeout_s=60.0)
+    assert [m.room for m in got if isinstance(m, TransferRequest)] == [m.room for m in big]
+    assert any(flushes), "everything fitted in the kernel: the queued path was not exercised"
 
 
 def test_a_zmq_peer_dialling_a_stream_channel_is_told_apart_in_the_log(
