@@ -10,6 +10,7 @@ import json
 import math
 import sys
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -50,6 +51,12 @@ def test_latency_bench_quick(capsys: pytest.CaptureFixture[str]) -> None:
         assert set(r["phases_ms"]) == set(r["phase_means_ms"]) == set(latency.PHASES)
         # Every phase was observed (none missing), and none is negative.
         assert all(math.isfinite(v) and v >= 0 for v in r["phases_ms"].values())
+        # The CPU of the phases that stay on one prefill thread: the scheduler's call and the worker's
+        # planning and status step always do; one thread's CPU never exceeds the time it took.
+        cpu = r["phase_cpu_ms"]
+        assert {"scheduler_call", "plan", "status_sent"} <= set(cpu) <= set(latency.CPU_PHASES)
+        for name, value in cpu.items():
+            assert 0 <= value <= r["phases_ms"][name] + 0.05, name
     # The hand-offs of every size and variant were counted along the whole path: the scheduler's
     # send() first, the decode scheduler last, the engine's threads between (2 crossings: the
     # default stream channel has no thread of its own on the way; zmq's added 3).
@@ -80,3 +87,23 @@ def test_pages_are_placed_in_runs_on_both_sides() -> None:
     assert 512 * 0.3 < per_layer < 512 * 0.3 + 0.7 * 512 / 2 + 2
     assert latency.shapes_for(61)[-1] == latency.RawShape(61, 1)
     assert all(s.entries <= 61 for s in latency.shapes_for(61))
+
+
+def test_a_phase_s_cpu_is_its_thread_s_own_and_unknown_when_another_thread_ends_it() -> None:
+    timeline = latency.Timeline()
+    timeline.mark("busy_start")
+    spin_until = time.monotonic() + 0.03
+    while time.monotonic() < spin_until:
+        pass
+    timeline.mark("busy_end")
+    timeline.mark("idle_start")
+    time.sleep(0.03)
+    timeline.mark("idle_end")
+    elsewhere = threading.Thread(target=timeline.mark, args=("other_end",))
+    elsewhere.start()
+    elsewhere.join()
+    assert 0.02 <= timeline.cpu("busy_start", "busy_end") <= 0.04
+    assert timeline.cpu("idle_start", "idle_end") < 0.01  # a wait costs its thread nothing
+    assert math.isnan(timeline.cpu("busy_start", "other_end"))  # another thread's clock
+    assert math.isnan(timeline.cpu("busy_start", "never_marked"))
+    assert math.isnan(timeline.cpu("busy_end", "busy_start"))  # an end before its start

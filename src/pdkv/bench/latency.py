@@ -36,7 +36,10 @@ status crossing to the decode rank's control thread, and the decode scheduler's 
 (beside the last two: the prefill scheduler's poll seeing Success after the status left). The
 timestamps come from a subclass of the Mooncake backend, a wrapper of its engine and of both
 control channels, and a wrapper of ``plan_chunk`` in this process (instrumentation only: a few
-microseconds each). ``time.monotonic`` is one clock for every process of the host.
+microseconds each). ``time.monotonic`` is one clock for every process of the host. Each mark also
+reads its thread's CPU clock, so the phases that begin and end on one prefill thread (``CPU_PHASES``)
+get a CPU figure beside their time: a phase whose CPU is its time is work on that thread, not a
+wait, and the engine phase's CPU is what the waiting thread spun.
 
 The hand-offs of each room, ``send()`` to the decode's poll seeing Success, are counted and printed
 with one room's path (``HandOffs``): the thread that ran each step (the same timeline marks, each with
@@ -63,6 +66,7 @@ import contextlib
 import functools
 import gc
 import itertools
+import math
 import multiprocessing as mp
 import os
 import statistics
@@ -119,6 +123,11 @@ PHASES = (
     "status_received",
     "decode_poll",
 )
+
+CPU_PHASES = ("scheduler_call", "plan", "submit", "engine", "completion_seen", "status_sent")
+"""The phases that begin and end on one prefill thread, whose CPU time is measured (``Timeline.cpu``):
+the scheduler's ``send()``, then the transfer worker's steps (``engine``: what the thread that waits
+for the engine spends meanwhile, a spinning status wait's cost)."""
 
 
 # ----------------------------------------------------------------------------- the workload
@@ -238,13 +247,23 @@ def thread_id() -> str:
     return f"{os.getpid()}/{threading.current_thread().name}"
 
 
+@attrs.frozen
+class _Mark:
+    at: float
+    """``time.monotonic`` (or the time given to ``mark``)."""
+    thread: str
+    """``thread_id`` of the thread that marked it."""
+    cpu: float
+    """That thread's ``time.thread_time`` when it marked."""
+
+
 class Timeline:
     """Named timestamps (``time.monotonic``) of the room in progress, each with the thread that marked
-    it (``thread_id``); any thread may mark."""
+    it (``thread_id``) and that thread's CPU time then; any thread may mark."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._marks: dict[str, list[tuple[float, str]]] = {}
+        self._marks: dict[str, list[_Mark]] = {}
 
     def reset(self) -> None:
         with self._lock:
@@ -252,26 +271,39 @@ class Timeline:
 
     def mark(self, name: str, at: float | None = None) -> None:
         when = time.monotonic() if at is None else at
-        who = thread_id()
+        mark = _Mark(when, thread_id(), time.thread_time())
         with self._lock:
-            self._marks.setdefault(name, []).append((when, who))
+            self._marks.setdefault(name, []).append(mark)
 
     def first(self, name: str) -> float | None:
         with self._lock:
             marks = self._marks.get(name)
-            return marks[0][0] if marks else None
+            return marks[0].at if marks else None
 
     def last(self, name: str, before: float | None = None) -> float | None:
         """The latest mark ``name`` (at or before ``before`` if given)."""
         with self._lock:
-            marks = [m for m, _ in self._marks.get(name, ()) if before is None or m <= before]
+            marks = [m.at for m in self._marks.get(name, ()) if before is None or m.at <= before]
             return marks[-1] if marks else None
+
+    def cpu(self, start: str, end: str, *, first_start: bool = False, first_end: bool = False) -> float:
+        """CPU seconds the thread that marked ``start`` (its last mark, or ``first_start``) spent until it
+        marked ``end`` (its last, or ``first_end``); NaN when either is missing or another thread marked
+        ``end``: a thread's CPU clock says nothing about a step that moved to another thread."""
+        with self._lock:
+            starts, ends = self._marks.get(start), self._marks.get(end)
+            if not starts or not ends:
+                return math.nan
+            begin, finish = starts[0 if first_start else -1], ends[0 if first_end else -1]
+        if begin.thread != finish.thread or finish.at < begin.at:
+            return math.nan
+        return max(0.0, finish.cpu - begin.cpu)
 
     def thread(self, name: str, *, first: bool = False) -> str | None:
         """The thread that made the last (or ``first``) mark ``name``."""
         with self._lock:
             marks = self._marks.get(name)
-            return None if not marks else marks[0 if first else -1][1]
+            return None if not marks else marks[0 if first else -1].thread
 
 
 class TimedEngine:
@@ -818,6 +850,8 @@ class RoomTiming:
     to_decode_success: float
     phases: dict[str, float]
     verified: bool | None
+    phase_cpu: dict[str, float] = attrs.field(factory=dict)
+    """CPU seconds of the ``CPU_PHASES`` on their prefill thread (NaN where a phase changed thread)."""
     checksum_verified: bool = False
     hand_offs: HandOffs | None = None
     """The thread and process hand-offs of this room (None: a backend whose engine is not timed)."""
@@ -877,6 +911,19 @@ def _phases(
         "prefill_poll": gap(timeline.last("status_sent"), prefill_success_at),
         "status_received": gap(timeline.last("status_sent"), decode.status_received_at),
         "decode_poll": gap(decode.status_received_at, decode.success_at),
+    }
+
+
+def _phase_cpu(timeline: Timeline) -> dict[str, float]:
+    """The thread CPU seconds of each of ``CPU_PHASES`` in one room, marked as ``_phases`` marks
+    them; NaN for a phase whose end another thread marked (a launch by the lane's own launcher)."""
+    return {
+        "scheduler_call": timeline.cpu("send_call", "send_returned"),
+        "plan": timeline.cpu("plan_start", "plan_end", first_start=True),
+        "submit": timeline.cpu("plan_end", "launch", first_end=True),
+        "engine": timeline.cpu("launch", "engine_done", first_start=True),
+        "completion_seen": timeline.cpu("engine_done", "wait_returned"),
+        "status_sent": timeline.cpu("wait_returned", "status_sent"),
     }
 
 
@@ -1200,6 +1247,7 @@ def _pdkv_room(
     timeline.mark("send_call", sent_at)
     sender.send(size.src_pages, start_token=0, last=True)
     returned_at = time.monotonic()
+    timeline.mark("send_returned", returned_at)
     poll = wait_poll(sender.poll, (KVPoll.Success,), poll_s, 120, waits)
     prefill_success_at = time.monotonic()
     contended = (lock.contended if isinstance(lock, TimedLock) else 0) - contended
@@ -1216,6 +1264,7 @@ def _pdkv_room(
         to_prefill_success=prefill_success_at - sent_at,
         to_decode_success=decode.success_at - sent_at,
         phases=_phases(timeline, sent_at, returned_at, prefill_success_at, decode),
+        phase_cpu=_phase_cpu(timeline),
         verified=decode.verified,
         checksum_verified=decode.checksum_verified,
         hand_offs=hand_offs(
@@ -1243,6 +1292,12 @@ def _report(
             phase_stats = {name: _stats([r.phases[name] for r in rooms]) for name in PHASES}
             phases = {name: stats["median"] for name, stats in phase_stats.items()}
             phase_means = {name: stats["mean"] for name, stats in phase_stats.items()}
+            # Medians over the rooms where the phase stayed on one thread; absent when it never did.
+            phase_cpu = {
+                name: cpu
+                for name in CPU_PHASES
+                if (cpu := _stats([r.phase_cpu.get(name, math.nan) for r in rooms])["median"]) == cpu
+            }
             record = {
                 "bench": "latency",
                 "kind": "size",
@@ -1267,6 +1322,7 @@ def _report(
                 "fixed_cost_over_best_ms": (prefill["median"] - best["median"]) * 1e3,
                 "phases_ms": {name: value * 1e3 for name, value in phases.items()},
                 "phase_means_ms": {name: value * 1e3 for name, value in phase_means.items()},
+                "phase_cpu_ms": {name: value * 1e3 for name, value in phase_cpu.items()},
             }
             emit(record)
             rows.append(
@@ -1287,6 +1343,10 @@ def _report(
             )
             phase_rows.append([size.pages, variant, "p50"] + [phases[name] * 1e3 for name in PHASES])
             phase_rows.append([size.pages, variant, "mean"] + [phase_means[name] * 1e3 for name in PHASES])
+            phase_rows.append(
+                [size.pages, variant, "cpu p50"]
+                + [phase_cpu[name] * 1e3 if name in phase_cpu else "-" for name in PHASES]
+            )
     table(
         f"pdkv bench latency: one room at a time, {args.layers} MLA layers, pages of {page_bytes} B, "
         f"{args.repeats} rounds, schedulers {'sleep' if args.sleep_poll else 'wait for progress'} between "
@@ -1343,7 +1403,8 @@ def _report(
     table(
         "per-phase medians and means of the pdkv rooms (ms): send() -> ... -> decode poll sees Success "
         "(a mean well above its median: a phase that is slow in some rooms only, e.g. a wait for the "
-        "interpreter lock)",
+        "interpreter lock); cpu p50: the CPU time of the one prefill thread that ran the phase (a cpu "
+        "figure near its p50: the phase is Python work, not a wait; engine: the waiting thread's spin)",
         ["pages", "method", "", *PHASES],
         phase_rows,
     )
