@@ -3,6 +3,7 @@ parsing, and the promise it exists for: a sending thread writes to a connected p
 
 from __future__ import annotations
 
+import math
 import socket
 import struct
 import threading
@@ -227,6 +228,16 @@ def test_wait_closed_waits_for_the_flush_and_refuses_an_open_channel(stream_chan
     assert channel.wait_closed(10.0)
     got = receive_all(receiver, 50)
     assert [m.seq for m in got if isinstance(m, Heartbeat)] == list(range(50))
+
+
+@pytest.mark.parametrize("timeout_s", [-1.0, math.nan, math.inf])
+def test_wait_closed_refuses_a_timeout_it_cannot_honour(stream_channel: MakeStream, timeout_s: float) -> None:
+    channel = stream_channel()
+    channel.send(stream_channel().address, heartbeat(1))  # an upkeep thread to wait for
+    channel.close(flush_s=1.0)
+    with pytest.raises(ValueError, match="timeout_s"):
+        channel.wait_closed(timeout_s)
+    assert channel.wait_closed(None)  # None waits as long as the flush takes
 
 
 def _has_ipv6_loopback() -> bool:

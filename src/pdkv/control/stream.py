@@ -395,15 +395,17 @@ class StreamChannel(Generic[M]):
         self._listener.close()
         self._wake.close()
 
-    def wait_closed(self, timeout_s: float) -> bool:
+    def wait_closed(self, timeout_s: float | None) -> bool:
         """After ``close``: wait until the upkeep thread has written what ``flush_s`` allowed and closed
-        every outbound connection (a process about to exit calls it, or the flush dies with it).
-        True when it has; at once when nothing was ever sent."""
+        every outbound connection (a process about to exit calls it, or the flush dies with it), at
+        most ``timeout_s`` (None: as long as that takes; refused as ``recv``'s is when not a finite
+        number >= 0). True when it has; at once when nothing was ever sent."""
+        deadline = deadline_after(timeout_s)
         if not self._closed:
             raise ChannelClosedError(f"channel {self._address} is open: close it first")
         upkeep = self._upkeep
         if upkeep is not None:
-            upkeep.join(timeout_s)
+            upkeep.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
             return not upkeep.is_alive()
         return True
 
