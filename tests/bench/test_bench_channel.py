@@ -25,3 +25,13 @@ def test_channel_bench_quick(capsys: pytest.CaptureFixture[str]) -> None:
     assert summary["burst_stream_over_zmq"] == pytest.approx(
         kinds["stream"]["burst_per_s"] / kinds["zmq"]["burst_per_s"]
     )
+
+
+@pytest.mark.parametrize("argv", [["--messages", "0"], ["--rounds", "0"], ["--messages", "-5"]])
+def test_a_count_below_one_is_refused_naming_it_before_any_process_starts(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        channel.main(argv)
+    assert exited.value.code == 2
+    assert f"error: argument {argv[0]}" in capsys.readouterr().err

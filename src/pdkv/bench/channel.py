@@ -22,6 +22,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from pdkv.bench._report import emit, table
+from pdkv.config import cli_int
 from pdkv.control import ControlChannel, StreamChannel
 from pdkv.protocol.ids import Epoch, InstanceId
 from pdkv.protocol.messages import Heartbeat, HeartbeatAck, Message, Origin, RankCoord
@@ -94,8 +95,10 @@ def _round(channel: Channel, to: str, messages: int) -> dict[str, Any]:
 
 def main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog="pdkv bench channel", description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--messages", type=int, default=2000, help="ping-pongs (and burst size) per round")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--messages", type=cli_int(1), default=2000, help="ping-pongs (and burst size) per round"
+    )
+    parser.add_argument("--rounds", type=cli_int(1), default=3)
     parser.add_argument("--quick", action="store_true", help="tiny run for tests")
     args = parser.parse_args(argv)
     messages, rounds = (50, 2) if args.quick else (args.messages, args.rounds)
