@@ -32,6 +32,15 @@ def test_bench_control_quick() -> None:
     assert float(str(concurrent["rooms_per_job"])) >= 1.0
     ratio = float(str(concurrent["rooms_per_s"])) / float(str(serial["rooms_per_s"]))
     assert summary["concurrent_vs_serial_rooms_per_s"] == pytest.approx(ratio)
+    # The engine alone (Mooncake, the default): as many one-page batches as serial rooms, and what the
+    # serial rooms add over it.
+    engine = records["engine"]
+    assert engine["batches"] == serial["rooms"]
+    assert 0 < float(str(engine["p50_ms"])) <= float(str(engine["p99_ms"]))
+    for stat in ("p50", "p99"):
+        assert summary[f"serial_{stat}_over_engine_ms"] == pytest.approx(
+            float(str(serial[f"{stat}_ms"])) - float(str(engine[f"{stat}_ms"]))
+        )
     # CPU per room of each process of each mode; the sides' groups add up to their totals.
     cpu = {(r["mode"], r["process"]): r for r in lines if r["kind"] == "cpu_ms_per_room"}
     assert set(cpu) == {

@@ -1013,6 +1013,138 @@ def main(argv: Sequence[str]) -> int:
         return _measure(args, sizes)
 
 
+@attrs.frozen(kw_only=True)
+class _DecodeOptions:
+    """How the decode rank's scheduler waits between polls, and its interpreter's load and switching."""
+
+    poll_s: float = 0.005
+    wake: bool = True
+    load_threads: int = 0
+    switch_interval_us: float | None = None
+
+
+@attrs.frozen(kw_only=True)
+class RankPair:
+    """A started prefill transport over Mooncake in this process and a decode rank registered with it
+    in a spawned one (``_decode_main``: it runs the rooms ``_pdkv_room`` sends it)."""
+
+    memory: RankMemory
+    backend: TimedBackend
+    transport: Any
+    """The ``PrefillTransport`` (imported where it is started, as the rest of this module does)."""
+    lock: TimedLock
+    conn: Connection
+    child: Any
+    peer: str
+    """The decode rank's engine session, for raw writes to it."""
+    dst_bases: list[int]
+    """The decode rank's KV buffer addresses, in ``ModelSpec.kv_keys`` order."""
+
+    @property
+    def raw_engine(self) -> RawEngine:
+        """This process's own Mooncake engine, with the prefill memory registered: no pdkv code."""
+        engine = self.backend.raw_engine
+        assert engine is not None, "the backend makes its engine when the transport starts"
+        return engine
+
+
+@contextlib.contextmanager
+def rank_pair(
+    model: ModelSpec,
+    capacity: Capacity,
+    timeline: Timeline,
+    decode: _DecodeOptions,
+    progress: Progress,
+) -> Iterator[RankPair]:
+    """The two ranks of this bench, up and registered; on exit the decode rank is told to stop (killed
+    if it does not within 30 s), and the registry and both transports are closed."""
+    from pdkv.runtime.channels import start_registry
+    from pdkv.runtime.prefill import PrefillConfig, PrefillTransport
+
+    memory = RankMemory(model, capacity)
+    memory.fill_prefill(cp_rank=0, policy=_policy())
+    registry = start_registry(instance=InstanceId("prefill-0"), tp_size=1, cp_size=1)
+    ctx = mp.get_context("spawn")
+    parent_conn, child_conn = ctx.Pipe()
+    child: Any = None
+    try:
+        backend = TimedBackend(_engine_config(), timeline)
+        prefill_channels: list[TimedChannel] = []
+        transport = PrefillTransport(
+            PrefillConfig(
+                instance=InstanceId("prefill-0"),
+                rank=RankCoord(tp=0),
+                tp_size=1,
+                layout=memory.layout,
+                registry=registry.address,
+            ),
+            backend,
+            channel_factory=timed_channel_factory(timeline, prefill_channels),
+        )
+        lock = time_lock(transport)
+        with backend, transport:
+            gc.freeze()  # as serving engines do after start-up (the decode process does the same)
+            progress.show("starting the decode rank process ...")
+            child = ctx.Process(
+                target=_decode_main,
+                args=(
+                    _DecodeArgs(
+                        model=model,
+                        capacity=capacity,
+                        registry=registry.address,
+                        poll_s=decode.poll_s,
+                        wake=decode.wake,
+                        load_threads=decode.load_threads,
+                        switch_interval_us=decode.switch_interval_us,
+                    ),
+                    child_conn,
+                ),
+                name="pdkv-bench-decode",
+                daemon=True,
+            )
+            child.start()
+            child_conn.close()
+            _, peer, dst_bases, _ = _receive(parent_conn, child, 180)
+            yield RankPair(
+                memory=memory,
+                backend=backend,
+                transport=transport,
+                lock=lock,
+                conn=parent_conn,
+                child=child,
+                peer=peer,
+                dst_bases=dst_bases,
+            )
+            parent_conn.send(("stop",))
+            child.join(30)
+    finally:
+        if child is not None and child.is_alive():
+            child.kill()
+            child.join(5)
+        parent_conn.close()
+        registry.stop()
+
+
+def engine_batches(model: ModelSpec, *, rounds: int, progress: Progress | None = None) -> list[float]:
+    """Seconds of the raw engine's one batch (``raw_one_batch``: every block, waited for by the engine,
+    as SGLang sends) of one page in every KV buffer of ``model``, ``rounds`` times one after another,
+    from this process to a spawned decode rank over Mooncake TCP: the engine's own floor under a
+    one-page room (the room's aux row aside). The first batch is a warm-up and is not counted."""
+    shown = progress or Progress()
+    with rank_pair(
+        model, Capacity(kv_pages=4, state_slots=1, aux_rows=4), Timeline(), _DecodeOptions(), shown
+    ) as pair:
+        src_bases = [pair.memory.tensors[key].data_ptr() for key in model.kv_keys()]
+        one_page = np.array([1], dtype=np.int64)
+        blocks = RawBlocks.of(run_blocks(one_page, one_page, src_bases, pair.dst_bases, model.kv_item_bytes))
+        run = functools.partial(raw_one_batch, pair.raw_engine, pair.peer, blocks)
+        run()
+        seconds = [_timed(run) for _ in range(rounds)]
+    if progress is None:
+        shown.close()
+    return seconds
+
+
 def _measure(args: argparse.Namespace, sizes: list[int]) -> int:
     wake = not args.sleep_poll
     poll_s = (args.poll_us if args.poll_us is not None else (5000.0 if wake else 100.0)) / 1e6
@@ -1035,61 +1167,19 @@ def _measure(args: argparse.Namespace, sizes: list[int]) -> int:
     verified = True
     failures: list[str] = []
 
-    from pdkv.runtime.channels import start_registry
-    from pdkv.runtime.prefill import PrefillConfig, PrefillTransport
-
     progress.show(f"filling {max(sizes)} pages x {args.layers} layers of prefill memory ...")
-    memory = RankMemory(model, capacity)
-    memory.fill_prefill(cp_rank=0, policy=_policy())
     timeline = Timeline()
-    registry = start_registry(instance=InstanceId("prefill-0"), tp_size=1, cp_size=1)
-    ctx = mp.get_context("spawn")
-    parent_conn, child_conn = ctx.Pipe()
-    child: Any = None
     load = InterpreterLoad(args.load_threads)
+    decode = _DecodeOptions(
+        poll_s=poll_s, wake=wake, load_threads=args.load_threads, switch_interval_us=args.switch_interval_us
+    )
     try:
-        backend = TimedBackend(_engine_config(), timeline)
-        prefill_channels: list[TimedChannel] = []
-        transport = PrefillTransport(
-            PrefillConfig(
-                instance=InstanceId("prefill-0"),
-                rank=RankCoord(tp=0),
-                tp_size=1,
-                layout=memory.layout,
-                registry=registry.address,
-            ),
-            backend,
-            channel_factory=timed_channel_factory(timeline, prefill_channels),
-        )
-        lock = time_lock(transport)
-        with backend, transport, timed_planning(timeline):
-            gc.freeze()  # as serving engines do after start-up (the decode process does the same)
-            progress.show("starting the decode rank process ...")
-            child = ctx.Process(
-                target=_decode_main,
-                args=(
-                    _DecodeArgs(
-                        model=model,
-                        capacity=capacity,
-                        registry=registry.address,
-                        poll_s=poll_s,
-                        wake=wake,
-                        load_threads=args.load_threads,
-                        switch_interval_us=args.switch_interval_us,
-                    ),
-                    child_conn,
-                ),
-                name="pdkv-bench-decode",
-                daemon=True,
-            )
-            child.start()
-            child_conn.close()
-            ready = _receive(parent_conn, child, 180)
-            _, peer, dst_bases, _ = ready
+        with rank_pair(model, capacity, timeline, decode, progress) as pair, timed_planning(timeline):
+            memory, backend, transport, lock = pair.memory, pair.backend, pair.transport, pair.lock
+            parent_conn, child, peer, dst_bases = pair.conn, pair.child, pair.peer, pair.dst_bases
             load.start()
             src_bases = [memory.tensors[key].data_ptr() for key in model.kv_keys()]
-            raw_engine = backend.raw_engine
-            assert raw_engine is not None
+            raw_engine = pair.raw_engine
             for pages in sizes:
                 src_pages, dst_pages = place_pages(pages, args.run_fraction, args.max_run, rng)
                 blocks = run_blocks(src_pages, dst_pages, src_bases, dst_bases, page_bytes)
@@ -1152,15 +1242,8 @@ def _measure(args: argparse.Namespace, sizes: list[int]) -> int:
                     for method in methods[turn:] + methods[:turn]:
                         method()
             progress.close()
-            parent_conn.send(("stop",))
-            child.join(30)
     finally:
         load.stop()
-        if child is not None and child.is_alive():
-            child.kill()
-            child.join(5)
-        parent_conn.close()
-        registry.stop()
     _report_lock(lock, sum(len(r) for size in runs for r in size.rooms.values()))
     return _report(args, runs, page_bytes, verified, failures)
 
