@@ -255,3 +255,54 @@ def test_ipv6_endpoints_bind_dial_and_advertise(stream_channel: MakeStream) -> N
     assert sender.address.startswith("tcp://[::1]:") and receiver.address.startswith("tcp://[::1]:")
     assert sender.send(receiver.address, heartbeat(6))
     assert receiver.recv(5.0) == heartbeat(6)
+
+
+def _resolving(monkeypatch: pytest.MonkeyPatch, name: str, entries: list[tuple[Any, ...]]) -> None:
+    """``name`` resolves to ``entries`` in this order (the dialling code's lookup; other names as ever)."""
+    real = socket.getaddrinfo
+
+    def resolve(host: Any, port: Any, *args: Any, **kwargs: Any) -> Any:
+        return list(entries) if host == name else real(host, port, *args, **kwargs)
+
+    monkeypatch.setattr("pdkv.control.stream.socket.getaddrinfo", resolve)
+
+
+@pytest.mark.skipif(not _has_ipv6_loopback(), reason="no IPv6 loopback on this host")
+def test_a_name_whose_first_address_refuses_the_connection_is_dialled_at_its_next_one(
+    stream_channel: MakeStream, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A host name that resolves to ::1 first and 127.0.0.1 second, a peer listening on 127.0.0.1
+    only: the sender dialled ::1 alone, again every reconnect interval, and never delivered."""
+    receiver = stream_channel()
+    port = int(receiver.address.rpartition(":")[2])
+    _resolving(
+        monkeypatch,
+        "both.pdkv.test",
+        [
+            (socket.AF_INET6, socket.SOCK_STREAM, socket.IPPROTO_TCP, "", ("::1", port, 0, 0)),
+            (socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP, "", ("127.0.0.1", port)),
+        ],
+    )
+    sender = stream_channel()
+    assert sender.send(f"tcp://both.pdkv.test:{port}", heartbeat(7))
+    assert receiver.recv(5.0) == heartbeat(7)
+
+
+def test_an_address_the_connect_call_itself_refuses_is_passed_over_for_the_next(
+    stream_channel: MakeStream, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The other way an address fails: at the call, before any packet (as a host without IPv6 refuses
+    ::1; here an IPv6 literal on an IPv4 socket, which needs no IPv6 on the test host)."""
+    receiver = stream_channel()
+    port = int(receiver.address.rpartition(":")[2])
+    _resolving(
+        monkeypatch,
+        "both.pdkv.test",
+        [
+            (socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP, "", ("::1", port)),
+            (socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP, "", ("127.0.0.1", port)),
+        ],
+    )
+    sender = stream_channel()
+    assert sender.send(f"tcp://both.pdkv.test:{port}", heartbeat(8))
+    assert receiver.recv(5.0) == heartbeat(8)

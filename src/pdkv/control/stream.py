@@ -15,8 +15,10 @@ and nothing is queued before it, the sender writes the frame set itself, non-blo
 cannot go at once (the connection is still being made, the kernel buffer is full, the peer is down)
 is queued, in order, for the channel's upkeep thread ("pdkv-stream-upkeep"), which connects,
 flushes, notices a connection the peer closed and reconnects every ``_RECONNECT_S`` while messages
-wait. The upkeep thread is the only one that opens or closes an outbound socket, so a descriptor
-number it polls is never reused under it. Receiving has one owner thread, as for ``ControlChannel``
+wait. A host name's addresses are dialled in ``getaddrinfo``'s order, the next at once when one
+fails (a name that gives ::1 first for a peer that listens on IPv4 only); the interval is waited
+once they all have. The upkeep thread is the only one that opens or closes an outbound socket, so
+a descriptor number it polls is never reused under it. Receiving has one owner thread, as for ``ControlChannel``
 (the inbound sockets and the listener are its alone); ``wake()``, ``statistics()`` and ``address``
 are any thread's.
 
@@ -51,7 +53,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from types import TracebackType
-from typing import Final, Generic
+from typing import Any, Final, Generic, TypeAlias
 
 from pdkv.config import tcp_address_problem
 from pdkv.control._inbox import Inbox, Part, ReceiverClaim, SendCounts, encode_parts
@@ -82,6 +84,8 @@ _IN: Final = select.POLLIN | select.POLLPRI
 _OUT: Final = select.POLLOUT
 _GONE: Final = select.POLLERR | select.POLLHUP | select.POLLNVAL
 _SEND_FLAGS: Final = getattr(socket, "MSG_NOSIGNAL", 0)  # EPIPE as an error, never SIGPIPE
+
+_AddressInfo: TypeAlias = tuple[socket.AddressFamily, socket.SocketKind, int, str, Any]  # getaddrinfo's
 
 
 def pack_frames(frames: Sequence[bytes]) -> bytes:
@@ -216,6 +220,7 @@ class _Peer:
         "queue",
         "retry_at",
         "socket",
+        "untried",
         "waiting",
         "written",
     )
@@ -231,6 +236,7 @@ class _Peer:
         self.waiting = 0  # their sum
         self.written = 0  # bytes of queue[0] already written
         self.retry_at = 0.0  # when the upkeep thread may dial again
+        self.untried: list[_AddressInfo] = []  # the name's addresses after the one being dialled
 
     def push(self, data: memoryview, count: int) -> None:
         self.queue.append(data)
@@ -500,10 +506,10 @@ class StreamChannel(Generic[M]):
                     return
                 timeout_s, due = plan
                 if due:  # name lookups and socket set-up outside the lock; then tend again
-                    opened = [(peer, _dial(peer.address)) for peer in due]
+                    opened = [(peer, *_dial(peer.address, peer.untried)) for peer in due]
                     with self._send_lock:
-                        for peer, result in opened:
-                            self._attach(peer, result)
+                        for peer, result, untried in opened:
+                            self._attach(peer, result, untried)
                     continue
                 events = poller.poll(timeout_s)
                 with self._send_lock:
@@ -561,8 +567,10 @@ class StreamChannel(Generic[M]):
         self._retired.clear()
         return timeout_s, due
 
-    def _attach(self, peer: _Peer, result: socket.socket | OSError) -> None:
-        """Install a dialled socket on ``peer`` (``_send_lock`` held); the greeting goes first."""
+    def _attach(self, peer: _Peer, result: socket.socket | OSError, untried: list[_AddressInfo]) -> None:
+        """Install a dialled socket on ``peer`` (``_send_lock`` held); the greeting goes first.
+        ``untried``: the addresses to dial next should this connect fail."""
+        peer.untried = untried
         if isinstance(result, OSError):
             peer.retry_at = time.monotonic() + _RECONNECT_S
             self._send_warnings.warning("cannot dial control endpoint %r: %s", peer.endpoint, result)
@@ -584,10 +592,13 @@ class StreamChannel(Generic[M]):
         if not peer.connected:
             if mask & _GONE or sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) != 0:
                 self._broken(peer, "could not connect")
+                if peer.untried:  # the name's next address now; the interval once every one failed
+                    peer.retry_at = time.monotonic()
                 return
             if not mask & _OUT:
                 return
             peer.connected = True
+            peer.untried = []  # a redial after this connection breaks looks the name up again
         elif mask & (_IN | _GONE):
             try:
                 data = sock.recv(4096)
@@ -731,11 +742,32 @@ class _Interest:
         return self._poll.poll(math.ceil(max(0.0, timeout_s) * 1000.0))
 
 
-def _dial(address: tuple[str, int]) -> socket.socket | OSError:
-    """A non-blocking socket connecting to ``address`` (the name looked up here), or why not."""
+def _dial(
+    address: tuple[str, int], untried: Sequence[_AddressInfo]
+) -> tuple[socket.socket | OSError, list[_AddressInfo]]:
+    """A non-blocking socket connecting to the first of ``untried`` that the connect call takes (the
+    name's addresses, looked up here when none are left), and the addresses after that one; or the
+    last address's error and none left. Never blocks: a refusal that comes later shows in ``poll``."""
     host, port = address
+    candidates = list(untried)
+    if not candidates:
+        try:
+            candidates = list(socket.getaddrinfo(host, port, type=socket.SOCK_STREAM))
+        except OSError as exc:
+            return exc, []
+    failure = OSError(errno.EADDRNOTAVAIL, f"{host} resolves to no address")
+    while candidates:
+        family, kind, proto, _, sockaddr = candidates.pop(0)
+        result = _connect(family, kind, proto, sockaddr)
+        if isinstance(result, socket.socket):
+            return result, candidates
+        failure = result
+    return failure, []
+
+
+def _connect(family: int, kind: int, proto: int, sockaddr: Any) -> socket.socket | OSError:
+    """A non-blocking socket whose connect to ``sockaddr`` is under way (or done), or why not."""
     try:
-        family, kind, proto, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
         sock = socket.socket(family, kind, proto)
     except OSError as exc:
         return exc
