@@ -18,9 +18,9 @@ flushes, notices a connection the peer closed and reconnects every ``_RECONNECT_
 wait. A host name's addresses are dialled in ``getaddrinfo``'s order, the next at once when one
 fails (a name that gives ::1 first for a peer that listens on IPv4 only); the interval is waited
 once they all have. The upkeep thread is the only one that opens or closes an outbound socket, so
-a descriptor number it polls is never reused under it. Receiving has one owner thread, as for ``ControlChannel``
-(the inbound sockets and the listener are its alone); ``wake()``, ``statistics()`` and ``address``
-are any thread's.
+a descriptor number it polls is never reused under it. Receiving has one owner thread, as for
+``ControlChannel`` (the inbound sockets and the listener are its alone); ``wake()``,
+``statistics()`` and ``address`` are any thread's.
 
 Delivery: as ``ControlChannel``'s. Frame sets from one sender arrive whole and in order; a queue for
 a peer that is down waits (up to ``send_hwm`` messages, then sends are dropped and counted) and goes
