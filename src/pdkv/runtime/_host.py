@@ -218,10 +218,14 @@ class EndpointHost(Generic[E, F]):
         ``TransportClosedError`` after ``close()`` (also when the close comes while it waits).
 
         For a scheduler loop that would otherwise sleep between polls: it wakes as soon as something
-        changed, never later than ``timeout_s``. Nothing is missed between reading ``seen`` and this
-        call: a change meanwhile makes it return at once."""
+        changed, never later than ``timeout_s``, except that a lightly loaded prefill transport first
+        runs the one small chunk queued on the calling thread (``PrefillConfig.wait_runs_chunk_bytes``)
+        and returns once its status left. Nothing is missed between reading ``seen`` and this call: a
+        change meanwhile makes it return at once."""
         timeout_s = arguments.seconds(timeout_s, argument="timeout_s")
         self._check_open("wait_progress()")
+        if timeout_s > 0 and self._progress == seen:
+            self._run_while_waiting()  # what a background thread would otherwise be woken for
         with self._progressed:
             # Counted before the count is read: a notifier that did not see this waiter grew the
             # count before it was read here (the notifier grows it, then reads the waiters).
@@ -258,6 +262,10 @@ class EndpointHost(Generic[E, F]):
             if what is not None and self._closed:
                 raise TransportClosedError(f"{what}: the transport is closed")
             self._apply(fn(self._endpoint, self._clock()), progressed=False)
+
+    def _run_while_waiting(self) -> None:
+        """``wait_progress``'s thread, before it sleeps and outside every lock: a side may do here
+        work it would otherwise wake a background thread for (nothing by default)."""
 
     def _check_open(self, what: str) -> None:
         if self._closed:

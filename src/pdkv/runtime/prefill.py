@@ -170,6 +170,21 @@ class PrefillConfig:
     shared_chunks: int = attrs.field(default=32, validator=config.positive_int)
     """Most chunks a transfer worker takes off its queue at once: the ones already queued (never
     waited for) go to each decode rank as one shared job (1: every chunk on its own)."""
+    wait_runs_chunk_bytes: int = attrs.field(
+        default=8 << 20,
+        validator=attrs.validators.ge(0),
+        metadata=config.int_var(
+            "PDKV_WAIT_RUNS_CHUNK_BYTES",
+            "Prefill: a scheduler waiting in wait_progress runs the chunk queued itself when it is the only "
+            "one, no transfer worker is busy and its KV is at most this many bytes (0: never)",
+        ),
+    )
+    """``wait_progress`` on the scheduler's thread runs the chunk queued there (plan, write, status)
+    when it is the only one queued, no transfer worker is busy and its KV bytes are at most this,
+    instead of sleeping while a worker wakes for it and then waking the scheduler: two thread
+    hand-offs less on a room of a lightly loaded rank (under load the workers take queued chunks
+    together, in shared jobs). The wait then lasts as long as that transfer, past its timeout if
+    need be."""
     register_memory: bool = attrs.field(default=True, validator=config.instance_of(bool))
     """Register every buffer of ``layout`` with the backend (False: the caller registered them)."""
     kv_checksum: bool = attrs.field(default=False, validator=config.instance_of(bool))
@@ -221,6 +236,8 @@ class PrefillTransportStatistics:
     per_layer: PerLayerStatistics
     worker_errors: int
     queue_depth: int
+    chunks_run_waiting: int = 0
+    """Chunks a scheduler ran itself while it waited for progress (``wait_runs_chunk_bytes``)."""
 
 
 @attrs.frozen
@@ -268,6 +285,13 @@ class PrefillTransport(EndpointHost[PrefillEndpoint, PrefillEffect]):
         )
         self._executor = TransferExecutor(backend, config.executor, staging=staging)
         self._work: queue.Queue[SubmitChunk | SubmitFence | None] = queue.Queue(maxsize=config.queue_size)
+        self._page_bytes = sum(b.item_bytes for b in config.layout.kv_buffers)  # one page, every KV buffer
+        self._chunks_run_waiting = 0
+        self._waiting_runs = 0  # chunks a waiting scheduler is running now; close() waits for them
+        self._waiting_run = threading.Condition()  # guards both counts
+        self._busy_workers = (
+            0  # transfer workers running chunks now: a waiting scheduler leaves the queue to them
+        )
         if announce is None:  # the zmq registry: an address it can dial, checked now, not 30 s from now
             problem = tcp_address_problem(self.config.registry)
             if problem is not None:
@@ -391,9 +415,14 @@ class PrefillTransport(EndpointHost[PrefillEndpoint, PrefillEffect]):
         deadline = time.monotonic() + timeout_s
         for worker in self._workers:
             worker.join(max(0.0, deadline - time.monotonic()))
+        with self._waiting_run:  # a chunk another thread's wait_progress took writes to memory too
+            self._waiting_run.wait_for(lambda: self._waiting_runs == 0, max(0.0, deadline - time.monotonic()))
+            waiting_runs = self._waiting_runs
         if self._checksum_pool is not None:  # it reads registered memory: done before that goes
             self._checksum_pool.shutdown(wait=True)
         running = [w.name for w in self._workers if w.is_alive()]
+        if waiting_runs:
+            running.append("a chunk run by a waiting scheduler")
         stuck = None
         if running or not per_layer_stopped:
             busy = ", ".join(running + ([] if per_layer_stopped else ["per-layer submission"]))
@@ -421,6 +450,7 @@ class PrefillTransport(EndpointHost[PrefillEndpoint, PrefillEffect]):
             per_layer=self.per_layer.statistics(),
             worker_errors=self._worker_errors,
             queue_depth=self._work.qsize(),
+            chunks_run_waiting=self._chunks_run_waiting,
         )
 
     # ------------------------------------------------------------------ effects (lock held)
@@ -548,23 +578,70 @@ class PrefillTransport(EndpointHost[PrefillEndpoint, PrefillEffect]):
 
     # ------------------------------------------------------------------ transfer workers
 
+    def _run_while_waiting(self) -> None:
+        """``wait_progress`` on the scheduler's thread, before it sleeps: the one chunk queued runs
+        here when it is small (``PrefillConfig.wait_runs_chunk_bytes``), no transfer worker is
+        busy, and it does not wait for a forward (a per-layer finish, which only the scheduler's own
+        forward can end). The endpoint makes the thread that runs a chunk irrelevant: under the one
+        lock, as a worker would."""
+        limit = self.config.wait_runs_chunk_bytes
+        if limit == 0 or not self._work.queue:  # (a hint read without the queue's lock; checked below)
+            return
+        with self._waiting_run:
+            if self._closed or self._busy_workers:
+                # Closing: close() may be past waiting for such runs. Under load (a worker busy) the
+                # workers take what is queued together, in shared jobs: a chunk taken here alone
+                # would cost an engine job of its own and this thread's time for the other rooms.
+                return
+            self._waiting_runs += 1
+        try:
+            work = self._work
+            with work.mutex:  # a look at the head and its removal in one step (queue.Queue's own lock)
+                head = work.queue[0] if len(work.queue) == 1 else None  # alone: nothing to share a job
+                if (
+                    not isinstance(head, SubmitChunk)
+                    or head.spec.pages.size * self._page_bytes * len(head.destinations) > limit
+                    or self.per_layer.holds(head.room)
+                ):
+                    return
+                work.queue.popleft()
+                work.not_full.notify()
+            self._chunks_run_waiting += 1
+            self._run_chunks_guarded([head])
+        finally:
+            with self._waiting_run:
+                self._waiting_runs -= 1
+                self._waiting_run.notify_all()
+
     def _work_loop(self) -> None:
         while True:
             item = self._work.get()
             if item is None:
                 return
-            items, stop = self._take_queued(item)
-            chunks: list[SubmitChunk] = []
-            for each in items:  # in queue order; a fence goes after the chunks queued before it
-                if isinstance(each, SubmitFence):
-                    self._run_chunks_guarded(chunks)
-                    chunks = []
-                    self._run_fence(each)
-                else:
-                    chunks.append(each)
-            self._run_chunks_guarded(chunks)
+            with self._waiting_run:
+                self._busy_workers += 1
+            try:
+                stop = self._run_taken(item)
+            finally:
+                with self._waiting_run:
+                    self._busy_workers -= 1
             if stop:
                 return
+
+    def _run_taken(self, item: SubmitChunk | SubmitFence) -> bool:
+        """``item`` and what is queued behind it (``_take_queued``), in queue order; True when the stop
+        marker of ``close()`` was among them."""
+        items, stop = self._take_queued(item)
+        chunks: list[SubmitChunk] = []
+        for each in items:  # in queue order; a fence goes after the chunks queued before it
+            if isinstance(each, SubmitFence):
+                self._run_chunks_guarded(chunks)
+                chunks = []
+                self._run_fence(each)
+            else:
+                chunks.append(each)
+        self._run_chunks_guarded(chunks)
+        return stop
 
     def _take_queued(self, item: SubmitChunk | SubmitFence) -> tuple[list[SubmitChunk | SubmitFence], bool]:
         """``item`` and what is already queued behind it (never waited for), up to ``shared_chunks``;
