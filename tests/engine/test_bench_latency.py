@@ -24,7 +24,10 @@ pytestmark = pytest.mark.slow
 def test_latency_bench_quick(capsys: pytest.CaptureFixture[str]) -> None:
     interval = sys.getswitchinterval()
     assert (
-        latency.main(["--quick", "--ab-pacing", "--load-threads", "1", "--switch-interval-us", "1000"]) == 0
+        latency.main(
+            ["--quick", "--ab-pacing", "--ab-workers", "--load-threads", "1", "--switch-interval-us", "1000"]
+        )
+        == 0
     )
     assert sys.getswitchinterval() == interval  # the bench's setting does not outlive it
     assert not [t for t in threading.enumerate() if t.name.startswith("pdkv-bench-load")]
@@ -35,8 +38,10 @@ def test_latency_bench_quick(capsys: pytest.CaptureFixture[str]) -> None:
     assert sorted((r["pages"], r["variant"]) for r in sizes) == [
         (1, "pdkv"),
         (1, "pdkv-spin"),
+        (1, "pdkv-workers"),
         (4, "pdkv"),
         (4, "pdkv-spin"),
+        (4, "pdkv-workers"),
     ]
     for r in sizes:
         assert r["rounds"] == 2 and r["layers"] == 4
@@ -73,6 +78,8 @@ def test_latency_bench_quick(capsys: pytest.CaptureFixture[str]) -> None:
         assert steps[0] == "send()" and steps[-1] == "decode poll sees Success"
         assert r["path"][0][1].endswith("/MainThread") and r["path"][-1][1].endswith("/MainThread")
         assert r["path"][0][1] != r["path"][-1][1]  # two processes
+        if r["variant"] == "pdkv-workers":  # no chunk runs on a waiting scheduler: a worker plans it
+            assert "/pdkv-transfer-" in dict(r["path"])["plan"]
 
 
 def test_pages_are_placed_in_runs_on_both_sides() -> None:

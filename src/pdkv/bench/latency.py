@@ -49,6 +49,10 @@ by construction (the default stream channel has none: the sending thread writes 
 the receiving owner reads from it), and the acquisitions of either transport's lock that found it
 held.
 
+``--ab-workers``: each round also runs a pdkv room with ``wait_runs_chunk_bytes=0`` (``pdkv-workers``):
+a transfer worker runs its chunk while the scheduler sleeps, the path before a waiting scheduler ran
+a lone small chunk itself; the two in one run are the before and after of that change.
+
 ``--checksum``: each round also runs a pdkv room with ``PDKV_KV_CHECKSUM`` on both transports
 (``pdkv+checksum``: the prefill computes a checksum per (buffer, page) of what it sends, the decode
 checks its pages before Success), right before or after the plain room (the order turns each
@@ -968,6 +972,12 @@ def main(argv: Sequence[str]) -> int:
         help="also run each pdkv room with the backend's status waits unpaced (spinning from launch)",
     )
     parser.add_argument(
+        "--ab-workers",
+        action="store_true",
+        help="also run each pdkv room with PDKV_WAIT_RUNS_CHUNK_BYTES=0 (pdkv-workers: a transfer "
+        "worker runs the chunk while the scheduler sleeps, as before the waiting scheduler ran it)",
+    )
+    parser.add_argument(
         "--load-threads",
         type=int,
         default=0,
@@ -1158,9 +1168,12 @@ def _measure(args: argparse.Namespace, sizes: list[int]) -> int:
     )
     capacity = Capacity(kv_pages=max(sizes), state_slots=1, aux_rows=4)
     page_bytes = model.kv_item_bytes
-    variants = [("pdkv", True, False)] + ([("pdkv-spin", False, False)] if args.ab_pacing else [])
+    # (name, paced status waits, checksums, the waiting scheduler may run a chunk)
+    variants = [("pdkv", True, False, True)] + ([("pdkv-spin", False, False, True)] if args.ab_pacing else [])
+    if args.ab_workers:
+        variants.append(("pdkv-workers", True, False, False))
     if args.checksum:
-        variants.append(("pdkv+checksum", True, True))
+        variants.append(("pdkv+checksum", True, True, True))
     progress = Progress()
     rng = np.random.default_rng(args.seed)
     runs: list[SizeRuns] = []
@@ -1176,6 +1189,7 @@ def _measure(args: argparse.Namespace, sizes: list[int]) -> int:
     try:
         with rank_pair(model, capacity, timeline, decode, progress) as pair, timed_planning(timeline):
             memory, backend, transport, lock = pair.memory, pair.backend, pair.transport, pair.lock
+            wait_runs = transport.config.wait_runs_chunk_bytes  # PrefillConfig's default
             parent_conn, child, peer, dst_bases = pair.conn, pair.child, pair.peer, pair.dst_bases
             load.start()
             src_bases = [memory.tensors[key].data_ptr() for key in model.kv_keys()]
@@ -1197,9 +1211,12 @@ def _measure(args: argparse.Namespace, sizes: list[int]) -> int:
                         nonlocal room, verified
                         # The order of the variants turns each round too (a room after a large one is slower).
                         order = variants if turn % 2 == 0 else variants[::-1]
-                        for variant, paced, checksum in order:
+                        for variant, paced, checksum, waiting_runs in order:
                             backend.config = attrs.evolve(backend.config, pace_status_waits=paced)
                             transport.set_kv_checksum(checksum)
+                            transport.config = attrs.evolve(
+                                transport.config, wait_runs_chunk_bytes=wait_runs if waiting_runs else 0
+                            )
                             checked = variant in ("pdkv", "pdkv+checksum")
                             verify = turn == 0 and checked and not args.no_verify
                             lock.recording = True
