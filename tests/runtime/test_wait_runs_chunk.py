@@ -150,3 +150,30 @@ def test_close_waits_for_the_chunk_a_waiting_scheduler_is_running(
         closed_at = time.monotonic()
         thread.join(LONG_S)
         assert len(ran) == 1 and ran[0] <= closed_at
+
+
+def test_the_waiting_scheduler_takes_the_transport_lock_only_without_the_queue_lock(
+    no_workers: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A thread that queues a chunk holds the transport lock while it takes the work queue's: a
+    waiting scheduler that asked ``per_layer.holds`` (the transport lock) inside the queue's lock
+    would deadlock with it."""
+    with TransportPair(model=MODEL) as pair:
+        prefill = pair.prefills[0]
+        queue_lock = prefill._work.mutex
+        asked_inside: list[bool] = []
+        holds = prefill.per_layer.holds
+
+        def watched_holds(room: RoomId) -> bool:
+            free = queue_lock.acquire(blocking=False)
+            if free:
+                queue_lock.release()
+            asked_inside.append(not free)
+            return holds(room)
+
+        monkeypatch.setattr(prefill.per_layer, "holds", watched_holds)
+        sender = _open(pair, RoomId(6), [8, 9])
+        sender.send(np.array([6, 7]), start_token=0, last=True)
+        seen = prefill.progress()
+        assert prefill.wait_progress(seen, LONG_S) > seen and sender.poll() is KVPoll.Success
+        assert asked_inside == [False]

@@ -289,9 +289,8 @@ class PrefillTransport(EndpointHost[PrefillEndpoint, PrefillEffect]):
         self._chunks_run_waiting = 0
         self._waiting_runs = 0  # chunks a waiting scheduler is running now; close() waits for them
         self._waiting_run = threading.Condition()  # guards both counts
-        self._busy_workers = (
-            0  # transfer workers running chunks now: a waiting scheduler leaves the queue to them
-        )
+        # Transfer workers running chunks now: a waiting scheduler leaves the queue to them.
+        self._busy_workers = 0
         if announce is None:  # the zmq registry: an address it can dial, checked now, not 30 s from now
             problem = tcp_address_problem(self.config.registry)
             if problem is not None:
@@ -594,23 +593,30 @@ class PrefillTransport(EndpointHost[PrefillEndpoint, PrefillEffect]):
                 # would cost an engine job of its own and this thread's time for the other rooms.
                 return
             self._waiting_runs += 1
+        ran = False
         try:
             work = self._work
-            with work.mutex:  # a look at the head and its removal in one step (queue.Queue's own lock)
+            # queue.Queue's own lock, never held with another: a thread that queues a chunk holds the
+            # transport lock (which ``per_layer.holds`` takes) while it waits for this one.
+            with work.mutex:
                 head = work.queue[0] if len(work.queue) == 1 else None  # alone: nothing to share a job
-                if (
-                    not isinstance(head, SubmitChunk)
-                    or head.spec.pages.size * self._page_bytes * len(head.destinations) > limit
-                    or self.per_layer.holds(head.room)
-                ):
+            if (
+                not isinstance(head, SubmitChunk)
+                or head.spec.pages.size * self._page_bytes * len(head.destinations) > limit
+                or self.per_layer.holds(head.room)
+            ):
+                return
+            with work.mutex:  # still the one queued (a worker may have taken it meanwhile)
+                if len(work.queue) != 1 or work.queue[0] is not head:
                     return
                 work.queue.popleft()
                 work.not_full.notify()
-            self._chunks_run_waiting += 1
+            ran = True
             self._run_chunks_guarded([head])
         finally:
             with self._waiting_run:
                 self._waiting_runs -= 1
+                self._chunks_run_waiting += ran
                 self._waiting_run.notify_all()
 
     def _work_loop(self) -> None:
