@@ -177,3 +177,21 @@ def test_the_waiting_scheduler_takes_the_transport_lock_only_without_the_queue_l
         seen = prefill.progress()
         assert prefill.wait_progress(seen, LONG_S) > seen and sender.poll() is KVPoll.Success
         assert asked_inside == [False]
+
+
+def test_a_per_layer_chunk_is_left_to_the_workers_the_wait_would_hold_its_own_forward(
+    no_workers: None, planners: list[str]
+) -> None:
+    """A per-layer room's chunk may wait for layers that only this scheduler's forward ends: run on the
+    waiting thread it would hold that forward up to the per-layer deadline (60 s)."""
+    with TransportPair(model=MODEL) as pair:
+        prefill = pair.prefills[0]
+        sender = _open(pair, RoomId(7), [40, 41])
+        pages = np.array([12, 13])
+        prefill.per_layer.register(RoomId(7), pages, start_token=0)
+        sender.send(pages, start_token=0, last=True)  # before any layer of the forward ended
+        seen = prefill.progress()
+        started = time.monotonic()
+        assert prefill.wait_progress(seen, 0.05) == seen
+        assert time.monotonic() - started < LONG_S / 3
+        assert planners == [] and prefill.statistics().queue_depth == 1
