@@ -1155,9 +1155,8 @@ def engine_batches(model: ModelSpec, *, rounds: int, progress: Progress | None =
     return seconds
 
 
-def _measure(args: argparse.Namespace, sizes: list[int]) -> int:
-    wake = not args.sleep_poll
-    poll_s = (args.poll_us if args.poll_us is not None else (5000.0 if wake else 100.0)) / 1e6
+def _workload(args: argparse.Namespace, sizes: list[int]) -> tuple[ModelSpec, Capacity]:
+    """The MLA model the arguments describe, and memory for the largest size's pages per side."""
     model = ModelSpec(
         layers=args.layers,
         page_size=args.page_size,
@@ -1166,7 +1165,13 @@ def _measure(args: argparse.Namespace, sizes: list[int]) -> int:
         state_kinds=(),
         draft_layers=0,
     )
-    capacity = Capacity(kv_pages=max(sizes), state_slots=1, aux_rows=4)
+    return model, Capacity(kv_pages=max(sizes), state_slots=1, aux_rows=4)
+
+
+def _measure(args: argparse.Namespace, sizes: list[int]) -> int:
+    wake = not args.sleep_poll
+    poll_s = (args.poll_us if args.poll_us is not None else (5000.0 if wake else 100.0)) / 1e6
+    model, capacity = _workload(args, sizes)
     page_bytes = model.kv_item_bytes
     # (name, paced status waits, checksums, the waiting scheduler may run a chunk)
     variants = [("pdkv", True, False, True)] + ([("pdkv-spin", False, False, True)] if args.ab_pacing else [])
@@ -1691,15 +1696,7 @@ def _measure_engines(args: argparse.Namespace, sizes: list[int]) -> int:
     per engine in this process on the same prefill memory, a decode rank process per engine), beside
     the raw NIXL agent moving the same blocks into the NIXL decode rank's pages; then each process's
     CPU, idle and while rooms run back to back."""
-    model = ModelSpec(
-        layers=args.layers,
-        page_size=args.page_size,
-        kv_bytes_per_token=args.bytes_per_token,
-        state_layers=(),
-        state_kinds=(),
-        draft_layers=0,
-    )
-    capacity = Capacity(kv_pages=max(sizes), state_slots=1, aux_rows=4)
+    model, capacity = _workload(args, sizes)
     page_bytes = model.kv_item_bytes
     progress = Progress()
     rng = np.random.default_rng(args.seed)
