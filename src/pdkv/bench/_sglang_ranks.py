@@ -663,13 +663,10 @@ def _pdkv_side(plan: RankPlan) -> tuple[PrefillSide | DecodeSide, Ready]:
 
 def _pdkv_memory(plan: RankPlan) -> RankMemory:
     geometry = plan.geometry
-    spec = ModelSpec(
+    spec = ModelSpec.kv_only(
         layers=geometry.layers,
         page_size=geometry.page_size,
         kv_bytes_per_token=geometry.bytes_per_token,
-        state_layers=(),
-        state_kinds=(),
-        draft_layers=0,
         aux_item_bytes=plan.aux_bytes,
     )
     return RankMemory(spec, Capacity(kv_pages=geometry.pool_pages, state_slots=1, aux_rows=AUX_ROWS))

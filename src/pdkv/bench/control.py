@@ -58,9 +58,7 @@ def main(argv: Sequence[str]) -> int:
     )
     args = parser.parse_args(list(argv))
     rooms = 20 if args.quick else args.rooms
-    model = ModelSpec(
-        layers=2, page_size=16, kv_bytes_per_token=64, state_layers=(), state_kinds=(), draft_layers=0
-    )
+    model = ModelSpec.kv_only(layers=2, page_size=16, kv_bytes_per_token=64)
     spec = ClusterSpec(
         model=model,
         prefill_cp=args.cp,

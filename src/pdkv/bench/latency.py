@@ -1157,13 +1157,10 @@ def engine_batches(model: ModelSpec, *, rounds: int, progress: Progress | None =
 
 def _workload(args: argparse.Namespace, sizes: list[int]) -> tuple[ModelSpec, Capacity]:
     """The MLA model the arguments describe, and memory for the largest size's pages per side."""
-    model = ModelSpec(
+    model = ModelSpec.kv_only(
         layers=args.layers,
         page_size=args.page_size,
         kv_bytes_per_token=args.bytes_per_token,
-        state_layers=(),
-        state_kinds=(),
-        draft_layers=0,
     )
     return model, Capacity(kv_pages=max(sizes), state_slots=1, aux_rows=4)
 

@@ -130,15 +130,12 @@ def main(argv: Sequence[str]) -> int:
             parser.error(str(exc))
     elif args.tp != 1:
         parser.error("--tp needs --mha (MLA prefill TP ranks beyond the first are dummies)")
-    model = ModelSpec(
+    model = ModelSpec.kv_only(
         attention=AttentionKind.MHA if args.mha else AttentionKind.MLA,
         layers=args.layers,
         page_size=args.page_size,
         kv_bytes_per_token=args.kv_heads * args.head_bytes if args.mha else args.bytes_per_token,
         kv_heads=args.kv_heads if args.mha else None,
-        state_layers=(),
-        state_kinds=(),
-        draft_layers=0,
     )
     # Bytes a room moves: MLA writes the whole latent to every decode rank; MHA writes K and V once per
     # decode replica of each head (decode TP above the head count replicates heads).

@@ -64,13 +64,10 @@ def main(argv: Sequence[str]) -> int:
     if args.quick:
         args.tokens, args.layers, args.repeats = 2048, 4, 1
     pages = -(-args.tokens // args.page_size)
-    model = ModelSpec(
+    model = ModelSpec.kv_only(
         layers=args.layers,
         page_size=args.page_size,
         kv_bytes_per_token=args.bytes_per_token,
-        state_layers=(),
-        state_kinds=(),
-        draft_layers=0,
     )
     spec = ClusterSpec(
         model=model,

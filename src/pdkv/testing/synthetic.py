@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Collection
+from typing import Any
 
 import attrs
 import numpy as np
@@ -87,6 +88,12 @@ class ModelSpec:
                 f"kv_bytes_per_token {self.kv_bytes_per_token} is not a whole number of bytes for each of "
                 f"{self.kv_heads} KV heads"
             )
+
+    @classmethod
+    def kv_only(cls, **fields: Any) -> ModelSpec:
+        """A model of KV buffers and the aux row alone (no index state, no draft model): what the
+        benchmarks move. ``fields`` as for the constructor."""
+        return cls(state_layers=(), state_kinds=(), draft_layers=0, **fields)
 
     @property
     def kv_item_bytes(self) -> int:
