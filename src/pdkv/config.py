@@ -130,6 +130,12 @@ def positive_int(_: object, attribute: attrs.Attribute[int], value: int) -> None
         raise ConfigError(f"{attribute.name} must be a positive int, got {value!r}")
 
 
+def non_negative_int(_: object, attribute: attrs.Attribute[int], value: int) -> None:
+    """An int >= 0 (not a bool)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(f"{attribute.name} must be an int >= 0, got {value!r}")
+
+
 def instance_of(*types: type) -> Callable[[object, attrs.Attribute[Any], object], None]:
     """A validator: the value is one of ``types`` (a bool is never an int), else ``ConfigError``
     naming the field, the types and the value."""

@@ -17,12 +17,13 @@ import attrs
 import numpy as np
 import pytest
 
-from pdkv.errors import TransportClosedError
-from pdkv.protocol.ids import RoomId
+from pdkv.errors import ConfigError, TransportClosedError
+from pdkv.protocol.ids import InstanceId, RoomId
+from pdkv.protocol.messages import RankCoord
 from pdkv.protocol.poll import KVPoll
 from pdkv.runtime import chunk_plan
-from pdkv.runtime.prefill import KVSender, PrefillTransport
-from pdkv.testing.synthetic import ModelSpec, verify_room
+from pdkv.runtime.prefill import KVSender, PrefillConfig, PrefillTransport
+from pdkv.testing.synthetic import Capacity, ModelSpec, RankMemory, verify_room
 from pdkv.testing.transport_pair import TransportPair
 from tests.runtime.rig import wait_for
 
@@ -195,3 +196,17 @@ def test_a_per_layer_chunk_is_left_to_the_workers_the_wait_would_hold_its_own_fo
         assert prefill.wait_progress(seen, 0.05) == seen
         assert time.monotonic() - started < LONG_S / 3
         assert planners == [] and prefill.statistics().queue_depth == 1
+
+
+@pytest.mark.parametrize("value", [-1, True, 1.5])
+def test_a_limit_that_is_not_a_whole_number_of_bytes_is_refused_naming_it(value: object) -> None:
+    layout = RankMemory(MODEL, Capacity(kv_pages=4, state_slots=1, aux_rows=1)).layout
+    with pytest.raises(ConfigError, match="wait_runs_chunk_bytes"):
+        PrefillConfig(
+            instance=InstanceId("p"),
+            rank=RankCoord(tp=0),
+            tp_size=1,
+            layout=layout,
+            registry="tcp://127.0.0.1:1",
+            wait_runs_chunk_bytes=value,  # type: ignore[arg-type]  # the wrong type is the point
+        )

@@ -62,7 +62,7 @@ DEFAULT_LANDING_BYTES: Final = 256 << 20
 class LandingConfig:
     capacity_bytes: int = attrs.field(
         default=DEFAULT_LANDING_BYTES,
-        validator=attrs.validators.ge(0),
+        validator=config.non_negative_int,
         metadata=config.int_var(
             "PDKV_LANDING_BYTES",
             "Landing: registered landing bytes per decode rank (decode TP below prefill TP; 0: off)",

@@ -172,7 +172,7 @@ class PrefillConfig:
     waited for) go to each decode rank as one shared job (1: every chunk on its own)."""
     wait_runs_chunk_bytes: int = attrs.field(
         default=8 << 20,
-        validator=attrs.validators.ge(0),
+        validator=config.non_negative_int,
         metadata=config.int_var(
             "PDKV_WAIT_RUNS_CHUNK_BYTES",
             "Prefill: a scheduler waiting in wait_progress runs the chunk queued itself when it is the only "

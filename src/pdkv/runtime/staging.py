@@ -136,7 +136,7 @@ class StagingConfig:
     )
     copy_threads: int = attrs.field(
         default=DEFAULT_COPY_THREADS,
-        validator=attrs.validators.ge(0),
+        validator=config.non_negative_int,
         metadata=config.int_var(
             "PDKV_STAGING_COPY_THREADS",
             "Staging: OpenMP threads of a CPU gather on its calling thread (0: leave torch's setting)",
