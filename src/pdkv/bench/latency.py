@@ -1398,7 +1398,7 @@ def _report(
             phase_cpu = {
                 name: cpu
                 for name in CPU_PHASES
-                if (cpu := _stats([r.phase_cpu.get(name, math.nan) for r in rooms])["median"]) == cpu
+                if not math.isnan(cpu := _stats([r.phase_cpu.get(name, math.nan) for r in rooms])["median"])
             }
             record = {
                 "bench": "latency",
