@@ -80,6 +80,15 @@ def test_latency_bench_quick(capsys: pytest.CaptureFixture[str]) -> None:
         assert r["path"][0][1] != r["path"][-1][1]  # two processes
         if r["variant"] == "pdkv-workers":  # no chunk runs on a waiting scheduler: a worker plans it
             assert "/pdkv-transfer-" in dict(r["path"])["plan"]
+    # The counted rooms (the pdkv variant; both quick sizes run on the waiting scheduler): every
+    # phase made calls, and the total is their sum.
+    calls = [r for r in records if r["kind"] == "calls"]
+    assert sorted(r["pages"] for r in calls) == [1, 4]
+    for r in calls:
+        assert r["rooms"] == latency.CALL_ROOMS and r["variant"] == "pdkv"
+        assert set(r["phase_calls"]) == set(latency.COUNTED_PHASES)
+        assert all(n > 0 for n in r["phase_calls"].values()), r
+        assert r["calls_per_room"] == pytest.approx(sum(r["phase_calls"].values()), rel=0.2)
 
 
 def test_pages_are_placed_in_runs_on_both_sides() -> None:
@@ -114,3 +123,37 @@ def test_a_phase_s_cpu_is_its_thread_s_own_and_unknown_when_another_thread_ends_
     assert math.isnan(timeline.cpu("busy_start", "other_end"))  # another thread's clock
     assert math.isnan(timeline.cpu("busy_start", "never_marked"))
     assert math.isnan(timeline.cpu("busy_end", "busy_start"))  # an end before its start
+
+
+def test_calls_are_counted_per_phase_on_the_marking_thread_without_the_bench_s_own() -> None:
+    timeline = latency.Timeline()
+    counter = latency.CallCounter()
+    timeline.listener = counter.marked
+
+    def work() -> None:
+        pass
+
+    elsewhere = threading.Thread(target=timeline.mark, args=("plan_end",))  # another thread's mark
+    elsewhere.start()
+    elsewhere.join()
+    counter.start()
+    try:
+        timeline.mark("send_call")
+        for _ in range(5):
+            work()
+        latency._stats([1.0, 2.0])  # the bench's own code, and what it calls: not counted
+        timeline.mark("plan_start")
+        for _ in range(3):
+            work()
+        timeline.mark("status_sent")  # the count stops
+        for _ in range(7):
+            work()
+    finally:
+        counter.stop()
+    assert counter.calls["scheduler_call"] == 5
+    assert counter.calls["plan"] == 3
+    assert sum(counter.calls.values()) == 8
+    assert not counter.complete  # the other thread's plan_end began no phase of this thread
+    for name in ("send_returned", "plan_end", "launch", "engine_done", "wait_returned"):
+        timeline.mark(name)
+    assert counter.complete

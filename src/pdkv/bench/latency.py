@@ -238,6 +238,75 @@ def _lock_group() -> str:
     return "scheduler" if name == "MainThread" else "other"
 
 
+# The phase a mark of the scheduler's thread begins, for the call count (None: the count stops).
+_COUNTED_AFTER: dict[str, str | None] = {
+    "send_call": "scheduler_call",
+    "send_returned": "queue",
+    "plan_start": "plan",
+    "plan_end": "submit",
+    "launch": "engine",
+    "engine_done": "completion_seen",
+    "wait_returned": "status_sent",
+    "status_sent": None,
+}
+CALL_ROOMS = 3
+"""Rooms of each size whose calls are counted (``CallCounter``), after the timed rounds."""
+COUNTED_PHASES = ("scheduler_call", "queue", "plan", "submit", "engine", "completion_seen", "status_sent")
+
+
+class CallCounter:
+    """How many Python function calls (and calls of C functions from Python) one thread makes in each
+    phase of a room, ``send()`` to the status sent: a measure of the fixed cost that, unlike a time,
+    does not move with the machine's load. The bench's own instrumentation is not counted: an event
+    is left out when, walking up from the frame that makes it, a frame of this module comes before
+    any other frame of pdkv (a timing wrapper's inner pdkv call is counted; its marks are not).
+
+    ``sys.setprofile`` on the thread that calls ``start``: the phases run elsewhere (a transfer
+    worker's) are not seen, and ``complete`` says whether every phase's mark came from this thread."""
+
+    def __init__(self) -> None:
+        self._thread = threading.get_ident()
+        self._phase: str | None = None
+        self.calls: dict[str, int] = dict.fromkeys(COUNTED_PHASES, 0)
+        self._marked: set[str] = set()
+        self._here = os.path.normcase(__file__)
+        self._package = os.path.dirname(os.path.dirname(self._here))
+
+    @property
+    def complete(self) -> bool:
+        """Every phase began with a mark made on the counted thread."""
+        return set(COUNTED_PHASES) <= self._marked
+
+    def marked(self, name: str) -> None:
+        if threading.get_ident() != self._thread or name not in _COUNTED_AFTER:
+            return
+        self._phase = _COUNTED_AFTER[name]
+        if self._phase is not None:
+            self._marked.add(self._phase)
+
+    def start(self) -> None:
+        sys.setprofile(self._event)
+
+    def stop(self) -> None:
+        sys.setprofile(None)
+
+    def _event(self, frame: Any, event: str, _: object) -> None:
+        phase = self._phase
+        if phase is None or event not in ("call", "c_call"):
+            return
+        walked: Any = frame
+        for _level in range(4):
+            if walked is None:
+                break
+            path = walked.f_code.co_filename
+            if path == self._here:
+                return  # the bench's instrumentation
+            if path.startswith(self._package):
+                break  # pdkv's own code, or what it called
+            walked = walked.f_back
+        self.calls[phase] += 1
+
+
 def time_lock(transport: Any) -> TimedLock:
     """Put a ``TimedLock`` around ``transport``'s endpoint lock before it starts: instrumentation of
     this bench only, through the transport's private field."""
@@ -268,6 +337,8 @@ class Timeline:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._marks: dict[str, list[_Mark]] = {}
+        self.listener: Callable[[str], None] | None = None
+        """Told each mark's name as it is made, on the marking thread (``CallCounter.marked``)."""
 
     def reset(self) -> None:
         with self._lock:
@@ -278,6 +349,8 @@ class Timeline:
         mark = _Mark(when, thread_id(), time.thread_time())
         with self._lock:
             self._marks.setdefault(name, []).append(mark)
+        if self.listener is not None:
+            self.listener(name)
 
     def first(self, name: str) -> float | None:
         with self._lock:
@@ -872,6 +945,8 @@ class SizeRuns:
     rooms: dict[str, list[RoomTiming]] = attrs.Factory(dict)
     one_batch: list[float] = attrs.Factory(list)
     best_shape: list[float] = attrs.Factory(list)
+    calls: list[CallCounter] = attrs.Factory(list)
+    """The counted rooms (``CallCounter``), run after the timed ones."""
 
 
 class Progress:
@@ -1260,6 +1335,36 @@ def _measure(args: argparse.Namespace, sizes: list[int]) -> int:
                     turn = round_index % len(methods)
                     for method in methods[turn:] + methods[:turn]:
                         method()
+            # The counted rooms: the "pdkv" variant, after the timed ones (a profile hook slows them).
+            backend.config = attrs.evolve(backend.config, pace_status_waits=True)
+            transport.set_kv_checksum(False)
+            transport.config = attrs.evolve(transport.config, wait_runs_chunk_bytes=wait_runs)
+            for size in runs:
+                for _ in range(CALL_ROOMS):
+                    progress.show(f"{size.pages} pages: counting the calls of a room ...")
+                    counter = CallCounter()
+                    timeline.listener = counter.marked
+                    counter.start()
+                    try:
+                        timing = _pdkv_room(
+                            transport,
+                            parent_conn,
+                            child,
+                            timeline,
+                            size,
+                            room,
+                            poll_s,
+                            verify=False,
+                            wake=wake,
+                        )
+                    finally:
+                        counter.stop()
+                        timeline.listener = None
+                    room += 1
+                    if timing is None:
+                        failures.append(f"counted room of {size.pages} pages failed")
+                    else:
+                        size.calls.append(counter)
             progress.close()
     finally:
         load.stop()
@@ -1511,8 +1616,43 @@ def _report(
         phase_rows,
     )
     _report_hand_offs(runs)
+    _report_calls(runs)
     emit({"bench": "latency", "kind": "summary", "verified": verified, "failures": failures})
     return 0 if verified and not failures else 1
+
+
+def _report_calls(runs: list[SizeRuns]) -> None:
+    """The Python calls of the counted rooms per phase (medians), where every phase ran on the
+    scheduler's thread (a chunk above ``wait_runs_chunk_bytes`` runs on a worker: not counted)."""
+    rows: list[list[object]] = []
+    for size in runs:
+        counted = [c for c in size.calls if c.complete]
+        if not counted:
+            if size.calls:
+                rows.append([size.pages, 0, "-", *("-" for _ in COUNTED_PHASES)])
+            continue
+        phases = {name: statistics.median_low([c.calls[name] for c in counted]) for name in COUNTED_PHASES}
+        total = statistics.median_low([sum(c.calls.values()) for c in counted])
+        emit(
+            {
+                "bench": "latency",
+                "kind": "calls",
+                "variant": "pdkv",
+                "pages": size.pages,
+                "rooms": len(counted),
+                "calls_per_room": total,
+                "phase_calls": phases,
+            }
+        )
+        rows.append([size.pages, len(counted), total, *phases.values()])
+    if rows:
+        table(
+            "Python calls per pdkv room on the prefill scheduler's thread, send() -> status sent "
+            "(function calls and calls of C functions, the bench's own marks not counted; medians of "
+            f"{CALL_ROOMS} rooms after the timed ones; '-': the chunk ran on a transfer worker)",
+            ["pages", "rooms", "calls", *COUNTED_PHASES],
+            rows,
+        )
 
 
 def _report_hand_offs(runs: list[SizeRuns]) -> None:
