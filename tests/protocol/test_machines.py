@@ -47,6 +47,7 @@ from pdkv.protocol.machines import (
     SenderRoomState,
     StateMachine,
 )
+from pdkv.protocol.machines._base import MachineEnum
 
 # The protocol as written in DESIGN section 5, restated independently of the machine modules:
 # (machine, source, trigger) -> destination. Anything absent must be rejected.
@@ -371,3 +372,13 @@ def test_spec_rejects_ambiguous_and_unused() -> None:
             initial=ChunkState.REGISTERED,
             edges=(edges(ChunkTrigger.START, [ChunkState.REGISTERED], ChunkState.TRANSFERRING),),
         )
+
+
+@pytest.mark.parametrize("spec", ALL_MACHINES, ids=lambda s: s.name)
+def test_states_and_inputs_hash_by_identity_in_c(spec: MachineSpec[Any, Any]) -> None:
+    # Every step looks its row up by (state, input): enum.Enum's own __hash__ is a Python call each.
+    for members in (spec.states, spec.triggers):
+        assert issubclass(members, MachineEnum), members
+        assert vars(MachineEnum)["__hash__"] is object.__hash__ and "__hash__" not in vars(members)
+        first = next(iter(members))
+        assert {first: 1}[first] == 1 and hash(first) == object.__hash__(first)

@@ -39,6 +39,10 @@ class BufferKind(enum.Enum):
     SWA = "swa"  # sliding-window attention state pages
     AUX = "aux"  # per-request metadata rows (first token, room stamp ...)
 
+    # Hashed by identity, in C (members are singletons): layouts look buffers up by kind on every
+    # plan, and enum.Enum's own __hash__ is a Python call.
+    __hash__ = object.__hash__
+
     @property
     def is_kv(self) -> bool:
         return self in _KV_KINDS
@@ -57,6 +61,8 @@ class ModelRole(enum.Enum):
 
     TARGET = "target"
     DRAFT = "draft"
+
+    __hash__ = object.__hash__  # as BufferKind's
 
 
 class AttentionKind(enum.Enum):

@@ -59,6 +59,10 @@ class TransportCounter(enum.Enum):
     ROOMS_DRAFT_SKIPPED = "rooms_draft_skipped"
     ROOMS_LANDED = "rooms_landed"
 
+    # Hashed by identity, in C (members are singletons): every increment looks a counter up, and
+    # enum.Enum's own __hash__ is a Python call.
+    __hash__ = object.__hash__
+
     @property
     def description(self) -> str:
         """One line for operators (the Prometheus HELP text)."""
@@ -73,6 +77,8 @@ class TransportGauge(enum.Enum):
     DRAFT_BUFFERS_SKIPPED = "draft_buffers_skipped"
     LANDING_BYTES_IN_USE = "landing_bytes_in_use"
     ROOMS_WAITING_FOR_LANDING = "rooms_waiting_for_landing"
+
+    __hash__ = object.__hash__  # as TransportCounter's
 
     @property
     def description(self) -> str:

@@ -42,6 +42,15 @@ T = TypeVar("T", bound=enum.Enum)
 C = TypeVar("C")
 
 
+class MachineEnum(enum.Enum):
+    """The base of every machine's states and inputs. A member hashes by identity, in C: the table's
+    keys and every machine's state are these members, looked up on each step, and ``enum.Enum``'s own
+    ``__hash__`` is a Python function (a call per lookup). Members are singletons compared by
+    identity, so the two hashes agree on what is equal."""
+
+    __hash__ = object.__hash__
+
+
 def always(_: object) -> bool:
     """The guard of a row that holds whenever its input comes (drawn without a guard)."""
     return True

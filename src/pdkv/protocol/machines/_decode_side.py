@@ -13,7 +13,6 @@ room's record can name its abort's machine and the three modules import one anot
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Iterable
 from typing import Protocol
 
@@ -23,7 +22,7 @@ from pdkv.mapping.layout_policy import LayoutPolicy
 from pdkv.protocol.config import Timeouts
 from pdkv.protocol.effects import ChecksumMismatch, DecodeEffect, FailureCause, PeerKey, ReleaseKind, Target
 from pdkv.protocol.ids import Endpoint, Epoch, RoomId, SessionId
-from pdkv.protocol.machines._base import StateMachine
+from pdkv.protocol.machines._base import MachineEnum, StateMachine
 from pdkv.protocol.messages import (
     IntArray,
     LandingGrant,
@@ -37,13 +36,13 @@ from pdkv.protocol.messages import (
 from pdkv.protocol.registration import DraftSkipped
 
 
-class PrefillRankState(enum.Enum):
+class PrefillRankState(MachineEnum):
     REGISTERING = "registering"
     READY = "ready"
     REJECTED = "rejected"
 
 
-class PrefillRankInput(enum.Enum):
+class PrefillRankInput(MachineEnum):
     REGISTER_ACK = "register_ack"  # RegisterAck: layouts agree (or differ in draft buffers left out)
     REFUSED = "refused"  # RegisterReject: the layouts differ
     NOT_KNOWN = "not_known"  # RegisterReject(retry): the rank forgot us, or restarted
@@ -51,7 +50,7 @@ class PrefillRankInput(enum.Enum):
     REGISTER_DUE = "register_due"  # the registration resend is due
 
 
-class ReceiverRoomState(enum.Enum):
+class ReceiverRoomState(MachineEnum):
     BOOTSTRAPPING = "bootstrapping"
     WAITING_FOR_INPUT = "waiting_for_input"
     TRANSFERRING = "transferring"
@@ -61,7 +60,7 @@ class ReceiverRoomState(enum.Enum):
     FAILED = "failed"
 
 
-class ReceiverRoomInput(enum.Enum):
+class ReceiverRoomInput(MachineEnum):
     TARGETS_READY = "targets_ready"  # every target rank registered: the requests can go
     SUCCESS = "success"  # TransferStatus Success
     FAILED = "failed"  # TransferStatus Failed
@@ -75,7 +74,7 @@ class ReceiverRoomInput(enum.Enum):
     SCATTER_FAILED = "scatter_failed"  # ... or could not
 
 
-class DecodeAbortState(enum.Enum):
+class DecodeAbortState(MachineEnum):
     REQUESTED = "requested"
     QUARANTINED = "quarantined"
     CUTTING = "cutting"
@@ -84,7 +83,7 @@ class DecodeAbortState(enum.Enum):
     TIMED_OUT = "timed_out"
 
 
-class DecodeAbortInput(enum.Enum):
+class DecodeAbortInput(MachineEnum):
     NOTHING_SENT = "nothing_sent"  # no rank was told the destinations
     ABORT_ACK = "abort_ack"
     DEADLINE = "deadline"

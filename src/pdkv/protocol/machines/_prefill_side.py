@@ -12,7 +12,6 @@ machines it drives). No I/O, no clock.
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Iterable, Mapping
 from typing import Protocol
 
@@ -31,12 +30,12 @@ from pdkv.protocol.effects import (
     PrefillEffect,
 )
 from pdkv.protocol.ids import Epoch, RoomId
-from pdkv.protocol.machines._base import StateMachine
+from pdkv.protocol.machines._base import MachineEnum, StateMachine
 from pdkv.protocol.messages import Origin, Register, RegisterAck, TransferMetricData, TransferRequest
 from pdkv.protocol.registration import RegisterAnswer
 
 
-class DecodeRankState(enum.Enum):
+class DecodeRankState(MachineEnum):
     NEW = "new"
     READY = "ready"
     DRAINING = "draining"
@@ -44,7 +43,7 @@ class DecodeRankState(enum.Enum):
     REJECTED = "rejected"
 
 
-class DecodeRankInput(enum.Enum):
+class DecodeRankInput(MachineEnum):
     REGISTER = "register"
     SILENCE = "silence"  # nothing heard for heartbeat_timeout
     RESTART = "restart"  # a message of a newer epoch: the incarnation we knew is gone
@@ -52,7 +51,7 @@ class DecodeRankInput(enum.Enum):
     HEARTBEAT = "heartbeat"
 
 
-class SenderRoomState(enum.Enum):
+class SenderRoomState(MachineEnum):
     BOOTSTRAPPING = "bootstrapping"
     WAITING_FOR_INPUT = "waiting_for_input"
     TRANSFERRING = "transferring"
@@ -61,7 +60,7 @@ class SenderRoomState(enum.Enum):
     FAILED = "failed"
 
 
-class SenderRoomInput(enum.Enum):
+class SenderRoomInput(MachineEnum):
     REQUEST = "request"  # a TransferRequest from a registered decode rank
     OPEN = "open"  # the scheduler's sender.init (its arguments checked already)
     QUEUE_CHUNK = "queue_chunk"  # the scheduler's sender.send (the chunk checked already)
@@ -76,7 +75,7 @@ class SenderRoomInput(enum.Enum):
     STATUS_RESEND_DUE = "status_resend_due"
 
 
-class ChunkState(enum.Enum):
+class ChunkState(MachineEnum):
     REGISTERED = "registered"
     TRANSFERRING = "transferring"
     DONE = "done"
@@ -84,41 +83,41 @@ class ChunkState(enum.Enum):
     SKIPPED = "skipped"
 
 
-class ChunkInput(enum.Enum):
+class ChunkInput(MachineEnum):
     START = "start"
     COMPLETE = "complete"
     FAIL = "fail"
     SKIP = "skip"
 
 
-class PrefillAbortState(enum.Enum):
+class PrefillAbortState(MachineEnum):
     DRAINING = "draining"  # writes of the room already submitted may still land
     ACKED = "acked"  # nothing of the room is in flight: every asking rank was answered
 
 
-class PrefillAbortInput(enum.Enum):
+class PrefillAbortInput(MachineEnum):
     ASKED = "asked"  # an Abort (or its resend) from a registered decode rank
     WRITES_ENDED = "writes_ended"  # a write of the room ended (maybe the last in flight)
     FENCED = "fenced"  # a fence of the room to a rank that asked completed
 
 
-class FailureNoticeState(enum.Enum):
+class FailureNoticeState(MachineEnum):
     TELLING = "telling"  # told Failed: resent (backoff) to the ranks whose Abort has not answered it
     ANSWERED = "answered"  # every decode rank told has answered with an Abort: nothing more is resent
 
 
-class FailureNoticeInput(enum.Enum):
+class FailureNoticeInput(MachineEnum):
     HEARD = "heard"  # an Abort from a decode rank of the room: it knows of the failure
     RESEND_DUE = "resend_due"  # the resend interval (doubling) passed
 
 
-class FenceState(enum.Enum):
+class FenceState(MachineEnum):
     OWED = "owed"  # not written yet (or written and failed: retried at ``retry_at`` or the next Abort)
     RUNNING = "running"  # the fence write is on its way
     DONE = "done"  # completed: the engine queue to that rank drained; acks to it say ``fenced``
 
 
-class FenceInput(enum.Enum):
+class FenceInput(MachineEnum):
     SUBMIT = "submit"  # Success waits for it, or its retry is due
     ACK_WANTED = "ack_wanted"  # the room's AbortAck to that rank is due
     COMPLETED = "completed"

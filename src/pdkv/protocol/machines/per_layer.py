@@ -27,13 +27,11 @@ chunk in flight. No terminal state is entered while a write of the context can s
 
 from __future__ import annotations
 
-import enum
-
-from pdkv.protocol.machines._base import MachineSpec, StateMachine, edges
+from pdkv.protocol.machines._base import MachineEnum, MachineSpec, StateMachine, edges
 from pdkv.protocol.machines._notes import EdgeNote, EdgeNotes
 
 
-class PerLayerState(enum.Enum):
+class PerLayerState(MachineEnum):
     COLLECTING = "collecting"
     LAYERS_SUBMITTED = "layers_submitted"
     AWAITING_LAYERS = "awaiting_layers"
@@ -45,7 +43,7 @@ class PerLayerState(enum.Enum):
     DROPPED = "dropped"
 
 
-class PerLayerTrigger(enum.Enum):
+class PerLayerTrigger(MachineEnum):
     ALL_LAYERS_SUBMITTED = "all_layers_submitted"
     FINISH = "finish"
     COMPLETE = "complete"
