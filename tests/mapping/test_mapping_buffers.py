@@ -105,6 +105,31 @@ def test_block_bytes_sum_to_pages_times_item_bytes_per_buffer(
         assert int(blocks.length[mine].sum()) == runs.num_pages * local.buffers[index].item_bytes
 
 
+def _keeps_the_block_rules(blocks: TransferBlocks) -> None:
+    """What the checked constructor would make of the same arrays: 1-D contiguous int64, one size,
+    lengths >= 0 (the builders below skip that check: their arrays keep the rules by construction)."""
+    for array in (blocks.src, blocks.dst, blocks.length, blocks.buffer):
+        assert array.dtype == np.int64 and array.ndim == 1 and array.flags.c_contiguous
+    assert (
+        TransferBlocks(src=blocks.src, dst=blocks.dst, length=blocks.length, buffer=blocks.buffer) == blocks
+    )
+    assert not blocks.length.size or int(blocks.length.min()) >= 0
+
+
+@given(kv_cases(), st.integers(0, 3))
+def test_built_and_concatenated_blocks_keep_the_rules_they_are_not_checked_for(
+    case: tuple[PageRuns, BufferLayout, BufferLayout], copies: int
+) -> None:
+    runs, local, peer = case
+    blocks = layer_blocks(runs, local, peer)
+    _keeps_the_block_rules(blocks)
+    first_half = blocks.take(slice(0, len(blocks) // 2))
+    joined = TransferBlocks.concat([blocks, first_half, TransferBlocks.empty()] * copies)
+    _keeps_the_block_rules(joined)
+    assert len(joined) == copies * (len(blocks) + len(first_half))
+    assert joined.total_bytes == copies * (blocks.total_bytes + first_half.total_bytes)
+
+
 @given(kv_cases())
 def test_every_page_lands_at_base_plus_page_times_item_bytes(
     case: tuple[PageRuns, BufferLayout, BufferLayout],

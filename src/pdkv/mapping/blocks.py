@@ -48,6 +48,19 @@ class TransferBlocks:
             raise ValueError("block lengths are non-negative")
 
     @classmethod
+    def _holding(cls, src: IntArray, dst: IntArray, length: IntArray, buffer: IntArray) -> TransferBlocks:
+        """Blocks of arrays that already keep every rule above (1-D contiguous int64, one size,
+        lengths >= 0), built without converting or checking them again: the arrays of blocks
+        already built, concatenated, or computed from checked inputs (``runs_to_blocks``). Each
+        check is a few numpy calls, and a chunk's plan builds several of these lists."""
+        blocks = object.__new__(cls)
+        object.__setattr__(blocks, "src", src)
+        object.__setattr__(blocks, "dst", dst)
+        object.__setattr__(blocks, "length", length)
+        object.__setattr__(blocks, "buffer", buffer)
+        return blocks
+
+    @classmethod
     def empty(cls) -> TransferBlocks:
         z = np.zeros(0, dtype=np.int64)
         return cls(src=z, dst=z, length=z, buffer=z)
@@ -58,11 +71,11 @@ class TransferBlocks:
             return cls.empty()
         if len(parts) == 1:
             return parts[0]  # immutable: the one part is already the whole list
-        return cls(
-            src=np.concatenate([p.src for p in parts]),
-            dst=np.concatenate([p.dst for p in parts]),
-            length=np.concatenate([p.length for p in parts]),
-            buffer=np.concatenate([p.buffer for p in parts]),
+        return cls._holding(
+            np.concatenate([p.src for p in parts]),
+            np.concatenate([p.dst for p in parts]),
+            np.concatenate([p.length for p in parts]),
+            np.concatenate([p.buffer for p in parts]),
         )
 
     def __len__(self) -> int:

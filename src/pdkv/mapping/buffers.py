@@ -216,11 +216,13 @@ def runs_to_blocks(runs: PageRuns, pairs: BufferPairs, *, what: str = "page") ->
         return TransferBlocks.empty()
     _check_capacity(runs, pairs, what)
     item = pairs.item_bytes[:, None]
-    return TransferBlocks(
-        src=(pairs.src_base[:, None] + runs.src_start[None, :] * item).ravel(),
-        dst=(pairs.dst_base[:, None] + runs.dst_start[None, :] * item).ravel(),
-        length=(runs.length[None, :] * item).ravel(),
-        buffer=np.repeat(pairs.buffer, len(runs)),
+    # int64 arithmetic on checked runs (lengths >= 1) and buffer pairs (item bytes >= 1), each result
+    # a fresh contiguous array: the blocks' rules hold by construction, so they are not checked again.
+    return TransferBlocks._holding(
+        (pairs.src_base[:, None] + runs.src_start[None, :] * item).ravel(),
+        (pairs.dst_base[:, None] + runs.dst_start[None, :] * item).ravel(),
+        (runs.length[None, :] * item).ravel(),
+        np.repeat(pairs.buffer, len(runs)),
     )
 
 
