@@ -483,6 +483,31 @@ def test_notifications_make_the_progress_thread_poll_fast(make: Any) -> None:
     assert stats.notifications == 1 and stats.busy_polls >= 3
 
 
+def test_a_write_done_inside_its_post_leaves_the_progress_thread_idle(make: Any) -> None:
+    # cma: the post moves the bytes before it returns (DONE), so nothing is left for the agent to
+    # progress, and the thread must not spin for busy_window_s after it.
+    made = make(idle_poll_s=0.02, busy_poll_s=0.0005, busy_window_s=30.0)
+    source = HostBuffer(64)
+    made.backend.register(source)
+    made.backend.add_peer(PEER, peer_metadata([(0x1000, 4096, NixlMemory.DRAM, 0)]))
+    for _ in range(3):
+        made.backend.write(PEER, blocks([source.data_ptr()], [0x1000], [16]), timeout=5)
+    time.sleep(0.3)
+    stats = made.backend.progress_statistics()
+    assert stats.busy_polls == 0 and stats.polls <= 30  # idle: about 15 polls at 50 a second
+
+
+def test_a_write_still_moving_after_its_post_makes_the_progress_thread_poll_fast(make: Any) -> None:
+    # tcp: the bytes move only while this agent is called; the progress thread helps the completer.
+    agent = FakeAgent(post_states=["PROC"], check_states=["PROC"] * 40)
+    made = make(agent, idle_poll_s=0.05, busy_poll_s=0.0005, busy_window_s=30.0, completion_poll_max_s=0.002)
+    source = HostBuffer(64)
+    made.backend.register(source)
+    made.backend.add_peer(PEER, peer_metadata([(0x1000, 4096, NixlMemory.DRAM, 0)]))
+    made.backend.write(PEER, blocks([source.data_ptr()], [0x1000], [16]), timeout=5)
+    assert made.backend.progress_statistics().busy_polls > 0
+
+
 def test_idle_progress_polls_at_the_idle_interval(make: Any) -> None:
     made = make(idle_poll_s=0.02, busy_window_s=0.0)
     time.sleep(0.5)

@@ -34,7 +34,8 @@ How the agent is driven (nixl-cu12 1.5.1, UCX 1.22 bundled; facts in ``notes/nix
   (UCX wire-up, and every byte over ``UCX_TLS=tcp``). A thread polls the agent every ``idle_poll_s``
   (a few % of a core at 1 ms on this machine; about 1% at 2 ms), every ``busy_poll_s`` for
   ``busy_window_s`` after a write notification arrived (each write carries one) or this backend
-  launched a write. Nothing else spins.
+  launched a write its post did not complete (a cma post moves the bytes itself: nothing to
+  progress). Nothing else spins.
 - Failures are FAILED batches: a peer that died (or whose connection a decode cut) gives
   ``nixlRemoteDisconnectError``, and the peer's endpoint stays failed; the backend removes the peer and
   loads its metadata again on its next write (a new endpoint), so a peer that is still there, or comes
@@ -762,7 +763,6 @@ class NixlBackend(WorkerThreadBackend[LaunchedWrite]):
         plan = self._plan(job, peer)
         piece = job.piece
         launched = LaunchedWrite(handles=[], done=[], launched_at=self._clock())
-        self._busy_until = launched.launched_at + self.config.busy_window_s
         failure: str | None = None
         with self._agent_lock:
             agent = self._live_agent()
@@ -791,6 +791,12 @@ class NixlBackend(WorkerThreadBackend[LaunchedWrite]):
                 if _disconnected(exc):
                     peer.loaded = False  # NIXL forgot the peer; the next write loads it again
                 failure = f"NIXL failed to post {len(piece)} blocks to {name!r}: {_nixl_error(exc)}"
+        if not all(launched.done):
+            # Something of it is still moving (tcp, or a transport that needs this agent's calls): the
+            # progress thread polls fast while it does. A write whose post moved every byte (cma)
+            # leaves nothing to progress: the thread stays at its idle interval (polling every
+            # busy_poll_s for busy_window_s after each such write was CPU spent for nothing).
+            self._busy_until = self._clock() + self.config.busy_window_s
         if failure is not None:
             # Transfers of the piece already posted must end before the piece is reported.
             self._finish_transfers(job, launched, failure)
