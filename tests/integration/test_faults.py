@@ -215,17 +215,24 @@ def test_engine_failure_on_the_nth_batch_fails_the_room_on_every_cp_rank() -> No
 
 def test_transfer_delayed_past_the_waiting_deadline_lands_before_the_release() -> None:
     """Case 6: the engine holds every batch 2.5 s; decode's waiting deadline (1 s) fails the room; the
-    late bytes land while prefill drains, before its AbortAck, so the release is safe and canaries hold."""
+    late bytes land while prefill drains, before its AbortAck, so the release is safe and canaries hold.
+
+    One room at a time, so each room's write reaches the engine: with two at once the second one's
+    write may still be queued behind the held one when the abort comes, and is then dropped and acked
+    at once (also safe, and a different case: its release at 1 s is not a late one)."""
     faults = (RankFaults(side="prefill", backend=BackendFaults(hold_s=2.5)),)
     timeouts = attrs.evolve(FAST, waiting=1.0, abort_ack=6.0)
     with Cluster(spec(faults=faults, timeouts=timeouts)) as cluster:
-        outcomes = cluster.run([room(1), room(2)], max_active=2)
+        outcomes = cluster.run([room(1), room(2)], max_active=1)
         reports = cluster.close()
     decode = [o for o in outcomes if o.side == "decode"]
     assert [o.poll for o in decode] == [KVPoll.Failed, KVPoll.Failed]
-    assert all(o.seconds >= 2.0 for o in decode)  # released only after the held write ended
+    # released only after the held write ended
+    assert all(o.seconds >= 2.0 for o in decode), [(o.room, o.seconds) for o in decode]
     (d,) = [r for r in reports if r.side == "decode"]
+    (p,) = [r for r in reports if r.side == "prefill"]
     assert d.unsafe_releases == 0
+    assert p.faults.held_batches == 2  # each room's write was in the engine when its abort came
     check_promises(outcomes, reports)
 
 
