@@ -67,6 +67,21 @@ def text_var(name: str, meaning: str, parse: Callable[[str], object] = str) -> d
     return {_ENV_KEY: declare(name, meaning, parse)}
 
 
+def parse_flag(text: str) -> bool:
+    """A ``PDKV_*`` switch's text: 1/true/yes/on or 0/false/no/off (any case; empty: off)."""
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(text)
+
+
+def flag_var(name: str, meaning: str) -> dict[str, EnvVar]:
+    """Field metadata: ``name`` overrides this field, read as a switch (``parse_flag``)."""
+    return {_ENV_KEY: declare(name, meaning, parse_flag, "0 or 1")}
+
+
 def env_var_of(field: attrs.Attribute[Any]) -> EnvVar | None:
     var = field.metadata.get(_ENV_KEY)
     return var if isinstance(var, EnvVar) else None

@@ -336,31 +336,34 @@ def test_recv_is_not_ended_by_wake(make_channel: MakeChannel) -> None:
 # ---------------------------------------------------------------- ownership and life cycle
 
 
-def test_a_second_thread_receiving_is_refused_but_may_send(make_channel: MakeChannel) -> None:
+def test_a_second_thread_receiving_at_the_same_time_is_refused_but_may_send(
+    make_channel: MakeChannel,
+) -> None:
     channel = make_channel()
     peer = make_channel()
-    release = threading.Event()
+    inside = threading.Event()
     errors: list[BaseException] = []
 
-    def owner() -> None:
+    def receiver() -> None:
         try:
-            channel.recv(0)
-            release.wait(10.0)
+            inside.set()
+            channel.wait(10.0)  # ended by the wake below
         except BaseException as exc:  # pragma: no cover - reported below
             errors.append(exc)
 
-    thread = threading.Thread(target=owner)
+    thread = threading.Thread(target=receiver, name="the-receiver")
     thread.start()
     try:
-        time.sleep(0.05)
-        assert thread.is_alive()
-        with pytest.raises(ChannelOwnershipError, match="owned by thread"):
+        assert inside.wait(5.0)
+        deadline = time.monotonic() + 5.0
+        while not channel._claim._lock.locked() and time.monotonic() < deadline:  # inside its wait
+            time.sleep(0.001)
+        with pytest.raises(ChannelOwnershipError, match="'the-receiver'"):
             channel.recv(0)
-        with pytest.raises(ChannelOwnershipError, match="owned by thread"):
+        with pytest.raises(ChannelOwnershipError, match="being received on"):
             channel.wait(0)
         with pytest.raises(ChannelOwnershipError):
-            channel.close()  # the owner is still running
-        channel.wake()  # allowed from anywhere
+            channel.close()  # the receiver is inside its call
         # Sending is serialised, not owned: the thread that made a message sends it itself.
         assert channel.send(peer.address, heartbeat(1))
         assert channel.send_many(peer.address, [heartbeat(2), heartbeat(3)])
@@ -369,11 +372,39 @@ def test_a_second_thread_receiving_is_refused_but_may_send(make_channel: MakeCha
         assert [m.seq for m in got if isinstance(m, Heartbeat)] == [1, 2, 3]
         assert channel.forget(peer.address)
     finally:
-        release.set()
+        channel.wake()  # allowed from anywhere: ends the receiver's wait
         thread.join(10.0)
-    assert not errors
-    channel.close()  # the owner has ended: any thread may close
+    assert not thread.is_alive() and not errors
+    channel.close()  # nobody receives now: any thread may close
     assert channel.closed
+
+
+def test_threads_may_take_turns_receiving(make_channel: MakeChannel) -> None:
+    """Receiving is one thread at a time, not one thread for ever: a transport's control thread lends
+    it to a scheduler thread that waits for progress, and takes it back (#31)."""
+    channel = make_channel()
+    peer = make_channel()
+    got: list[object] = []
+    received, release = threading.Event(), threading.Event()
+
+    def first() -> None:
+        got.append(channel.recv(5.0))
+        received.set()
+        release.wait(10.0)  # alive, not receiving
+        got.append(channel.recv(5.0))
+
+    thread = threading.Thread(target=first)
+    thread.start()
+    try:
+        assert peer.send(channel.address, heartbeat(1))
+        assert received.wait(10.0)
+        assert peer.send(channel.address, heartbeat(2))
+        got.append(channel.recv(5.0))  # this thread's turn, while the first one lives
+    finally:
+        release.set()
+    assert peer.send(channel.address, heartbeat(3))
+    thread.join(10.0)  # and the first one's turn again
+    assert [m.seq for m in got if isinstance(m, Heartbeat)] == [1, 2, 3]
 
 
 def test_once_its_owner_ended_another_thread_takes_the_receiving_side_over(make_channel: MakeChannel) -> None:

@@ -6,6 +6,7 @@ import threading
 import time
 from typing import Any
 
+import attrs
 import numpy as np
 
 from pdkv.protocol.ids import RoomId
@@ -152,10 +153,13 @@ class _Notifications(threading.Condition):
 def test_a_waiting_scheduler_is_woken_once_the_endpoint_lock_is_free() -> None:
     """The control thread wakes a scheduler in ``wait_progress`` after it handled the message (the
     decode's TransferRequest on the prefill, the status on the decode), never from inside the
-    handler: woken there, the scheduler's poll would find the lock held and sleep on it again."""
+    handler: woken there, the scheduler's poll would find the lock held and sleep on it again. (With
+    ``wait_receives`` off: on, the schedulers handle those messages themselves, test_wait_receives.)"""
     pair = TransportPair(model=MODEL)
     hosts: list[EndpointHost[Any, Any]] = [pair.prefills[0], pair.decode]
     notes: list[_Notifications] = []
+    pair.prefills[0].config = attrs.evolve(pair.prefills[0].config, wait_receives=False)
+    pair.decode.config = attrs.evolve(pair.decode.config, wait_receives=False)
     for host in hosts:
         lock = _OwnedLock(host._lock)
         host._lock = lock  # type: ignore[assignment]  # before start: every thread takes this one

@@ -660,7 +660,9 @@ def _decode_rank(args: _DecodeArgs, conn: Connection) -> None:
     timeline = Timeline()
     channels: list[TimedChannel] = []
     transport = DecodeTransport(
-        DecodeConfig(instance=InstanceId("decode-0"), rank=RankCoord(tp=0), tp_size=1, layout=memory.layout),
+        DecodeConfig.from_env(  # PDKV_WAIT_RECEIVES and the like, if set
+            instance=InstanceId("decode-0"), rank=RankCoord(tp=0), tp_size=1, layout=memory.layout
+        ),
         backend,
         channel_factory=timed_channel_factory(timeline, channels),
     )
@@ -1156,7 +1158,7 @@ def rank_pair(
         backend = TimedBackend(_engine_config(), timeline)
         prefill_channels: list[TimedChannel] = []
         transport = PrefillTransport(
-            PrefillConfig(
+            PrefillConfig.from_env(  # PDKV_WAIT_RECEIVES and the like, if set
                 instance=InstanceId("prefill-0"),
                 rank=RankCoord(tp=0),
                 tp_size=1,

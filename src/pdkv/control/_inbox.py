@@ -3,7 +3,7 @@ out, verify, unpack and decode on the way in, and who may receive.
 
 Owns: ``encode_parts`` (messages -> signed frame sets, an envelope per ``envelope.MAX_MESSAGES``),
 ``Inbox`` (frame sets -> valid messages, with the counters and the queue of an envelope's messages not
-handed out yet) and ``ReceiverClaim`` (the one-owner rule of receiving). Must not touch a socket: the
+handed out yet) and ``ReceiverClaim`` (one receiving thread at a time). Must not touch a socket: the
 zmq channel (``channel``) and the stream channel (``stream``) hand their frame sets in and take
 messages out, so the two cannot differ in what they accept.
 """
@@ -146,36 +146,41 @@ class Inbox(Generic[M]):
 
 
 class ReceiverClaim:
-    """Receiving has one owner thread: the first that receives; once it ended, the next one.
-
-    (Sockets that one thread reads must not be read by another at the same time; a transport whose
-    start failed and was retried starts a new control thread on the same channel, which takes over.)
-    """
+    """Receiving is one thread at a time: a receive call holds the claim while it runs (``with
+    claim:``), and a receive call from another thread meanwhile is refused with
+    ``ChannelOwnershipError`` (sockets and a poll set one thread reads must not be read by another at
+    the same time). Between calls any thread may receive: a transport's control thread lends
+    receiving to a scheduler thread that waits for progress (``pdkv.runtime._loop``), and a control
+    thread started again after a failed start takes over. The claim is a lock, so the thread that
+    receives next sees everything the last one did (the memory barrier zmq asks for)."""
 
     def __init__(self, address: str) -> None:
         self._address = address
-        self._owner: threading.Thread | None = None
         self._lock = threading.Lock()
+        self._holder: threading.Thread | None = None
 
-    def check(self) -> None:
-        """Claim the channel for this thread, or ``ChannelOwnershipError`` while another owns it."""
-        current = threading.current_thread()
-        if self._owner is current:
-            return
-        with self._lock:
-            owner = self._owner
-            if owner is None or not owner.is_alive():
-                self._owner = current
-                return
-        raise ChannelOwnershipError(
-            f"channel {self._address} is owned by thread {owner.name!r}, used from {current.name!r}"
-        )
+    def __enter__(self) -> None:
+        if not self._lock.acquire(blocking=False):
+            raise ChannelOwnershipError(
+                f"channel {self._address} is being received on by thread {self._holder_name()}, "
+                f"used from {threading.current_thread().name!r} at the same time"
+            )
+        self._holder = threading.current_thread()
+
+    def __exit__(self, *_: object) -> None:
+        self._holder = None
+        self._lock.release()
 
     def check_close(self) -> None:
-        """``close()`` belongs to the owner, or to any thread once the owner has ended."""
-        owner = self._owner
-        if owner is not None and owner is not threading.current_thread() and owner.is_alive():
+        """``close()`` is refused while another thread is inside a receive call (its sockets would
+        close under it): stop that thread's receiving first."""
+        holder = self._holder
+        if self._lock.locked() and holder is not threading.current_thread():
             raise ChannelOwnershipError(
-                f"channel {self._address} is owned by thread {owner.name!r}, still running; "
-                f"close it there, or after that thread ended"
+                f"channel {self._address} is being received on by thread {self._holder_name()}; "
+                f"close it once that receive call returned"
             )
+
+    def _holder_name(self) -> str:
+        holder = self._holder
+        return repr(holder.name) if holder is not None else "another thread"

@@ -6,15 +6,16 @@ on a peer: a send that would block is dropped and counted, and the protocol abov
 matters (registration retries, heartbeats, deadlines).
 
 Threads. zmq sockets are not thread-safe (concurrent use corrupts them or aborts the process), so
-each socket has one user at a time. Receiving has an owner: the first thread that receives or waits
-becomes it, and any other thread doing so while the owner lives gets ``ChannelOwnershipError``; once
-the owner thread ended, the next thread that receives takes over. Sending is serialised
+each socket has one user at a time. Receiving is one thread at a time: a ``recv`` or ``wait`` holds
+the channel's receive claim while it runs, and another thread's receive call meanwhile gets
+``ChannelOwnershipError`` (between calls any thread may receive: a transport lends receiving to a
+scheduler thread that waits for progress). Sending is serialised
 instead: ``send``, ``send_many`` and ``forget`` touch only the outbound sockets, under one lock, from
 any thread (a lock is the full memory barrier zmq asks for when a socket changes threads), so the
 thread that produced a message can send it without a hand-off to the owner; a send never blocks, so
 no thread waits on a peer. Any thread may call ``wake()`` (to end the owner's ``wait``),
-``statistics()`` and ``address``. ``close()`` belongs to the owner, or to any thread once the owner
-thread has ended (or before any thread received).
+``statistics()`` and ``address``. ``close()`` is any thread's, except while another thread is inside
+a receive call.
 
 Delivery. ZMQ PUSH/PULL keeps the order of messages between one sender and one receiver and delivers
 whole frame sets or nothing; across senders there is no order. A message queued for a peer that is
@@ -169,7 +170,7 @@ class ControlChannel(Generic[M]):
         return self._closed
 
     def wake(self) -> None:
-        """End the owner's current (or next) ``wait`` early. Thread-safe; cheap; a no-op after close."""
+        """End the receiving thread's current (or next) ``wait`` early. Thread-safe; a no-op after close."""
         self._waker.wake()
 
     def statistics(self) -> ChannelStatistics:
@@ -231,7 +232,7 @@ class ControlChannel(Generic[M]):
         socket.close(linger=0)
         return True
 
-    # ------------------------------------------------------------------ receiving (owner thread)
+    # ------------------------------------------------------------------ receiving (one thread at a time)
 
     def recv(self, timeout_s: float | None) -> M | None:
         """The next valid message, waiting up to ``timeout_s`` (None: forever; 0: only what is queued).
@@ -239,7 +240,11 @@ class ControlChannel(Generic[M]):
         Bad input is counted and skipped while the time lasts. ``wake()`` does not end ``recv``; use
         ``wait`` when other threads must be able to interrupt.
         """
-        self._check_owner()
+        self._check_open()
+        with self._claim:
+            return self._recv(timeout_s)
+
+    def _recv(self, timeout_s: float | None) -> M | None:
         deadline = deadline_after(timeout_s)
         pending = self._inbox.pending
         while True:
@@ -262,7 +267,11 @@ class ControlChannel(Generic[M]):
         let a garbage sender spin the owner). A wake that comes while messages are returned stays
         pending and ends the next ``wait`` at once.
         """
-        self._check_owner()
+        self._check_open()
+        with self._claim:
+            return self._wait(timeout_s, max_messages)
+
+    def _wait(self, timeout_s: float | None, max_messages: int | None) -> list[M]:
         limit = self._options.max_batch if max_messages is None else max_messages
         if limit < 1:
             raise ValueError(f"max_messages must be >= 1, got {limit}")
@@ -279,7 +288,7 @@ class ControlChannel(Generic[M]):
                 return []
 
     def close(self, *, flush_s: float = 0.0) -> None:
-        """Close every socket; idempotent. Owner thread only, or any thread once the owner has ended.
+        """Close every socket; idempotent. Any thread, except while another is inside a receive call.
 
         By default whatever is still queued for a peer is dropped. ``flush_s`` > 0 lets zmq's I/O
         thread keep sending it for that long after ``close`` returned (``close`` itself never
@@ -317,10 +326,6 @@ class ControlChannel(Generic[M]):
     def _check_open(self) -> None:
         if self._closed:
             raise ChannelClosedError(f"channel {self._address} is closed")
-
-    def _check_owner(self) -> None:
-        self._check_open()
-        self._claim.check()
 
     def _next_frames(self) -> list[bytes] | None:
         """One frame set off the inbound socket, or None when none is queued."""

@@ -18,8 +18,8 @@ flushes, notices a connection the peer closed and reconnects every ``_RECONNECT_
 wait. A host name's addresses are dialled in ``getaddrinfo``'s order, the next at once when one
 fails (a name that gives ::1 first for a peer that listens on IPv4 only); the interval is waited
 once they all have. The upkeep thread is the only one that opens or closes an outbound socket, so
-a descriptor number it polls is never reused under it. Receiving has one owner thread, as for
-``ControlChannel`` (the inbound sockets and the listener are its alone); ``wake()``,
+a descriptor number it polls is never reused under it. Receiving is one thread at a time, as for
+``ControlChannel`` (a receive call holds the inbound sockets and the listener while it runs); ``wake()``,
 ``statistics()`` and ``address`` are any thread's.
 
 Delivery: as ``ControlChannel``'s. Frame sets from one sender arrive whole and in order; a queue for
@@ -305,7 +305,7 @@ class StreamChannel(Generic[M]):
         return self._closed
 
     def wake(self) -> None:
-        """End the owner's current (or next) ``wait`` early. Thread-safe; a no-op after close."""
+        """End the receiving thread's current (or next) ``wait`` early. Thread-safe; a no-op after close."""
         self._wake.wake()
 
     def statistics(self) -> ChannelStatistics:
@@ -342,12 +342,16 @@ class StreamChannel(Generic[M]):
         self._upkeep_wake.wake()
         return True
 
-    # ------------------------------------------------------------------ receiving (owner thread)
+    # ------------------------------------------------------------------ receiving (one thread at a time)
 
     def recv(self, timeout_s: float | None) -> M | None:
         """The next valid message, waiting up to ``timeout_s`` (None: forever; 0: what is queued).
         ``wake()`` does not end ``recv``; use ``wait`` when other threads must interrupt."""
-        self._check_owner()
+        self._check_open()
+        with self._claim:
+            return self._recv(timeout_s)
+
+    def _recv(self, timeout_s: float | None) -> M | None:
         deadline = deadline_after(timeout_s)
         pending = self._inbox.pending
         while True:
@@ -361,7 +365,11 @@ class StreamChannel(Generic[M]):
         """Block until a message arrives, ``wake()`` is called or ``timeout_s`` passes; return what is
         queued (at most ``max_messages``, default ``options.max_batch``): ``ControlChannel.wait``'s
         promise, a pending wake included."""
-        self._check_owner()
+        self._check_open()
+        with self._claim:
+            return self._wait(timeout_s, max_messages)
+
+    def _wait(self, timeout_s: float | None, max_messages: int | None) -> list[M]:
         limit = self._options.max_batch if max_messages is None else max_messages
         if limit < 1:
             raise ValueError(f"max_messages must be >= 1, got {limit}")
@@ -377,8 +385,8 @@ class StreamChannel(Generic[M]):
                 return []
 
     def close(self, *, flush_s: float = 0.0) -> None:
-        """Close the channel; idempotent; never blocks. Owner thread only, or any thread once the
-        owner has ended. ``flush_s`` > 0: the upkeep thread goes on writing what is queued for peers
+        """Close the channel; idempotent; never blocks. Any thread, except while another is inside
+        a receive call. ``flush_s`` > 0: the upkeep thread goes on writing what is queued for peers
         for that long (a rank that shuts down after its last statuses should pass a second or so)."""
         if self._closed:
             return
@@ -645,10 +653,6 @@ class StreamChannel(Generic[M]):
         log.debug("control connection to %s dropped (%s); %d messages wait", peer.endpoint, why, peer.waiting)
 
     # ------------------------------------------------------------------ receiving internals
-
-    def _check_owner(self) -> None:
-        self._check_open()
-        self._claim.check()
 
     def _pump(self, deadline: float | None, *, stop_on_wake: bool) -> bool:
         """Wait for input until ``deadline`` and read what came; True when a wake ended it."""

@@ -1,4 +1,5 @@
-"""What both transports share: one sans-IO endpoint behind one lock, driven by one control thread.
+"""What both transports share: one sans-IO endpoint behind one lock, driven by one control thread
+(or by a scheduler thread waiting in ``wait_progress``, to which it lends receiving).
 
 Owns: ``EndpointHost`` — the lock, the control loop (messages and deadlines into the endpoint),
 the accounting of effects into ``TransportMetrics``, the handling of the effects every side emits
@@ -172,6 +173,7 @@ class EndpointHost(Generic[E, F]):
             self._closed = True
         with self._progressed:  # a scheduler blocked in wait_progress() learns of it now
             self._progressed.notify_all()
+        self._loop.channel.wake()  # and one receiving in it (_receive_while_waiting)
         failed = self._fail_open_rooms(reason)
         if failed:
             self._log.info("%s: failed %d open room(s)", reason, failed)
@@ -220,12 +222,21 @@ class EndpointHost(Generic[E, F]):
         For a scheduler loop that would otherwise sleep between polls: it wakes as soon as something
         changed, never later than ``timeout_s``, except that a lightly loaded prefill transport first
         runs the one small chunk queued on the calling thread (``PrefillConfig.wait_runs_chunk_bytes``)
-        and returns once its status left. Nothing is missed between reading ``seen`` and this call: a
-        change meanwhile makes it return at once."""
+        and returns once its status left, and that a batch of messages this thread is handling when
+        the time is up is handled to its end. Nothing is missed between reading ``seen`` and this
+        call: a change meanwhile makes it return at once.
+
+        With ``wait_receives`` (the config's, ``PDKV_WAIT_RECEIVES``; on by default) the calling
+        thread receives and handles the transport's messages itself while it waits, instead of
+        sleeping until the control thread has handled one and woken it (``ControlLoop.receive_until``):
+        a status or request that arrives during the wait is seen without a hand-off."""
         timeout_s = arguments.seconds(timeout_s, argument="timeout_s")
         self._check_open("wait_progress()")
         if timeout_s > 0 and self._progress == seen:
             self._run_while_waiting()  # what a background thread would otherwise be woken for
+            if self._progress == seen and self._receive_while_waiting(seen, timeout_s):
+                self._check_open("wait_progress()")
+                return self._progress
         with self._progressed:
             # Counted before the count is read: a notifier that did not see this waiter grew the
             # count before it was read here (the notifier grows it, then reads the waiters).
@@ -266,6 +277,28 @@ class EndpointHost(Generic[E, F]):
     def _run_while_waiting(self) -> None:
         """``wait_progress``'s thread, before it sleeps and outside every lock: a side may do here
         work it would otherwise wake a background thread for (nothing by default)."""
+
+    def _wait_receives(self) -> bool:
+        """Whether ``wait_progress`` receives on the calling thread (the side's config says)."""
+        return False
+
+    def _receive_while_waiting(self, seen: int, timeout_s: float) -> bool:
+        """``wait_progress``'s thread: receive and handle messages here until progress passes
+        ``seen`` or the time is up; False when it did not (off, or receiving is not to be had now:
+        the caller sleeps as before). What it handles wakes the other waiters as the control thread's
+        batches do (``_settled``)."""
+        if not self._wait_receives():
+            return False
+        local = self._local
+        outer = getattr(local, "deferring", False)
+        local.deferring = True  # as on the control thread: the loop's _settled wakes the others
+        try:
+            return self._loop.receive_until(lambda: self._progress != seen or self._closed, timeout_s)
+        finally:
+            local.deferring = outer
+            if not outer and getattr(local, "owed", False):
+                local.owed = False
+                self._notify_progress()
 
     def _check_open(self, what: str) -> None:
         if self._closed:

@@ -1,7 +1,14 @@
-"""The control thread of a transport: the only thread that receives on its sockets.
+"""The control thread of a transport: it receives on its sockets, unless it lent receiving to a waiter.
 
 Owns: ``ControlLoop`` (receive -> endpoint, outbox -> sockets, deadlines -> ``tick``) and the
-``MessageChannel`` protocol it drives (implemented by ``pdkv.control``). Messages leave through the
+``MessageChannel`` protocol it drives (implemented by ``pdkv.control``). A scheduler thread that
+would sleep until a message changes a room may receive and handle the messages itself
+(``receive_until``): the loop lends it receiving and keeps running the deadlines meanwhile, so a
+status or a request that arrives while the scheduler waits is handled on the thread that waits for
+it, not on the loop's thread that then wakes it (one hand-off less on a room's path). The loop
+takes receiving back once the borrower has stayed out of its waits for ``LEND_GRACE_S``: so a
+scheduler that waits again and again keeps it without a hand-over each time, and sockets are never
+left unread for longer than ``LEND_SLACK_S + LEND_GRACE_S`` while nobody waits. Messages leave through the
 outbox, in the order posted; so does a peer's socket being dropped (``post_forget``): a message posted
 after it goes out on a fresh socket, one posted before it on the old one (dropped with it). A thread
 that posts inside ``sending()`` (the transports wrap their locked sections in it) sends what it posted
@@ -32,6 +39,16 @@ from pdkv.protocol.messages import Message
 log = logging.getLogger(__name__)
 
 _MAX_IDLE_S = 0.5  # upper bound on one wait, so a stop request is noticed promptly
+
+LEND_GRACE_S = 0.002
+"""How long receiving stays lent to a thread that left its wait (``ControlLoop.receive_until``)
+before the loop takes it back: a scheduler that waits again within it keeps receiving without a
+hand-over."""
+
+LEND_SLACK_S = 0.01
+"""A borrower that leaves its wait more than this before the wait's planned end tells the loop at
+once; otherwise the loop notices at that end. So no socket stays unread for longer than
+``LEND_SLACK_S + LEND_GRACE_S`` while nobody waits."""
 
 
 class MessageChannel(Protocol):
@@ -101,6 +118,16 @@ class ControlLoop:
         self._flush_lock = threading.Lock()  # one flush at a time, so the outbox's order is kept
         self._waiting = False  # the loop is in its channel wait (read without a lock: a hint)
         self._local = threading.local()  # .deferring: this thread sends its posts itself (sending())
+        # Receiving lent to a waiting thread (receive_until). _receiving is held by whichever thread
+        # is in the channel's wait; the rest is under _lend.
+        self._receiving = threading.Lock()
+        self._lend = threading.Condition()
+        self._borrower: threading.Thread | None = None
+        self._borrower_inside = False
+        self._borrower_until = 0.0  # the end of the borrower's current wait (time.monotonic)
+        self._borrower_left_at = 0.0
+        self.lends = 0
+        """Times receiving was lent to a waiting thread (each hand-over, not each wait)."""
         self.handler_errors = 0
         self.flush_errors = 0
         """Flushes that failed on a posting thread (logged with the traceback; the loop's own count as
@@ -119,14 +146,21 @@ class ControlLoop:
         block ends; otherwise the loop is woken to send it."""
         self._outbox.append((to, message))
         if not getattr(self._local, "deferring", False):
-            self.channel.wake()
+            self._wake_flusher()
 
     def post_forget(self, to: str) -> None:
         """Drop the socket to ``to`` (and what is queued on it) at this point of the outbox: what was
         posted for ``to`` before is dropped with it, what is posted after goes out on a new socket."""
         self._outbox.append((to, None))
         if not getattr(self._local, "deferring", False):
-            self.channel.wake()
+            self._wake_flusher()
+
+    def _wake_flusher(self) -> None:
+        """Have the loop's thread (or a borrower in its wait) send what was posted."""
+        self.channel.wake()
+        if self._borrower is not None:  # the loop's thread sleeps on _lend, not in the channel
+            with self._lend:
+                self._lend.notify()
 
     @contextlib.contextmanager
     def sending(self) -> Iterator[None]:
@@ -146,13 +180,14 @@ class ControlLoop:
     def _flush_or_wake(self) -> None:
         if not self._outbox:
             return
-        # Only while the loop waits: a busy loop flushes soon anyway, and what piles up meanwhile
-        # leaves together (several messages to one peer in one frame set), which costs both sides
-        # less than a send per message. A flush under way elsewhere may have taken its messages
-        # before ours were queued: then the loop sends them too (a wake that comes while it is busy
-        # ends its next wait at once).
-        if not self._waiting or not self._flush_lock.acquire(blocking=False):
-            self.channel.wake()
+        # Only while the loop waits, or has lent receiving (then its thread sleeps and the borrower
+        # flushes after its batches only): a busy loop flushes soon anyway, and what piles up
+        # meanwhile leaves together (several messages to one peer in one frame set), which costs
+        # both sides less than a send per message. A flush under way elsewhere may have taken its
+        # messages before ours were queued: then the loop sends them too (a wake that comes while it
+        # is busy ends its next wait at once).
+        if not (self._waiting or self._borrower is not None) or not self._flush_lock.acquire(blocking=False):
+            self._wake_flusher()
             return
         try:
             self._flush_locked()
@@ -169,12 +204,19 @@ class ControlLoop:
         Queued messages are flushed first."""
         self._stop.set()
         self.channel.wake()
+        with self._lend:
+            self._lend.notify_all()
         thread = self._thread
         if thread is not None and thread.is_alive() and threading.current_thread() is not thread:
             thread.join(timeout_s)
             if thread.is_alive():
                 log.warning("control thread %s did not stop within %.1f s", self._name, timeout_s)
                 return
+        # A borrower sees the stop when its wait ends (woken above): the channel closes after that.
+        if not self._receiving.acquire(timeout=timeout_s):
+            log.warning("a thread receiving on %s did not stop within %.1f s", self._name, timeout_s)
+            return
+        self._receiving.release()
         if close_channel:
             # Give the last messages (a final status, an AbortAck) a moment to leave before the sockets go.
             self.channel.close(flush_s=1.0)
@@ -196,24 +238,20 @@ class ControlLoop:
                 timeout = (
                     _MAX_IDLE_S if next_deadline is None else max(0.0, min(_MAX_IDLE_S, next_deadline - now))
                 )
-                self._waiting = True
-                try:
-                    messages = self.channel.wait(timeout)
-                finally:
-                    self._waiting = False
-                # What other threads posted (the wake that ended the wait) leaves first: a status or
-                # AbortAck does not wait for the inbound batch and a tick to be handled.
-                self._flush()
-                for message in messages:
-                    self._handle(message)
-                self._flush()
+                if self._lent(timeout):
+                    # A borrower received meanwhile: its messages may have set an earlier deadline.
+                    if self._next_deadline is not None:
+                        next_deadline = _earlier(next_deadline, self._next_deadline())
+                    continue
+                with self._receiving:
+                    if self._borrower is not None:
+                        continue  # lent between the check and here: the borrower receives
+                    messages = self._receive(timeout)
                 # A message may have created an earlier deadline: recompute next round.
                 if self._next_deadline is None:
                     next_deadline = self._on_tick(self._clock())
                 elif messages:
-                    due = self._next_deadline()
-                    if due is not None and (next_deadline is None or due < next_deadline):
-                        next_deadline = due
+                    next_deadline = _earlier(next_deadline, self._next_deadline())
                 self._flush()
                 # The batch's changes, once its replies left and this thread is done with the
                 # handlers' lock (next_deadline takes it): the woken scheduler finds it free.
@@ -227,6 +265,91 @@ class ControlLoop:
             self._flush()
         except Exception:
             log.exception("control loop %s: final flush failed", self._name)
+
+    def _receive(self, timeout_s: float) -> list[Message]:
+        """One wait on the channel and the handling of what came (``_receiving`` held)."""
+        self._waiting = True
+        try:
+            messages = self.channel.wait(timeout_s)
+        finally:
+            self._waiting = False
+        # What other threads posted (the wake that ended the wait) leaves first: a status or
+        # AbortAck does not wait for the inbound batch and a tick to be handled.
+        self._flush()
+        for message in messages:
+            self._handle(message)
+        self._flush()
+        return messages
+
+    def _lent(self, timeout_s: float) -> bool:
+        """The loop's thread: while receiving is lent, sleep (at most ``timeout_s``, the next
+        deadline's distance) and say True; take it back once the borrower has stayed out of its
+        waits for ``LEND_GRACE_S`` (then, or when nothing is lent, False: receive)."""
+        with self._lend:
+            if self._borrower is None:
+                return False
+            now = time.monotonic()
+            if self._borrower_inside:  # it says when it leaves before its wait's end
+                self._lend.wait(min(timeout_s, max(0.0, self._borrower_until - now) + LEND_GRACE_S))
+                return True
+            out_for = now - self._borrower_left_at
+            if out_for >= LEND_GRACE_S or not self._borrower.is_alive():
+                self._borrower = None
+                return False
+            self._lend.wait(min(timeout_s, LEND_GRACE_S - out_for))
+            return True
+
+    def receive_until(self, done: Callable[[], bool], timeout_s: float) -> bool:
+        """On the calling thread, receive and handle messages as the loop's thread would, until
+        ``done()`` is true, ``timeout_s`` has passed or the loop stops. False, having done nothing,
+        when receiving cannot be lent now (the loop is not running, this is its thread, or another
+        thread has it): the caller waits as it would have. The loop keeps running the deadlines;
+        receiving goes back to it ``LEND_GRACE_S`` after this thread's last such call ended.
+        Handling a batch of messages may take this call past ``timeout_s``."""
+        me = threading.current_thread()
+        thread = self._thread
+        if thread is None or me is thread or self._stop.is_set() or not thread.is_alive():
+            return False
+        with self._lend:
+            if self._borrower is not None and self._borrower is not me:
+                return False
+            take_over = self._borrower is None
+            deadline = time.monotonic() + timeout_s
+            self._borrower = me
+            self._borrower_inside = True
+            self._borrower_until = deadline
+        try:
+            if take_over:
+                self.lends += 1
+                self.channel.wake()  # the loop leaves its wait, finds receiving lent, sleeps
+            if not self._receiving.acquire(timeout=timeout_s):
+                return True  # the loop did not hand over in time (busy with a batch): the time is up
+            local = self._local
+            outer = getattr(local, "deferring", False)
+            local.deferring = True  # posts leave in this thread's flushes, as on the loop's thread
+            try:
+                while not done() and not self._stop.is_set():
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        break
+                    self._receive(remaining)
+                    self._settle()
+            except Exception:  # as on the loop's thread: logged, and the caller's wait goes on
+                self.handler_errors += 1
+                log.exception("control loop %s: receiving on %s failed", self._name, me.name)
+            finally:
+                local.deferring = outer
+                self._receiving.release()
+        finally:
+            with self._lend:
+                self._borrower_inside = False
+                self._borrower_left_at = left_at = time.monotonic()
+                if self._borrower_until - left_at > LEND_SLACK_S:
+                    # The loop sleeps until the wait's planned end: the grace starts now instead. A
+                    # wait left nearly on time is not worth waking it (that wake would compete with
+                    # this thread, which has just got what it waited for).
+                    self._lend.notify()
+        return True
 
     def _settle(self) -> None:
         if self._settled is not None:
@@ -274,3 +397,9 @@ class ControlLoop:
                     self.channel.send(to, message)
             else:
                 self._sends_many.send_many(to, messages)
+
+
+def _earlier(planned: float | None, due: float | None) -> float | None:
+    if due is not None and (planned is None or due < planned):
+        return due
+    return planned

@@ -62,20 +62,10 @@ from pdkv.mapping import BufferKey, BufferKind, BufferLayout, BufferSpec, ItemLa
 from pdkv.protocol.effects import ChecksumMismatch, PeerKey
 from pdkv.protocol.messages import IntArray, PageChecksums, StateChecksums, StateIndices, SumArray
 
-
-def _parse_flag(text: str) -> bool:
-    value = text.strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off", ""):
-        return False
-    raise ValueError(text)
-
-
 KV_CHECKSUM: Final = config.declare(
     "PDKV_KV_CHECKSUM",
     "1: checksums per (buffer, page) of what the prefill sends, verified by the decode before Success",
-    _parse_flag,
+    config.parse_flag,
     "0 or 1",
 )
 
@@ -89,7 +79,7 @@ def checksums_from_env(env: Mapping[str, str] | None = None) -> bool:
     if raw is None:
         return False
     try:
-        return _parse_flag(raw)
+        return config.parse_flag(raw)
     except ValueError:
         raise ConfigError(f"{KV_CHECKSUM.name}={raw!r} is not {KV_CHECKSUM.unit}") from None
 

@@ -113,6 +113,17 @@ class DecodeConfig:
     host: str = attrs.field(default="127.0.0.1", validator=config.non_empty_text)
     timeouts: Timeouts = attrs.field(factory=Timeouts, validator=config.instance_of(Timeouts))
     epoch: Epoch = attrs.field(factory=new_epoch, validator=config.instance_of(int))
+    wait_receives: bool = attrs.field(
+        default=True,
+        validator=config.instance_of(bool),
+        metadata=config.flag_var(
+            "PDKV_WAIT_RECEIVES",
+            "1: a scheduler waiting in wait_progress receives and handles the transport's messages itself "
+            "(a status or request is seen without a hand-off from the control thread); 0: it sleeps",
+        ),
+    )
+    """``wait_progress`` receives on the scheduler's thread while it waits: a message that arrives
+    then is handled where it is awaited, one thread hand-off less (``EndpointHost.wait_progress``)."""
     register_memory: bool = attrs.field(default=True, validator=config.instance_of(bool))
     kv_checksum: bool = attrs.field(default=False, validator=config.instance_of(bool))
     """``PDKV_KV_CHECKSUM``: before a room's Success, check its pages against the checksums every
@@ -429,6 +440,9 @@ class DecodeTransport(EndpointHost[DecodeEndpoint, DecodeEffect]):
         return self._topologies[prefill][1]
 
     # ------------------------------------------------------------------ internals
+
+    def _wait_receives(self) -> bool:
+        return self.config.wait_receives
 
     def _after_tick(self) -> None:
         rooms, pages, quarantines, released, proven = self._endpoint.quarantine_figures()

@@ -185,6 +185,17 @@ class PrefillConfig:
     hand-offs less on a room of a lightly loaded rank (under load the workers take queued chunks
     together, in shared jobs). The wait then lasts as long as that transfer, past its timeout if
     need be."""
+    wait_receives: bool = attrs.field(
+        default=True,
+        validator=config.instance_of(bool),
+        metadata=config.flag_var(
+            "PDKV_WAIT_RECEIVES",
+            "1: a scheduler waiting in wait_progress receives and handles the transport's messages itself "
+            "(a status or request is seen without a hand-off from the control thread); 0: it sleeps",
+        ),
+    )
+    """``wait_progress`` receives on the scheduler's thread while it waits: a message that arrives
+    then is handled where it is awaited, one thread hand-off less (``EndpointHost.wait_progress``)."""
     register_memory: bool = attrs.field(default=True, validator=config.instance_of(bool))
     """Register every buffer of ``layout`` with the backend (False: the caller registered them)."""
     kv_checksum: bool = attrs.field(default=False, validator=config.instance_of(bool))
@@ -576,6 +587,9 @@ class PrefillTransport(EndpointHost[PrefillEndpoint, PrefillEffect]):
         )
 
     # ------------------------------------------------------------------ transfer workers
+
+    def _wait_receives(self) -> bool:
+        return self.config.wait_receives
 
     def _run_while_waiting(self) -> None:
         """``wait_progress`` on the scheduler's thread, before it sleeps: the one chunk queued runs

@@ -46,7 +46,7 @@ def _decode_rank(args: _RankArgs, conn: Connection) -> None:
     unsent = [k for k in memory.tensors if k[0] is ModelRole.DRAFT and k not in prefill_keys]
     wiring = _wire(attrs.evolve(args, control_port=0), Side.DECODE)  # the decode's port: any free one
     backend = wiring.backend
-    config = DecodeConfig(
+    config = DecodeConfig.from_env(  # PDKV_WAIT_RECEIVES and the like, if set (the rest is the spec's)
         instance=InstanceId("decode-0"),
         rank=RankCoord(tp=args.tp),
         tp_size=spec.decode_tp,
