@@ -18,10 +18,11 @@ from pdkv.protocol.ids import RoomId
 from pdkv.protocol.messages import Message, TransferRequest, TransferStatus
 from pdkv.protocol.poll import KVPoll
 from pdkv.runtime._host import EndpointHost
-from pdkv.runtime._loop import LEND_GRACE_S, LEND_SLACK_S
+from pdkv.runtime._loop import LEND_GRACE_S, LEND_SLACK_S, ControlLoop
 from pdkv.testing.synthetic import ModelSpec
 from pdkv.testing.transport_pair import TransportPair
 from tests.runtime.rig import wait_for
+from tests.runtime.stub_channel import StubChannel
 
 MODEL = ModelSpec(layers=2, page_size=16, state_layers=(), state_kinds=(), draft_layers=0)
 LONG_S = 60.0
@@ -182,3 +183,27 @@ def test_a_status_leaves_from_the_worker_while_receiving_is_lent() -> None:
         wait_for(lambda: receiver.poll() is KVPoll.Success, LONG_S)  # polled, never waited
     statuses = {thread for name, thread in senders if name == TransferStatus.__name__}
     assert len(statuses) == 1 and statuses.pop().startswith("pdkv-transfer-"), senders
+
+
+def test_the_loop_runs_the_deadlines_while_a_waiter_receives() -> None:
+    """Receiving lent for a long wait: the endpoint's deadlines still run on time, on the loop's own
+    thread (a borrower only receives)."""
+    ticks: list[tuple[float, str]] = []
+
+    def on_tick(now: float) -> float:
+        ticks.append((now, threading.current_thread().name))
+        return now + 0.02
+
+    loop = ControlLoop(StubChannel(), name="loop", on_message=lambda m, now: None, on_tick=on_tick)
+    loop.start()
+    try:
+        wait_for(lambda: len(ticks) >= 1, 10.0)
+        started = time.monotonic()
+        assert loop.receive_until(lambda: False, 0.5)
+        assert time.monotonic() - started >= 0.45
+        during = [name for at, name in ticks if started <= at <= started + 0.5]
+        assert len(during) >= 5 and set(during) == {"loop"}
+        assert loop.lends == 1
+    finally:
+        loop.stop()
+    assert not loop.receive_until(lambda: False, 0.1)  # stopped: nothing lent, the caller sleeps
