@@ -167,13 +167,24 @@ class ControlLoop:
         """Messages this thread posts inside the block leave when it ends: sent by this thread if the
         loop is waiting then, else by the loop, woken for it. Wrap it around a lock: ``with
         loop.sending(), lock:`` releases the lock before sending. Nested blocks send at the outermost."""
-        if getattr(self._local, "deferring", False):
-            yield
-            return
-        self._local.deferring = True
+        nested = self.begin_sending()
         try:
             yield
         finally:
+            self.end_sending(nested)
+
+    def begin_sending(self) -> bool:
+        """``sending()``'s start, for a caller that builds its own block around it (the transports'
+        endpoint lock, on every step): True when this thread is inside such a block already."""
+        local = self._local
+        if getattr(local, "deferring", False):
+            return True
+        local.deferring = True
+        return False
+
+    def end_sending(self, nested: bool) -> None:
+        """``sending()``'s end: ``nested`` is what ``begin_sending`` returned."""
+        if not nested:
             self._local.deferring = False
             self._flush_or_wake()
 
