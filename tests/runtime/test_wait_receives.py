@@ -45,13 +45,18 @@ def _threads_of(handled: list[tuple[str, str]], kind: type) -> set[str]:
     return {thread for name, thread in handled if name == kind.__name__}
 
 
-@pytest.mark.parametrize("sockets", [False, True], ids=["memory", "stream"])
+@pytest.mark.parametrize("channel", ["memory", "stream", "zmq"])
 @pytest.mark.parametrize("wait_receives", [True, False], ids=["receiving", "sleeping"])
-def test_the_waiting_schedulers_handle_the_request_and_the_status(sockets: bool, wait_receives: bool) -> None:
+def test_the_waiting_schedulers_handle_the_request_and_the_status(
+    channel: str, wait_receives: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """On, the prefill's TransferRequest is handled by the prefill scheduler that waits for
     WaitingForInput and the status by the decode scheduler that waits for Success; off (the
-    control), both by the control threads, which then wake the schedulers."""
-    pair = TransportPair(model=MODEL, sockets=sockets)
+    control), both by the control threads, which then wake the schedulers. Over each channel kind
+    (zmq sockets change threads between receive calls: the claim's lock is their memory barrier)."""
+    if channel != "memory":
+        monkeypatch.setenv("PDKV_CONTROL_CHANNEL", channel)
+    pair = TransportPair(model=MODEL, sockets=channel != "memory")
     prefill, decode = pair.prefills[0], pair.decode
     prefill.config = attrs.evolve(prefill.config, wait_receives=wait_receives)
     decode.config = attrs.evolve(decode.config, wait_receives=wait_receives)
@@ -124,11 +129,13 @@ def test_receiving_goes_back_to_the_control_thread_once_nobody_waits() -> None:
     assert _threads_of(handled, TransferStatus) == {"pdkv-decode-tp0/cp0"}
 
 
-@pytest.mark.parametrize("sockets", [False, True], ids=["memory", "stream"])
-def test_close_ends_a_wait_that_receives(sockets: bool) -> None:
+@pytest.mark.parametrize("channel", ["memory", "stream", "zmq"])
+def test_close_ends_a_wait_that_receives(channel: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A scheduler receiving in ``wait_progress`` learns of ``close()`` at once (TransportClosedError),
     and the close does not wait for its long timeout."""
-    pair = TransportPair(model=MODEL, sockets=sockets)
+    if channel != "memory":
+        monkeypatch.setenv("PDKV_CONTROL_CHANNEL", channel)
+    pair = TransportPair(model=MODEL, sockets=channel != "memory")
     errors: list[BaseException] = []
     with pair:
         decode = pair.decode

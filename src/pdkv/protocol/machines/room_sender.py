@@ -32,6 +32,7 @@ Inputs: ``heard`` (an Abort from a decode rank of the room), ``resend_due`` (the
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Final
 
 from pdkv.mapping._arrays import summarize
 from pdkv.mapping.landing import grant_problem
@@ -683,6 +684,10 @@ def _fences_pending(s: RoomStep) -> bool:
     return any(f.machine.state is not FenceState.DONE for _key, f in s.side.fences_of(s.room.room))
 
 
+_NOTHING_WRITTEN: Final = TransferMetricData()
+"""The metric of a peer this rank wrote nothing to (frozen: one object serves every status)."""
+
+
 def _status_to(s: RoomStep, key: PeerKey) -> None:
     """The room's final word to one registered decode rank (dummy requesters expect none on success)."""
     r = s.room
@@ -693,7 +698,7 @@ def _status_to(s: RoomStep, key: PeerKey) -> None:
     if r.machine.state is _S.SUCCESS:
         if q is None or q.dummy:
             return
-        metric = r.peer_metric.get(peer.key, TransferMetricData())
+        metric = r.peer_metric.get(peer.key, _NOTHING_WRITTEN)
         status = TransferStatus(origin=s.side.origin, room=r.room, outcome=Outcome.SUCCESS, metric=metric)
     elif r.machine.state is _S.FAILED:
         status = TransferStatus(
