@@ -214,3 +214,30 @@ def test_the_loop_runs_the_deadlines_while_a_waiter_receives() -> None:
     finally:
         loop.stop()
     assert not loop.receive_until(lambda: False, 0.1)  # stopped: nothing lent, the caller sleeps
+
+
+def test_a_waiter_that_receives_is_woken_by_a_transfer_worker() -> None:
+    """Progress another thread makes (a transfer worker's status: the waiting scheduler does not run
+    the chunk here) ends a wait that receives at once, not at its timeout: the waiter sleeps in the
+    channel's wait, where the condition's notify does not reach (it did not, before
+    ``ControlLoop.wake_borrower``: this wait ran its whole timeout)."""
+    with TransportPair(model=MODEL) as pair:
+        prefill, decode = pair.prefills[0], pair.decode
+        prefill.config = attrs.evolve(prefill.config, wait_runs_chunk_bytes=0)  # a worker runs it
+        room = RoomId(8)
+        receiver = decode.receiver(room, pair.prefill_instance)
+        sender = prefill.sender(room)
+        sender.init(2, None)
+        receiver.init(np.array([2, 3]), None)
+        seen = prefill.progress()
+        while sender.poll() is not KVPoll.WaitingForInput:  # this thread borrows receiving
+            seen = prefill.wait_progress(seen, LONG_S)
+        sender.send(np.array([0, 1]), start_token=0, last=True)
+        started = time.monotonic()
+        while sender.poll() is not KVPoll.Success and time.monotonic() - started < LONG_S:
+            seen = prefill.wait_progress(seen, LONG_S)
+        assert sender.poll() is KVPoll.Success
+        # Woken, it returns in milliseconds; unwoken, only the pair's next periodic message (5 s
+        # here) or the timeout ended it.
+        assert time.monotonic() - started < 2.5, "the wait slept past the worker's status"
+        assert prefill._loop.lends >= 1

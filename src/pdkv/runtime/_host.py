@@ -383,6 +383,7 @@ class EndpointHost(Generic[E, F]):
         if self._progress_waiters:  # read after the count grew; see wait_progress
             with self._progressed:
                 self._progressed.notify_all()
+        self._loop.wake_borrower()  # a waiter receiving in its wait sleeps in the channel, not above
 
     def _apply_effect(self, effect: F) -> None:
         """One effect of the side's union, lock held (each side matches every member)."""

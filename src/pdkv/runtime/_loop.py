@@ -362,6 +362,14 @@ class ControlLoop:
                     self._lend.notify()
         return True
 
+    def wake_borrower(self) -> None:
+        """End the wait of a thread receiving in ``receive_until`` (not the calling one), so it checks
+        its ``done()`` now: another thread made the progress it waits for (a transfer worker's
+        status, a verifier's verdict). Read without the lock: the borrower marks itself inside
+        before it checks ``done()``, and a wake that comes before its channel wait ends that wait."""
+        if self._borrower_inside and self._borrower is not threading.current_thread():
+            self.channel.wake()
+
     def _settle(self) -> None:
         if self._settled is not None:
             self._settled()
