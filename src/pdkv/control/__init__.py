@@ -4,8 +4,8 @@
   thread writes to the kernel itself (no I/O thread between), one upkeep thread dials and catches up;
 - ``channel``: ``ControlChannel``, the same surface over zmq: a PULL socket bound on host:port, cached
   PUSH sockets per destination, non-blocking sends, ``recv`` / ``wait`` (woken by ``wake()`` from other
-  threads), counters; one owner thread (``_inbox`` holds what the two share: signing, verifying,
-  decoding and the one-owner rule);
+  threads), counters; one receiving thread at a time (``_inbox`` holds what the two share: signing,
+  verifying, decoding and the receive claim);
 - ``auth``: optional HMAC-SHA256 tag frame with a timestamp (``Authenticator``, ``PDKV_AUTH_KEY``);
 - ``bootstrap``: ``RegistryService`` (ROUTER socket on its own thread, answering with an injected
   handler, e.g. ``pdkv.protocol.registry.RouteBook.handle``) and ``request`` (DEALER client with

@@ -100,7 +100,8 @@ class _Stamps:
 class ReplayGuard:
     """The tags a receiver accepted within the window: a second copy of one is a replay.
 
-    Not thread-safe: one per receiving socket owner. Memory: one entry per accepted frame set of the
+    Not thread-safe: one per channel, used by its receiving thread of the moment (the receive claim
+    serialises them). Memory: one entry per accepted frame set of the
     last ``window_s`` seconds.
     """
 
