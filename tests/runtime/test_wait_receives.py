@@ -19,6 +19,8 @@ from pdkv.protocol.messages import Message, TransferRequest, TransferStatus
 from pdkv.protocol.poll import KVPoll
 from pdkv.runtime._host import EndpointHost
 from pdkv.runtime._loop import LEND_GRACE_S, LEND_SLACK_S, ControlLoop
+from pdkv.runtime.decode import KVReceiver
+from pdkv.runtime.prefill import KVSender
 from pdkv.testing.synthetic import ModelSpec
 from pdkv.testing.transport_pair import TransportPair
 from tests.runtime.rig import wait_for
@@ -160,13 +162,27 @@ def test_close_ends_a_wait_that_receives(channel: str, monkeypatch: pytest.Monke
     assert len(errors) == 1 and isinstance(errors[0], TransportClosedError)
 
 
+def _requested_while_receiving(pair: TransportPair, room: RoomId) -> tuple[KVSender, KVReceiver, int]:
+    """``room`` opened on both sides, the prefill's poll brought to WaitingForInput by waits on this
+    thread (so this thread holds the prefill's receiving); returns the two handles and the progress seen."""
+    prefill, decode = pair.prefills[0], pair.decode
+    receiver = decode.receiver(room, pair.prefill_instance)
+    sender = prefill.sender(room)
+    sender.init(2, None)
+    receiver.init(np.array([2, 3]), None)
+    seen = prefill.progress()
+    while sender.poll() is not KVPoll.WaitingForInput:
+        seen = prefill.wait_progress(seen, LONG_S)
+    return sender, receiver, seen
+
+
 def test_a_status_leaves_from_the_worker_while_receiving_is_lent() -> None:
     """The prefill scheduler borrowed receiving and then stopped waiting: the status a transfer worker
     posts is sent by that worker at once, not left for the control thread, which sleeps while it has
     lent receiving (it was, before the worker's flush took the lent case: ``status sent`` moved to
     the control thread in ``pdkv bench latency``)."""
     with TransportPair(model=MODEL) as pair:
-        prefill, decode = pair.prefills[0], pair.decode
+        prefill = pair.prefills[0]
         prefill.config = attrs.evolve(prefill.config, wait_runs_chunk_bytes=0)  # a worker runs it
         channel = prefill._loop.channel
         send = channel.send
@@ -177,14 +193,7 @@ def test_a_status_leaves_from_the_worker_while_receiving_is_lent() -> None:
             return send(to, message)
 
         setattr(channel, "send", recording)  # noqa: B010  # instrumentation of this test
-        room = RoomId(7)
-        receiver = decode.receiver(room, pair.prefill_instance)
-        sender = prefill.sender(room)
-        sender.init(2, None)
-        receiver.init(np.array([2, 3]), None)
-        seen = prefill.progress()
-        while sender.poll() is not KVPoll.WaitingForInput:  # this thread borrows receiving
-            seen = prefill.wait_progress(seen, LONG_S)
+        sender, receiver, _ = _requested_while_receiving(pair, RoomId(7))
         assert prefill._loop.lends >= 1
         sender.send(np.array([0, 1]), start_token=0, last=True)
         wait_for(lambda: receiver.poll() is KVPoll.Success, LONG_S)  # polled, never waited
@@ -222,16 +231,9 @@ def test_a_waiter_that_receives_is_woken_by_a_transfer_worker() -> None:
     channel's wait, where the condition's notify does not reach (it did not, before
     ``ControlLoop.wake_borrower``: this wait ran its whole timeout)."""
     with TransportPair(model=MODEL) as pair:
-        prefill, decode = pair.prefills[0], pair.decode
+        prefill = pair.prefills[0]
         prefill.config = attrs.evolve(prefill.config, wait_runs_chunk_bytes=0)  # a worker runs it
-        room = RoomId(8)
-        receiver = decode.receiver(room, pair.prefill_instance)
-        sender = prefill.sender(room)
-        sender.init(2, None)
-        receiver.init(np.array([2, 3]), None)
-        seen = prefill.progress()
-        while sender.poll() is not KVPoll.WaitingForInput:  # this thread borrows receiving
-            seen = prefill.wait_progress(seen, LONG_S)
+        sender, _, seen = _requested_while_receiving(pair, RoomId(8))
         sender.send(np.array([0, 1]), start_token=0, last=True)
         started = time.monotonic()
         while sender.poll() is not KVPoll.Success and time.monotonic() - started < LONG_S:

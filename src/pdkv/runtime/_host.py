@@ -21,8 +21,9 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Generic, Protocol, Self, TypeVar
+from typing import Any, Final, Generic, Protocol, Self, TypeVar
 
+from pdkv import config
 from pdkv.engine.backend import Registration, TransferBackend
 from pdkv.errors import TransportClosedError
 from pdkv.mapping import BufferLayout
@@ -37,6 +38,13 @@ from pdkv.runtime._loop import ControlLoop, MessageChannel
 from pdkv.runtime.json_log import MessageTrace
 
 _T = TypeVar("_T")
+
+WAIT_RECEIVES_ENV: Final = config.flag_var(
+    "PDKV_WAIT_RECEIVES",
+    "1: a scheduler waiting in wait_progress receives and handles the transport's messages itself "
+    "(a status or request is seen without a hand-off from the control thread); 0: it sleeps",
+)
+"""The field metadata of both sides' ``wait_receives`` (``EndpointHost.wait_progress``)."""
 
 _LEVELS = {
     NoticeLevel.DEBUG: logging.DEBUG,

@@ -83,7 +83,7 @@ from pdkv.protocol.messages import (
 from pdkv.protocol.poll import KVPoll
 from pdkv.protocol.registration import DraftSkipped
 from pdkv.runtime._cuts import HostCutter
-from pdkv.runtime._host import EndpointHost, RoomHandle, new_epoch, peer_name
+from pdkv.runtime._host import WAIT_RECEIVES_ENV, EndpointHost, RoomHandle, new_epoch, peer_name
 from pdkv.runtime._layout_policy import LAYOUT_POLICY_ENV
 from pdkv.runtime._loop import ChannelFactory
 from pdkv.runtime.channels import control_channel_factory, query_registry
@@ -114,13 +114,7 @@ class DecodeConfig:
     timeouts: Timeouts = attrs.field(factory=Timeouts, validator=config.instance_of(Timeouts))
     epoch: Epoch = attrs.field(factory=new_epoch, validator=config.instance_of(int))
     wait_receives: bool = attrs.field(
-        default=True,
-        validator=config.instance_of(bool),
-        metadata=config.flag_var(
-            "PDKV_WAIT_RECEIVES",
-            "1: a scheduler waiting in wait_progress receives and handles the transport's messages itself "
-            "(a status or request is seen without a hand-off from the control thread); 0: it sleeps",
-        ),
+        default=True, validator=config.instance_of(bool), metadata=WAIT_RECEIVES_ENV
     )
     """``wait_progress`` receives on the scheduler's thread while it waits: a message that arrives
     then is handled where it is awaited, one thread hand-off less (``EndpointHost.wait_progress``)."""

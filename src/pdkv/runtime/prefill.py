@@ -93,7 +93,7 @@ from pdkv.protocol.messages import (
 )
 from pdkv.protocol.poll import KVPoll
 from pdkv.protocol.prefill import PrefillEndpoint, PrefillStatistics
-from pdkv.runtime._host import EndpointHost, RoomHandle, new_epoch, peer_name
+from pdkv.runtime._host import WAIT_RECEIVES_ENV, EndpointHost, RoomHandle, new_epoch, peer_name
 from pdkv.runtime._layout_policy import LAYOUT_POLICY_ENV
 from pdkv.runtime._loop import ChannelFactory
 from pdkv.runtime.channels import announce_to_registry, control_channel_factory
@@ -186,13 +186,7 @@ class PrefillConfig:
     together, in shared jobs). The wait then lasts as long as that transfer, past its timeout if
     need be."""
     wait_receives: bool = attrs.field(
-        default=True,
-        validator=config.instance_of(bool),
-        metadata=config.flag_var(
-            "PDKV_WAIT_RECEIVES",
-            "1: a scheduler waiting in wait_progress receives and handles the transport's messages itself "
-            "(a status or request is seen without a hand-off from the control thread); 0: it sleeps",
-        ),
+        default=True, validator=config.instance_of(bool), metadata=WAIT_RECEIVES_ENV
     )
     """``wait_progress`` receives on the scheduler's thread while it waits: a message that arrives
     then is handled where it is awaited, one thread hand-off less (``EndpointHost.wait_progress``)."""
