@@ -251,6 +251,10 @@ _COUNTED_AFTER: dict[str, str | None] = {
 }
 CALL_ROOMS = 3
 """Rooms of each size whose calls are counted (``CallCounter``), after the timed rounds."""
+CALL_ATTEMPTS = 3 * CALL_ROOMS
+"""Most rooms run to count ``CALL_ROOMS`` whose every phase stayed on the scheduler's thread: one
+whose status another thread sent is not counted (a control thread that flushed the outbox as the
+status was posted, a worker that took the chunk first), and another room is run instead."""
 COUNTED_PHASES = ("scheduler_call", "queue", "plan", "submit", "engine", "completion_seen", "status_sent")
 
 
@@ -1342,7 +1346,10 @@ def _measure(args: argparse.Namespace, sizes: list[int]) -> int:
             transport.set_kv_checksum(False)
             transport.config = attrs.evolve(transport.config, wait_runs_chunk_bytes=wait_runs)
             for size in runs:
-                for _ in range(CALL_ROOMS):
+                for attempt in range(CALL_ATTEMPTS):
+                    complete = sum(c.complete for c in size.calls)
+                    if complete >= CALL_ROOMS or (attempt >= CALL_ROOMS and not complete):
+                        break  # enough rooms counted, or this size's chunks run on a worker
                     progress.show(f"{size.pages} pages: counting the calls of a room ...")
                     counter = CallCounter()
                     timeline.listener = counter.marked
