@@ -416,7 +416,12 @@ class _LockedBlock:
         local.outer = getattr(local, "deferring", False)  # the control thread: it notifies when settled
         local.deferring = True
         local.nested_send = host._loop.begin_sending()
-        host._lock.acquire()
+        try:
+            host._lock.acquire()
+        except BaseException:  # interrupted while it waited for the lock: as if never entered
+            host._loop.end_sending(local.nested_send)
+            local.deferring = local.outer
+            raise
 
     def __exit__(self, *_: object) -> None:
         host = self._host
