@@ -98,7 +98,7 @@ def test_the_waiting_schedulers_handle_the_request_and_the_status(
         sender.send(np.array([0, 1]), start_token=0, last=True)
         schedulers[0].join(LONG_S)
         assert sorted(done) == [KVPoll.WaitingForInput, KVPoll.Success]
-        lends = (prefill._loop.lends, decode._loop.lends)
+        lends = (prefill.statistics().receive_lends, decode.statistics().receive_lends)
     requests, statuses = (
         _threads_of(prefill_handled, TransferRequest),
         _threads_of(decode_handled, TransferStatus),

@@ -181,6 +181,9 @@ class DecodeTransportStatistics:
     """Failed rooms whose pages came back (by kind: ``endpoint.releases_*``; a room that succeeded
     needs no release)."""
     unsafe_releases: int
+    receive_lends: int = 0
+    """Times the control thread lent receiving to a scheduler waiting in ``wait_progress``
+    (``PDKV_WAIT_RECEIVES``): each hand-over, not each wait."""
 
 
 Query = Callable[[str, RouteQuery, float], RouteTable | None]
@@ -388,6 +391,7 @@ class DecodeTransport(EndpointHost[DecodeEndpoint, DecodeEffect]):
             channel=self._loop.channel.statistics(),
             failed_rooms_released=self._released,
             unsafe_releases=self._unsafe,
+            receive_lends=self._loop.lends,
         )
 
     def fanout_targets(self, prefill: InstanceId) -> tuple[tuple[Target, ...], int]:

@@ -243,6 +243,9 @@ class PrefillTransportStatistics:
     queue_depth: int
     chunks_run_waiting: int = 0
     """Chunks a scheduler ran itself while it waited for progress (``wait_runs_chunk_bytes``)."""
+    receive_lends: int = 0
+    """Times the control thread lent receiving to a scheduler waiting in ``wait_progress``
+    (``PDKV_WAIT_RECEIVES``): each hand-over, not each wait."""
 
 
 @attrs.frozen
@@ -455,6 +458,7 @@ class PrefillTransport(EndpointHost[PrefillEndpoint, PrefillEffect]):
             worker_errors=self._worker_errors,
             queue_depth=self._work.qsize(),
             chunks_run_waiting=self._chunks_run_waiting,
+            receive_lends=self._loop.lends,
         )
 
     # ------------------------------------------------------------------ effects (lock held)
