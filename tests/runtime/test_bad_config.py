@@ -53,6 +53,7 @@ PREFILL_ROWS = [
     ("queue_size", 2.0),
     ("shared_chunks", -1),
     ("register_memory", "yes"),
+    ("wait_receives", 1),
     ("ownership", 2),
     ("epoch", "1"),
 ]
@@ -72,7 +73,7 @@ DECODE_GOOD = {k: v for k, v in GOOD.items() if k != "registry"}
     [
         (f, v)
         for f, v in PREFILL_ROWS
-        if f in ("tp_size", "instance", "rank", "layout", "host", "timeouts", "epoch")
+        if f in ("tp_size", "instance", "rank", "layout", "host", "timeouts", "epoch", "wait_receives")
     ],
 )
 def test_a_bad_decode_config_field_is_a_config_error_naming_it(field: str, value: object) -> None:
@@ -102,6 +103,8 @@ ENV_ROWS: list[tuple[Callable[[dict[str, str]], object], str, str]] = [
     (lambda env: ExecutorConfig.from_env(env), "PDKV_EXECUTOR_TIMEOUT", "nan"),
     (lambda env: ExecutorConfig.from_env(env), "PDKV_EXECUTOR_MAX_ENTRIES", "0"),
     (lambda env: PerLayerConfig.from_env(env), "PDKV_PER_LAYER_FINISH_TIMEOUT", "-inf"),
+    (lambda env: PrefillConfig.from_env(env, **GOOD), "PDKV_WAIT_RECEIVES", "maybe"),
+    (lambda env: DecodeConfig.from_env(env, **DECODE_GOOD), "PDKV_WAIT_RECEIVES", "2"),
 ]
 
 
