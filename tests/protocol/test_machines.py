@@ -119,6 +119,7 @@ MOVES: dict[str, dict[tuple[Any, Any], set[Any]]] = {
         (C.SKIPPED, CI.START): {None},
         (C.TRANSFERRING, CI.COMPLETE): {C.DONE},
         (C.TRANSFERRING, CI.FAIL): {C.FAILED},
+        (C.REGISTERED, CI.FAIL): {C.FAILED},  # the worker's guard, before the chunk started
         (C.REGISTERED, CI.SKIP): {C.SKIPPED},
     },
     "PrefillAbort": {

@@ -210,6 +210,24 @@ def test_engine_failure_fails_room_and_reports() -> None:
     assert any(isinstance(e, RoomFinished) and e.poll is KVPoll.Failed for e in effects)
 
 
+def test_a_chunk_that_fails_before_it_started_fails_the_room_at_once() -> None:
+    """A transfer worker's internal error before ``start_chunk`` (nothing submitted, so nothing can
+    land): the room fails now with that reason and the decode is told, instead of staying
+    Transferring until its in-flight deadline."""
+    p = prefill()
+    p.receive(register(), 0.0)
+    p.open_room(ROOM, num_pages=3, aux_row=None, now=0.0)
+    p.receive(request(), 0.0)
+    p.queue_chunk(ROOM, CHUNK, 0.0)
+    effects = p.chunk_failed(ROOM, 0, "internal error: RuntimeError: boom", 0.5)
+    [status] = sent(effects, TransferStatus)
+    assert isinstance(status, TransferStatus) and status.outcome is Outcome.FAILED
+    assert "internal error: RuntimeError: boom" in status.reason
+    assert p.poll(ROOM) is KVPoll.Failed
+    # Nothing was written: no fence is owed before the room's AbortAck.
+    assert p.fences_of(ROOM) == []
+
+
 @pytest.mark.parametrize("stage", ["bootstrap", "inflight-waiting", "inflight-transferring"])
 def test_every_non_terminal_state_has_a_deadline(stage: str) -> None:
     t = Timeouts(bootstrap=10, inflight=20, heartbeat_interval=100, heartbeat_timeout=400)

@@ -475,11 +475,10 @@ class PrefillTransport(EndpointHost[PrefillEndpoint, PrefillEffect]):
                 try:
                     self._work.put_nowait(effect)
                 except queue.Full:
-                    # Never block the caller: the chunk fails, and with it the room (decode is told).
-                    now = self._clock()
-                    self._endpoint.start_chunk(effect.room, effect.chunk, now)
+                    # Never block the caller: the chunk fails unstarted, and with it the room (decode
+                    # is told).
                     reason = f"transfer queue full ({self.config.queue_size} chunks)"
-                    self._apply(self._endpoint.chunk_failed(effect.room, effect.chunk, reason, now))
+                    self._apply(self._endpoint.chunk_failed(effect.room, effect.chunk, reason, self._clock()))
             case RoomFinished():
                 if effect.poll is KVPoll.Success:
                     log.debug("room %s succeeded on prefill %s", effect.room, self.config.rank)

@@ -5,12 +5,14 @@ Every rule that moves a chunk is a row below; ``PrefillEndpoint`` finds the chun
     REGISTERED    queued by ``send()``, not yet picked by a transfer worker
     TRANSFERRING  a worker submitted its writes (they may land at any moment)
     DONE          every write of the chunk completed
-    FAILED        the engine reported a failure (the room fails with it)
+    FAILED        the engine reported a failure, or the worker failed before it started the chunk
+                  (an internal error: nothing was submitted); the room fails with it
     SKIPPED       the room failed or was aborted before a worker picked the chunk: nothing written,
                   so nothing can land in pages the decode side may have reused
 
-Inputs: ``start`` (a worker is about to write it), ``complete``, ``fail`` (the engine's answers),
-``skip`` (its room failed while it waited).
+Inputs: ``start`` (a worker is about to write it), ``complete``, ``fail`` (the engine's answers, or
+the worker's guard on an internal error, which may come before ``start``), ``skip`` (its room failed
+while it waited).
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ CHUNK = MachineSpec(
         row(_I.START, _S.SKIPPED, None),  # picked after it was skipped: the worker writes nothing
         row(_I.COMPLETE, _S.TRANSFERRING, _S.DONE),
         row(_I.FAIL, _S.TRANSFERRING, _S.FAILED),
+        # The worker's guard, on an error before the chunk started: nothing of it was submitted.
+        row(_I.FAIL, _S.REGISTERED, _S.FAILED),
         row(_I.SKIP, _S.REGISTERED, _S.SKIPPED, then=[count_skipped]),
     ),
 )
