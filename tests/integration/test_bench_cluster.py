@@ -20,9 +20,10 @@ def run(*args: str) -> list[dict[str, object]]:
 
 
 def test_bench_control_quick() -> None:
-    lines = run("control", "--quick")
+    lines = run("control", "--quick", "--serial-rooms", "7")
     records = {str(r["kind"]): r for r in lines}
     serial, concurrent, summary = records["serial"], records["concurrent"], records["summary"]
+    assert (serial["rooms"], concurrent["rooms"]) == (7, 20)
     for r in (serial, concurrent):
         assert r["failed"] == 0
         assert 0 < float(str(r["p50_ms"])) <= float(str(r["p99_ms"]))
@@ -71,3 +72,15 @@ def test_bench_transport_quick() -> None:
     assert isinstance(seconds, dict) and isinstance(gbps, dict)
     assert record["transport_vs_raw"] == pytest.approx(seconds["raw"] / seconds["transport"])
     assert gbps["transport"] == pytest.approx(int(str(record["bytes"])) / seconds["transport"] / 1e9)
+
+
+@pytest.mark.parametrize("option", ["--rooms", "--serial-rooms"])
+def test_bench_control_refuses_no_rooms(option: str) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "pdkv", "bench", "control", option, "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert "--rooms and --serial-rooms must be at least 1" in proc.stderr

@@ -5,8 +5,9 @@ A prefill rank and a decode rank in their own processes (``pdkv.testing.cluster`
 ``--concurrency`` in flight. The latency is the
 decode side's, from ``receiver.init`` to Success seen by its poll loop: registration is done once
 at start-up, so this is the per-room protocol (TransferRequest, forward, one tiny write, status)
-plus the two simple schedulers' polling. The same run is repeated with one room at a time, whose
-latency is the floor the concurrent figure is compared with. Each mode runs on its own pair of
+plus the two simple schedulers' polling. The same run is repeated with one room at a time
+(``--serial-rooms`` of them, 1,000 by default, so that its p99 rests on ten rooms), whose latency is
+the floor the concurrent figure is compared with. Each mode runs on its own pair of
 processes; "rooms/job" is how many rooms' chunks shared one transfer job (engine submission and
 status wait) on average, from the prefill's ``writes`` / ``write_jobs`` counters. The decode's byte
 check of every room (zeroing its pages before, comparing every byte after: most of the decode's work
@@ -44,6 +45,14 @@ def main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog="pdkv bench control", description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--rooms", type=int, default=400)
     parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument(
+        "--serial-rooms",
+        type=int,
+        default=None,
+        help="rooms of the serial mode, one at a time (its p99 is the slowest 1%%: under a few hundred "
+        "rooms that is one or two of them, this machine's hiccups more than pdkv's); default 1,000, "
+        "5 with --quick",
+    )
     parser.add_argument("--cp", type=int, default=1, help="prefill CP ranks")
     parser.add_argument("--verify", action="store_true", help="check every room's bytes on the decode")
     parser.add_argument("--quick", action="store_true", help="tiny run for tests")
@@ -58,11 +67,14 @@ def main(argv: Sequence[str]) -> int:
     )
     args = parser.parse_args(list(argv))
     rooms = 20 if args.quick else args.rooms
+    serial_rooms = args.serial_rooms if args.serial_rooms is not None else 5 if args.quick else 1000
+    if rooms < 1 or serial_rooms < 1:
+        parser.error("--rooms and --serial-rooms must be at least 1")
     model = ModelSpec.kv_only(layers=2, page_size=16, kv_bytes_per_token=64)
     spec = ClusterSpec(
         model=model,
         prefill_cp=args.cp,
-        prefill_capacity=Capacity(kv_pages=rooms * 2 + 16, state_slots=8, aux_rows=8),
+        prefill_capacity=Capacity(kv_pages=max(rooms, serial_rooms) * 2 + 16, state_slots=8, aux_rows=8),
         decode_capacity=Capacity(
             kv_pages=args.concurrency * 2 + 16,
             state_slots=args.concurrency * 2 + 8,
@@ -79,7 +91,7 @@ def main(argv: Sequence[str]) -> int:
     base = 1
     for label, concurrency in (("serial", 1), ("concurrent", args.concurrency)):
         # A cluster per mode, so the prefill's counters (rooms per transfer job) are this mode's.
-        count = max(5, rooms // 10) if concurrency == 1 else rooms
+        count = serial_rooms if concurrency == 1 else rooms
         plans = [RequestPlan(room=RoomId(base + i), tokens=16, chunk_tokens=(16,)) for i in range(count)]
         base += count
         with Cluster(spec) as cluster:
