@@ -342,6 +342,37 @@ def test_small_pieces_sleep_through_most_of_the_lane_floor() -> None:
     assert ends == [pytest.approx(0.004)] * 3
 
 
+@pytest.mark.parametrize(("paced", "yields"), [(True, True), (False, True), (True, False)])
+def test_a_status_wait_not_slept_for_yields_the_cpu_once_first(paced: bool, yields: bool) -> None:
+    """The spinning status wait right after a launch would keep the core the engine's transfer thread
+    is queued for: a wait the pacer did not sleep before yields once; one it slept before does not."""
+    engine = TimedEngine()
+    times = engine.times
+    yielded: list[int] = []  # the status calls made before each yield
+
+    def yield_cpu() -> None:
+        yielded.append(len(engine.status_at))
+
+    config = MooncakeConfig(pace_status_waits=paced, yield_before_status_wait=yields)
+    source = HostBuffer(1 << 20)
+    with MooncakeBackend(
+        config, engine_class=lambda: engine, clock=times.clock, sleep=times.sleep, yield_cpu=yield_cpu
+    ) as backend:
+        backend.register(source)
+        blocks = _blocks(4, source, length=256 << 10)
+        times.transfer_s = 0.010
+        for _ in range(3):
+            backend.write("peer:1", blocks)
+            times.now += 1.0
+    assert len(engine.status_at) == 3
+    if not yields:
+        assert yielded == []
+    elif paced:  # the first piece had no rate to sleep on; the two after it slept
+        assert yielded == [0] and len(times.slept) == 2
+    else:  # never slept for: each wait yields once, before its status call
+        assert yielded == [0, 1, 2] and times.slept == []
+
+
 def test_a_paced_wait_still_reports_a_failed_piece(engine: FakeEngine) -> None:
     times = FakeTime()
     source = HostBuffer(1 << 20)

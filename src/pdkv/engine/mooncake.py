@@ -15,7 +15,11 @@ How the engine is driven (Mooncake 0.3.13; facts in FACTS.md and notes/peer-syst
   many batches are in flight (``pdkv.engine._threaded``). The spin takes a core from the engine's
   own transfer threads, so the completer first sleeps through most of the piece's expected transfer
   time (bytes over the fastest recent rate towards that peer, ``pdkv.engine._pacing``) and spins only
-  for the rest (``MooncakeConfig.pace_status_waits``).
+  for the rest (``MooncakeConfig.pace_status_waits``). A wait the pacer does not sleep before (a
+  small piece on an idle lane, a first piece) yields the CPU once before it spins
+  (``yield_before_status_wait``): the thread that has just launched a write would otherwise keep the
+  core that the engine's transfer thread, woken by that launch, is queued for, and the spin lasts
+  until the scheduler preempts it. A yield with nothing else runnable returns at once.
   ``transfer_check_status`` is not used: it inspects only the first task of a batch.
 - Over TCP every entry in flight towards one peer takes a slot in that peer's lane queue
   (``MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER``, about 2,048 by default). A batch that overflows it is
@@ -248,6 +252,8 @@ class MooncakeConfig:
     max_entries_in_flight: int | None = attrs.field(default=None, validator=_optional_int_in(1, 1 << 20))
     # Sleep through most of a piece's expected transfer time before the (spinning) status wait.
     pace_status_waits: bool = True
+    # Yield the CPU once before a status wait that was not slept for (see the module docstring).
+    yield_before_status_wait: bool = True
 
     def environment(self) -> dict[str, str]:
         """The ``MC_*`` variables this config sets before the engine initializes."""
@@ -369,8 +375,10 @@ class MooncakeBackend(WorkerThreadBackend[LaunchedPiece]):
         engine_class: Callable[[], MooncakeEngineApi] | None = None,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
+        yield_cpu: Callable[[], None] = os.sched_yield,
     ) -> None:
-        """``clock`` and ``sleep`` pace the status waits (tests pass fakes)."""
+        """``clock`` and ``sleep`` pace the status waits, ``yield_cpu`` gives up the CPU before one (tests
+        pass fakes)."""
         self.config = config or MooncakeConfig()
         cfg = self.config
         # Before the import and the engine's start: some settings (MC_LOG_LEVEL) are read when the
@@ -405,6 +413,7 @@ class MooncakeBackend(WorkerThreadBackend[LaunchedPiece]):
         else:
             self._session_id = cfg.local_hostname
         self._sleep = sleep
+        self._yield_cpu = yield_cpu
         self._pacers: dict[str, CompletionPacer] = {}
         self._pacers_lock = threading.Lock()
         super().__init__(max_entries_in_flight=cfg.entry_budget, thread_name="pdkv-mooncake", clock=clock)
@@ -479,8 +488,10 @@ class MooncakeBackend(WorkerThreadBackend[LaunchedPiece]):
         delay = 0.0
         if pacer is not None:
             delay = pacer.sleep_before_wait(nbytes, token.launched_at, self._clock())
-            if delay > 0:
-                self._sleep(delay)
+        if delay > 0:
+            self._sleep(delay)
+        elif self.config.yield_before_status_wait:
+            self._yield_cpu()
         status = self._live_engine().get_batch_transfer_status([token.batch_id])
         if pacer is not None:
             pacer.completed(nbytes, token.launched_at, self._clock(), slept=delay > 0)
