@@ -50,8 +50,7 @@ def main(argv: Sequence[str]) -> int:
         type=int,
         default=None,
         help="rooms of the serial mode, one at a time (its p99 is the slowest 1%%: under a few hundred "
-        "rooms that is one or two of them, this machine's hiccups more than pdkv's); default 1,000, "
-        "5 with --quick",
+        "rooms, one or two of them); default 1,000, 5 with --quick",
     )
     parser.add_argument("--cp", type=int, default=1, help="prefill CP ranks")
     parser.add_argument("--verify", action="store_true", help="check every room's bytes on the decode")
