@@ -9,6 +9,8 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
@@ -27,6 +29,7 @@ from pdkv.engine import (
     RegistrationError,
     load_transfer_engine,
 )
+from pdkv.engine import mooncake as mooncake_module
 from pdkv.engine.mooncake import check_rdma_devices
 from pdkv.errors import ConfigError, EngineUnavailableError
 from pdkv.mapping import TransferBlocks
@@ -371,6 +374,35 @@ def test_a_status_wait_not_slept_for_yields_the_cpu_once_first(paced: bool, yiel
         assert yielded == [0] and len(times.slept) == 2
     else:  # never slept for: each wait yields once, before its status call
         assert yielded == [0, 1, 2] and times.slept == []
+
+
+def test_the_yield_before_a_status_wait_keeps_the_interpreter_lock() -> None:
+    """The yield is for the engine's native threads. One that released the interpreter lock (as
+    ``os.sched_yield`` does) would let a busy Python thread take it and keep the waiter out for up to
+    a switch interval; here a busy thread counts, and no yield may let it count."""
+    yield_cpu = mooncake_module._native_yield()
+    counted = [0]
+    stop = threading.Event()
+
+    def busy() -> None:
+        while not stop.is_set():
+            counted[0] += 1
+
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(0.2)  # no forced switch within a few yields; a released lock is taken at once
+    thread = threading.Thread(target=busy, daemon=True)
+    try:
+        thread.start()
+        while counted[0] == 0:
+            time.sleep(0.001)
+        for _ in range(30):  # os.sched_yield lets the busy thread count in about one call of three
+            before = counted[0]
+            yield_cpu()
+            assert counted[0] == before
+    finally:
+        stop.set()
+        thread.join(5.0)
+        sys.setswitchinterval(previous)
 
 
 def test_a_paced_wait_still_reports_a_failed_piece(engine: FakeEngine) -> None:
