@@ -197,6 +197,11 @@ def test_config_validation_and_environment() -> None:
         MooncakeConfig(tcp_max_queued_transfers_per_peer=65536)
     with pytest.raises(ConfigError, match="MC_"):
         MooncakeConfig(extra_environment={"LD_PRELOAD": "x"})
+    # The switches are switches: a string such as "no" would have turned them on.
+    with pytest.raises(ConfigError, match="pace_status_waits must be bool, got str 'no'"):
+        MooncakeConfig(pace_status_waits="no")  # type: ignore[arg-type]  # the refused value
+    with pytest.raises(ConfigError, match="yield_before_status_wait must be bool, got int 0"):
+        MooncakeConfig(yield_before_status_wait=0)  # type: ignore[arg-type]  # the refused value
 
 
 def test_config_from_env() -> None:
@@ -389,7 +394,7 @@ def test_the_yield_before_a_status_wait_keeps_the_interpreter_lock() -> None:
             counted[0] += 1
 
     previous = sys.getswitchinterval()
-    sys.setswitchinterval(0.2)  # no forced switch within a few yields; a released lock is taken at once
+    sys.setswitchinterval(1.0)  # no forced switch within a few yields; a released lock is taken at once
     thread = threading.Thread(target=busy, daemon=True)
     try:
         thread.start()

@@ -264,9 +264,9 @@ class MooncakeConfig:
     # Most entries in flight towards one peer; None: the TCP lane queue size, or 2,048 for RDMA.
     max_entries_in_flight: int | None = attrs.field(default=None, validator=_optional_int_in(1, 1 << 20))
     # Sleep through most of a piece's expected transfer time before the (spinning) status wait.
-    pace_status_waits: bool = True
+    pace_status_waits: bool = attrs.field(default=True, validator=config.instance_of(bool))
     # Yield the CPU once before a status wait that was not slept for (see the module docstring).
-    yield_before_status_wait: bool = True
+    yield_before_status_wait: bool = attrs.field(default=True, validator=config.instance_of(bool))
 
     def environment(self) -> dict[str, str]:
         """The ``MC_*`` variables this config sets before the engine initializes."""
