@@ -40,7 +40,18 @@ from pdkv.mapping import (
 LOOP_NODES = (ast.For, ast.AsyncFor, ast.While, ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
 
 HOT: dict[ModuleType, dict[str, int]] = {
-    _arrays: {"as_index_array": 0, "as_non_negative_index_array": 0, "count_runs": 0, "device_of": 0},
+    _arrays: {
+        "as_index_array": 0,
+        "as_non_negative_index_array": 0,
+        "count_runs": 0,
+        "device_of": 0,
+        "int_min": 0,
+        "int_max": 0,
+        "int_bounds": 0,
+        "int_sum": 0,
+        "any_true": 0,
+        "all_true": 0,
+    },
     ownership: {
         "PageInterleaved.owner": 0,
         "PageInterleaved.physical": 0,

@@ -32,6 +32,7 @@ import numpy.typing as npt
 
 from pdkv.alloc.errors import InvalidAllocationError
 from pdkv.errors import ConfigError
+from pdkv.mapping._arrays import any_true
 
 IntArray = npt.NDArray[np.int64]
 
@@ -122,8 +123,8 @@ class LaneExtents:
             return True
         first, last = int(physical[0]), int(physical[-1])
         if last - first + 1 == physical.size:  # one run: a slice, no gather
-            return not bool(self._tag_array[first : last + 1].any())
-        return not bool(self._tag_array[physical].any())
+            return not any_true(self._tag_array[first : last + 1])
+        return not any_true(self._tag_array[physical])
 
     # ------------------------------------------------------------------------------- allocation
 

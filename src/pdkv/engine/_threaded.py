@@ -61,6 +61,7 @@ from pdkv.engine.backend import (
     UnregisteredMemoryError,
     WaitResult,
 )
+from pdkv.mapping._arrays import all_true
 from pdkv.mapping.blocks import IntArray, TransferBlocks
 from pdkv.mapping.layout import TensorLike
 
@@ -93,7 +94,7 @@ class RegionSnapshot:
         # Ranges do not overlap, so the only candidate is the last one starting at or before addr.
         slot = np.searchsorted(self.starts, addresses, side="right") - 1
         inside = (slot >= 0) & (addresses + lengths <= self.ends[np.maximum(slot, 0)])
-        if inside.all():  # the usual answer: no need to look at zero-length blocks
+        if all_true(inside):  # the usual answer: no need to look at zero-length blocks
             return -1
         bad = np.flatnonzero(~inside & (lengths > 0))
         return int(bad[0]) if bad.size else -1
@@ -540,7 +541,7 @@ class WorkerThreadBackend(abc.ABC, Generic[Token]):
         moving = batch
         # TransferBlocks lengths are never negative, so "all non-zero" (one reduction, no temporary
         # array) is "all positive".
-        if len(batch) and not bool(batch.length.all()):
+        if len(batch) and not all_true(batch.length):
             moving = batch.take(np.flatnonzero(batch.length > 0))
         if len(moving) <= self._max_entries:
             pieces = [moving] if len(moving) else []  # one engine submission: no copy of the lists

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from pdkv.errors import ConfigError
-from pdkv.mapping._arrays import IntArray
+from pdkv.mapping._arrays import IntArray, all_true, int_max
 from pdkv.mapping.blocks import TransferBlocks
 
 
@@ -36,8 +36,8 @@ def slice_blocks(blocks: TransferBlocks, slice_bytes: int) -> TransferBlocks:
     # The common cases (no empty block, nothing to slice) return the input's arrays uncopied:
     # the block lists are large and a copy per call is most of this function's cost.
     non_empty = blocks.length > 0
-    kept = blocks if bool(non_empty.all()) else blocks.take(np.flatnonzero(non_empty))
-    if len(kept) == 0 or int(kept.length.max()) <= slice_bytes:
+    kept = blocks if all_true(non_empty) else blocks.take(np.flatnonzero(non_empty))
+    if len(kept) == 0 or int_max(kept.length) <= slice_bytes:
         return kept
     src, dst, length, buffer = kept.src, kept.dst, kept.length, kept.buffer
     slices_per_block = (length + (slice_bytes - 1)) // slice_bytes

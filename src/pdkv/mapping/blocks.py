@@ -14,6 +14,8 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
+from pdkv.mapping._arrays import int_min, int_sum
+
 IntArray = npt.NDArray[np.int64]
 
 
@@ -44,7 +46,7 @@ class TransferBlocks:
                 f"block arrays differ in length: src {n}, dst {self.dst.size}, "
                 f"length {self.length.size}, buffer {self.buffer.size}"
             )
-        if n and int(self.length.min()) < 0:
+        if n and int_min(self.length) < 0:
             raise ValueError("block lengths are non-negative")
 
     @classmethod
@@ -83,7 +85,7 @@ class TransferBlocks:
 
     @property
     def total_bytes(self) -> int:
-        return int(self.length.sum())
+        return int_sum(self.length)
 
     def take(self, selector: slice | IntArray) -> TransferBlocks:
         """A sub-list (by slice or index array)."""

@@ -28,7 +28,7 @@ import numpy as np
 import numpy.typing as npt
 
 from pdkv.errors import LayoutMismatchError, MappingError
-from pdkv.mapping._arrays import IntArray, as_index_array, check_int
+from pdkv.mapping._arrays import IntArray, as_index_array, check_int, int_max
 from pdkv.mapping.blocks import TransferBlocks
 from pdkv.mapping.layout import BufferKind, BufferLayout, BufferSpec, ModelRole
 from pdkv.mapping.runs import PageRuns, coalesce
@@ -190,8 +190,8 @@ def cached_pairs(local: BufferLayout, peer: BufferLayout, kinds: frozenset[Buffe
 
 
 def _check_capacity(runs: PageRuns, pairs: BufferPairs, what: str) -> None:
-    src_end = int((runs.src_start + runs.length).max())
-    dst_end = int((runs.dst_start + runs.length).max())
+    src_end = int_max(runs.src_start + runs.length)
+    dst_end = int_max(runs.dst_start + runs.length)
     if src_end <= pairs.min_src_items and dst_end <= pairs.min_dst_items:
         return
     short_src = np.flatnonzero(pairs.src_items < src_end)
@@ -215,6 +215,14 @@ def runs_to_blocks(runs: PageRuns, pairs: BufferPairs, *, what: str = "page") ->
     if len(runs) == 0 or len(pairs) == 0:
         return TransferBlocks.empty()
     _check_capacity(runs, pairs, what)
+    if len(runs) == 1:  # one run (a 1-page chunk, an aux row): no broadcasting, same arrays
+        src, dst, length = int(runs.src_start[0]), int(runs.dst_start[0]), int(runs.length[0])
+        return TransferBlocks._holding(
+            pairs.src_base + src * pairs.item_bytes,
+            pairs.dst_base + dst * pairs.item_bytes,
+            length * pairs.item_bytes,
+            pairs.buffer.copy(),
+        )
     item = pairs.item_bytes[:, None]
     # int64 arithmetic on checked runs (lengths >= 1) and buffer pairs (item bytes >= 1), each result
     # a fresh contiguous array: the blocks' rules hold by construction, so they are not checked again.
@@ -278,5 +286,12 @@ def aux_blocks(
     dst = check_int(dst_row, "dst_row", minimum=0)
     pairs = cached_pairs(src_layout, dst_layout, _AUX_KINDS)
     _require_buffers(pairs, 1, "aux row")
+    if src < pairs.min_src_items and dst < pairs.min_dst_items:  # inside every buffer: one block each
+        return TransferBlocks._holding(
+            pairs.src_base + src * pairs.item_bytes,
+            pairs.dst_base + dst * pairs.item_bytes,
+            pairs.item_bytes.copy(),
+            pairs.buffer.copy(),
+        )
     one_row = PageRuns(src_start=[src], dst_start=[dst], length=[1])
     return runs_to_blocks(one_row, pairs, what="row")

@@ -34,7 +34,7 @@ import numpy as np
 import numpy.typing as npt
 
 from pdkv.errors import LayoutMismatchError, MappingError
-from pdkv.mapping._arrays import IntArray, as_index_array, check_int
+from pdkv.mapping._arrays import IntArray, as_index_array, check_int, int_max
 from pdkv.mapping.blocks import TransferBlocks
 from pdkv.mapping.buffers import KV_KINDS, layer_blocks
 from pdkv.mapping.fanout import Topology, TopologyError
@@ -372,8 +372,8 @@ def cached_head_pairs(local: BufferLayout, peer: BufferLayout) -> HeadPairs:
 
 
 def _check_head_capacity(runs: PageRuns, pairs: HeadPairs) -> None:
-    src_end = int((runs.src_start + runs.length).max())
-    dst_end = int((runs.dst_start + runs.length).max())
+    src_end = int_max(runs.src_start + runs.length)
+    dst_end = int_max(runs.dst_start + runs.length)
     short = np.flatnonzero((pairs.src_items < src_end) | (pairs.dst_items < dst_end))
     if short.size:
         first = int(short[0])

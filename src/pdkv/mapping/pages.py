@@ -24,6 +24,7 @@ from pdkv.mapping._arrays import (
     as_index_array,
     as_non_negative_index_array,
     check_int,
+    int_bounds,
     summarize,
 )
 from pdkv.mapping.ownership import OwnershipPolicy, PageInterleaved
@@ -116,7 +117,7 @@ def dst_for_positions(dst_pages: object, positions: object) -> IntArray:
     pos = as_index_array(positions, "positions")
     if pos.size == 0:
         return np.zeros(0, dtype=np.int64)
-    lowest, highest = int(pos.min()), int(pos.max())
+    lowest, highest = int_bounds(pos)
     if lowest < 0 or highest >= dst.size:
         outside = int(np.count_nonzero((pos < 0) | (pos >= dst.size)))
         raise MappingError(

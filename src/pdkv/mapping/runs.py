@@ -14,7 +14,7 @@ import attrs
 import numpy as np
 
 from pdkv.errors import MappingError
-from pdkv.mapping._arrays import IntArray, as_non_negative_index_array, summarize
+from pdkv.mapping._arrays import IntArray, as_non_negative_index_array, int_min, int_sum, summarize
 from pdkv.mapping.pages import require_equal_counts
 
 
@@ -41,7 +41,7 @@ class PageRuns:
                 f"run arrays differ: src_start {self.src_start.shape}, dst_start {self.dst_start.shape}, "
                 f"length {self.length.shape}"
             )
-        if n and int(self.length.min()) <= 0:
+        if n and int_min(self.length) <= 0:
             raise MappingError(f"runs are at least one page long; {summarize(self.length, 'length')}")
 
     def __len__(self) -> int:
@@ -49,7 +49,7 @@ class PageRuns:
 
     @property
     def num_pages(self) -> int:
-        return int(self.length.sum())
+        return int_sum(self.length)
 
     @classmethod
     def empty(cls) -> PageRuns:

@@ -14,7 +14,7 @@ import numpy as np
 
 from pdkv.errors import InvalidArgumentError, MappingError
 from pdkv.mapping import OwnershipPolicy, chunk_page_start, cp_owned
-from pdkv.mapping._arrays import summarize
+from pdkv.mapping._arrays import int_max, summarize
 from pdkv.mapping.layout import BufferLayout
 from pdkv.protocol import arguments
 from pdkv.protocol.effects import ChunkSpec
@@ -118,7 +118,7 @@ def check_sources(
     if spec.pages.size:
         owned = cp_owned(spec.pages, start, cp if policy is not None else 0, policy).physical
         capacity = layout.min_kv_items
-        if owned.size and int(owned.max()) >= capacity:
+        if owned.size and int_max(owned) >= capacity:
             bad = owned[owned >= capacity]
             raise InvalidArgumentError(
                 f"room {room}: chunk_pages hold page(s) {bad[:6].tolist()} (physical, on CP rank "
@@ -137,7 +137,7 @@ def check_sources(
                 value=state.kind,
             )
         slots = layout.min_items(state.kind)
-        if state.indices.size and int(state.indices.max()) >= slots:
+        if state.indices.size and int_max(state.indices) >= slots:
             raise InvalidArgumentError(
                 f"room {room}: state_indices[{state.kind.value}] slot {int(state.indices.max())} is "
                 f"outside this rank's {state.kind.value} buffers of {slots} slots",

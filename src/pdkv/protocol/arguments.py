@@ -18,7 +18,7 @@ from typing import Final
 import numpy as np
 
 from pdkv.errors import InvalidArgumentError, MappingError
-from pdkv.mapping._arrays import IntArray, device_of, summarize
+from pdkv.mapping._arrays import IntArray, device_of, int_bounds, summarize
 from pdkv.protocol.ids import MAX_ROOM_ID, RoomId
 from pdkv.protocol.messages import MAX_INDEX, StateIndices
 
@@ -133,7 +133,7 @@ def page_list(value: object, *, room: int | None, argument: str, limit: int | No
     given = np.asarray(value)
     arr = given.astype(np.int64, copy=True) if given.size else np.zeros(0, np.int64)
     if arr.size:
-        lo, hi = int(arr.min()), int(arr.max())
+        lo, hi = int_bounds(arr)
         ceiling = MAX_INDEX if limit is None else min(limit, MAX_INDEX)
         if lo < 0 or hi >= ceiling:
             what = "negative" if lo < 0 else f"past the {ceiling} registered pages"

@@ -143,6 +143,7 @@ import numpy as np
 import numpy.typing as npt
 
 from pdkv.errors import LocalProtocolError, RemoteProtocolError
+from pdkv.mapping._arrays import int_max
 from pdkv.mapping.layout import (
     AttentionKind,
     BufferKind,
@@ -236,7 +237,7 @@ def _kind_of(value: object) -> str:
 
 def _array_slot(values: IntArray, arrays: list[bytes]) -> list[int]:
     """Append ``values`` as the next array frame; return its slot ``[width, count]`` for the body."""
-    width = 4 if values.size == 0 or int(values.max()) < _INT32_LIMIT else 8
+    width = 4 if values.size == 0 or int_max(values) < _INT32_LIMIT else 8
     data = values.astype(_INT32_LE if width == 4 else _INT64_LE, copy=False).tobytes()
     if len(data) > MAX_ARRAY_BYTES:
         raise LocalProtocolError(

@@ -19,6 +19,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
+from pdkv.mapping._arrays import int_bounds
 from pdkv.mapping.layout import BufferKind, BufferLayout
 from pdkv.mapping.layout_policy import BufferKey, describe_keys
 from pdkv.protocol.ids import MAX_EPOCH, MAX_ROOM_ID, Endpoint, Epoch, InstanceId, RoomId, SessionId
@@ -110,7 +111,7 @@ def index_array(value: object) -> IntArray:
         if arr.dtype == np.uint64 and int(arr.max()) >= MAX_INDEX:
             raise ValueError("index out of range")
         out = np.ascontiguousarray(arr, dtype=np.int64)
-        lo, hi = int(out.min()), int(out.max())
+        lo, hi = int_bounds(out)
         if lo < 0 or hi >= MAX_INDEX:
             raise ValueError(f"indices must be in [0, 2**62), got min {lo} max {hi}")
     if out is arr or out.base is arr:

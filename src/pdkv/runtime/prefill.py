@@ -535,7 +535,7 @@ class PrefillTransport(EndpointHost[PrefillEndpoint, PrefillEffect]):
         The caller waits for it before it reports the chunk."""
         if self._summer(submit.room) is None:
             return None
-        if int(plan.blocks.length.sum()) <= INLINE_CHECKSUM_BYTES:  # a hand-off costs more than that
+        if plan.blocks.total_bytes <= INLINE_CHECKSUM_BYTES:  # a hand-off costs more than that
             self._note_checksums(submit, destination, plan)
             return None
         with self._lock:

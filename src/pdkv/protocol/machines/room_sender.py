@@ -34,7 +34,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Final
 
-from pdkv.mapping._arrays import summarize
+from pdkv.mapping._arrays import int_max, summarize
 from pdkv.mapping.landing import grant_problem
 from pdkv.mapping.layout import BufferKind, BufferLayout
 from pdkv.protocol import arguments
@@ -720,7 +720,7 @@ def _destination_problem(msg: TransferRequest, peer: DecodePeer, r: SenderRoom) 
                 f"positions would share one page; {summarize(msg.dst_pages, 'dst_pages')}"
             )
     capacity = peer.layout.min_kv_items
-    if msg.dst_pages.size and int(msg.dst_pages.max()) >= capacity:
+    if msg.dst_pages.size and int_max(msg.dst_pages) >= capacity:
         return (
             f"destination page {int(msg.dst_pages.max())} outside the decode KV buffers "
             f"({capacity} pages) of {msg.origin}"
@@ -735,7 +735,7 @@ def _destination_problem(msg: TransferRequest, peer: DecodePeer, r: SenderRoom) 
         if not peer.layout.select(state.kind):
             return f"destination names state kind {state.kind.value} that {msg.origin} did not register"
         slots = peer.layout.min_items(state.kind)
-        if state.indices.size and int(state.indices.max()) >= slots:
+        if state.indices.size and int_max(state.indices) >= slots:
             return (
                 f"destination {state.kind.value} slot {int(state.indices.max())} outside the decode "
                 f"buffers ({slots} slots)"
