@@ -243,3 +243,23 @@ def test_a_waiter_that_receives_is_woken_by_a_transfer_worker() -> None:
         # here) or the timeout ended it.
         assert time.monotonic() - started < 2.5, "the wait slept past the worker's status"
         assert prefill._loop.lends >= 1
+
+
+def test_a_scheduler_back_in_its_wait_within_the_grace_keeps_receiving() -> None:
+    """A scheduler out of its waits for a few milliseconds (between two rooms) finds receiving still
+    lent when it waits again: no hand-over back and forth (``receive_lends`` counts hand-overs).
+    5 ms: a gap the previous 2 ms grace turned into a take-back and a new hand-over."""
+    gap_s = 0.005
+    assert gap_s < LEND_GRACE_S / 2
+    with TransportPair(model=MODEL) as pair:
+        decode = pair.decode
+        for _attempt in range(5):  # a gap the machine stretched past the grace proves nothing: again
+            decode.wait_progress(decode.progress(), 0.001)
+            lends = decode.statistics().receive_lends
+            left = time.monotonic()
+            time.sleep(gap_s)
+            decode.wait_progress(decode.progress(), 0.001)
+            if time.monotonic() - left < LEND_GRACE_S / 2:
+                break
+            time.sleep(LEND_SLACK_S + 2 * LEND_GRACE_S)  # let the loop take receiving back first
+        assert decode.statistics().receive_lends == lends
