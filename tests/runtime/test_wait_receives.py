@@ -256,6 +256,7 @@ def test_a_scheduler_back_in_its_wait_within_the_grace_keeps_receiving() -> None
         for _attempt in range(5):  # a gap the machine stretched past the grace proves nothing: again
             decode.wait_progress(decode.progress(), 0.001)
             lends = decode.statistics().receive_lends
+            assert lends >= 1  # receiving was lent (else no hand-over could be counted at all)
             left = time.monotonic()
             time.sleep(gap_s)
             decode.wait_progress(decode.progress(), 0.001)

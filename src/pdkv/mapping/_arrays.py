@@ -41,7 +41,7 @@ def int_max(arr: npt.NDArray[Any]) -> int:
 
 def int_bounds(arr: npt.NDArray[Any]) -> tuple[int, int]:
     """(smallest, largest) item of a non-empty 1-D integer array, as ints (ValueError when empty)."""
-    if arr.size <= 2 * SMALL_ARRAY:
+    if arr.size <= SMALL_ARRAY:
         items = arr.tolist()
         return int(min(items)), int(max(items))
     return int(arr.min()), int(arr.max())

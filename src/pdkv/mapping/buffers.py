@@ -215,14 +215,8 @@ def runs_to_blocks(runs: PageRuns, pairs: BufferPairs, *, what: str = "page") ->
     if len(runs) == 0 or len(pairs) == 0:
         return TransferBlocks.empty()
     _check_capacity(runs, pairs, what)
-    if len(runs) == 1:  # one run (a 1-page chunk, an aux row): no broadcasting, same arrays
-        src, dst, length = int(runs.src_start[0]), int(runs.dst_start[0]), int(runs.length[0])
-        return TransferBlocks._holding(
-            pairs.src_base + src * pairs.item_bytes,
-            pairs.dst_base + dst * pairs.item_bytes,
-            length * pairs.item_bytes,
-            pairs.buffer.copy(),
-        )
+    if len(runs) == 1:  # a 1-page chunk, say
+        return _one_run_blocks(pairs, int(runs.src_start[0]), int(runs.dst_start[0]), int(runs.length[0]))
     item = pairs.item_bytes[:, None]
     # int64 arithmetic on checked runs (lengths >= 1) and buffer pairs (item bytes >= 1), each result
     # a fresh contiguous array: the blocks' rules hold by construction, so they are not checked again.
@@ -231,6 +225,16 @@ def runs_to_blocks(runs: PageRuns, pairs: BufferPairs, *, what: str = "page") ->
         (pairs.dst_base[:, None] + runs.dst_start[None, :] * item).ravel(),
         (runs.length[None, :] * item).ravel(),
         np.repeat(pairs.buffer, len(runs)),
+    )
+
+
+def _one_run_blocks(pairs: BufferPairs, src: int, dst: int, length: int) -> TransferBlocks:
+    """``runs_to_blocks`` of one checked run: the same blocks, without broadcasting."""
+    return TransferBlocks._holding(
+        pairs.src_base + src * pairs.item_bytes,
+        pairs.dst_base + dst * pairs.item_bytes,
+        length * pairs.item_bytes,
+        pairs.buffer.copy(),
     )
 
 
@@ -286,12 +290,7 @@ def aux_blocks(
     dst = check_int(dst_row, "dst_row", minimum=0)
     pairs = cached_pairs(src_layout, dst_layout, _AUX_KINDS)
     _require_buffers(pairs, 1, "aux row")
-    if src < pairs.min_src_items and dst < pairs.min_dst_items:  # inside every buffer: one block each
-        return TransferBlocks._holding(
-            pairs.src_base + src * pairs.item_bytes,
-            pairs.dst_base + dst * pairs.item_bytes,
-            pairs.item_bytes.copy(),
-            pairs.buffer.copy(),
-        )
+    if src < pairs.min_src_items and dst < pairs.min_dst_items:  # _check_capacity's own fast case
+        return _one_run_blocks(pairs, src, dst, 1)
     one_row = PageRuns(src_start=[src], dst_start=[dst], length=[1])
     return runs_to_blocks(one_row, pairs, what="row")

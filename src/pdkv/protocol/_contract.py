@@ -116,10 +116,7 @@ def check_sources(
     """The chunk's pages this rank owns (CP rank ``cp``), and its state slots, inside this rank's own
     buffers."""
     if spec.pages.size:
-        if policy is None or (policy.cp_size == 1 and cp == 0):
-            owned = spec.pages  # every page is this rank's, at its own index (cp_owned's identity case)
-        else:
-            owned = cp_owned(spec.pages, start, cp, policy).physical
+        owned = cp_owned(spec.pages, start, cp if policy is not None else 0, policy).physical
         capacity = layout.min_kv_items
         if owned.size and int_max(owned) >= capacity:
             bad = owned[owned >= capacity]

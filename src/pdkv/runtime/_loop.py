@@ -45,11 +45,12 @@ LEND_GRACE_S = 0.02
 before the loop takes it back: a scheduler that waits again within it keeps receiving without a
 hand-over. Long enough for a scheduler's gaps between its waits (between two rooms, a few
 milliseconds when the machine is busy): each take-back costs a hand-over on the next wait and makes
-the messages meanwhile take the loop's thread, then a wake (``pdkv bench control``, serial p99 at
-2 ms 1.6-3.2 ms, at 20 ms 1.3-3.0, medians of 6 interleaved runs 2.1 and 1.5). The price: the
-sockets of a scheduler that stopped waiting stay unread for up to ``LEND_SLACK_S + LEND_GRACE_S``
-(30 ms); what they bring it sees at its next poll anyway, and an abort's ack or a heartbeat's
-answer is that much later at most (their deadlines are seconds)."""
+the messages meanwhile take the loop's thread, then a wake (``pdkv bench control --rooms 1000``
+run with this constant at 2 and at 20 ms: serial p99 1.6-3.2 and 1.3-3.0 ms, medians of 6
+interleaved runs 2.1 and 1.5). The price: the sockets of a scheduler that stopped waiting stay
+unread for up to ``LEND_SLACK_S + LEND_GRACE_S`` (30 ms); what they bring it sees at its next poll
+anyway, and an abort's ack or a heartbeat's answer is that much later at most (their deadlines are
+seconds)."""
 
 LEND_SLACK_S = 0.01
 """A borrower that leaves its wait more than this before the wait's planned end tells the loop at
