@@ -41,11 +41,12 @@ class _Owner:
 
 @given(
     regions=st.lists(st.tuples(st.integers(1, 60), st.integers(1, 20)), max_size=6),
-    blocks=st.lists(st.tuples(st.integers(0, 1500), st.integers(0, 40)), min_size=1, max_size=30),
+    blocks=st.lists(st.tuples(st.integers(0, 1500), st.integers(0, 40)), min_size=1, max_size=80),
 )
 def test_region_table_matches_a_byte_by_byte_check(
     regions: list[tuple[int, int]], blocks: list[tuple[int, int]]
 ) -> None:
+    """Both ways of checking: block by block up to ``SMALL_ARRAY`` blocks, numpy over more."""
     table = RegionTable()
     covered: set[int] = set()
     owner = _Owner()
@@ -69,6 +70,23 @@ def test_region_table_matches_a_byte_by_byte_check(
             expected = index
             break
     assert table.first_outside(addresses, lengths) == expected
+
+
+@pytest.mark.parametrize("copies", [1, 40], ids=["short", "numpy"])
+def test_region_table_edges_of_a_region(copies: int) -> None:
+    """A block that ends at a region's end is inside, one byte more is not, nor one a byte before its
+    start; a zero-length block is never outside (both paths: up to ``SMALL_ARRAY`` blocks and over)."""
+    table = RegionTable()
+    table.add(Registration(_Owner(), MemoryRegion(1000, 100), None))
+    table.add(Registration(_Owner(), MemoryRegion(1200, 100), None))
+    inside = [(1000, 100), (1099, 1), (1200, 100), (5000, 0), (0, 0)]
+    for bad in [(1099, 2), (999, 1), (1100, 1), (1150, 60), (1299, 2)]:
+        blocks = inside * copies + [bad] + inside
+        addresses = np.array([a for a, _ in blocks], dtype=np.int64)
+        lengths = np.array([n for _, n in blocks], dtype=np.int64)
+        assert table.first_outside(addresses, lengths) == len(inside) * copies, bad
+    everything = np.array([a for a, _ in inside * copies]), np.array([n for _, n in inside * copies])
+    assert table.first_outside(*everything) == -1
 
 
 def test_region_table_reports_overlap() -> None:

@@ -33,6 +33,7 @@ a new lane.
 from __future__ import annotations
 
 import abc
+import bisect
 import threading
 import time
 from collections import deque
@@ -61,7 +62,7 @@ from pdkv.engine.backend import (
     UnregisteredMemoryError,
     WaitResult,
 )
-from pdkv.mapping._arrays import all_true
+from pdkv.mapping._arrays import SMALL_ARRAY, all_true
 from pdkv.mapping.blocks import IntArray, TransferBlocks
 from pdkv.mapping.layout import TensorLike
 
@@ -73,6 +74,14 @@ class RegionSnapshot:
 
     starts: IntArray
     ends: IntArray
+    _start_list: list[int] = attrs.field(init=False, repr=False, eq=False)
+    _end_list: list[int] = attrs.field(init=False, repr=False, eq=False)
+
+    def __attrs_post_init__(self) -> None:
+        # The same ranges as lists, for the short block arrays of small rooms: a bisect per block
+        # there costs less than numpy's fixed cost per call (``SMALL_ARRAY``).
+        object.__setattr__(self, "_start_list", self.starts.tolist())
+        object.__setattr__(self, "_end_list", self.ends.tolist())
 
     @classmethod
     def of(cls, ranges: Iterable[tuple[int, int]]) -> RegionSnapshot:
@@ -91,6 +100,8 @@ class RegionSnapshot:
         if self.starts.size == 0:
             nonzero = np.flatnonzero(lengths > 0)
             return int(nonzero[0]) if nonzero.size else -1
+        if addresses.size <= SMALL_ARRAY:
+            return self._first_outside_short(addresses.tolist(), lengths.tolist())
         # Ranges do not overlap, so the only candidate is the last one starting at or before addr.
         slot = np.searchsorted(self.starts, addresses, side="right") - 1
         inside = (slot >= 0) & (addresses + lengths <= self.ends[np.maximum(slot, 0)])
@@ -98,6 +109,15 @@ class RegionSnapshot:
             return -1
         bad = np.flatnonzero(~inside & (lengths > 0))
         return int(bad[0]) if bad.size else -1
+
+    def _first_outside_short(self, addresses: list[int], lengths: list[int]) -> int:
+        """``first_outside`` of a few blocks, block by block (the same rule)."""
+        starts, ends = self._start_list, self._end_list
+        for index, (address, length) in enumerate(zip(addresses, lengths, strict=True)):
+            slot = bisect.bisect_right(starts, address) - 1
+            if length > 0 and (slot < 0 or address + length > ends[slot]):
+                return index
+        return -1
 
 
 class RegionTable:
@@ -608,7 +628,9 @@ class WorkerThreadBackend(abc.ABC, Generic[Token]):
             timeout = max(0.0, timeout)
         if len(handles) == 1 and timeout != 0.0:
             self._complete_inline(handles[0], timeout)
-        wait_futures([h.verdict_future for h in handles], timeout=timeout)
+        futures = [h.verdict_future for h in handles]
+        if not all(f.done() for f in futures):  # (usual for one small batch: completed just above)
+            wait_futures(futures, timeout=timeout)
         now = self._clock()
         outcomes: list[BatchOutcome] = []
         collected: list[int] = []
