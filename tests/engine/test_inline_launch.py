@@ -18,7 +18,8 @@ import pytest
 
 from pdkv.engine import BatchStatus, _alarm, _threaded
 from pdkv.engine._threaded import PieceFailed, PieceJob, WorkerThreadBackend
-from pdkv.engine.backend import BatchHandle, MemoryRegion
+from pdkv.engine.backend import MemoryRegion
+from pdkv.errors.engine import BatchFailedError
 from pdkv.mapping import TransferBlocks
 
 BASE = 1 << 20
@@ -77,7 +78,7 @@ class GatedBackend(WorkerThreadBackend[int]):
         assert self.release.acquire(timeout=10)
         self.completions.append((job.handle.serial, threading.current_thread().name))
 
-    def _completion_bound_s(self, handle: BatchHandle) -> float | None:
+    def _completion_bound_s(self, total_bytes: int) -> float | None:
         return self.bound_s
 
     def _inline_launch_allowed(self, piece: TransferBlocks) -> bool:
@@ -384,3 +385,123 @@ def test_a_piece_behind_a_claimed_one_is_completed_when_the_claimed_one_ends() -
     assert backend.completions[-2] == (held.serial, threading.current_thread().name)
     assert backend.completions[-1][0] == behind.serial
     backend.close()
+
+
+# ------------------------------------------------------------------ write_outcome on the caller's thread
+
+
+def test_write_outcome_launches_and_completes_on_the_callers_thread_without_waking_the_completer() -> None:
+    backend = GatedBackend(bound_s=5.0)
+    _warm_through_the_completer(backend)
+    lane = backend._lanes["peer"]
+    wakes = lane.completer_wakes
+    main = threading.current_thread().name
+    backend.release.release()
+    outcome = backend.write_outcome("peer", _batch(3), timeout=10)
+    assert outcome.ok and outcome.handle.entries == 3 and outcome.seconds >= 0
+    assert backend.launches[-1] == (outcome.handle.serial, main)
+    assert backend.completions[-1] == (outcome.handle.serial, main)
+    assert lane.completer_wakes == wakes  # neither woken nor left a hold to time out
+    time.sleep(0.05)
+    assert lane.completer_wakes == wakes
+    statistics = backend.statistics()
+    assert (statistics.batches_submitted, statistics.batches_completed) == (2, 2)
+    assert (statistics.batches_in_flight, statistics.batches_unwaited) == (0, 0)
+    backend.close()
+
+
+@pytest.mark.parametrize("case", ["first contact", "bound over the timeout", "no bound", "too big"])
+def test_write_outcome_leaves_to_the_lane_what_the_caller_may_not_write_itself(case: str) -> None:
+    """The first contact goes through the launcher (the handshake), as does a piece the engine lets
+    no caller launch; a completion that could outlast the timeout is the completer's."""
+    backend = GatedBackend(bound_s=None if case == "no bound" else 5.0, inline_max_entries=2)
+    if case == "first contact":
+        backend.register_range(BASE, 4096)
+    else:
+        _warm_through_the_completer(backend)
+    timeout = 1.0 if case == "bound over the timeout" else 10.0
+    backend.release.release()
+    outcome = backend.write_outcome("peer", _batch(3 if case == "too big" else 1), timeout=timeout)
+    assert outcome.ok
+    launched_by = dict(backend.launches)[outcome.handle.serial]
+    completed_by = dict(backend.completions)[outcome.handle.serial]
+    if case in ("first contact", "too big"):
+        assert launched_by.endswith("-launch")
+    else:
+        assert completed_by.endswith("-complete")
+    backend.close()
+
+
+def test_write_outcome_behind_a_batch_in_flight_waits_its_turn() -> None:
+    """The lane is busy (a batch launched, not completed): the write queues behind it, and the two
+    complete in launch order."""
+    backend = GatedBackend(bound_s=5.0)
+    _warm(backend)
+    backend.inline_hold_s = 30.0
+    earlier = backend.submit_write("peer", _batch())  # launched inline, held for this thread
+    results: list[object] = []
+    writer = threading.Thread(
+        target=lambda: results.append(backend.write_outcome("peer", _batch(2), timeout=10))
+    )
+    writer.start()
+    time.sleep(0.05)
+    assert writer.is_alive()  # behind the earlier batch, not beside it
+    backend.release.release()
+    backend.release.release()
+    assert backend.wait([earlier], 10).ok
+    writer.join(10)
+    (outcome,) = results
+    assert getattr(outcome, "ok", False)
+    assert [serial for serial, _ in backend.completions[-2:]] == [earlier.serial, earlier.serial + 1]
+    backend.close()
+
+
+@pytest.mark.parametrize("where", ["launch", "completion"])
+def test_a_write_on_the_callers_thread_that_fails_is_its_outcome_and_frees_the_lane(where: str) -> None:
+    backend = GatedBackend(bound_s=5.0, refuse=frozenset({2}) if where == "launch" else frozenset())
+    _warm(backend)
+    if where == "completion":
+
+        def broken(job: PieceJob, token: int) -> None:
+            raise RuntimeError("engine bug")
+
+        backend._complete = broken  # type: ignore[method-assign]
+    outcome = backend.write_outcome("peer", _batch(), timeout=10)
+    assert outcome.handle.serial == 2 and outcome.status is BatchStatus.FAILED
+    assert ("refused" if where == "launch" else "engine bug") in outcome.reason
+    if where == "completion":
+        del backend._complete  # the class's again
+    backend.release.release()
+    assert backend.write_outcome("peer", _batch(), timeout=10).ok  # the lane was given back
+    statistics = backend.statistics()
+    assert (statistics.batches_failed, statistics.batches_completed, statistics.batches_in_flight) == (
+        1,
+        2,
+        0,
+    )
+    backend.refuse = frozenset({4})
+    with pytest.raises(BatchFailedError, match="refused"):
+        backend.write("peer", _batch(), timeout=10)  # write() raises for what write_outcome returns
+    backend.close()
+
+
+def test_close_waits_for_a_write_on_the_callers_thread() -> None:
+    backend = GatedBackend(bound_s=5.0)
+    _warm(backend)
+    results: list[object] = []
+    writer = threading.Thread(
+        target=lambda: results.append(backend.write_outcome("peer", _batch(), timeout=10))
+    )
+    writer.start()
+    deadline = time.monotonic() + 5
+    while len(backend.launches) < 2 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert backend.launches[-1][1] == writer.name  # launched on its thread, now in its completion
+    closer = threading.Thread(target=backend.close)
+    closer.start()
+    time.sleep(0.05)
+    assert closer.is_alive()  # memory stays registered while the write can still touch it
+    backend.release.release()
+    closer.join(10)
+    writer.join(10)
+    assert not closer.is_alive() and getattr(results[0], "ok", False)

@@ -6,6 +6,8 @@ executor or the mapping code.
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from types import TracebackType
 
@@ -28,6 +30,7 @@ from pdkv.engine import (
     TransferBackend,
     WaitResult,
 )
+from pdkv.engine._threaded import PieceJob
 from pdkv.errors import ConfigError
 from pdkv.mapping import TransferBlocks, shape_batches
 from pdkv.mapping.layout import TensorLike
@@ -39,6 +42,8 @@ from pdkv.runtime.executor import (
     TransferExecutor,
 )
 from pdkv.testing.backend_conformance import HostBuffer
+from tests.engine.test_inline_launch import BASE as GATED_BASE
+from tests.engine.test_inline_launch import GatedBackend
 
 PAGE = 1024
 
@@ -157,6 +162,12 @@ class RecordingBackend:
             if outcome.status is not BatchStatus.TIMED_OUT:
                 self.outstanding.discard(outcome.handle.serial)
         return result
+
+    def write_outcome(
+        self, peer: str, batch: TransferBlocks, *, timeout: float | None = None
+    ) -> BatchOutcome:
+        """Through this wrapper's submit and wait, so that each batch is recorded."""
+        return self.wait([self.submit_write(peer, batch)], timeout).outcomes[0]
 
     def write(self, peer: str, batch: TransferBlocks, *, timeout: float | None = None) -> BatchOutcome:
         return self.inner.write(peer, batch, timeout=timeout)
@@ -539,3 +550,92 @@ def test_writes_in_a_timed_out_batch_fail_even_if_it_lands_later(rig_factory: Ri
     stats = rig.loopback.statistics()
     assert stats.bytes_completed == first + second
     assert stats.batches_in_flight == 0 and stats.batches_unwaited == 0
+
+
+# ------------------------------------------------------- one batch, written on the caller's thread
+
+
+def gated_batch(entries: int = 1) -> TransferBlocks:
+    """``entries`` blocks of 8 B inside the gated backend's registered range."""
+    offsets = np.arange(entries, dtype=np.int64) * 8
+    return TransferBlocks(
+        src=GATED_BASE + offsets, dst=offsets, length=np.full(entries, 8), buffer=np.zeros(entries)
+    )
+
+
+def _gated(bound_s: float | None = 5.0, refuse: frozenset[int] = frozenset()) -> GatedBackend:
+    """A backend whose completions wait for the test (``tests.engine.test_inline_launch``), the lane
+    to "peer" reached once (so that a caller may launch on it)."""
+    backend = GatedBackend(bound_s=bound_s, refuse=refuse)
+    backend.register_range(GATED_BASE, 4096)
+    first = backend.submit_write("peer", gated_batch())
+    backend.release.release()
+    assert backend.wait([first], 10).ok
+    return backend
+
+
+def test_a_one_batch_transfer_is_written_and_waited_on_the_callers_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    backend = _gated()
+    lane = backend._lanes["peer"]
+    ran_here: list[int] = []
+    run_here = lane.run_here
+
+    def spied(job: PieceJob) -> str | None:
+        ran_here.append(job.handle.serial)
+        return run_here(job)
+
+    monkeypatch.setattr(lane, "run_here", spied)
+    backend.release.release()
+    result = TransferExecutor(backend).transfer("peer", gated_batch(3))
+    main = threading.current_thread().name
+    assert result.ok and (result.batches, result.bytes_written, result.bytes_requested) == (1, 24, 24)
+    assert ran_here == [2]  # one call into the backend: no hold, no claim, no lane thread
+    assert backend.launches[-1] == (2, main) and backend.completions[-1] == (2, main)
+    backend.close()
+
+
+def test_a_one_batch_transfer_that_fails_on_the_callers_thread_reports_it() -> None:
+    backend = _gated(refuse=frozenset({2}))
+    result = TransferExecutor(backend).transfer("peer", gated_batch(3))
+    assert result.status is JobStatus.FAILED and "refused" in result.reason
+    assert (result.batches, result.failed_batch, result.bytes_written, result.batches_in_flight) == (
+        1,
+        0,
+        0,
+        0,
+    )
+    backend.close()
+
+
+def test_a_one_batch_transfer_past_its_budget_is_timed_out_and_drained_before_it_returns() -> None:
+    """The engine's bound (5 s) is over the job's budget: the lane's threads write it, the wait runs
+    out, and transfer() still waits for the batch before it says TIMED_OUT (memory stays untouched
+    by a write the caller no longer expects)."""
+    backend = _gated()
+    released: list[float] = []
+
+    def release_later() -> None:
+        time.sleep(0.4)
+        released.append(time.monotonic())
+        backend.release.release()
+
+    releaser = threading.Thread(target=release_later)
+    releaser.start()
+    result = TransferExecutor(backend, ExecutorConfig(timeout_s=0.1)).transfer("peer", gated_batch())
+    returned = time.monotonic()
+    releaser.join(10)
+    assert result.status is JobStatus.TIMED_OUT and result.batches_in_flight == 0
+    assert "not finished in time" in result.reason and released and released[0] <= returned
+    backend.close()
+
+
+def test_a_transfer_that_shapes_into_several_batches_keeps_the_job_path() -> None:
+    backend = _gated()
+    for _ in range(2):
+        backend.release.release()
+    result = TransferExecutor(backend, ExecutorConfig(max_entries=2)).transfer("peer", gated_batch(3))
+    assert result.ok and result.batches == 2 and result.bytes_written == 24
+    assert [serial for serial, _ in backend.launches] == [1, 2, 3]
+    backend.close()

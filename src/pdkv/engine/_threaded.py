@@ -259,6 +259,57 @@ class _PeerLane(Generic[Token]):
         """Launch a piece ``put`` reserved, on the caller's thread."""
         self._launch_one(job, inline=True)
 
+    def reserve_here(self, entries: int) -> bool:
+        """Take the lane for one piece its caller launches and completes itself (``run_here``): only
+        when it is idle (nothing queued, launching, launched or completing), has reached the peer
+        before, and the budget holds ``entries``. Pieces queued meanwhile wait for it, in order."""
+        with self._changed:
+            if (
+                self._queued
+                or self._launching
+                or self._launched
+                or self._completing
+                or self._stopping
+                or not self._contacted
+                or self._used + entries > self._budget
+            ):
+                return False
+            self._launching = self._completing = True  # neither lane thread touches the lane now
+            self._used += entries
+            return True
+
+    def run_here(self, job: PieceJob) -> str | None:
+        """Launch and complete a piece ``reserve_here`` took the lane for, on the caller's thread; its
+        failure, or None when it landed. The lane is released whatever happens."""
+        failure: str | None = None
+        try:
+            try:
+                token = self._backend._launch(job)
+            except PieceFailed as exc:
+                return str(exc)
+            except Exception as exc:  # an engine bug fails the batch, not the lane
+                return f"backend error while launching: {exc!r}"
+            finally:
+                with self._changed:
+                    self._launching = False  # what was queued meanwhile may launch (after this one)
+                    if self._queued:
+                        self._changed.notify_all()
+            try:
+                self._backend._complete(job, token)
+            except PieceFailed as exc:
+                failure = str(exc)
+            except Exception as exc:
+                failure = f"backend error while completing: {exc!r}"
+            return failure
+        finally:
+            with self._changed:
+                self._completing = False
+                self._used -= len(job.piece)
+                if self._launched or self._launcher_done:  # launched meanwhile, or the end
+                    self._alarm.ring()
+                if self._queued:  # the launcher may be waiting for these entries
+                    self._changed.notify_all()
+
     def idle(self) -> bool:
         """Nothing queued, launching, launched or holding budget (``_changed`` held)."""
         return (
@@ -487,9 +538,10 @@ class WorkerThreadBackend(abc.ABC, Generic[Token]):
         never waits for a long transfer)."""
         return True
 
-    def _completion_bound_s(self, handle: BatchHandle) -> float | None:
-        """The longest ``_complete`` can block for this batch (the engine's own timeout), or None
-        when nothing bounds it: then no waiter with a timeout completes a piece itself."""
+    def _completion_bound_s(self, total_bytes: int) -> float | None:
+        """The longest ``_complete`` can block for a batch of ``total_bytes`` (the engine's own
+        timeout), or None when nothing bounds it: then no waiter with a timeout completes a piece
+        itself."""
         return None
 
     @abc.abstractmethod
@@ -545,7 +597,8 @@ class WorkerThreadBackend(abc.ABC, Generic[Token]):
 
     # ------------------------------------------------------------------------------ batches
 
-    def submit_write(self, peer: str, batch: TransferBlocks) -> BatchHandle:
+    def _check_batch(self, peer: str, batch: TransferBlocks) -> None:
+        """The caller's mistakes, refused before anything is submitted."""
         if not isinstance(peer, str) or not peer:
             raise InvalidBatchError(f"peer must be a non-empty session id, got {peer!r}")
         outside = self._regions.first_outside(batch.src, batch.length)
@@ -558,6 +611,70 @@ class WorkerThreadBackend(abc.ABC, Generic[Token]):
                 address=address,
                 length=length,
             )
+
+    def write_outcome(
+        self, peer: str, batch: TransferBlocks, *, timeout: float | None = None
+    ) -> BatchOutcome:
+        """Submit ``batch`` and wait for it, on this thread when it can be (``_write_here``), else as
+        ``submit_write`` then ``wait``; its outcome, whatever it is."""
+        self._check_batch(peer, batch)
+        here = self._write_here(peer, batch, timeout)
+        if here is not None:
+            return here
+        return self.wait([self._submit(peer, batch)], timeout).outcomes[0]
+
+    def write(self, peer: str, batch: TransferBlocks, *, timeout: float | None = None) -> BatchOutcome:
+        outcome = self.write_outcome(peer, batch, timeout=timeout)
+        WaitResult((outcome,)).raise_for_status()
+        return outcome
+
+    def _write_here(self, peer: str, batch: TransferBlocks, timeout: float | None) -> BatchOutcome | None:
+        """``write_outcome`` with neither lane thread: the caller launches and completes the batch
+        itself, no hold, no alarm, no hand-over of the piece (``_PeerLane.run_here``). Only for one
+        engine submission of non-empty blocks that the calling thread may launch, to a peer whose lane
+        is idle and has reached it before, when the engine's bound on the completion fits
+        ``timeout`` (a write never outlasts its timeout). None, with nothing submitted, otherwise
+        (``_check_batch`` passed)."""
+        entries = len(batch)
+        if not 0 < entries <= self._max_entries:
+            return None
+        if not all_true(batch.length) or not self._inline_launch_allowed(batch):
+            return None
+        total_bytes = batch.total_bytes
+        if timeout is not None:
+            bound = self._completion_bound_s(total_bytes)
+            if bound is None or bound > timeout:
+                return None
+        with self._lock:
+            if self._closed:
+                raise BackendClosedError(f"backend {self.session_id} is closed")
+            lane = self._lanes.get(peer)
+            # Inside the lock, as in submit_write: close() cannot stop the lane before it is taken.
+            if lane is None or not lane.reserve_here(entries):
+                return None
+            self._serial += 1
+            handle = BatchHandle(
+                serial=self._serial,
+                peer=peer,
+                entries=entries,
+                total_bytes=total_bytes,
+                submitted_at=self._clock(),
+                owner=self,
+                verdict=Future(),
+            )
+            self._in_flight += 1
+        failure = lane.run_here(PieceJob(handle, batch, 0, 1, _BatchProgress(handle, 1)))
+        status = BatchStatus.COMPLETED if failure is None else BatchStatus.FAILED
+        self._finish(handle, status, failure or "")
+        finished_at = handle.verdict_future.result().finished_at
+        return BatchOutcome(handle, status, failure or "", finished_at - handle.submitted_at)
+
+    def submit_write(self, peer: str, batch: TransferBlocks) -> BatchHandle:
+        self._check_batch(peer, batch)
+        return self._submit(peer, batch)
+
+    def _submit(self, peer: str, batch: TransferBlocks) -> BatchHandle:
+        """``submit_write`` once ``_check_batch`` passed."""
         moving = batch
         # TransferBlocks lengths are never negative, so "all non-zero" (one reduction, no temporary
         # array) is "all positive".
@@ -661,7 +778,7 @@ class WorkerThreadBackend(abc.ABC, Generic[Token]):
         if handle.verdict_future.done():
             return
         if timeout is not None:
-            bound = self._completion_bound_s(handle)
+            bound = self._completion_bound_s(handle.total_bytes)
             if bound is None or bound > timeout:
                 return
         with self._lock:
@@ -669,11 +786,6 @@ class WorkerThreadBackend(abc.ABC, Generic[Token]):
         claimed = lane.claim(handle) if lane is not None else None
         if claimed is not None and lane is not None:
             lane.complete_claimed(*claimed)
-
-    def write(self, peer: str, batch: TransferBlocks, *, timeout: float | None = None) -> BatchOutcome:
-        result = self.wait([self.submit_write(peer, batch)], timeout)
-        result.raise_for_status()
-        return result.outcomes[0]
 
     def _retire_lane(self, lane: _PeerLane[Token]) -> None:
         """A lane's launcher found it idle: drop it from the table and end its threads, unless a

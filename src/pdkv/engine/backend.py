@@ -265,8 +265,17 @@ class TransferBackend(Protocol):
         """Wait until every handle finished or ``timeout`` seconds passed (None: no limit)."""
         ...
 
+    def write_outcome(
+        self, peer: str, batch: TransferBlocks, *, timeout: float | None = None
+    ) -> BatchOutcome:
+        """Submit and wait (``wait``'s ``timeout``); the outcome, whatever it is. A backend may move
+        a small batch on the calling thread here, without its own threads: ``submit_write`` then
+        ``wait`` is always a correct implementation. A TIMED_OUT batch may still write: wait for its
+        handle before the memory is reused."""
+        ...
+
     def write(self, peer: str, batch: TransferBlocks, *, timeout: float | None = None) -> BatchOutcome:
-        """Submit and wait; raises ``BatchFailedError`` / ``BatchTimedOutError`` unless COMPLETED."""
+        """``write_outcome``; raises ``BatchFailedError`` / ``BatchTimedOutError`` unless COMPLETED."""
         ...
 
     def statistics(self) -> BackendStatistics: ...

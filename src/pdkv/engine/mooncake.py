@@ -63,7 +63,7 @@ from pdkv import config
 from pdkv.engine import sockets
 from pdkv.engine._pacing import CompletionPacer, PacingConfig
 from pdkv.engine._threaded import PieceFailed, PieceJob, WorkerThreadBackend
-from pdkv.engine.backend import BatchHandle, MemoryRegion, RegistrationError
+from pdkv.engine.backend import MemoryRegion, RegistrationError
 from pdkv.errors import ConfigError, EngineUnavailableError, TransferError
 from pdkv.errors.engine import EngineInitError as EngineInitError
 
@@ -515,10 +515,10 @@ class MooncakeBackend(WorkerThreadBackend[LaunchedPiece]):
                 "MC_TRANSFER_TIMEOUT exceeded"
             )
 
-    def _completion_bound_s(self, handle: BatchHandle) -> float:
+    def _completion_bound_s(self, total_bytes: int) -> float:
         """The engine fails a batch after about its bytes in ns plus its transfer timeout; a pacing
         sleep and scheduling get a few seconds more."""
-        return handle.total_bytes * 1e-9 + self._engine_timeout_s + _COMPLETION_SLACK_S
+        return total_bytes * 1e-9 + self._engine_timeout_s + _COMPLETION_SLACK_S
 
     def _engine_close(self) -> None:
         # The binding has no shutdown call; dropping the last reference runs the engine's destructor.

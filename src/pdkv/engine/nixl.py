@@ -80,7 +80,6 @@ from pdkv.engine import sockets
 from pdkv.engine._threaded import PieceFailed, PieceJob, WorkerThreadBackend
 from pdkv.engine.backend import (
     BackendClosedError,
-    BatchHandle,
     MemoryRegion,
     Registration,
     RegistrationError,
@@ -884,7 +883,7 @@ class NixlBackend(WorkerThreadBackend[LaunchedWrite]):
         if peer is not None:
             peer.loaded = False
 
-    def _completion_bound_s(self, handle: BatchHandle) -> float:
+    def _completion_bound_s(self, total_bytes: int) -> float:
         return self.config.transfer_timeout_s + 5.0
 
     # ------------------------------------------------------------------------- progress

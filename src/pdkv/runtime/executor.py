@@ -31,6 +31,9 @@ Rules it keeps:
   write in that batch; ``bytes_written`` counts exactly the bytes in COMPLETED batches. Jobs
   towards different peers run at the same time; nothing is waited for that was not already given
   (no timer holds a lone write back).
+- One batch (``transfer`` of blocks that shape into a single engine batch, unstaged): written with
+  the backend's ``write_outcome``, which may move it on the calling thread without handing it to
+  the backend's own threads (a small chunk's whole write: one call in, one outcome out).
 - Per-layer use: ``job = executor.start(peer)``, ``job.submit(layer_blocks)`` as each layer becomes
   ready, ``job.finish()`` once after the last layer. ``submit`` blocks only while the job is full;
   a caller that must never block (a forward thread) hands layers to a transfer worker instead.
@@ -53,7 +56,7 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import Final
 
@@ -223,13 +226,23 @@ class TransferJob:
         for a staged write, while a piece waits for staging space)."""
         if self._finish_called:
             raise JobFinishedError(f"transfer to {self.peer} already finished; start a new job")
+        pool = self._staging
+        self._submit_planned(blocks, pool.plan(blocks) if pool is not None else None)
+
+    def _submit_planned(
+        self,
+        blocks: TransferBlocks,
+        pieces: Iterator[StagedPiece] | None,
+        shaped: list[TransferBlocks] | None = None,
+    ) -> None:
+        """``submit`` with the staging pool's plan of ``blocks`` made (None: unstaged), and for
+        unstaged blocks perhaps their shaping too (``shaped``)."""
         self._bytes_requested += blocks.total_bytes
         if self._failure is not None:
             return  # the job failed: sending more would only write into pages nobody will read
         pool = self._staging
-        pieces = pool.plan(blocks) if pool is not None else None
         if pool is None or pieces is None:
-            self._submit_blocks(blocks, None)
+            self._submit_blocks(blocks, None, shaped)
             return
         for piece in pieces:
             if self._stopped():
@@ -284,13 +297,10 @@ class TransferJob:
             pool.wait_for_space(min(remaining, 0.1), first=not waited)
             waited = True
 
-    def _submit_blocks(self, blocks: TransferBlocks, lease: StagingLease | None) -> None:
-        batches = shape_batches(
-            blocks,
-            max_entries=self._max_entries,
-            slice_bytes=self._config.slice_bytes,
-            max_batch_bytes=self._config.max_batch_bytes,
-        )
+    def _submit_blocks(
+        self, blocks: TransferBlocks, lease: StagingLease | None, shaped: list[TransferBlocks] | None = None
+    ) -> None:
+        batches = self._shape(blocks) if shaped is None else shaped
         for batch in batches:
             self._reap_finished()
             # self.failed, not self._failure: the calls above change it (mypy would narrow the field).
@@ -309,6 +319,48 @@ class TransferJob:
             self._batch_bytes.append(handle.total_bytes)
             self._completed.append(False)
             self._batches += 1
+
+    def _shape(self, blocks: TransferBlocks) -> list[TransferBlocks]:
+        return shape_batches(
+            blocks,
+            max_entries=self._max_entries,
+            slice_bytes=self._config.slice_bytes,
+            max_batch_bytes=self._config.max_batch_bytes,
+        )
+
+    def write_all(self, blocks: TransferBlocks) -> TransferResult:
+        """``submit(blocks)`` then ``finish()`` for a job given nothing before: blocks that shape into
+        one engine batch (and are not staged) go through the backend's ``write_outcome``, the rest
+        as ``submit`` and ``finish`` do. The result is the same either way."""
+        if self._finish_called:
+            raise JobFinishedError(f"transfer to {self.peer} already finished; start a new job")
+        pool = self._staging
+        pieces = pool.plan(blocks) if pool is not None else None
+        direct = pieces is None and not self._batches and self._failure is None
+        batches = self._shape(blocks) if direct else []
+        if len(batches) != 1:
+            self._submit_planned(blocks, pieces, batches if direct else None)
+            return self.finish()
+        self._finish_called = True
+        self._bytes_requested += blocks.total_bytes
+        remaining = max(0.0, self._deadline - self._clock())
+        try:
+            outcome = self._backend.write_outcome(self.peer, batches[0], timeout=remaining)
+        except TransferError as exc:
+            self._fail(0, JobStatus.FAILED, f"refused at submission: {exc}")
+            return self._result()
+        if pool is not None:  # an unstaged batch: its peer's drain point for quarantined staging
+            pool.watch(outcome.handle, None)
+        submitted = _Submitted(0, outcome.handle)
+        self._batch_bytes.append(outcome.handle.total_bytes)
+        self._completed.append(False)
+        self._batches = 1
+        if outcome.status is BatchStatus.TIMED_OUT:  # still in flight: drain() waits for it
+            self._in_flight.append(submitted)
+            self._fail(0, JobStatus.TIMED_OUT, "not finished in time: 1 batches")
+        else:
+            self._record(submitted, outcome)
+        return self._result()
 
     def finish(self, timeout: float | None = None) -> TransferResult:
         """Wait for every submitted batch within the job budget (and ``timeout`` if given); report.
@@ -479,8 +531,7 @@ class TransferExecutor:
         """The monolithic path: submit every block, wait for all, report."""
         job = self.start(peer, timeout_s=timeout_s)
         with job:
-            job.submit(blocks)
-            result = job.finish()
+            result = job.write_all(blocks)
             # Never hand back a result while batches may still write: the caller would free memory.
             return job.drain() if result.batches_in_flight else result
 

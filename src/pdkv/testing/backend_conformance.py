@@ -22,6 +22,7 @@ import functools
 import hashlib
 import multiprocessing
 import multiprocessing.connection
+import threading
 from collections.abc import Callable, Iterator
 from multiprocessing.process import BaseProcess
 from typing import Protocol
@@ -33,6 +34,7 @@ import numpy.typing as npt
 from pdkv.engine.backend import (
     BackendClosedError,
     BatchFailedError,
+    BatchHandle,
     BatchStatus,
     MemoryRegion,
     Registration,
@@ -787,6 +789,47 @@ def case_concurrent_batches(pair: BackendPair) -> None:
         pair.peer.release(region)
 
 
+def case_writes_beside_batches_in_flight(pair: BackendPair) -> None:
+    """``write_outcome`` of small batches, alone and while submitted batches are in flight from
+    another thread, lands every one (a backend may write them on the calling thread)."""
+    rng = np.random.default_rng(9)
+    writes, block_bytes, blocks = 24, 64, 3
+    nbytes = writes * blocks * block_bytes
+    source = _random_bytes(rng, nbytes)
+    region = pair.peer.allocate(nbytes, fill=0xAB)
+    peer = pair.peer.session_id
+
+    def batch(n: int) -> TransferBlocks:
+        offsets = [(n * blocks + i) * block_bytes for i in range(blocks)]
+        return _blocks(
+            [source.address(o) for o in offsets],
+            [region.address + o for o in offsets],
+            [block_bytes] * blocks,
+        )
+
+    try:
+        with pair.sender.register(source):
+            submitted: list[BatchHandle] = []
+
+            def submit_half() -> None:
+                for n in range(1, writes, 2):
+                    submitted.append(pair.sender.submit_write(peer, batch(n)))
+
+            submitter = threading.Thread(target=submit_half)
+            submitter.start()
+            outcomes = [
+                pair.sender.write_outcome(peer, batch(n), timeout=BATCH_WAIT_S) for n in range(0, writes, 2)
+            ]
+            submitter.join(BATCH_WAIT_S)
+            result = pair.sender.wait(submitted, BATCH_WAIT_S)
+            failed = {o.reason for o in (*outcomes, *result.outcomes) if not o.ok}
+            _expect(not failed and len(submitted) == writes // 2, f"writes failed: {failed}")
+            _expect(all(o.handle.entries == blocks for o in outcomes), "a write's handle counts its entries")
+        _expect_image(pair.peer, region, source.array, "writes beside batches in flight")
+    finally:
+        pair.peer.release(region)
+
+
 def case_unregistered_destination_fails(pair: BackendPair) -> None:
     """A destination outside the peer's registered memory fails the batch with a typed error."""
     source = HostBuffer(8192, fill=7)
@@ -966,6 +1009,7 @@ CASES: tuple[ConformanceCase, ...] = tuple(
         case_many_small_blocks,
         case_oversized_batch_is_split,
         case_concurrent_batches,
+        case_writes_beside_batches_in_flight,
         case_unregistered_destination_fails,
         case_unregistered_source_rejected,
         case_unknown_peer_fails,

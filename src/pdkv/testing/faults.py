@@ -334,8 +334,16 @@ class FaultyBackend:
                 outcomes.append(next(inner))
         return WaitResult(tuple(outcomes))
 
-    def write(self, peer: str, batch: TransferBlocks, *, timeout: float | None = None) -> BatchOutcome:
+    def write_outcome(
+        self, peer: str, batch: TransferBlocks, *, timeout: float | None = None
+    ) -> BatchOutcome:
+        """Through this wrapper's own submit and wait, so that its faults apply."""
         return self.wait([self.submit_write(peer, batch)], timeout).outcomes[0]
+
+    def write(self, peer: str, batch: TransferBlocks, *, timeout: float | None = None) -> BatchOutcome:
+        outcome = self.write_outcome(peer, batch, timeout=timeout)
+        WaitResult((outcome,)).raise_for_status()
+        return outcome
 
     def statistics(self) -> BackendStatistics:
         return self._inner.statistics()
