@@ -21,6 +21,10 @@ outlasts the timeout it was given; the completer leaves a piece launched inline 
 alarm is set for the end of the hold and the submitter's claim turns it off
 (``pdkv.engine._alarm``), so a piece its submitter completes costs the completer no wake-up, and one
 it does not come for is taken when the hold ends. Completions stay in launch order: one at a time.
+``write_outcome`` (submit and wait in one call) goes further for a batch that is one piece: on an
+idle lane that has reached the peer, with the engine's bound within its timeout, the caller takes
+the lane, launches and completes the piece itself and gives the lane back (``_PeerLane.reserve_here``
+and ``run_here``): no hold, no alarm, no claim; pieces queued meanwhile wait behind it, in order.
 One waiting thread per peer matters: Mooncake's status call spins while it waits, so one waiter per
 batch in flight would burn a core each. Pieces of a batch after a failed one are not launched;
 pieces already launched are still waited for, so no engine batch is ever left unwaited. Neither
