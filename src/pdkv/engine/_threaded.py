@@ -285,7 +285,6 @@ class _PeerLane(Generic[Token]):
     def run_here(self, job: PieceJob) -> str | None:
         """Launch and complete a piece ``reserve_here`` took the lane for, on the caller's thread; its
         failure, or None when it landed. The lane is released whatever happens."""
-        failure: str | None = None
         try:
             try:
                 token = self._backend._launch(job)
@@ -298,13 +297,7 @@ class _PeerLane(Generic[Token]):
                     self._launching = False  # what was queued meanwhile may launch (after this one)
                     if self._queued:
                         self._changed.notify_all()
-            try:
-                self._backend._complete(job, token)
-            except PieceFailed as exc:
-                failure = str(exc)
-            except Exception as exc:
-                failure = f"backend error while completing: {exc!r}"
-            return failure
+            return self._completion_failure(job, token)
         finally:
             with self._changed:
                 self._completing = False
@@ -453,15 +446,19 @@ class _PeerLane(Generic[Token]):
         """Complete a piece ``claim`` returned, on the caller's thread."""
         self._complete_one(job, token)
 
-    def _complete_one(self, job: PieceJob, token: Token) -> None:
-        """Wait for a launched piece (``_completing`` set by the taker); clears ``_completing``."""
-        failure: str | None = None
+    def _completion_failure(self, job: PieceJob, token: Token) -> str | None:
+        """Wait for a launched piece (the backend's ``_complete``): its failure, None when it landed."""
         try:
             self._backend._complete(job, token)
         except PieceFailed as exc:
-            failure = str(exc)
-        except Exception as exc:
-            failure = f"backend error while completing: {exc!r}"
+            return str(exc)
+        except Exception as exc:  # an engine bug fails the batch, not the lane
+            return f"backend error while completing: {exc!r}"
+        return None
+
+    def _complete_one(self, job: PieceJob, token: Token) -> None:
+        """Wait for a launched piece (``_completing`` set by the taker); clears ``_completing``."""
+        failure = self._completion_failure(job, token)
         with self._changed:
             self._completing = False
             if self._launched or self._launcher_done:  # what waited behind this one, or the end
