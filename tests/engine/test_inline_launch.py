@@ -505,3 +505,17 @@ def test_close_waits_for_a_write_on_the_callers_thread() -> None:
     closer.join(10)
     writer.join(10)
     assert not closer.is_alive() and getattr(results[0], "ok", False)
+
+
+@pytest.mark.parametrize("timeout", [-1.0, float("nan")], ids=["negative", "nan"])
+def test_write_outcome_takes_a_timeout_as_wait_does(timeout: float) -> None:
+    """A negative or NaN timeout is no time at all, as for ``wait``: the write is not made on the
+    caller's thread (it would wait for the engine), the outcome is TIMED_OUT at once and the batch is
+    still there to wait for."""
+    backend = GatedBackend(bound_s=5.0)
+    _warm(backend)
+    outcome = backend.write_outcome("peer", _batch(), timeout=timeout)
+    assert outcome.status is BatchStatus.TIMED_OUT  # at once: made here, it would wait for the release
+    backend.release.release()
+    assert backend.wait([outcome.handle], 10).ok
+    backend.close()

@@ -302,6 +302,11 @@ def test_aux_pairs_by_key_not_by_position() -> None:
     assert pair_buffers(local, peer, [BufferKind.AUX]).peer_buffer.tolist() == [2]
     with pytest.raises(MappingError, match="row 4 is past the end of 1 local buffer"):
         aux_blocks(4, 0, local, peer)
+    assert aux_blocks(0, 7, local, peer).dst.tolist() == [300_448]  # the peer's last row
+    with pytest.raises(
+        MappingError, match=r"row 8 is past the end of 1 peer buffer.*runs: 1 covering 1 rows"
+    ):
+        aux_blocks(0, 8, local, peer)
 
 
 def test_identity_cache_never_serves_a_previous_layout() -> None:

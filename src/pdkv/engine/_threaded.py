@@ -644,7 +644,7 @@ class WorkerThreadBackend(abc.ABC, Generic[Token]):
         total_bytes = batch.total_bytes
         if timeout is not None:
             bound = self._completion_bound_s(total_bytes)
-            if bound is None or bound > timeout:
+            if bound is None or bound > max(0.0, timeout):  # as wait() takes it (a NaN is 0 there)
                 return None
         with self._lock:
             if self._closed:

@@ -192,6 +192,13 @@ def cached_pairs(local: BufferLayout, peer: BufferLayout, kinds: frozenset[Buffe
 def _check_capacity(runs: PageRuns, pairs: BufferPairs, what: str) -> None:
     src_end = int_max(runs.src_start + runs.length)
     dst_end = int_max(runs.dst_start + runs.length)
+    _check_ends(src_end, dst_end, pairs, what, runs=len(runs), asked=runs.num_pages)
+
+
+def _check_ends(src_end: int, dst_end: int, pairs: BufferPairs, what: str, *, runs: int, asked: int) -> None:
+    """Every buffer of ``pairs`` holds items up to ``src_end`` here and ``dst_end`` at the peer
+    (exclusive): else a ``MappingError`` naming the first short buffer; ``runs`` and ``asked`` (the
+    items they cover) describe what was asked for."""
     if src_end <= pairs.min_src_items and dst_end <= pairs.min_dst_items:
         return
     short_src = np.flatnonzero(pairs.src_items < src_end)
@@ -206,7 +213,7 @@ def _check_capacity(runs: PageRuns, pairs: BufferPairs, what: str) -> None:
         raise MappingError(
             f"{what} {end - 1} is past the end of {short.size} {side} buffer(s); first: buffer "
             f"#{int(pairs.buffer[first])} (layer {int(pairs.layer_id[first])}) holds {int(items[first])} "
-            f"{what}s; runs: {len(runs)} covering {runs.num_pages} {what}s"
+            f"{what}s; runs: {runs} covering {asked} {what}s"
         )
 
 
@@ -290,7 +297,5 @@ def aux_blocks(
     dst = check_int(dst_row, "dst_row", minimum=0)
     pairs = cached_pairs(src_layout, dst_layout, _AUX_KINDS)
     _require_buffers(pairs, 1, "aux row")
-    if src < pairs.min_src_items and dst < pairs.min_dst_items:  # _check_capacity's own fast case
-        return _one_run_blocks(pairs, src, dst, 1)
-    one_row = PageRuns(src_start=[src], dst_start=[dst], length=[1])
-    return runs_to_blocks(one_row, pairs, what="row")
+    _check_ends(src + 1, dst + 1, pairs, "row", runs=1, asked=1)
+    return _one_run_blocks(pairs, src, dst, 1)
