@@ -17,6 +17,8 @@ def test_bench_protocol_prints_sane_json() -> None:
     figures = {r["figure"]: r for r in records}
     assert set(figures) == {
         "codec encode+decode, TransferRequest",
+        "codec decode, 1-page TransferRequest",
+        "codec decode, Success TransferStatus",
         "machine construction (transitions)",
         "trigger (table check + transitions)",
         "room lifecycle, prefill side",
@@ -24,6 +26,7 @@ def test_bench_protocol_prints_sane_json() -> None:
     }
     assert all(r["microseconds"] > 0 for r in records)
     assert "512 pages" in figures["codec encode+decode, TransferRequest"]["note"]
+    assert "once per room" in figures["codec decode, Success TransferStatus"]["note"]
     # A lifecycle fires several triggers and builds machines: it cannot be cheaper than one trigger.
     trigger = figures["trigger (table check + transitions)"]["microseconds"]
     assert figures["room lifecycle, prefill side"]["microseconds"] > trigger

@@ -42,6 +42,7 @@ from pdkv.mapping.layout import (
 )
 from pdkv.mapping.layout_policy import BufferKey
 from pdkv.protocol.codec import (
+    _ORIGINS_KEPT,
     HEADER,
     MAGIC,
     MAX_ARRAY_BYTES,
@@ -50,6 +51,7 @@ from pdkv.protocol.codec import (
     MESSAGE_TYPE_CODES,
     PROTOCOL_VERSION,
     UNEXPECTED_FAILURE,
+    _origins,
     decode,
     encode,
 )
@@ -401,6 +403,38 @@ def test_body_values_out_of_range_are_validation_errors() -> None:
     frames = encode(golden_request())
     frames[2] = b"\xff\xff\xff\xff" + frames[2][4:]
     assert "invalid TransferRequest: indices must be in [0, 2**62)" in rejection(frames)
+
+
+def test_an_origin_seen_before_is_still_checked_field_by_field() -> None:
+    """Decoded origins are kept by their wire values: a value equal to a kept one but of another
+    type (``True == 1``, ``1.0 == 1``) or out of range must still be refused, every time."""
+    good = encode(golden_request())
+    assert decode(good).origin == ORIGIN  # kept: d0, epoch 3, tp1/cp0
+
+    def origin_with(instance: object, epoch: object, tp: object, cp: object) -> Frames:
+        body = body_of(good)
+        body["origin"] = {"instance": instance, "epoch": epoch, "rank": {"tp": tp, "cp": cp}}
+        return with_body(good, body)
+
+    one = origin_with("d0", 1, 1, 0)
+    assert decode(one).origin == Origin(instance=InstanceId("d0"), epoch=Epoch(1), rank=RankCoord(tp=1))
+    for _ in range(2):  # the refusal does not depend on what was decoded before
+        assert "body.origin.epoch must be an int, got bool" in rejection(origin_with("d0", True, 1, 0))
+        assert "body.origin.rank.tp must be an int, got bool" in rejection(origin_with("d0", 3, True, 0))
+        assert "body.origin.rank.cp must be an int, got float" in rejection(origin_with("d0", 3, 1, 0.0))
+        assert "invalid Origin: epoch must be an int in [0," in rejection(origin_with("d0", -1, 1, 0))
+    again = decode(one).origin
+    assert again == decode(one).origin and again.epoch == 1 and type(again.epoch) is int
+
+
+def test_kept_origins_are_bounded() -> None:
+    good = encode(golden_request())
+    for n in range(_ORIGINS_KEPT + 50):
+        body = body_of(good)
+        body["origin"] = {"instance": f"peer-{n}", "epoch": n, "rank": {"tp": 0, "cp": 0}}
+        decoded = decode(with_body(good, body)).origin
+        assert decoded.instance == f"peer-{n}" and decoded.epoch == n
+        assert len(_origins) <= _ORIGINS_KEPT
 
 
 def test_nested_validation_errors_for_layouts_and_routes() -> None:

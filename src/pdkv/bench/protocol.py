@@ -7,6 +7,7 @@ Prints one JSON line per figure on stdout and a table on stderr. Figures are the
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 from collections.abc import Callable, Sequence
 
@@ -75,6 +76,20 @@ def main(argv: Sequence[str]) -> int:
             f"{args.pages} pages, {sum(map(len, frames))} bytes",
         )
     )
+
+    # The two messages of every room, as its receiver decodes them: the decode's request for a
+    # 1-page room (read by the prefill's control path) and the prefill's Success status back.
+    small = TransferRequest(origin=decode_origin, room=RoomId(2), dst_pages=[7], dst_aux_row=3)
+    status = TransferStatus(
+        origin=prefill_origin,
+        room=RoomId(2),
+        outcome=Outcome.SUCCESS,
+        metric=TransferMetricData(pages=1, bytes=73728, seconds=1e-4),
+    )
+    for what, message in (("1-page TransferRequest", small), ("Success TransferStatus", status)):
+        encoded = codec.encode(message)
+        us = best_us(functools.partial(codec.decode, encoded), number=number, repeat=repeat)
+        rows.append((f"codec decode, {what}", us, f"{sum(map(len, encoded))} bytes, once per room"))
 
     construct_us = best_us(lambda: ChunkMachine("bench"), number=number, repeat=repeat)
     # DRAINING --fenced--> DRAINING is a row that keeps the state with no guard or effect: repeatable.

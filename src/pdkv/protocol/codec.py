@@ -454,6 +454,10 @@ class _Fields:
     def path(self, key: str) -> str:
         return f"{self._path}.{key}"
 
+    def raw(self, key: str) -> object:
+        """The value as msgpack gave it, unchecked (the typed reads below check it)."""
+        return self._values[key]
+
     def _wrong(self, key: str, expected: str) -> RemoteProtocolError:
         return _reject(f"{self.path(key)} must be {expected}, got {_kind_of(self._values[key])}")
 
@@ -618,9 +622,36 @@ def _rank(fields: _Fields) -> RankCoord:
     return _validated("RankCoord", lambda: RankCoord(tp=fields.read_int("tp"), cp=fields.read_int("cp")))
 
 
+_ORIGINS_KEPT: Final = 256
+"""Decoded origins kept by their wire values (``_origin``): a rank hears from few peers, and each
+sends its one origin on every message, so the map rarely grows past a handful; when full it is
+emptied, never scanned."""
+
+_origins: dict[tuple[str, int, int, int], Origin] = {}
+
+
+def _origin_key(fields: _Fields) -> tuple[str, int, int, int] | None:
+    """The origin map's values when each has its exact wire type (so that equal keys mean equal
+    values of one type, which validate alike: ``True == 1``, but ``bool`` is not ``int``); None
+    otherwise (the full read then names what is wrong)."""
+    instance, epoch, rank = fields.raw("instance"), fields.raw("epoch"), fields.raw("rank")
+    if type(instance) is not str or type(epoch) is not int or type(rank) is not dict:
+        return None
+    if rank.keys() != _RANK_KEYS:
+        return None
+    tp, cp = rank["tp"], rank["cp"]
+    if type(tp) is not int or type(cp) is not int:
+        return None
+    return instance, epoch, tp, cp
+
+
 def _origin(body: _Fields) -> Origin:
+    """The message's origin; one seen before (same wire values) is the Origin validated then."""
     fields = body.read_map("origin", _ORIGIN_KEYS)
-    return _validated(
+    key = _origin_key(fields)
+    if key is not None and (seen := _origins.get(key)) is not None:
+        return seen
+    origin = _validated(
         "Origin",
         lambda: Origin(
             instance=InstanceId(fields.read_text("instance")),
@@ -628,6 +659,11 @@ def _origin(body: _Fields) -> Origin:
             rank=_rank(fields.read_map("rank", _RANK_KEYS)),
         ),
     )
+    if key is not None:  # only now: an origin that failed validation is never kept
+        if len(_origins) >= _ORIGINS_KEPT:
+            _origins.clear()
+        _origins[key] = origin
+    return origin
 
 
 def _route(fields: _Fields) -> RankRoute:
