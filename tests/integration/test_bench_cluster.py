@@ -38,9 +38,17 @@ def test_bench_control_quick() -> None:
     engine = records["engine"]
     assert engine["batches"] == serial["rooms"]
     assert 0 < float(str(engine["p50_ms"])) <= float(str(engine["p99_ms"]))
+    # The same batches again, each after one serial room's period of idle.
+    paced = records["engine_paced"]
+    assert paced["batches"] == serial["rooms"]
+    assert paced["idle_ms"] == pytest.approx(1000 / float(str(serial["rooms_per_s"])))
+    assert 0 < float(str(paced["p50_ms"])) <= float(str(paced["p99_ms"]))
     for stat in ("p50", "p99"):
         assert summary[f"serial_{stat}_over_engine_ms"] == pytest.approx(
             float(str(serial[f"{stat}_ms"])) - float(str(engine[f"{stat}_ms"]))
+        )
+        assert summary[f"serial_{stat}_over_engine_paced_ms"] == pytest.approx(
+            float(str(serial[f"{stat}_ms"])) - float(str(paced[f"{stat}_ms"]))
         )
     # CPU per room of each process of each mode; the sides' groups add up to their totals.
     cpu = {(r["mode"], r["process"]): r for r in lines if r["kind"] == "cpu_ms_per_room"}
