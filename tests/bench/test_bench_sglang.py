@@ -65,6 +65,7 @@ def test_quick_run_verifies_every_system(capsys: pytest.CaptureFixture[str]) -> 
     assert set(cases) == set(systems)
     for name, record in cases.items():
         assert (record["case"], record["pages"], record["chunks"], record["rounds"]) == ("1", 1, 1, 1)
+        assert record["requests"] == 1  # --quick: one request per small case and round
         assert record["bytes"] == 4 * PAGE
         assert record["engine"] == name.split("/")[1]
         for figure in (
@@ -104,12 +105,22 @@ def _error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
         (["--sglang", "mooncake,tcp"], "--sglang"),
         (["--cases", "4/5"], "--cases"),
         (["--rounds", "0"], "--rounds"),
+        (["--small-repeats", "0"], "--small-repeats"),
     ],
 )
 def test_a_bad_option_exits_naming_it(
     argv: list[str], named: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     assert f"error: {named}" in _error(argv, capsys)
+
+
+def test_small_cases_take_several_requests_per_round_and_large_ones_one() -> None:
+    args, _ = sglang.parse_args([])
+    assert args.small_repeats == 5
+    cases = [Case(pages=1), Case(pages=16), Case(pages=17), Case(pages=128, chunks=4)]
+    assert [sglang.requests_per_round(args, c) for c in cases] == [5, 5, 1, 1]
+    args, _ = sglang.parse_args(["--small-repeats", "2"])
+    assert sglang.requests_per_round(args, Case(pages=16)) == 2
 
 
 def test_auto_engines_follow_what_is_installed_quick_or_not(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -122,7 +133,7 @@ def test_auto_engines_follow_what_is_installed_quick_or_not(monkeypatch: pytest.
     monkeypatch.setattr(sglang, "nixl_problem", lambda: "no libnixl")
     args, cases = sglang.parse_args(["--quick"])
     assert (args.backend, args.sglang) == (["mooncake"], ["mooncake", "nixl"])
-    assert ([c.label for c in cases], args.layers, args.rounds) == (["1"], 4, 1)
+    assert ([c.label for c in cases], args.layers, args.rounds, args.small_repeats) == (["1"], 4, 1, 1)
     # named engines are kept as named, in order, whatever is installed
     args, _ = sglang.parse_args(["--backend", "nixl, mooncake", "--sglang", "nixl"])
     assert (args.backend, args.sglang) == (["nixl", "mooncake"], ["nixl"])
@@ -285,6 +296,7 @@ def _report_args() -> argparse.Namespace:
     return argparse.Namespace(
         layers=4,
         rounds=3,
+        small_repeats=1,
         sglang_tcp_queue=16384,
         sglang_poll_us=100.0,
         sleep_poll=False,
@@ -321,7 +333,8 @@ def test_ratios_pair_each_pdkv_system_with_sglang_on_its_own_engine(
     assert [row[2] for row in rows] == ["sglang/mooncake", "pdkv/mooncake", "sglang/nixl", "pdkv/nixl"]
     assert rows[1][-4:] == ["2.00x", "0.50", "vs", "sglang/mooncake"]
     assert rows[3][-4:] == ["0.50x", "0.25", "vs", "sglang/nixl"]
-    assert len(rows[0]) == len(rows[2]) == 9  # SGLang's rows carry no ratio
+    assert len(rows[0]) == len(rows[2]) == 10  # SGLang's rows carry no ratio
+    assert [row[3] for row in rows] == ["3"] * 4  # n: the requests each figure rests on
 
 
 def test_a_pdkv_system_without_sglang_on_its_engine_gets_no_ratio() -> None:

@@ -16,7 +16,9 @@ process's CPU time (every thread) over the same span and the scheduler thread's 
 request's bytes are checked on the decode (its pages zeroed before, every KV byte and the aux row
 compared after): a wrong byte fails the run. One request per system after warm-up plants a wrong
 byte as a control, which the check must find. The systems run interleaved, one request each per
-size per round, the order turning each round; figures are medians and ranges over the rounds, and
+size per round (``--small-repeats`` each, 5 by default, for sizes of up to 16 pages: a few ms per
+request, whose median over 5 moved too much between runs), the order turning each round; figures
+are medians and ranges over the requests, and
 the ratios are pdkv's speed (SGLang's median / pdkv's) and CPU (pdkv's median / SGLang's), each
 pdkv system against SGLang on its own engine.
 
@@ -454,9 +456,21 @@ class Run:
         return not self.failures and not self.missing_controls()
 
 
+SMALL_CASE_PAGES = 16
+"""Cases of up to this many pages take ``--small-repeats`` requests per system per round."""
+
+
+def requests_per_round(args: argparse.Namespace, case: Case) -> int:
+    """Measured requests per system of ``case`` in one round: ``--small-repeats`` for a small case
+    (its requests take milliseconds, and a median of 5 over a spread of 3-12 ms at one page moved
+    the ratio by 0.5x from run to run), else one."""
+    return int(args.small_repeats) if case.pages <= SMALL_CASE_PAGES else 1
+
+
 def measure(args: argparse.Namespace, run: Run) -> None:
     """Warm-up rounds, one control per system, then the measured rounds: every system once per size
-    per round, the systems' order turning each round. One progress line per round."""
+    per round (small sizes ``requests_per_round`` times, the systems interleaved each time), the
+    systems' order turning each round. One progress line per round (the last request's times)."""
     for round_index in range(args.warmup + args.rounds):
         warm = round_index < args.warmup
         turn = round_index % len(run.systems)
@@ -465,13 +479,14 @@ def measure(args: argparse.Namespace, run: Run) -> None:
         shown: list[str] = []
         for case in run.cases:
             times: dict[str, float] = {}
-            for system in order:
-                room = run.next_room()
-                outcome = run_request(system, case, room, room % AUX_ROWS)
-                if run.accept(system.name, case, outcome):
-                    times[system.name] = outcome.prefill.wall_s
-                    if not warm:
-                        system.runs.setdefault(case.label, []).append(outcome)
+            for _ in range(1 if warm else requests_per_round(args, case)):
+                for system in order:
+                    room = run.next_room()
+                    outcome = run_request(system, case, room, room % AUX_ROWS)
+                    if run.accept(system.name, case, outcome):
+                        times[system.name] = outcome.prefill.wall_s
+                        if not warm:
+                            system.runs.setdefault(case.label, []).append(outcome)
             figures = " | ".join(
                 f"{times[s.name] * 1e3:.3g}" if s.name in times else "-" for s in run.systems
             )
@@ -594,7 +609,8 @@ def report(
                     "bytes": nbytes,
                     "system": name,
                     "engine": engine_of(name),
-                    "rounds": len(results[name].get(case.label, [])),
+                    "rounds": args.rounds,
+                    "requests": len(results[name].get(case.label, [])),
                     "tcp_queue": _queue(args, name),
                     **figure,
                 }
@@ -621,6 +637,7 @@ def report(
                     case.label,
                     f"{nbytes / 1e6:.1f}",
                     name,
+                    len(results[name].get(case.label, [])),
                     theirs[PREFILL_MS]["median"],
                     f"{theirs[PREFILL_MS]['min']:.3g}-{theirs[PREFILL_MS]['max']:.3g}",
                     theirs["decode_success_ms"]["median"],
@@ -637,7 +654,9 @@ def report(
         "\n".join(
             [
                 f"pdkv bench sglang: {args.layers} MLA layers, pages of {PAGE_BYTES:,} B, {args.rounds} "
-                f"round{'s' if args.rounds > 1 else ''} interleaved (medians and ranges over the rounds)",
+                f"round{'s' if args.rounds > 1 else ''} interleaved, {args.small_repeats} request"
+                f"{'s' if args.small_repeats > 1 else ''} per system per round of each case of up to "
+                f"{SMALL_CASE_PAGES} pages (medians and ranges over the requests; 'n': how many)",
                 "  ->P: send() -> the prefill's poll sees Success; ->D: send() -> the decode's poll does; "
                 "CPU: the prefill process over ->P, every thread (sched: its scheduler thread alone)",
                 "  pdkv speed: SGLang's ->P median / pdkv's, on the same engine (pdkv/mooncake vs "
@@ -653,6 +672,7 @@ def report(
             "case",
             "MB",
             "system",
+            "n",
             "->P p50",
             "->P range",
             "->D p50",
@@ -684,6 +704,13 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[Case]]:
         "--rounds", type=int, default=5, help="measured rounds (one request per size per system)"
     )
     parser.add_argument("--warmup", type=int, default=1, help="unmeasured rounds first")
+    parser.add_argument(
+        "--small-repeats",
+        type=int,
+        default=5,
+        help=f"requests per system per round of each case of up to {SMALL_CASE_PAGES} pages, "
+        "interleaved (they take milliseconds: more of them steady their medians)",
+    )
     parser.add_argument("--layers", type=int, default=61)
     parser.add_argument(
         "--hidden-size", type=int, default=7168, help="SGLang's metadata row: one hidden state"
@@ -730,9 +757,11 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[Case]]:
     )
     args = parser.parse_args(list(argv))
     if args.quick:
-        args.layers, args.cases, args.rounds, args.warmup = 4, "1", 1, 1
+        args.layers, args.cases, args.rounds, args.warmup, args.small_repeats = 4, "1", 1, 1, 1
     if args.rounds < 1 or args.warmup < 0 or args.layers < 1:
         parser.error("--rounds must be >= 1, --warmup >= 0 and --layers >= 1")
+    if args.small_repeats < 1:
+        parser.error(f"--small-repeats must be >= 1, got {args.small_repeats}")
     if args.pdkv_poll_us is None:
         args.pdkv_poll_us = 100.0 if args.sleep_poll else 5000.0
     if args.backend == "auto":
