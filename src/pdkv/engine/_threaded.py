@@ -539,6 +539,15 @@ class WorkerThreadBackend(abc.ABC, Generic[Token]):
         never waits for a long transfer)."""
         return True
 
+    def _completes_within(self, total_bytes: int, timeout: float | None) -> bool:
+        """Whether a waiter with ``timeout`` may complete a batch of ``total_bytes`` itself: the
+        engine's bound on it (``_completion_bound_s``) fits, a negative or NaN timeout taken as 0 as
+        ``wait`` takes it (so never)."""
+        if timeout is None:
+            return True
+        bound = self._completion_bound_s(total_bytes)
+        return bound is not None and bound <= max(0.0, timeout)
+
     def _completion_bound_s(self, total_bytes: int) -> float | None:
         """The longest ``_complete`` can block for a batch of ``total_bytes`` (the engine's own
         timeout), or None when nothing bounds it: then no waiter with a timeout completes a piece
@@ -641,11 +650,8 @@ class WorkerThreadBackend(abc.ABC, Generic[Token]):
             return None
         if not all_true(batch.length) or not self._inline_launch_allowed(batch):
             return None
-        total_bytes = batch.total_bytes
-        if timeout is not None:
-            bound = self._completion_bound_s(total_bytes)
-            if bound is None or bound > max(0.0, timeout):  # as wait() takes it (a NaN is 0 there)
-                return None
+        if not self._completes_within(batch.total_bytes, timeout):
+            return None
         with self._lock:
             if self._closed:
                 raise BackendClosedError(f"backend {self.session_id} is closed")
@@ -653,17 +659,7 @@ class WorkerThreadBackend(abc.ABC, Generic[Token]):
             # Inside the lock, as in submit_write: close() cannot stop the lane before it is taken.
             if lane is None or not lane.reserve_here(entries):
                 return None
-            self._serial += 1
-            handle = BatchHandle(
-                serial=self._serial,
-                peer=peer,
-                entries=entries,
-                total_bytes=total_bytes,
-                submitted_at=self._clock(),
-                owner=self,
-                verdict=Future(),
-            )
-            self._in_flight += 1
+            handle = self._new_handle(peer, batch, Future())
         failure = lane.run_here(PieceJob(handle, batch, 0, 1, _BatchProgress(handle, 1)))
         status = BatchStatus.COMPLETED if failure is None else BatchStatus.FAILED
         self._finish(handle, status, failure or "")
@@ -693,18 +689,8 @@ class WorkerThreadBackend(abc.ABC, Generic[Token]):
         with self._lock:
             if self._closed:
                 raise BackendClosedError(f"backend {self.session_id} is closed")
-            self._serial += 1
-            handle = BatchHandle(
-                serial=self._serial,
-                peer=peer,
-                entries=len(batch),
-                total_bytes=batch.total_bytes,
-                submitted_at=self._clock(),
-                owner=self,
-                verdict=verdict,
-            )
+            handle = self._new_handle(peer, batch, verdict)
             self._unwaited[handle.serial] = handle
-            self._in_flight += 1
             if pieces:
                 # Inside the lock so that close() cannot stop the lanes between the check and here.
                 lane = self._lanes.get(peer)
@@ -724,6 +710,20 @@ class WorkerThreadBackend(abc.ABC, Generic[Token]):
             # this launch because the lane's launcher does not end while one is under way.
             reserved[0].launch_reserved(reserved[1])
         return handle
+
+    def _new_handle(self, peer: str, batch: TransferBlocks, verdict: Future[EngineVerdict]) -> BatchHandle:
+        """The next batch's handle, counted in flight (``_lock`` held)."""
+        self._serial += 1
+        self._in_flight += 1
+        return BatchHandle(
+            serial=self._serial,
+            peer=peer,
+            entries=len(batch),
+            total_bytes=batch.total_bytes,
+            submitted_at=self._clock(),
+            owner=self,
+            verdict=verdict,
+        )
 
     def _finish(self, handle: BatchHandle, status: BatchStatus, reason: str) -> None:
         # Counters first, then the future: whoever wakes on the future sees consistent statistics.
@@ -776,12 +776,8 @@ class WorkerThreadBackend(abc.ABC, Generic[Token]):
     def _complete_inline(self, handle: BatchHandle, timeout: float | None) -> None:
         """Complete ``handle``'s piece on this thread when its lane lets us (``_PeerLane.claim``) and
         the engine's bound on it fits in ``timeout``: one thread hand-off less on a small batch."""
-        if handle.verdict_future.done():
+        if handle.verdict_future.done() or not self._completes_within(handle.total_bytes, timeout):
             return
-        if timeout is not None:
-            bound = self._completion_bound_s(handle.total_bytes)
-            if bound is None or bound > timeout:
-                return
         with self._lock:
             lane = self._lanes.get(handle.peer)
         claimed = lane.claim(handle) if lane is not None else None

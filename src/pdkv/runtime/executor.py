@@ -313,12 +313,18 @@ class TransferJob:
             except TransferError as exc:
                 self._fail(self._batches, JobStatus.FAILED, f"refused at submission: {exc}")
                 return  # never reached the engine: it holds no staging
-            if self._staging is not None:
-                self._staging.watch(handle, lease)
-            self._in_flight.append(_Submitted(self._batches, handle))
-            self._batch_bytes.append(handle.total_bytes)
-            self._completed.append(False)
-            self._batches += 1
+            self._in_flight.append(self._accepted(handle, lease))
+
+    def _accepted(self, handle: BatchHandle, lease: StagingLease | None) -> _Submitted:
+        """Count a batch the backend took as the job's next (the staging pool watches it: its lease's
+        end, or for an unstaged batch its peer's drain point)."""
+        if self._staging is not None:
+            self._staging.watch(handle, lease)
+        submitted = _Submitted(self._batches, handle)
+        self._batch_bytes.append(handle.total_bytes)
+        self._completed.append(False)
+        self._batches += 1
+        return submitted
 
     def _shape(self, blocks: TransferBlocks) -> list[TransferBlocks]:
         return shape_batches(
@@ -349,17 +355,8 @@ class TransferJob:
         except TransferError as exc:
             self._fail(0, JobStatus.FAILED, f"refused at submission: {exc}")
             return self._result()
-        if pool is not None:  # an unstaged batch: its peer's drain point for quarantined staging
-            pool.watch(outcome.handle, None)
-        submitted = _Submitted(0, outcome.handle)
-        self._batch_bytes.append(outcome.handle.total_bytes)
-        self._completed.append(False)
-        self._batches = 1
-        if outcome.status is BatchStatus.TIMED_OUT:  # still in flight: drain() waits for it
-            self._in_flight.append(submitted)
-            self._fail(0, JobStatus.TIMED_OUT, "not finished in time: 1 batches")
-        else:
-            self._record(submitted, outcome)
+        self._in_flight.append(self._accepted(outcome.handle, None))
+        self._settle_in_flight((outcome,))  # a TIMED_OUT one stays in flight: drain() waits for it
         return self._result()
 
     def finish(self, timeout: float | None = None) -> TransferResult:
@@ -405,9 +402,13 @@ class TransferJob:
     def _wait_in_flight(self, timeout: float | None) -> None:
         if not self._in_flight:
             return
-        result = self._backend.wait([s.handle for s in self._in_flight], timeout)
+        self._settle_in_flight(self._backend.wait([s.handle for s in self._in_flight], timeout).outcomes)
+
+    def _settle_in_flight(self, outcomes: Sequence[BatchOutcome]) -> None:
+        """Record the batches in flight that ended (``outcomes``: theirs, in order); the job is
+        TIMED_OUT for good if any did not, and those stay in flight."""
         still_out: deque[_Submitted] = deque()
-        for submitted, outcome in zip(self._in_flight, result.outcomes, strict=True):
+        for submitted, outcome in zip(self._in_flight, outcomes, strict=True):
             if outcome.status is BatchStatus.TIMED_OUT:
                 still_out.append(submitted)
             else:
