@@ -410,6 +410,130 @@ def test_the_yield_before_a_status_wait_keeps_the_interpreter_lock() -> None:
         sys.setswitchinterval(previous)
 
 
+@attrs.define
+class PolicyEngine(TimedEngine):
+    """Records the scheduling policy of the thread that makes each status call."""
+
+    policies: list[int] = attrs.Factory(list)
+
+    def get_batch_transfer_status(self, ids: list[int], /) -> int:
+        self.policies.append(os.sched_getscheduler(0))
+        return super().get_batch_transfer_status(ids)
+
+
+def _can_leave_idle_priority() -> bool:
+    """What the kernel allows this process, found without pdkv: a scratch thread goes to SCHED_IDLE and
+    tries to come back."""
+    back: list[bool] = []
+
+    def attempt() -> None:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        try:
+            os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+        except PermissionError:
+            back.append(False)
+        else:
+            back.append(True)
+
+    thread = threading.Thread(target=attempt)
+    thread.start()
+    thread.join()
+    return back == [True]
+
+
+needs_sched_idle = pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux scheduling policies")
+
+
+@needs_sched_idle
+def test_the_idle_priority_probe_says_what_the_kernel_allows() -> None:
+    assert mooncake_module.idle_priority_switchable() is _can_leave_idle_priority()
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the probe ran elsewhere
+
+
+@needs_sched_idle
+def test_the_probe_refuses_when_a_thread_could_not_come_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without CAP_SYS_NICE (RLIMIT_NICE 0) the kernel lets a thread go to SCHED_IDLE but not back."""
+    real = os.sched_setscheduler
+
+    def unprivileged(pid: int, policy: int, param: os.sched_param) -> None:
+        if policy != os.SCHED_IDLE:
+            raise PermissionError(1, "Operation not permitted")
+        real(pid, policy, param)
+
+    monkeypatch.setattr(os, "sched_setscheduler", unprivileged)
+    mooncake_module.idle_priority_switchable.cache_clear()
+    try:
+        assert mooncake_module.idle_priority_switchable() is False
+        with MooncakeBackend(engine_class=PolicyEngine) as backend:
+            assert backend._idle_spin is False  # the decision the probe feeds
+    finally:
+        mooncake_module.idle_priority_switchable.cache_clear()
+
+
+@needs_sched_idle
+@pytest.mark.parametrize(
+    ("idle", "transfer_s", "spins_idle"),
+    [(True, 0.010, True), (False, 0.010, False), (True, 0.004, False)],
+    ids=["sleep-7.5ms", "switched-off", "sleep-3ms"],
+)
+def test_a_wait_slept_long_for_spins_at_idle_priority_then_the_thread_has_its_own_back(
+    idle: bool, transfer_s: float, spins_idle: bool
+) -> None:
+    """The pacer expects a slept-for piece to be nearly done: a spin that outlasts that takes no core
+    from the threads moving the bytes. A wait not slept for, or slept for under 4 ms, and everything
+    after a wait, run at the thread's own policy."""
+    if not _can_leave_idle_priority():
+        pytest.skip("this process cannot bring a thread back from SCHED_IDLE (no CAP_SYS_NICE)")
+    engine = PolicyEngine()
+    times = engine.times
+    after_waits: list[int] = []  # the policy whenever the backend reads its clock (after each wait too)
+
+    def clock() -> float:
+        after_waits.append(os.sched_getscheduler(0))
+        return times.clock()
+
+    source = HostBuffer(1 << 20)
+    config = MooncakeConfig(idle_priority_status_waits=idle)
+    with MooncakeBackend(config, engine_class=lambda: engine, clock=clock, sleep=times.sleep) as backend:
+        backend.register(source)
+        blocks = _blocks(4, source, length=256 << 10)
+        times.transfer_s = transfer_s
+        for _ in range(3):
+            backend.write("peer:1", blocks)
+            times.now += 1.0
+    # The first piece taught the rate the two after it slept on (75% of the transfer).
+    assert times.slept == [pytest.approx(0.75 * transfer_s)] * 2
+    waited = os.SCHED_IDLE if spins_idle else os.SCHED_OTHER
+    assert engine.policies == [os.SCHED_OTHER, waited, waited]
+    assert after_waits and set(after_waits) == {os.SCHED_OTHER}
+
+
+@needs_sched_idle
+def test_idle_priority_gives_a_thread_back_its_own_policy_and_leaves_a_real_time_one() -> None:
+    if not _can_leave_idle_priority():
+        pytest.skip("this process cannot bring a thread back from SCHED_IDLE (no CAP_SYS_NICE)")
+    seen: list[tuple[int, int]] = []
+
+    def batch_thread() -> None:
+        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+        with mooncake_module._at_idle_priority():
+            inside = os.sched_getscheduler(0)
+        seen.append((inside, os.sched_getscheduler(0)))
+        try:
+            os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))
+        except PermissionError:  # RLIMIT_NICE may allow nice 0 without allowing real time
+            return
+        with mooncake_module._at_idle_priority():
+            inside = os.sched_getscheduler(0)
+        seen.append((inside, os.sched_getscheduler(0)))
+
+    thread = threading.Thread(target=batch_thread)
+    thread.start()
+    thread.join()
+    assert seen[0] == (os.SCHED_IDLE, os.SCHED_BATCH)
+    assert seen[1:] in ([], [(os.SCHED_FIFO, os.SCHED_FIFO)])
+
+
 def test_a_paced_wait_still_reports_a_failed_piece(engine: FakeEngine) -> None:
     times = FakeTime()
     source = HostBuffer(1 << 20)
