@@ -509,28 +509,6 @@ def test_a_wait_slept_long_for_spins_at_idle_priority_then_the_thread_has_its_ow
 
 
 @needs_sched_idle
-def test_over_rdma_a_long_wait_spins_at_the_threads_own_priority(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Over RDMA the NIC moves the bytes: the spin takes no core from the transfer."""
-    if not _can_leave_idle_priority():
-        pytest.skip("this process cannot bring a thread back from SCHED_IDLE (no CAP_SYS_NICE)")
-    monkeypatch.setattr(mooncake_module, "check_rdma_devices", lambda _: None)
-    engine = PolicyEngine()
-    times = engine.times
-    source = HostBuffer(1 << 20)
-    config = MooncakeConfig(protocol="rdma", device_name="mlx5_0")
-    with MooncakeBackend(
-        config, engine_class=lambda: engine, clock=times.clock, sleep=times.sleep
-    ) as backend:
-        backend.register(source)
-        times.transfer_s = 0.010
-        for _ in range(3):
-            backend.write("peer:1", _blocks(4, source, length=256 << 10))
-            times.now += 1.0
-    assert len(times.slept) == 2
-    assert engine.policies == [os.SCHED_OTHER] * 3
-
-
-@needs_sched_idle
 def test_idle_priority_gives_a_thread_back_its_own_policy_and_leaves_a_real_time_one() -> None:
     if not _can_leave_idle_priority():
         pytest.skip("this process cannot bring a thread back from SCHED_IDLE (no CAP_SYS_NICE)")

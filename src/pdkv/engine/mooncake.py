@@ -22,18 +22,16 @@ How the engine is driven (Mooncake 0.3.13; facts in FACTS.md and notes/peer-syst
   until the scheduler preempts it. A yield with nothing else runnable returns at once, and it keeps
   the interpreter lock (it is for native threads; releasing the lock could cost a switch interval).
   ``transfer_check_status`` is not used: it inspects only the first task of a batch.
-- Over TCP, a wait the pacer slept long before (``IDLE_SPIN_MIN_SLEEP_S``) spins at idle priority
+- A wait the pacer slept long before (``IDLE_SPIN_MIN_SLEEP_S``) spins at idle priority
   (``SCHED_IDLE``, then the thread's own policy again; ``idle_priority_status_waits``): the piece
   is expected to be nearly done by then, and a spin that outlasts the estimate (the transfer slower
   than the fastest recent rate: the peer or the engine's threads short of a core) takes no core from
-  the engine's threads that move the bytes (over RDMA the NIC moves them: nothing to gain). The
-  wait releases the interpreter lock while it spins; it takes the lock back at idle priority, and a
-  few microseconds later the thread is at its own policy again. A preemption inside that window
-  holds the process's other Python threads until a core has time for an idle-priority thread: at
-  once where a core is free, long only on a host whose every core is saturated. Only where the
-  process can bring a thread back from ``SCHED_IDLE`` (``CAP_SYS_NICE``, or an ``RLIMIT_NICE`` that
-  allows nice 0: ``idle_priority_switchable``, probed once on a scratch thread); elsewhere the waits
-  spin at the thread's own priority.
+  the threads that move the bytes. The wait releases the interpreter lock while it spins; it takes
+  the lock back at idle priority, and a few microseconds later the thread is at its own policy
+  again (a preemption in that window would hold the process's other threads until a core is free).
+  Only where the process can bring a thread back from ``SCHED_IDLE`` (``CAP_SYS_NICE``, or an
+  ``RLIMIT_NICE`` that allows nice 0: ``idle_priority_switchable``, probed once on a scratch
+  thread); elsewhere the waits spin at the thread's own priority.
 - Over TCP every entry in flight towards one peer takes a slot in that peer's lane queue
   (``MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER``, about 2,048 by default). A batch that overflows it is
   rejected whole, concurrent batches included, and the lane keeps refusing for about a second after.
@@ -336,8 +334,8 @@ class MooncakeConfig:
     pace_status_waits: bool = attrs.field(default=True, validator=config.instance_of(bool))
     # Yield the CPU once before a status wait that was not slept for (see the module docstring).
     yield_before_status_wait: bool = attrs.field(default=True, validator=config.instance_of(bool))
-    # Over TCP, spin through a status wait slept long for at idle priority, where the process can
-    # switch a thread back (see the module docstring).
+    # Spin through a status wait that was slept for at idle priority, where the process can switch a
+    # thread back (see the module docstring).
     idle_priority_status_waits: bool = attrs.field(default=True, validator=config.instance_of(bool))
 
     def environment(self) -> dict[str, str]:
@@ -507,13 +505,7 @@ class MooncakeBackend(WorkerThreadBackend[LaunchedPiece]):
             self._session_id = cfg.local_hostname
         self._sleep = sleep
         self._yield_cpu = yield_cpu if yield_cpu is not None else _native_yield()
-        # Over TCP the engine's own threads move the bytes on these cores: the spin competes with them.
-        # Over RDMA the NIC moves them, and idle priority would gain nothing.
-        self._idle_spin = (
-            cfg.idle_priority_status_waits
-            and cfg.protocol is MooncakeProtocol.TCP
-            and idle_priority_switchable()
-        )
+        self._idle_spin = cfg.idle_priority_status_waits and idle_priority_switchable()
         self._pacers: dict[str, CompletionPacer] = {}
         self._pacers_lock = threading.Lock()
         super().__init__(max_entries_in_flight=cfg.entry_budget, thread_name="pdkv-mooncake", clock=clock)
