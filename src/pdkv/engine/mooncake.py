@@ -22,16 +22,6 @@ How the engine is driven (Mooncake 0.3.13; facts in FACTS.md and notes/peer-syst
   until the scheduler preempts it. A yield with nothing else runnable returns at once, and it keeps
   the interpreter lock (it is for native threads; releasing the lock could cost a switch interval).
   ``transfer_check_status`` is not used: it inspects only the first task of a batch.
-- A wait the pacer slept long before (``IDLE_SPIN_MIN_SLEEP_S``) spins at idle priority
-  (``SCHED_IDLE``, then the thread's own policy again; ``idle_priority_status_waits``): the piece
-  is expected to be nearly done by then, and a spin that outlasts the estimate (the transfer slower
-  than the fastest recent rate: the peer or the engine's threads short of a core) takes no core from
-  the threads that move the bytes. The wait releases the interpreter lock while it spins; it takes
-  the lock back at idle priority, and a few microseconds later the thread is at its own policy
-  again (a preemption in that window would hold the process's other threads until a core is free).
-  Only where the process can bring a thread back from ``SCHED_IDLE`` (``CAP_SYS_NICE``, or an
-  ``RLIMIT_NICE`` that allows nice 0: ``idle_priority_switchable``, probed once on a scratch
-  thread); elsewhere the waits spin at the thread's own priority.
 - Over TCP every entry in flight towards one peer takes a slot in that peer's lane queue
   (``MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER``, about 2,048 by default). A batch that overflows it is
   rejected whole, concurrent batches included, and the lane keeps refusing for about a second after.
@@ -57,7 +47,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import enum
-import functools
 import importlib
 import logging
 import os
@@ -95,62 +84,6 @@ def _native_yield() -> Callable[[], object]:
     function.argtypes = []
     function.restype = ctypes.c_int
     return function
-
-
-_DEMOTABLE_POLICIES: Final = frozenset(
-    getattr(os, name) for name in ("SCHED_OTHER", "SCHED_BATCH") if hasattr(os, name)
-)
-"""Scheduling policies a status wait may leave for ``SCHED_IDLE`` (a real-time thread stays as it is)."""
-
-
-@functools.cache
-def idle_priority_switchable() -> bool:
-    """Whether a thread of this process can go to ``SCHED_IDLE`` and come back to its own policy.
-
-    Coming back needs ``CAP_SYS_NICE`` or an ``RLIMIT_NICE`` that allows nice 0; without either the
-    kernel refuses, and the thread would stay at idle priority. Probed once, on a scratch thread, so
-    no thread of the caller's is ever left there. False where the platform has no ``SCHED_IDLE``."""
-    if not hasattr(os, "SCHED_IDLE") or not _DEMOTABLE_POLICIES:
-        return False
-    switched: list[bool] = []
-
-    def probe() -> None:
-        try:
-            policy, param = os.sched_getscheduler(0), os.sched_getparam(0)
-            if policy not in _DEMOTABLE_POLICIES:
-                switched.append(False)
-                return
-            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-            os.sched_setscheduler(0, policy, param)
-        except OSError:
-            switched.append(False)
-        else:
-            switched.append(True)
-
-    thread = threading.Thread(target=probe, name="pdkv-priority-probe", daemon=True)
-    thread.start()
-    thread.join()
-    return switched == [True]
-
-
-@contextlib.contextmanager
-def _at_idle_priority() -> Iterator[None]:
-    """The calling thread at ``SCHED_IDLE`` inside the block, at its own policy again after it. A
-    thread whose policy may not be left (real-time, already idle) or that the kernel refuses to demote
-    stays as it is; only call where ``idle_priority_switchable()`` holds."""
-    try:
-        policy, param = os.sched_getscheduler(0), os.sched_getparam(0)
-        if policy not in _DEMOTABLE_POLICIES:
-            policy = -1
-        else:
-            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-    except OSError:
-        policy = -1
-    try:
-        yield
-    finally:
-        if policy >= 0:
-            os.sched_setscheduler(0, policy, param)
 
 
 def _listening_ports() -> frozenset[int]:
@@ -334,9 +267,6 @@ class MooncakeConfig:
     pace_status_waits: bool = attrs.field(default=True, validator=config.instance_of(bool))
     # Yield the CPU once before a status wait that was not slept for (see the module docstring).
     yield_before_status_wait: bool = attrs.field(default=True, validator=config.instance_of(bool))
-    # Spin through a status wait that was slept for at idle priority, where the process can switch a
-    # thread back (see the module docstring).
-    idle_priority_status_waits: bool = attrs.field(default=True, validator=config.instance_of(bool))
 
     def environment(self) -> dict[str, str]:
         """The ``MC_*`` variables this config sets before the engine initializes."""
@@ -419,14 +349,6 @@ class LaunchedPiece:
     launched_at: float
 
 
-IDLE_SPIN_MIN_SLEEP_S: Final = 0.004
-"""A status wait spins at idle priority only after a pacing sleep at least this long (a piece expected
-to take over 5 ms): there the spin would compete for a core with the transfer for long, while a
-short wait gains little and could see its end late (an idle-priority thread waits for a free core).
-Measured with ``pdkv bench sglang`` (Mooncake, 2 cores): at 16 and 128 pages (sleeps of 20-180 ms)
-the idle-priority spin lowered pdkv's median in most interleaved pairs; at 1 page (a sleep of about
-1 ms) it did not."""
-
 _COMPLETION_SLACK_S: Final = 5.0
 """Added to the engine's own bound on a status wait (pacing sleep, scheduling) when deciding whether
 a waiter with a timeout may complete a piece itself (``WorkerThreadBackend._completion_bound_s``)."""
@@ -505,7 +427,6 @@ class MooncakeBackend(WorkerThreadBackend[LaunchedPiece]):
             self._session_id = cfg.local_hostname
         self._sleep = sleep
         self._yield_cpu = yield_cpu if yield_cpu is not None else _native_yield()
-        self._idle_spin = cfg.idle_priority_status_waits and idle_priority_switchable()
         self._pacers: dict[str, CompletionPacer] = {}
         self._pacers_lock = threading.Lock()
         super().__init__(max_entries_in_flight=cfg.entry_budget, thread_name="pdkv-mooncake", clock=clock)
@@ -584,10 +505,7 @@ class MooncakeBackend(WorkerThreadBackend[LaunchedPiece]):
             self._sleep(delay)
         elif self.config.yield_before_status_wait:
             self._yield_cpu()
-        idle = self._idle_spin and delay >= IDLE_SPIN_MIN_SLEEP_S
-        spin = _at_idle_priority() if idle else contextlib.nullcontext()
-        with spin:
-            status = self._live_engine().get_batch_transfer_status([token.batch_id])
+        status = self._live_engine().get_batch_transfer_status([token.batch_id])
         if pacer is not None:
             pacer.completed(nbytes, token.launched_at, self._clock(), slept=delay > 0)
         if status != 0:
