@@ -80,6 +80,10 @@ class FakeEngine:
         self.calls.append(("status", list(ids)))
         return self.statuses.pop(0) if self.statuses else 0
 
+    def transfer_check_status(self, batch_id: int, /) -> int:
+        self.calls.append(("check", batch_id))
+        return 1
+
 
 @pytest.fixture(autouse=True)
 def private_environment(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -408,6 +412,124 @@ def test_the_yield_before_a_status_wait_keeps_the_interpreter_lock() -> None:
         stop.set()
         thread.join(5.0)
         sys.setswitchinterval(previous)
+
+
+@attrs.define
+class CheckingEngine(FakeEngine):
+    """Mooncake 0.3.13's ``transfer_check_status`` on fake time: the state of a batch's first task (1
+    ended, 0 in progress, -1 failed, -2 timed out), scripted per call (1 once the script is spent).
+    A batch reported ended or failed is freed, and naming it again crashes the real process: here,
+    an AssertionError (which fails the test wherever it is raised)."""
+
+    times: FakeTime = attrs.Factory(FakeTime)
+    checks: list[int] = attrs.Factory(list)  # scripted states, one per call
+    checked: list[int] = attrs.Factory(list)  # the batch ids asked about
+    freed: set[int] = attrs.Factory(set)
+    launched: int = 0
+
+    def batch_transfer_async_write(
+        self, peer: str, src: list[int], dst: list[int], lengths: list[int], /
+    ) -> int:
+        self.writes.append(Write(peer, list(src), list(dst), list(lengths)))
+        self.launched += 1
+        return self.batch_ids.pop(0) if self.batch_ids else 100 + self.launched
+
+    def transfer_check_status(self, batch_id: int, /) -> int:
+        assert batch_id not in self.freed, f"batch {batch_id} named after the engine freed it"
+        self.checked.append(batch_id)
+        state = self.checks.pop(0) if self.checks else 1
+        if state in (1, -1):
+            self.freed.add(batch_id)
+        return state
+
+    def get_batch_transfer_status(self, ids: list[int], /) -> int:
+        assert not self.freed & set(ids), f"status of freed batches {sorted(self.freed & set(ids))}"
+        return super().get_batch_transfer_status(ids)
+
+
+def _large_write(
+    engine: CheckingEngine,
+    *,
+    blocks: int = 32,
+    block_bytes: int = 1 << 20,
+    config: MooncakeConfig | None = None,
+) -> tuple[BatchStatus, str]:
+    times = engine.times
+    source = HostBuffer(blocks * block_bytes)
+    with MooncakeBackend(
+        config or MooncakeConfig(transfer_timeout_s=5),
+        engine_class=lambda: engine,
+        clock=times.clock,
+        sleep=times.sleep,
+    ) as backend:
+        backend.register(source)
+        handle = backend.submit_write("peer:1", _blocks(blocks, source, length=block_bytes))
+        outcome = backend.wait([handle]).outcomes[0]
+    return outcome.status, outcome.reason
+
+
+def test_a_large_piece_over_tcp_is_watched_through_its_last_entry_not_spun_for() -> None:
+    """Over TCP the engine's threads move the bytes on the host's cores, which a spinning status wait
+    shares: a large piece's last entry goes alone, the completer looks at it between short sleeps,
+    and the blocking status of the rest comes once it ended."""
+    engine = CheckingEngine(checks=[0, 0, 1])
+    status, _ = _large_write(engine)  # 32 MiB in 32 blocks
+    assert status is BatchStatus.COMPLETED
+    main, last = engine.writes
+    assert len(main.lengths) == 31 and len(last.lengths) == 1  # every block once, the last one alone
+    offsets = [i << 20 for i in range(32)]
+    assert main.dst + last.dst == [0x10_0000 + offset for offset in offsets]
+    assert [s - main.src[0] for s in main.src + last.src] == offsets
+    assert engine.checked == [102, 102, 102]
+    assert engine.times.slept == [mooncake_module.WATCH_POLL_S] * 2  # between the looks
+    assert ("status", [101]) in engine.calls and ("status", [101, 102]) not in engine.calls
+
+
+@pytest.mark.parametrize(
+    ("checks", "statuses", "status_of", "ok"),
+    [
+        ([-1], [], [101], False),  # the last entry failed: freed; the rest still waited for
+        ([0, 1], [-1], [101], False),  # the rest failed
+        ([0, -2], [-2], [101, 102], False),  # timed out: not freed, so the blocking status takes both
+        ([0] * 50, [-2], [101, 102], False),  # still running at the engine's bound: both to the status
+    ],
+    ids=["last-failed", "rest-failed", "last-timed-out", "never-ends"],
+)
+def test_a_watched_piece_fails_whole_and_every_batch_is_ended_once(
+    checks: list[int], statuses: list[int], status_of: list[int], ok: bool
+) -> None:
+    engine = CheckingEngine(checks=checks, statuses=statuses)
+    engine.times.late_wake_s = 1.0  # each look a second apart: the engine's bound (5 s) comes in 6 looks
+    status, reason = _large_write(engine)
+    assert status is (BatchStatus.COMPLETED if ok else BatchStatus.FAILED)
+    assert "engine reported status" in reason
+    assert [c for c in engine.calls if c[0] == "status"] == [("status", status_of)]
+    assert len(engine.checked) <= 7
+
+
+@pytest.mark.parametrize(
+    ("blocks", "block_bytes", "protocol"),
+    [(15, 1 << 20, "tcp"), (1, 32 << 20, "tcp"), (32, 1 << 20, "rdma")],
+    ids=["under-16MiB", "one-entry", "rdma"],
+)
+def test_small_one_entry_and_rdma_pieces_are_one_batch(
+    blocks: int, block_bytes: int, protocol: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(mooncake_module, "check_rdma_devices", lambda _: None)
+    engine = CheckingEngine()
+    config = MooncakeConfig(protocol=protocol, device_name="mlx5_0" if protocol == "rdma" else "")
+    status, _ = _large_write(engine, blocks=blocks, block_bytes=block_bytes, config=config)
+    assert status is BatchStatus.COMPLETED
+    assert len(engine.writes) == 1 and len(engine.writes[0].lengths) == blocks
+    assert engine.checked == []
+
+
+def test_a_refused_last_entry_fails_the_piece_after_the_rest_ended() -> None:
+    engine = CheckingEngine(batch_ids=[101, -1])
+    status, reason = _large_write(engine)
+    assert status is BatchStatus.FAILED
+    assert "refused the submission of 1 blocks" in reason
+    assert [c for c in engine.calls if c[0] == "status"] == [("status", [101])]
 
 
 def test_a_paced_wait_still_reports_a_failed_piece(engine: FakeEngine) -> None:

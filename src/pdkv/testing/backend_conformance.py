@@ -864,6 +864,44 @@ def case_unregistered_destination_fails(pair: BackendPair) -> None:
         pair.peer.release(region)
 
 
+def case_large_scattered_write_lands_or_fails_whole(pair: BackendPair) -> None:
+    """A large write in 64 scattered blocks lands exactly; the same write whose last block alone has a
+    destination outside the peer's memory fails (a backend may wait for a large write's last entry
+    apart from the rest), and the backend keeps working."""
+    rng = np.random.default_rng(8)
+    blocks = 64
+    block_bytes = pair.slow_bytes // blocks
+    nbytes = blocks * block_bytes
+    source = _random_bytes(rng, nbytes)
+    region = pair.peer.allocate(nbytes, fill=0xAB)
+    slots = rng.permutation(blocks)
+    src = [source.address(i * block_bytes) for i in range(blocks)]
+    dst = [region.address + int(slot) * block_bytes for slot in slots]
+    try:
+        with pair.sender.register(source):
+            pair.sender.write(
+                pair.peer.session_id, _blocks(src, dst, [block_bytes] * blocks), timeout=BATCH_WAIT_S
+            )
+            image = np.empty(nbytes, dtype=np.uint8)
+            for i, slot in enumerate(slots.tolist()):
+                image[slot * block_bytes : (slot + 1) * block_bytes] = source.array[
+                    i * block_bytes : (i + 1) * block_bytes
+                ]
+            _expect_image(pair.peer, region, image, f"{blocks} scattered blocks of {block_bytes} B")
+            outside = [*dst[:-1], region.address + nbytes - block_bytes // 2]  # crosses the region's end
+            handle = pair.sender.submit_write(
+                pair.peer.session_id, _blocks(src, outside, [block_bytes] * blocks)
+            )
+            outcome = pair.sender.wait([handle], BATCH_WAIT_S).outcomes[0]
+            _expect(
+                outcome.status is BatchStatus.FAILED,
+                f"a large write whose last block lies outside the peer's memory gave {outcome.status}",
+            )
+            pair.sender.write(pair.peer.session_id, _blocks(src[:1], dst[:1], [64]), timeout=BATCH_WAIT_S)
+    finally:
+        pair.peer.release(region)
+
+
 def case_unregistered_source_rejected(pair: BackendPair) -> None:
     """A source outside every local registration is refused at submit, naming the block."""
     source = HostBuffer(4096)
@@ -1012,6 +1050,7 @@ CASES: tuple[ConformanceCase, ...] = tuple(
         case_oversized_batch_is_split,
         case_concurrent_batches,
         case_unregistered_destination_fails,
+        case_large_scattered_write_lands_or_fails_whole,
         case_unregistered_source_rejected,
         case_unknown_peer_fails,
         case_timeout_is_reported,
