@@ -509,8 +509,8 @@ def test_a_watched_piece_fails_whole_and_every_batch_is_ended_once(
 
 @pytest.mark.parametrize(
     ("blocks", "block_bytes", "protocol"),
-    [(15, 1 << 20, "tcp"), (1, 32 << 20, "tcp"), (32, 1 << 20, "rdma")],
-    ids=["under-16MiB", "one-entry", "rdma"],
+    [(3, 1 << 20, "tcp"), (1, 32 << 20, "tcp"), (32, 1 << 20, "rdma")],
+    ids=["under-4MiB", "one-entry", "rdma"],
 )
 def test_small_one_entry_and_rdma_pieces_are_one_batch(
     blocks: int, block_bytes: int, protocol: str, monkeypatch: pytest.MonkeyPatch
