@@ -372,8 +372,11 @@ WATCHED_PIECE_MIN_BYTES: Final = 4 << 20
 ``WATCH_POLL_S`` sees its end with little delay. One page of a 61-layer MLA model (4.5 MB) is
 watched; a smaller piece's wait is mostly slept through, or short."""
 
-WATCH_POLL_S: Final = 0.0005
-"""Between two looks at a watched piece's last entry: the most its end can be seen late."""
+WATCH_POLL_S: Final = 0.0002
+"""Between two looks at a watched piece's last entry: the most its end can be seen late. Raw engine
+on this machine, 75% of the expected time slept first, then spun for or watched (p50 / p90): 4.5
+MB in 61 blocks 3.35 / 4.51 ms spun for, 3.38 / 4.03 watched every 0.2 ms, 3.71 / 4.31 every 0.5
+ms; 72 MB in 976 blocks 48.6 / 94.6 spun for, 42.6 / 89.0 watched (0.2 or 0.5 ms alike)."""
 
 
 _COMPLETION_SLACK_S: Final = 5.0
