@@ -508,16 +508,23 @@ def test_a_watched_piece_fails_whole_and_every_batch_is_ended_once(
 
 
 @pytest.mark.parametrize(
-    ("blocks", "block_bytes", "protocol"),
-    [(3, 1 << 20, "tcp"), (1, 32 << 20, "tcp"), (32, 1 << 20, "rdma")],
-    ids=["under-4MiB", "one-entry", "rdma"],
+    ("blocks", "block_bytes", "protocol", "watch"),
+    [
+        (3, 1 << 20, "tcp", True),
+        (1, 32 << 20, "tcp", True),
+        (32, 1 << 20, "rdma", True),
+        (32, 1 << 20, "tcp", False),
+    ],
+    ids=["under-4MiB", "one-entry", "rdma", "switched-off"],
 )
-def test_small_one_entry_and_rdma_pieces_are_one_batch(
-    blocks: int, block_bytes: int, protocol: str, monkeypatch: pytest.MonkeyPatch
+def test_small_one_entry_rdma_and_unwatched_pieces_are_one_batch(
+    blocks: int, block_bytes: int, protocol: str, watch: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(mooncake_module, "check_rdma_devices", lambda _: None)
     engine = CheckingEngine()
-    config = MooncakeConfig(protocol=protocol, device_name="mlx5_0" if protocol == "rdma" else "")
+    config = MooncakeConfig(
+        protocol=protocol, device_name="mlx5_0" if protocol == "rdma" else "", watch_large_pieces=watch
+    )
     status, _ = _large_write(engine, blocks=blocks, block_bytes=block_bytes, config=config)
     assert status is BatchStatus.COMPLETED
     assert len(engine.writes) == 1 and len(engine.writes[0].lengths) == blocks

@@ -22,20 +22,20 @@ How the engine is driven (Mooncake 0.3.13; facts in FACTS.md and notes/peer-syst
   until the scheduler preempts it. A yield with nothing else runnable returns at once, and it keeps
   the interpreter lock (it is for native threads; releasing the lock could cost a switch interval).
 - Over TCP a large piece (``WATCHED_PIECE_MIN_BYTES``, two entries or more) is launched as two
-  batches: all its entries but the last, then the last alone. After the pacer's sleep the completer
-  does not spin: it asks ``transfer_check_status`` about the one-entry batch every
-  ``WATCH_POLL_S`` (that call inspects the first task of a batch only, which is all there is of
-  that one) and sleeps in between; once that entry ended, the blocking status of the other batch
-  decides the piece (it ends at once when the entries went in order, as they did in every trial
-  here; when they did not, it spins for the rest, as before). Over TCP the engine's own threads
-  move the bytes on the host's cores, and the spin took one of them: 72 MB as 976 blocks took 51.4
-  ms with the spin and 43.8 ms watched (p50 of 15 and 30, raw engine, 2 cores). In Mooncake 0.3.13
-  a ``transfer_check_status`` that reports the batch ended (1) or failed (-1) also frees it, and any
-  later call naming that batch crashes the process: a batch so reported is never named again. A
-  timed-out one (-2) is not freed; the blocking status frees it. The watch stops after the engine's
-  own bound on the piece (bytes in ns plus ``MC_TRANSFER_TIMEOUT``) and leaves both batches to the
-  blocking status, which enforces the engine's timeout. (Spinning at idle priority instead, tried
-  first, saw ends up to seconds late on a host whose cores were saturated.)
+  batches (``MooncakeConfig.watch_large_pieces``): all its entries but the last, then the last alone.
+  After the pacer's sleep the completer does not spin: it asks ``transfer_check_status`` about the
+  one-entry batch every ``WATCH_POLL_S`` (that call inspects the first task of a batch only, which is
+  all there is of that one) and sleeps in between; once that entry ended, the blocking status of the
+  other batch decides the piece (it ends at once when the entries went in order, as they did in every
+  trial here; when they did not, it spins for the rest, as before). Over TCP the engine's own threads
+  move the bytes on the host's cores, and the spin took one of them: 72 MB as 976 blocks took 51.4 ms
+  with the spin and 43.8 ms watched (p50 of 15 and 30, a scratch loop over the raw engine, 2 cores).
+  In Mooncake 0.3.13 a ``transfer_check_status`` that reports the batch ended (1) or failed (-1) also
+  frees it, and any later call naming that batch crashes the process: a batch so reported is never
+  named again. A timed-out one (-2) is not freed; the blocking status frees it. The watch stops after
+  the engine's own bound on the piece (bytes in ns plus ``MC_TRANSFER_TIMEOUT``) and leaves both
+  batches to the blocking status, which enforces the engine's timeout. (Spinning at idle priority
+  instead, tried first, saw ends up to seconds late on a host whose cores were saturated.)
 - Over TCP every entry in flight towards one peer takes a slot in that peer's lane queue
   (``MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER``, about 2,048 by default). A batch that overflows it is
   rejected whole, concurrent batches included, and the lane keeps refusing for about a second after.
@@ -282,6 +282,10 @@ class MooncakeConfig:
     pace_status_waits: bool = attrs.field(default=True, validator=config.instance_of(bool))
     # Yield the CPU once before a status wait that was not slept for (see the module docstring).
     yield_before_status_wait: bool = attrs.field(default=True, validator=config.instance_of(bool))
+    # Over TCP, watch a large piece through its last entry instead of spinning for it (see the module
+    # docstring); off: one batch and one spinning wait, as for every other piece. The watch rests on
+    # how Mooncake 0.3.13's transfer_check_status frees a batch: a binding that differs needs it off.
+    watch_large_pieces: bool = attrs.field(default=True, validator=config.instance_of(bool))
 
     def environment(self) -> dict[str, str]:
         """The ``MC_*`` variables this config sets before the engine initializes."""
@@ -522,7 +526,8 @@ class MooncakeBackend(WorkerThreadBackend[LaunchedPiece]):
 
     def _watched(self, total_bytes: int, entries: int) -> bool:
         return (
-            self.config.protocol is MooncakeProtocol.TCP
+            self.config.watch_large_pieces
+            and self.config.protocol is MooncakeProtocol.TCP
             and entries >= 2
             and total_bytes >= WATCHED_PIECE_MIN_BYTES
         )
