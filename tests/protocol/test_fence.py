@@ -52,6 +52,21 @@ def test_abort_of_a_room_whose_write_failed_fences_before_the_ack() -> None:
     assert p.statistics().fences_submitted == 1
 
 
+def test_a_closing_rank_waits_for_a_running_fence_not_for_the_retry_of_a_failed_one() -> None:
+    """``answers_owed``: a fence on its way ends in the AbortAck (worth a closing rank's wait); one
+    that failed is written again only at its retry, which a closing rank does not wait for."""
+    p = _failed_room()
+    assert p.answers_owed() == 1  # told Failed: the decode's Abort is still to come
+    p.receive(Abort(origin=DECODE, room=ROOM, reason="prefill failed"), 1.0)
+    assert p.answers_owed() == 1  # the fence is running: its completion sends the ack
+    p.fence_done(ROOM, KEY, False, "link down", 1.5)
+    assert p.answers_owed() == 0
+    q = _failed_room()
+    q.receive(Abort(origin=DECODE, room=ROOM, reason="prefill failed"), 1.0)
+    assert sent(q.fence_done(ROOM, KEY, True, "", 1.5), AbortAck) != []
+    assert q.answers_owed() == 0
+
+
 def test_a_failed_fence_keeps_the_ack_owed_until_a_later_abort_fences_again() -> None:
     p = _failed_room()
     p.receive(Abort(origin=DECODE, room=ROOM, reason="x"), 1.0)

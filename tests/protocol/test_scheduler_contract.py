@@ -437,6 +437,29 @@ def test_a_failed_status_goes_again_only_to_the_ranks_whose_abort_has_not_answer
     assert sent(p.tick(4.0), TransferStatus) == [] and p.statistics().statuses_resent == 1
 
 
+def test_answers_owed_counts_each_rank_told_until_its_abort_is_acknowledged() -> None:
+    """What a closing prefill waits for: a rank told Failed owes an Abort; an Abort with a write of
+    the room in flight owes its AbortAck until the write ends; a rank no longer registered owes none."""
+    p = _transferring(4)
+    assert p.answers_owed() == 0  # nothing failed
+    [submit] = _submits(p.queue_chunk(ROOM, _chunk(0, 4, last=True), 0.1))
+    assert p.start_chunk(ROOM, submit.chunk, 0.2)
+    p.abort_room(ROOM, "prefill closing", 0.3)
+    assert p.answers_owed() == 1  # told Failed, no Abort back
+    assert sent(p.receive(Abort(origin=DECODE, room=ROOM, reason="prefill failed"), 0.4), AbortAck) == []
+    assert p.answers_owed() == 1  # asked, but the chunk's write may still land: no ack yet
+    [ack] = sent(p.chunk_done(ROOM, submit.chunk, TransferMetricData(pages=4), 0.5), AbortAck)
+    assert isinstance(ack, AbortAck) and ack.room == ROOM
+    assert p.answers_owed() == 0
+    # A rank told Failed that is then lost (heartbeats silent) owes nothing more: no wait on it.
+    q = _transferring(2)
+    q.abort_room(ROOM, "prefill closing", 0.3)
+    assert q.answers_owed() == 1
+    q.tick(100.0)  # far past the heartbeat timeout: the decode rank is forgotten
+    assert q.registered((DECODE.instance, DECODE.rank)) is None
+    assert q.answers_owed() == 0
+
+
 def test_a_prefill_that_forgot_a_decode_rank_tells_it_at_its_next_heartbeat() -> None:
     p = prefill()  # this rank never registered the decode (or forgot it)
     beat = Heartbeat(origin=DECODE, seq=3, endpoint=DECODE_EP)

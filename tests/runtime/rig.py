@@ -20,6 +20,7 @@ from pdkv.protocol.messages import Message
 from pdkv.runtime import ExecutorConfig, PerLayerConfig
 from pdkv.runtime.landing import LandingConfig
 from pdkv.runtime.staging import StagingConfig
+from pdkv.testing.faults import ChannelFaults
 from pdkv.testing.synthetic import Capacity, ModelSpec
 from pdkv.testing.transport_pair import TransportPair
 
@@ -62,6 +63,7 @@ class Rig(TransportPair):
         prefill_policy: LayoutPolicy = DEFAULT_LAYOUT_POLICY,
         decode_policy: LayoutPolicy = DEFAULT_LAYOUT_POLICY,
         kv_checksum: bool = False,
+        decode_channel_faults: ChannelFaults | None = None,
     ) -> None:
         per_layer = PerLayerConfig(finish_timeout_s=finish_timeout_s)
         if fan_out_min_layer_bytes is not None:
@@ -89,6 +91,7 @@ class Rig(TransportPair):
             prefill_policy=prefill_policy,
             decode_policy=decode_policy,
             kv_checksum=kv_checksum,
+            decode_channel_faults=decode_channel_faults,
         )
         self.spec = spec
 

@@ -23,6 +23,7 @@ from pdkv.errors import (
     TransportClosedError,
 )
 from pdkv.mapping import BufferKind
+from pdkv.protocol.effects import ReleaseKind
 from pdkv.protocol.ids import Endpoint, Epoch, InstanceId, RoomId, SessionId
 from pdkv.protocol.messages import (
     Heartbeat,
@@ -39,6 +40,7 @@ from pdkv.runtime._loop import ControlLoop
 from pdkv.runtime.decode import DecodeConfig, DecodeTransport
 from pdkv.runtime.prefill import PrefillConfig, PrefillTransport
 from pdkv.testing.cluster import free_port
+from pdkv.testing.faults import ChannelFaults, MessageRule
 from pdkv.testing.synthetic import Capacity, RankMemory, verify_room
 from tests.runtime.rig import SPEC, TIMEOUTS, Rig, wait_for
 from tests.runtime.stub_channel import StubChannel
@@ -191,6 +193,29 @@ def test_close_fails_open_rooms_tells_peers_and_refuses_later_calls(rig_factory:
         s.decode.connect(s.registry.address, timeout_s=1)
     with pytest.raises(TransportClosedError):
         s.decode.start()
+
+
+@pytest.mark.parametrize("abort_delay_s", [0.0, 0.3])
+def test_a_closing_prefill_answers_the_aborts_of_the_rooms_it_failed(
+    rig_factory: Callable[..., Rig], abort_delay_s: float
+) -> None:
+    """The decode told a room failed by the prefill's close answers with an Abort; its AbortAck (no
+    write of the room in flight) gives the pages back proven. A prefill that stopped answering as
+    soon as its writes ended left the room waiting for the ack timeout, then in quarantine, and a
+    decode closing meanwhile with its memory registered for good: about half the time with no delay
+    (the Abort raced the stop), every time with the Abort 0.3 s on its way."""
+    delay = (MessageRule(message="Abort"),) if abort_delay_s else ()
+    s = rig_factory(decode_channel_faults=ChannelFaults(delay=delay, delay_s=abort_delay_s))
+    prefill = s.start_registered()
+    _, receiver = _ready_room(s, prefill, ROOM, 2)
+    s.prefills[0].close()
+    wait_for(lambda: receiver.poll() is KVPoll.Failed)
+    assert "prefill transport closed" in str(receiver.failure() or "")
+    wait_for(receiver.release_ready)  # 20 s at most: the ack timeout (5 s) and quarantine fit in it
+    assert receiver.release_kind() is ReleaseKind.ACKED
+    assert sum(c.delayed for c in s.decode_channels) == (1 if abort_delay_s else 0)
+    s.decode.close()
+    assert not s.decode.stuck_writes
 
 
 def test_a_scheduler_blocked_in_wait_progress_is_woken_by_close_and_told(

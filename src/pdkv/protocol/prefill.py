@@ -925,6 +925,26 @@ class PrefillEndpoint(RoomKeeper[SenderRoom]):
         r = self._rooms.get(room)
         return 0 if r is None else self.writes_in_flight(r)
 
+    def answers_owed(self) -> int:
+        """Failed rooms' last words that registered decode ranks may still get without a retry: a rank
+        told Failed whose Abort has not come back, or an Abort whose AbortAck waits for a write or a
+        fence in flight (a fence that failed waits for its retry: not counted). What a closing rank
+        keeps answering for (``PrefillTransport.close``)."""
+        owed = 0
+        for r in self._rooms.values():
+            if r.notice is not None and r.notice.machine.state is FailureNoticeState.TELLING:
+                owed += sum(1 for key in r.notice.unanswered if self.registered(key) is not None)
+            if (
+                r.abort is not None
+                and r.abort.state is not PrefillAbortState.ACKED
+                and self.writes_in_flight(r)
+            ):
+                owed += 1
+            for key, fence in self._fences.get(r.room, {}).items():
+                if fence.machine.state is FenceState.RUNNING and self.registered(key) is not None:
+                    owed += 1
+        return owed
+
     def may_write(self, room: RoomId) -> bool:
         """Could a write for ``room`` still land or start? (What abort safety is checked against.)"""
         r = self._rooms.get(room)

@@ -405,7 +405,8 @@ class PrefillTransport(EndpointHost[PrefillEndpoint, PrefillEffect]):
 
     def close(self, *, timeout_s: float = 30.0) -> None:
         """Fail the open rooms (their decode ranks are told), stop threads once in-flight writes
-        ended, close sockets, unregister memory. Idempotent.
+        ended, answer the decode ranks' Aborts of those rooms (up to the abort-ack timeout: their
+        pages come back proven, not after a quarantine), close sockets, unregister memory. Idempotent.
 
         Memory is unregistered only when no write can still touch it: if a transfer is still running
         after ``timeout_s`` (a stuck engine), it is reported (ERROR log, ``stuck_writes``) and the
@@ -430,6 +431,8 @@ class PrefillTransport(EndpointHost[PrefillEndpoint, PrefillEffect]):
         running = [w.name for w in self._workers if w.is_alive()]
         if waiting_runs:
             running.append("a chunk run by a waiting scheduler")
+        if not running:
+            self._answer_before_stopping(min(deadline, time.monotonic() + self.config.timeouts.abort_ack))
         stuck = None
         if running or not per_layer_stopped:
             busy = ", ".join(running + ([] if per_layer_stopped else ["per-layer submission"]))
@@ -438,6 +441,19 @@ class PrefillTransport(EndpointHost[PrefillEndpoint, PrefillEffect]):
                 f"({busy})"
             )
         self._finish_close(stuck)
+
+    def _answer_before_stopping(self, until: float) -> None:
+        """Close, once the writes ended: the decode ranks told of the rooms failed by it answer with an
+        Abort, and its AbortAck is their proof that nothing lands in those pages any more. The control
+        thread keeps answering until none is owed (a registered rank that never answers: until
+        ``until``); stopped before, it left each such room in quarantine on the decode until the ack
+        timeout, and a decode closing meanwhile with its memory registered for good."""
+        while self._loop.alive:
+            with self._lock:
+                owed = self._endpoint.answers_owed()
+            if not owed or time.monotonic() >= until:
+                return
+            time.sleep(0.002)
 
     # ------------------------------------------------------------------ scheduler surface
 

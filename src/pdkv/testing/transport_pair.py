@@ -52,6 +52,7 @@ from pdkv.runtime.landing import LandingConfig
 from pdkv.runtime.per_layer import PerLayerConfig
 from pdkv.runtime.prefill import PrefillConfig, PrefillTransport
 from pdkv.runtime.staging import StagingConfig, StagingPool
+from pdkv.testing.faults import ChannelFaults, FaultyChannel, faulty_channel_factory
 from pdkv.testing.synthetic import Capacity, ModelSpec, RankMemory
 
 PAIR_TIMEOUTS = Timeouts(
@@ -249,6 +250,7 @@ class TransportPair:
         staging: StagingConfig | None = None,
         prefill_policy: LayoutPolicy = DEFAULT_LAYOUT_POLICY,
         decode_policy: LayoutPolicy = DEFAULT_LAYOUT_POLICY,
+        decode_channel_faults: ChannelFaults | None = None,
     ) -> None:
         self.model = model if model is not None else ModelSpec(layers=3, page_size=16)
         self.prefill_instance = InstanceId(prefill_instance)
@@ -311,6 +313,12 @@ class TransportPair:
             self.prefills.append(
                 PrefillTransport(config, backend, channel_factory=factory, announce=announce, staging=pool)
             )
+        self.decode_channels: list[FaultyChannel] = []  # the decode ranks' channels, with their counts
+        decode_factory = (
+            None
+            if decode_channel_faults is None
+            else faulty_channel_factory(decode_channel_faults, self.decode_channels, factory)
+        )
         self.decode_memory: list[RankMemory] = []
         self.decode_backends: list[LoopbackBackend] = []
         self.decodes: list[DecodeTransport] = []
@@ -339,7 +347,9 @@ class TransportPair:
             )
             self.decode_memory.append(memory)
             self.decode_backends.append(backend)
-            self.decodes.append(DecodeTransport(config_d, backend, channel_factory=factory, query=query))
+            self.decodes.append(
+                DecodeTransport(config_d, backend, channel_factory=decode_factory or factory, query=query)
+            )
 
     @property
     def decode(self) -> DecodeTransport:
