@@ -19,6 +19,7 @@ must not import SGLang at module level (the parent process imports this module).
 from __future__ import annotations
 
 import os
+import sys
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -304,6 +305,14 @@ def rank_main(system: str, conn: Connection) -> None:
     except BaseException:
         conn.send(Error(text=traceback.format_exc()))
         raise
+    if system in SGLANG_SYSTEMS:
+        # Its report is sent. SGLang's KV managers start worker threads that nothing ends (its NIXL
+        # manager's transfer workers are not daemons): the interpreter would wait for them at exit,
+        # and the parent, after its 30 s join, would kill the process.
+        conn.close()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def _import_sglang(system: str) -> None:

@@ -115,6 +115,8 @@ class RankProcess:
         child_conn.close()
         self.stopped: Stopped | None = None
         self.paused = False
+        self.killed = False
+        """It did not exit within 30 s of its Stop (a thread that nothing ends): killed."""
 
     def configure(self, plan: RankPlan) -> None:
         """Its plan: it sets up and answers Ready (``receive``)."""
@@ -155,6 +157,7 @@ class RankProcess:
         finally:
             self.process.join(30)
             if self.process.is_alive():
+                self.killed = True
                 self.process.kill()
                 self.process.join(10)
             self.conn.close()
@@ -809,6 +812,8 @@ def _run(args: argparse.Namespace, cases: list[Case]) -> int:
         for system in systems:
             for rank in (system.prefill, system.decode):
                 rank.stop()
+                if rank.killed:
+                    run.failures.append(f"{rank.name}: still running 30 s after its Stop; killed")
                 if not system.is_pdkv:
                     run.stub_report(rank.name, None if rank.stopped is None else rank.stopped.stub_calls)
     if any(system.runs for system in systems):
