@@ -64,6 +64,7 @@ class Rig(TransportPair):
         decode_policy: LayoutPolicy = DEFAULT_LAYOUT_POLICY,
         kv_checksum: bool = False,
         decode_channel_faults: ChannelFaults | None = None,
+        timeouts: Timeouts = TIMEOUTS,
     ) -> None:
         per_layer = PerLayerConfig(finish_timeout_s=finish_timeout_s)
         if fan_out_min_layer_bytes is not None:
@@ -77,7 +78,7 @@ class Rig(TransportPair):
             landing=landing,
             prefill_capacity=Capacity(kv_pages=PREFILL_PAGES, state_slots=8, aux_rows=8),
             decode_capacity=Capacity(kv_pages=DECODE_PAGES, state_slots=8, aux_rows=8),
-            timeouts=TIMEOUTS,
+            timeouts=timeouts,
             executor=executor if executor is not None else ExecutorConfig.from_env(),
             per_layer=per_layer,
             loopback=LoopbackConfig(

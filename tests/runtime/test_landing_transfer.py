@@ -24,7 +24,7 @@ from pdkv.runtime.decode import DecodeTransport, KVReceiver
 from pdkv.runtime.landing import LandingConfig, LandingPool
 from pdkv.runtime.prefill import KVSender
 from pdkv.testing.synthetic import ModelSpec, verify_room
-from tests.runtime.rig import Rig, wait_for
+from tests.runtime.rig import TIMEOUTS, Rig, wait_for
 
 # 8 KV heads of 4 bytes: prefill TP 4 holds 2 heads a rank, decode TP 2 holds 4 (from 2 prefill ranks).
 HEADS8 = ModelSpec(
@@ -262,7 +262,11 @@ def test_a_pool_smaller_than_two_rooms_makes_the_second_wait(rig_factory: Callab
     # One room's lease per decode rank: 2 sources x 6 K/V buffers x 12 slots x 16 tokens x 2 heads x 4
     # bytes (each source's region a multiple of 256 bytes already).
     one_room = 2 * len(HEADS8.kv_keys()) * (PAGES - PREFIX) * HEADS8.page_size * 2 * 4
-    rig = landing_rig(rig_factory, HEADS8, 4, 2, landing=LandingConfig(capacity_bytes=one_room + 1024))
+    # The gauges are refreshed at every heartbeat round: every 0.2 s here (5 s by default).
+    beats = attrs.evolve(TIMEOUTS, heartbeat_interval=0.2)
+    rig = landing_rig(
+        rig_factory, HEADS8, 4, 2, landing=LandingConfig(capacity_bytes=one_room + 1024), timeouts=beats
+    )
     first = Request(rig, 7)
     second = Request(rig, 8)
     wait_for(lambda: all(r.poll() is KVPoll.WaitingForInput for r in first.receivers))

@@ -25,7 +25,7 @@ SLOW_PEER = "loopback:rig:3"
 
 def test_a_slow_peer_never_delays_another_peers_per_layer_rooms(rig_factory: Callable[..., Rig]) -> None:
     s = rig_factory(
-        faults=LoopbackFaults(slow_peers=frozenset({SLOW_PEER}), slow_peer_seconds=2.0),
+        faults=LoopbackFaults(slow_peers=frozenset({SLOW_PEER}), slow_peer_seconds=1.0),
         executor=ExecutorConfig(max_in_flight=1),  # a job waits for its oldest batch before the next
         loopback_workers=16,
     )
@@ -64,7 +64,7 @@ def test_a_slow_peer_never_delays_another_peers_per_layer_rooms(rig_factory: Cal
             transport.per_layer.on_layer_end(layer, model=model)
         for sender in senders.values():
             sender.send(pages, start_token=0, last=True)
-        # The fast peer's room completes while the slow one's writes (2 s a batch, one batch at a
+        # The fast peer's room completes while the slow one's writes (1 s a batch, one batch at a
         # time, a batch per layer) are still in flight: its layers never queue behind the slow lane.
         wait_for(lambda: receivers["fast"].poll() is KVPoll.Success, timeout=20)
         # Not one layer has landed at the slow peer yet (a single shared submission thread would
@@ -106,7 +106,7 @@ def test_a_cancel_during_the_last_layers_submission_drops_the_context_cleanly(
     rig_factory: Callable[..., Rig],
 ) -> None:
     s = rig_factory(
-        faults=LoopbackFaults(slow_peers=frozenset({"loopback:rig:2"}), slow_peer_seconds=1.0),
+        faults=LoopbackFaults(slow_peers=frozenset({"loopback:rig:2"}), slow_peer_seconds=0.5),
         executor=ExecutorConfig(max_in_flight=1),  # submitting a layer waits for the previous batch
         loopback_workers=16,
     )
@@ -124,7 +124,7 @@ def test_a_cancel_during_the_last_layers_submission_drops_the_context_cleanly(
     for model, layer in first:
         transport.per_layer.on_layer_end(layer, model=model)
     wait_for(lambda: transport.per_layer.statistics().layers_submitted == len(first))
-    # The last layer's submission now waits (about 1 s) for the previous layer's batch: send() and
+    # The last layer's submission now waits (about 0.5 s) for the previous layer's batch: send() and
     # the abort both land inside that wait.
     transport.per_layer.on_layer_end(last[1], model=last[0])
     sender.send(pages, start_token=0, last=True)
