@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import attrs
 import numpy as np
 import pytest
 
@@ -216,6 +217,26 @@ def test_a_closing_prefill_answers_the_aborts_of_the_rooms_it_failed(
     assert sum(c.delayed for c in s.decode_channels) == (1 if abort_delay_s else 0)
     s.decode.close()
     assert not s.decode.stuck_writes
+
+
+def test_a_closing_prefill_waits_one_heartbeat_interval_for_an_abort_that_never_comes(
+    rig_factory: Callable[..., Rig],
+) -> None:
+    """A decode rank that does not answer (here every Abort it sends is lost) holds a closing prefill
+    for one heartbeat interval, not for the ack timeout; its room then takes the ack-timeout path."""
+    beats = attrs.evolve(TIMEOUTS, heartbeat_interval=0.5)
+    lost = ChannelFaults(drop=(MessageRule(message="Abort"),))
+    s = rig_factory(decode_channel_faults=lost, timeouts=beats)
+    prefill = s.start_registered()
+    _, receiver = _ready_room(s, prefill, ROOM, 2)
+    started = time.monotonic()
+    s.prefills[0].close()
+    waited = time.monotonic() - started
+    assert beats.heartbeat_interval <= waited < beats.abort_ack, waited
+    assert sum(c.dropped for c in s.decode_channels) >= 1
+    wait_for(lambda: receiver.poll() is KVPoll.Failed)
+    assert not receiver.release_ready()  # no ack came: it waits for the ack timeout, then quarantine
+    s.decode.close(timeout_s=0.1)
 
 
 def test_a_scheduler_blocked_in_wait_progress_is_woken_by_close_and_told(

@@ -405,7 +405,7 @@ class PrefillTransport(EndpointHost[PrefillEndpoint, PrefillEffect]):
 
     def close(self, *, timeout_s: float = 30.0) -> None:
         """Fail the open rooms (their decode ranks are told), stop threads once in-flight writes
-        ended, answer the decode ranks' Aborts of those rooms (up to the abort-ack timeout: their
+        ended, answer the decode ranks' Aborts of those rooms (for up to one heartbeat interval: their
         pages come back proven, not after a quarantine), close sockets, unregister memory. Idempotent.
 
         Memory is unregistered only when no write can still touch it: if a transfer is still running
@@ -432,7 +432,9 @@ class PrefillTransport(EndpointHost[PrefillEndpoint, PrefillEffect]):
         if waiting_runs:
             running.append("a chunk run by a waiting scheduler")
         if not running:
-            self._answer_before_stopping(min(deadline, time.monotonic() + self.config.timeouts.abort_ack))
+            self._answer_before_stopping(
+                min(deadline, time.monotonic() + self.config.timeouts.heartbeat_interval)
+            )
         stuck = None
         if running or not per_layer_stopped:
             busy = ", ".join(running + ([] if per_layer_stopped else ["per-layer submission"]))
@@ -445,9 +447,11 @@ class PrefillTransport(EndpointHost[PrefillEndpoint, PrefillEffect]):
     def _answer_before_stopping(self, until: float) -> None:
         """Close, once the writes ended: the decode ranks told of the rooms failed by it answer with an
         Abort, and its AbortAck is their proof that nothing lands in those pages any more. The control
-        thread keeps answering until none is owed (a registered rank that never answers: until
-        ``until``); stopped before, it left each such room in quarantine on the decode until the ack
-        timeout, and a decode closing meanwhile with its memory registered for good."""
+        thread keeps answering until none is owed, or ``until``: a live rank answers within a round
+        trip, and one silent for a heartbeat interval is gone or stalled (its rooms take the ack
+        timeout, as before). Stopped at once, it left such rooms in quarantine on a live decode until
+        the ack timeout about half the time, and a decode closing meanwhile with its memory registered
+        for good."""
         while self._loop.alive:
             with self._lock:
                 owed = self._endpoint.answers_owed()
