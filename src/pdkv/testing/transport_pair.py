@@ -221,6 +221,10 @@ class TransportPair:
     ``kv_checksum``: both sides compute and verify checksums per (buffer, page) (``PDKV_KV_CHECKSUM``);
     ``decode_checksum`` sets the decode ranks' switch apart (None: the same).
 
+    ``decode_channel_faults``: the decode ranks' control channels drop, duplicate or hold back the
+    messages they send as told (``pdkv.testing.faults.ChannelFaults``); ``decode_channels`` lists them,
+    with their counts.
+
     ``prefill_memory`` / ``decode_memory`` hold each rank's tensors (``RankMemory``: the prefill side is
     filled with a recognisable pattern, ``pdkv.testing.synthetic.verify_room`` checks a room's bytes).
     Closing (or leaving the ``with`` block) closes decode ranks first, then prefill ranks, then engines.
