@@ -187,6 +187,19 @@ class EndpointHost(Generic[E, F]):
             self._log.info("%s: failed %d open room(s)", reason, failed)
         return True
 
+    def _await_endpoint(self, done: Callable[[E], bool], seconds: float) -> bool:
+        """``close()`` of either side, between its two steps: whether ``done(endpoint)`` holds, polled
+        while the control thread runs (its messages are what move the endpoint on), for at most
+        ``seconds``."""
+        until = self._clock() + seconds
+        while self._loop.alive and self._clock() < until:
+            with self._lock:
+                if done(self._endpoint):
+                    return True
+            time.sleep(0.002)
+        with self._lock:
+            return done(self._endpoint)
+
     def _finish_close(self, stuck: str | None) -> None:
         """``close()`` of either side, last step: stop the control thread and unregister the memory,
         unless ``stuck`` says why a write may still land (then the memory stays, ERROR log)."""

@@ -357,14 +357,9 @@ class DecodeTransport(EndpointHost[DecodeEndpoint, DecodeEffect]):
         if not self._begin_close("decode transport closed"):
             return
         wait = self.config.timeouts.abort_ack if timeout_s is None else timeout_s
-        deadline = self._clock() + wait
-        unsafe: list[RoomId] = []
-        while self._loop.alive:
-            with self._lock:
-                unsafe = [r for r in self._endpoint.rooms() if not self._endpoint.release_ready(r)]
-            if not unsafe or self._clock() >= deadline:
-                break
-            time.sleep(0.005)
+        self._await_endpoint(lambda endpoint: all(map(endpoint.release_ready, endpoint.rooms())), wait)
+        with self._lock:
+            unsafe = [r for r in self._endpoint.rooms() if not self._endpoint.release_ready(r)]
         stuck = None
         if unsafe:
             stuck = (

@@ -432,9 +432,14 @@ class PrefillTransport(EndpointHost[PrefillEndpoint, PrefillEffect]):
         if waiting_runs:
             running.append("a chunk run by a waiting scheduler")
         if not running:
-            self._answer_before_stopping(
-                min(deadline, time.monotonic() + self.config.timeouts.heartbeat_interval)
-            )
+            # The decode ranks told of the rooms failed above answer with an Abort, and its AbortAck is
+            # their proof that nothing lands in those pages any more: the control thread keeps
+            # answering until none is owed. A live rank answers within a round trip; one silent for a
+            # heartbeat interval is gone or stalled, and its rooms take the ack timeout, as before.
+            # (Stopped at once, it left such rooms in quarantine on a live decode about half the
+            # time, and a decode closing meanwhile kept its memory registered for good.)
+            answer_s = min(self.config.timeouts.heartbeat_interval, max(0.0, deadline - time.monotonic()))
+            self._await_endpoint(lambda endpoint: endpoint.answers_owed() == 0, answer_s)
         stuck = None
         if running or not per_layer_stopped:
             busy = ", ".join(running + ([] if per_layer_stopped else ["per-layer submission"]))
@@ -443,21 +448,6 @@ class PrefillTransport(EndpointHost[PrefillEndpoint, PrefillEffect]):
                 f"({busy})"
             )
         self._finish_close(stuck)
-
-    def _answer_before_stopping(self, until: float) -> None:
-        """Close, once the writes ended: the decode ranks told of the rooms failed by it answer with an
-        Abort, and its AbortAck is their proof that nothing lands in those pages any more. The control
-        thread keeps answering until none is owed, or ``until``: a live rank answers within a round
-        trip, and one silent for a heartbeat interval is gone or stalled (its rooms take the ack
-        timeout, as before). Stopped at once, it left such rooms in quarantine on a live decode until
-        the ack timeout about half the time, and a decode closing meanwhile with its memory registered
-        for good."""
-        while self._loop.alive:
-            with self._lock:
-                owed = self._endpoint.answers_owed()
-            if not owed or time.monotonic() >= until:
-                return
-            time.sleep(0.002)
 
     # ------------------------------------------------------------------ scheduler surface
 
