@@ -17,6 +17,7 @@ import pytest
 from pdkv.engine.loopback import LoopbackFaults
 from pdkv.mapping import AttentionKind
 from pdkv.metrics import TransportCounter, TransportGauge
+from pdkv.protocol.effects import FailureCause
 from pdkv.protocol.ids import RoomId
 from pdkv.protocol.messages import StateIndices
 from pdkv.protocol.poll import KVPoll
@@ -193,8 +194,17 @@ def test_control_a_pool_registered_after_the_register_went_out_fails_its_rooms(
     assert all(pool.statistics().leases == 1 for pool in pools(rig))  # the lease was granted, lazily
     # The prefill's fence for the decode's Abort writes into the same unannounced zone and fails too,
     # so no AbortAck comes: the decodes close without the ack timeout's wait (10 s), their memory
-    # left registered as for any room whose writes are not proven over.
-    wait_for(lambda: all(p.statistics().endpoint.fences_failed >= 1 for p in rig.prefills))
+    # left registered as for any room whose writes are not proven over. Only a prefill rank whose
+    # own write failed owes a fence: one that learnt of the failure first skipped its write.
+    wait_for(lambda: all(s.poll() is KVPoll.Failed for s in request.senders))
+    failed_writes = {
+        i: str(f)
+        for i, f in enumerate(s.failure() for s in request.senders)
+        if f is not None and f.cause is FailureCause.ENGINE
+    }
+    assert failed_writes and all("announced" in reason for reason in failed_writes.values()), failed_writes
+    wrote = [rig.prefills[i] for i in failed_writes]
+    wait_for(lambda: all(p.statistics().endpoint.fences_failed >= 1 for p in wrote))
     for decode in rig.decodes:
         decode.close(timeout_s=0.1)
 
